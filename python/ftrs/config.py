@@ -1,0 +1,73 @@
+"""Configuration: frozen dataclasses, and the one place environment variables are read."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from ftrs.errors import ConfigError
+
+
+def ftrs_home() -> Path:
+    """`$FTRS_HOME`, default `~/.cache/ftrs`: the demo checkpoint, profiles and crash reports."""
+    return Path(os.environ.get("FTRS_HOME") or Path.home() / ".cache" / "ftrs").expanduser()
+
+
+def env_flag(name: str) -> str | None:
+    """Read one `FTRS_*` variable. All other modules go through here."""
+    return os.environ.get(name)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to load a model and run it.
+
+    Each field is also a CLI option (`moe_cache_size` <-> `--moe-cache-size`) and a keyword of
+    `ftrs.LLM`.
+    """
+
+    model: str = "demo"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    moe_strategy: str = "resident"  # resident | offload
+    moe_cache_size: int | None = None  # device expert slots (offload)
+    moe_cache_rate: float | None = None  # fraction of all experts (offload)
+    moe_cache_policy: str = "lru"  # lru | lfru
+    moe_prefetch: bool = True
+    copy_backend: str = "auto"  # auto | host | simulated:GBPS[:LAT_US] | cuda
+    pcie_pacing: float | None = None  # GB/s; None = off
+    max_prefill_length: int = 8192  # token budget of one step
+    max_running_requests: int = 64
+    page_size: int = 16
+    kv_tokens: int | None = None  # KV pool capacity in tokens; None = from memory budget
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.moe_strategy not in ("resident", "offload", "auto"):
+            raise ConfigError(f"moe_strategy: unknown strategy {self.moe_strategy!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype: unknown dtype {self.dtype!r}")
+        if self.moe_cache_size is not None and self.moe_cache_size < 1:
+            raise ConfigError(f"moe_cache_size: must be >= 1, got {self.moe_cache_size}")
+        if self.moe_cache_rate is not None and not 0.0 < self.moe_cache_rate <= 1.0:
+            raise ConfigError(f"moe_cache_rate: must be in (0, 1], got {self.moe_cache_rate}")
+        if self.max_prefill_length < 1:
+            raise ConfigError("max_prefill_length: must be >= 1")
+        if self.max_running_requests < 1:
+            raise ConfigError("max_running_requests: must be >= 1")
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ConfigError(f"page_size: must be a power of two, got {self.page_size}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown option(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+
+__all__ = ["EngineConfig", "env_flag", "ftrs_home"]

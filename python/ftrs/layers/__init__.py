@@ -1,0 +1,1 @@
+"""Building blocks of the generic decoder: norm, rotary, attention, MoE routing."""

@@ -1,0 +1,51 @@
+"""MoE routing and the expert computation every strategy shares.
+
+Routing follows the reference: router logits, softmax in fp32 over all experts, top-k, then
+(when the architecture says so) renormalisation of the k weights to sum to one.
+
+`combine_experts` runs the selected experts in ascending expert id and accumulates with
+`index_add_`. Every strategy calls it in that order, whatever memory the weights come from,
+which is why offload equals resident bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate (I,H), up (I,H), down (H,I)
+
+
+def route(
+    x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x`: (tokens, hidden). Returns top-k ids (tokens, k) int64 and weights (tokens, k) x.dtype."""
+    logits = F.linear(x, router)
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(x.dtype)
+
+
+def expert_mlp(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    gate, up, down = w
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+def combine_experts(
+    x: torch.Tensor,  # (tokens, hidden)
+    ids: torch.Tensor,  # (tokens, k)
+    weights: torch.Tensor,  # (tokens, k)
+    experts: Iterable[int],  # ascending expert ids to compute now
+    weights_of: Callable[[int], ExpertWeights],
+    out: torch.Tensor,  # (tokens, hidden), accumulated in place
+) -> None:
+    for e in experts:
+        tok, pos = torch.where(ids == e)
+        if tok.numel() == 0:
+            continue
+        y = expert_mlp(x[tok], weights_of(e)) * weights[tok, pos, None]
+        out.index_add_(0, tok, y)

@@ -1,0 +1,52 @@
+"""Rotary position embedding (the "rotate half" layout of HF llama), with llama3 scaling.
+
+The cos/sin table is built once in fp32 for every position up to the model's limit and indexed
+by absolute position, so chunked prefill and decode rotate exactly as one full pass would.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv
+    # llama3: long wavelengths are divided by `factor`, short ones kept, the band between blended.
+    factor = float(scaling["factor"])
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling["original_max_position_embeddings"])
+    low_wl, high_wl = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    mid = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+    return torch.where(mid, blended, scaled)
+
+
+class Rotary:
+    """Precomputed cos/sin of shape (max_positions, head_dim) in fp32."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int,
+                 scaling: dict[str, Any] | None, device: torch.device) -> None:
+        inv = inv_frequencies(head_dim, theta, scaling)
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = pos[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+        self.max_positions = max_positions
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`x`: (tokens, heads, head_dim); `positions`: (tokens,) int64."""
+        cos = self.cos[positions].to(x.dtype)[:, None, :]
+        sin = self.sin[positions].to(x.dtype)[:, None, :]
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin

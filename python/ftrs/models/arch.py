@@ -1,0 +1,156 @@
+"""ArchSpec: everything the generic decoder needs to know about an architecture.
+
+One decoder serves llama, qwen3, mixtral and qwen3_moe. The differences are data, read here
+from the Hugging Face `config.json`, accepting both spellings seen in real files
+(`num_experts` / `num_local_experts`, top-level `rope_theta` / `rope_parameters`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ftrs.errors import ModelLoadError
+
+SUPPORTED = ("llama", "qwen3", "mixtral", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Shapes and per-architecture switches of one checkpoint."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP width
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False  # qwen3: RMSNorm on each head of q and k before RoPE
+    attention_bias: bool = False
+    num_experts: int = 0  # 0: dense model
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to one
+    moe_layers: tuple[int, ...] = ()  # indices of layers whose MLP is routed
+    rope_scaling: dict[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    @property
+    def expert_shapes(self) -> list[tuple[int, int]]:
+        """Shapes of the three tensors of one routed expert: gate (I,H), up (I,H), down (H,I)."""
+        i, h = self.moe_intermediate_size, self.hidden_size
+        return [(i, h), (i, h), (h, i)]
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = cfg.get("rope_parameters")
+    scaling = cfg.get("rope_scaling")
+    theta = cfg.get("rope_theta")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", theta)
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in (None, "default"):
+            scaling = params
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        scaling = None
+    return float(theta if theta is not None else 10000.0), scaling
+
+
+def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSpec:
+    """Build the spec from a parsed HF config; raise ModelLoadError naming what is wrong."""
+    arch = cfg.get("model_type")
+    if arch not in SUPPORTED:
+        raise ModelLoadError(
+            source, f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED)})"
+        )
+
+    def need(key: str) -> Any:
+        if key not in cfg:
+            raise ModelLoadError(source, f"missing field {key!r} for {arch}")
+        return cfg[key]
+
+    hidden = int(need("hidden_size"))
+    heads = int(need("num_attention_heads"))
+    layers = int(need("num_hidden_layers"))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    if heads % kv_heads:
+        raise ModelLoadError(source, f"num_attention_heads {heads} not a multiple of kv heads {kv_heads}")
+    theta, scaling = _rope(cfg)
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "llama3":
+        raise ModelLoadError(source, f"unsupported rope scaling {scaling!r}")
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+
+    num_experts = 0
+    top_k = 0
+    moe_inter = 0
+    moe_layers: tuple[int, ...] = ()
+    norm_topk = True
+    if arch in ("mixtral", "qwen3_moe"):
+        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        top_k = int(cfg.get("num_experts_per_tok") or 0)
+        if num_experts < 1 or not 1 <= top_k <= num_experts:
+            raise ModelLoadError(source, f"bad MoE shape: {num_experts} experts, top-{top_k}")
+        if arch == "mixtral":
+            moe_inter = int(need("intermediate_size"))
+            moe_layers = tuple(range(layers))
+        else:
+            moe_inter = int(cfg.get("moe_intermediate_size") or need("intermediate_size"))
+            norm_topk = bool(cfg.get("norm_topk_prob", False))
+            step = int(cfg.get("decoder_sparse_step", 1) or 1)
+            only = set(cfg.get("mlp_only_layers") or [])
+            moe_layers = tuple(i for i in range(layers) if i not in only and (i + 1) % step == 0)
+
+    return ArchSpec(
+        arch=arch,
+        vocab_size=int(need("vocab_size")),
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=int(cfg.get("intermediate_size") or 0),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        num_experts=num_experts,
+        top_k=top_k,
+        moe_intermediate_size=moe_inter,
+        norm_topk_prob=norm_topk,
+        moe_layers=moe_layers,
+        rope_scaling=scaling,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def load_arch(model_dir: Path) -> ArchSpec:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(str(path), "config.json not found")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(str(path), f"cannot parse: {e}") from e
+    return arch_from_config(cfg, str(path))

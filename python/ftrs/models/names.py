@@ -1,0 +1,64 @@
+"""Map checkpoint tensor names onto the decoder's own names.
+
+Dense tensors get a short key (`"3.q"`, `"embed"`); routed-expert tensors get an
+`ExpertKey(layer, expert, tensor)` with tensor 0 = gate, 1 = up, 2 = down, which is the order of
+the host expert pool's layout.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+GATE, UP, DOWN = 0, 1, 2
+
+
+class ExpertKey(NamedTuple):
+    layer: int
+    expert: int
+    tensor: int
+
+
+_TOP = {
+    "model.embed_tokens.weight": "embed",
+    "model.norm.weight": "norm",
+    "lm_head.weight": "lm_head",
+}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(
+    r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
+)
+_EXPERT_TENSOR = {"gate_proj": GATE, "w1": GATE, "up_proj": UP, "w3": UP, "down_proj": DOWN, "w2": DOWN}
+_LAYER_DENSE = {
+    "input_layernorm.weight": "input_norm",
+    "post_attention_layernorm.weight": "post_norm",
+    "self_attn.q_proj.weight": "q",
+    "self_attn.k_proj.weight": "k",
+    "self_attn.v_proj.weight": "v",
+    "self_attn.o_proj.weight": "o",
+    "self_attn.q_proj.bias": "q_bias",
+    "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate_proj.weight": "gate",
+    "mlp.up_proj.weight": "up",
+    "mlp.down_proj.weight": "down",
+    "mlp.gate.weight": "router",
+    "block_sparse_moe.gate.weight": "router",
+}
+
+
+def map_hf_name(name: str) -> str | ExpertKey | None:
+    """The decoder's key for an HF tensor name, or None for tensors the decoder does not use."""
+    if name in _TOP:
+        return _TOP[name]
+    m = _LAYER.match(name)
+    if not m:
+        return None
+    layer, rest = int(m.group(1)), m.group(2)
+    e = _EXPERT.match(rest)
+    if e:
+        return ExpertKey(layer, int(e.group(1)), _EXPERT_TENSOR[e.group(2)])
+    short = _LAYER_DENSE.get(rest)
+    return f"{layer}.{short}" if short else None

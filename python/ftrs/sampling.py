@@ -1,0 +1,78 @@
+"""Sampling parameters of one request, validated once at the edge.
+
+The OpenAI fields map one to one; `validate()` raises `InvalidRequest` with the field name,
+never an assert, so the server can answer 400 and keep serving.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ftrs.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request. `temperature == 0` means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # number of top logprobs to return with each token; None = off
+    extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int | None = None) -> SamplingParams:
+        """Raise `InvalidRequest` naming the first bad field; return self when all are good."""
+
+        def bad(name: str, why: str) -> InvalidRequest:
+            return InvalidRequest(f"{name}: {why}", evidence={"param": name})
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(name, f"must be a finite number, got {v!r}")
+        if self.temperature < 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", "stop strings must be non-empty strings")
+        if len(self.stop) > 16:
+            raise bad("stop", f"at most 16 stop strings, got {len(self.stop)}")
+        if vocab_size is not None and any(
+            not isinstance(t, int) or not 0 <= t < vocab_size for t in self.stop_token_ids
+        ):
+            raise bad("stop_token_ids", f"every id must be in [0, {vocab_size})")
+        return self
+
+
+__all__ = ["SamplingParams"]
