@@ -1,0 +1,137 @@
+"""`ftrs serve`: arguments and the run loop.
+
+`add_serve_arguments(parser)` adds the server's own options plus one option per `EngineConfig`
+field (`moe_cache_size` -> `--moe-cache-size`), typed from the field's annotation; options left
+out keep the dataclass default. `run_serve(args)` starts uvicorn in this process (the API
+process), which spawns the engine process; it logs loading progress and one line with the URL
+when the engine is ready, and returns the process exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import MISSING, fields
+from typing import TYPE_CHECKING, Any
+
+from ftrs.config import EngineConfig
+from ftrs.errors import FtrsError
+
+if TYPE_CHECKING:
+    from ftrs.server.engine_client import EngineClient
+
+logger = logging.getLogger(__name__)
+
+_SERVER_OPTIONS = ("model", "host", "port", "api_key", "served_model_name", "engine_backend")
+_TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _field_type(annotation: object) -> tuple[type, bool]:
+    """(base type, optional) from an annotation string such as "int | None"."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
+    parts = [p.strip() for p in text.split("|")]
+    optional = "None" in parts
+    names = [p for p in parts if p != "None"]
+    return _TYPES.get(names[0], str) if names else str, optional
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of `ftrs serve`: server options, then one per EngineConfig field."""
+    parser.add_argument("--model", default="demo", help="model directory, GGUF file, or 'demo'")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` (all endpoints but /health and /metrics)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients use (default: the --model value)")
+    parser.add_argument("--engine-backend", default=None, help=argparse.SUPPRESS)
+    group = parser.add_argument_group("engine options")
+    for f in fields(EngineConfig):
+        if f.name in _SERVER_OPTIONS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        typ, _ = _field_type(f.type)
+        default = f.default if f.default is not MISSING else None
+        if typ is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                               help=f"(default: {default})")
+        else:
+            group.add_argument(flag, dest=f.name, type=typ, default=None, metavar=f.name.upper(),
+                               help=f"(default: {default})")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from parsed args: only options given on the command line override defaults."""
+    kwargs: dict[str, Any] = {"model": args.model}
+    for f in fields(EngineConfig):
+        value = getattr(args, f.name, None)
+        if f.name != "model" and value is not None:
+            kwargs[f.name] = value
+    return EngineConfig.from_kwargs(**kwargs)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Serve until interrupted. Returns the exit code (the engine's failure code if it died)."""
+    import uvicorn
+
+    from ftrs.server.app import ServeSettings, create_app
+    from ftrs.server.engine_client import DEFAULT_BACKEND
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        engine = engine_config_from_args(args)
+    except FtrsError as err:
+        logger.error("ftrs serve: %s", err.message)
+        return err.exit_code
+    settings = ServeSettings(engine=engine, host=args.host, port=args.port, api_key=args.api_key,
+                             served_model_name=args.served_model_name,
+                             backend=args.engine_backend or DEFAULT_BACKEND)
+    app = create_app(settings)
+    client: EngineClient = app.state.engine
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+
+    async def main() -> None:
+        progress = asyncio.ensure_future(_report_loading(client, settings.engine.model))
+        try:
+            await server.serve()
+        finally:
+            progress.cancel()
+
+    logger.info("ftrs serve: loading %s (http://%s:%d/health says 503 until ready)",
+                engine.model, settings.host, settings.port)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())
+    if client.failure is not None:
+        return client.failure.exit_code
+    return 0 if server.started else 1
+
+
+async def _report_loading(client: EngineClient, model: str) -> None:
+    """Log elapsed time (and engine progress) every few seconds until the engine is up or fails."""
+    start = time.monotonic()
+    while client.state in ("starting", "loading"):
+        await asyncio.sleep(5.0)
+        if client.state not in ("starting", "loading"):
+            break
+        msg = client.progress.message if client.progress else f"loading {model}"
+        frac = client.progress.fraction if client.progress else None
+        pct = f" {frac * 100:.0f}%" if frac is not None else ""
+        logger.info("  %s%s ... %.0f s", msg, pct, time.monotonic() - start)
+    if client.state == "failed" and client.failure is not None:
+        logger.error("ftrs serve: the engine failed: %s (%s)", client.failure.message, client.failure.code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ftrs.server`: the same as `ftrs serve`, usable before the CLI wires it."""
+    parser = argparse.ArgumentParser(prog="ftrs serve", description="Serve a model over an OpenAI-compatible HTTP API.")
+    add_serve_arguments(parser)
+    return run_serve(parser.parse_args(argv))
+
+
+__all__ = ["add_serve_arguments", "engine_config_from_args", "main", "run_serve"]

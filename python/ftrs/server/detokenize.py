@@ -1,0 +1,108 @@
+"""Incremental detokenization and stop-string matching, in the API process.
+
+Detokenizer: a token can end in the middle of a multi-byte UTF-8 character (byte-level BPE), and
+SentencePiece decoders render a leading space from the previous token. So each push decodes a
+short window `ids[prefix_offset:]` and emits only the part past `ids[prefix_offset:read_offset]`,
+and only once it no longer ends in U+FFFD (an incomplete character). The concatenation of what
+`push` and `flush` return equals `decode(all ids)` for tokenizers whose decode is local.
+
+Stop strings: matched on the detokenized text; the text is cut *before* the stop string, and the
+tail that could still become a stop string is held back, so a client never sees part of one.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that are stable once emitted."""
+
+    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self.ids: list[int] = []
+        self._prefix_offset = 0  # start of the context window decoded with each push
+        self._read_offset = 0  # ids before this index are already emitted as text
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=self._skip)
+
+    def push(self, new_ids: list[int]) -> str:
+        """Add tokens; return the newly stable text (possibly "")."""
+        self.ids.extend(new_ids)
+        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.ids[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
+            return ""
+        delta = full[len(prefix) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """The request finished: emit whatever is left, incomplete characters included."""
+        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self.ids[self._prefix_offset :])
+        delta = full[len(prefix) :] if len(full) > len(prefix) else ""
+        self._prefix_offset = self._read_offset = len(self.ids)
+        self.text += delta
+        return delta
+
+
+class StopChecker:
+    """Cuts the output at the first stop string; holds back a possible partial match."""
+
+    def __init__(self, stop: tuple[str, ...] | list[str]) -> None:
+        self._stop = tuple(s for s in stop if s)
+        self._buf = ""  # text received but not yet released
+        self.stopped = False
+        self.matched: str | None = None
+
+    def feed(self, delta: str) -> str:
+        """Add text; return what may be released now. After a match, returns the text before it."""
+        if self.stopped:
+            return ""
+        if not self._stop:
+            return delta
+        self._buf += delta
+        hit = -1
+        for s in self._stop:
+            i = self._buf.find(s)
+            if i != -1 and (hit == -1 or i < hit):
+                hit, self.matched = i, s
+        if hit != -1:
+            self.stopped = True
+            out, self._buf = self._buf[:hit], ""
+            return out
+        keep = self._held_back()
+        out = self._buf[: len(self._buf) - keep]
+        self._buf = self._buf[len(self._buf) - keep :]
+        return out
+
+    def flush(self) -> str:
+        """No more text will come: release what was held back."""
+        out, self._buf = ("" if self.stopped else self._buf), ""
+        return out
+
+    def _held_back(self) -> int:
+        """Length of the longest suffix of the buffer that is a proper prefix of a stop string."""
+        best = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(self._buf)), best, -1):
+                if self._buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+
+__all__ = ["IncrementalDetokenizer", "StopChecker"]

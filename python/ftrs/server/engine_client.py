@@ -1,0 +1,284 @@
+"""The API process's side of the engine: spawn it, route its events, outlive it.
+
+`EngineClient` spawns the engine process (multiprocessing "spawn") and owns one reader thread
+that receives everything the engine sends. Token events are routed, on the event loop, to one
+`asyncio.Queue` per request. When the engine dies (a fatal error it reported, or an exit
+without one), every in-flight request receives the same typed error, `/health` reports it,
+and new requests are refused with it.
+
+What the error *is* comes from a classifier, `(exit_code, last_error) -> FtrsError`. The default
+trusts the error the engine reported, else maps the exit code through the table of DESIGN.md
+"Errors" (86 DeviceLost, 87 KernelFault, 88 EngineHang). The device supervisor plugs a better
+one in (one that reads PCI config space or NVML) through `EngineClient(classifier=...)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ftrs.config import EngineConfig
+from ftrs.engine.protocol import AbortRequest, GenerateRequest, StepStats, TokenEvent
+from ftrs.errors import DeviceLost, EngineHang, FtrsError, KernelFault, ModelLoadError
+from ftrs.server.engine_process import (
+    EngineFailed,
+    EngineProgress,
+    EngineReady,
+    Shutdown,
+    StepOutput,
+    engine_main,
+    load_backend,
+)
+from ftrs.server.errors import EngineUnavailable, error_from_dict
+
+logger = logging.getLogger(__name__)
+
+Classifier = Callable[[int | None, dict[str, Any] | None], FtrsError]
+StreamItem = TokenEvent | FtrsError
+
+DEFAULT_BACKEND = "ftrs.server.backend"
+
+
+def classify_engine_exit(exit_code: int | None, last_error: dict[str, Any] | None) -> FtrsError:
+    """Default classifier: the engine's own report if it sent one, else the exit-code table."""
+    if last_error is not None:
+        return error_from_dict(last_error)
+    evidence = {"exit_code": exit_code}
+    for cls in (DeviceLost, KernelFault, EngineHang):
+        if exit_code == cls.exit_code:
+            return cls(f"engine process exited with code {exit_code} ({cls.__name__})", evidence=evidence)
+    return EngineUnavailable(f"engine process exited with code {exit_code}", evidence=evidence)
+
+
+class EngineClient:
+    """Spawns and supervises the engine process; must be started from a running event loop.
+
+    States: "starting" -> "loading" -> "ready"; any -> "failed" (engine gone, `failure` says why);
+    "stopped" after `shutdown()`. Only "ready" accepts requests.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        backend: str = DEFAULT_BACKEND,
+        classifier: Classifier = classify_engine_exit,
+        on_stats: Callable[[StepStats], None] | None = None,
+        on_failure: Callable[[FtrsError], None] | None = None,
+        on_ready: Callable[[EngineReady], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.classifier = classifier
+        self.on_stats = on_stats
+        self.on_failure = on_failure
+        self.on_ready = on_ready
+        self.state = "starting"
+        self.info: EngineReady | None = None
+        self.tokenizer: Any = None
+        self.failure: FtrsError | None = None
+        self.progress: EngineProgress | None = None
+        self.started_at = time.monotonic()
+        self._streams: dict[str, asyncio.Queue[StreamItem]] = {}
+        self._tasks: set[asyncio.Future[None]] = set()
+        self._send_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = asyncio.Event()
+        self._proc: Any = None
+        self._inbox: Any = None  # engine -> API
+        self._outbox: Any = None  # API -> engine
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        ctx = mp.get_context("spawn")
+        to_engine_r, to_engine_w = ctx.Pipe(duplex=False)
+        from_engine_r, from_engine_w = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=engine_main,
+            args=(self.config, self.backend, to_engine_r, from_engine_w, logging.getLogger().level),
+            name="ftrs-engine",
+        )
+        self._proc.start()
+        to_engine_r.close()
+        from_engine_w.close()  # so the reader sees EOF when the engine dies
+        self._inbox, self._outbox = from_engine_r, to_engine_w
+        self.state = "loading"
+        threading.Thread(target=self._read_loop, name="ftrs-engine-reader", daemon=True).start()
+
+    async def wait_ready(self, timeout: float | None = None) -> bool:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        return self.state == "ready"
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask the engine to exit; terminate it if it does not within `timeout` seconds."""
+        prev, self.state = self.state, "stopped"
+        if self._proc is None:
+            return
+        if prev != "failed":
+            self._send(Shutdown())
+        self._proc.join(timeout)
+        if self._proc.is_alive():
+            logger.warning("engine process did not exit in %.0f s; terminating it", timeout)
+            self._proc.terminate()
+            self._proc.join(5)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        self._fail_all(EngineUnavailable("server is shutting down"))
+        for conn in (self._inbox, self._outbox):
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else int(self._proc.pid)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ------------------------------------------------------------------------------ requests
+
+    def submit(self, req: GenerateRequest) -> asyncio.Queue[StreamItem]:
+        """Send a request; its `TokenEvent`s (or one `FtrsError`) arrive on the returned queue."""
+        if self.state != "ready":
+            raise self.unavailable()
+        queue: asyncio.Queue[StreamItem] = asyncio.Queue()
+        self._streams[req.request_id] = queue
+        self._send(req)
+        return queue
+
+    def abort(self, request_id: str) -> None:
+        """Forget the request and tell the engine to free its KV pages."""
+        if self._streams.pop(request_id, None) is not None and self.state == "ready":
+            self._send(AbortRequest(request_id))
+
+    def release(self, request_id: str) -> None:
+        """The request finished normally; drop its queue."""
+        self._streams.pop(request_id, None)
+
+    def unavailable(self) -> FtrsError:
+        if self.failure is not None:
+            return self.failure
+        if self.state == "stopped":
+            return EngineUnavailable("server is shutting down")
+        return EngineUnavailable(f"the engine is still loading {self.config.model}")
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body) for `/health`."""
+        body: dict[str, Any] = {"status": self.state}
+        if self.state == "ready" and self.info is not None:
+            body.update(status="ok", model=self.info.model_name, engine_pid=self.info.pid,
+                        max_model_len=self.info.max_model_len, in_flight=len(self._streams))
+            return 200, body
+        if self.failure is not None:
+            body.update(reason=self.failure.message, code=self.failure.code,
+                        error=self.failure.to_dict())
+        elif self.state in ("starting", "loading"):
+            body.update(reason=f"loading {self.config.model}",
+                        elapsed_s=round(time.monotonic() - self.started_at, 1))
+            if self.progress is not None:
+                body["progress"] = {"message": self.progress.message,
+                                    "fraction": self.progress.fraction}
+        else:
+            body["reason"] = "server is shutting down"
+        return 503, body
+
+    # ------------------------------------------------------------------------------ internals
+
+    def _send(self, msg: object) -> None:
+        try:
+            with self._send_lock:
+                self._outbox.send(msg)
+        except (OSError, ValueError) as exc:  # engine gone: the reader reports it
+            logger.debug("send to engine failed: %s", exc)
+
+    def _call(self, fn: Callable[..., None], *args: object) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # loop closed during shutdown
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _read_loop(self) -> None:
+        """Reader thread: everything the engine sends goes to the loop, in order."""
+        last_error: dict[str, Any] | None = None
+        while True:
+            try:
+                msg = self._inbox.recv()
+            except (EOFError, OSError):
+                break
+            if isinstance(msg, EngineFailed):
+                last_error = msg.error
+            self._call(self._on_message, msg)
+        self._proc.join(10)
+        self._call(self._on_exit, self._proc.exitcode, last_error)
+
+    def _on_message(self, msg: object) -> None:
+        if isinstance(msg, StepOutput):
+            for ev in msg.events:
+                queue = self._streams.get(ev.request_id)
+                if queue is not None:
+                    queue.put_nowait(ev)
+                    if ev.finish_reason is not None:
+                        self._streams.pop(ev.request_id, None)
+            if msg.stats is not None and self.on_stats is not None:
+                self.on_stats(msg.stats)
+        elif isinstance(msg, EngineProgress):
+            self.progress = msg
+            logger.info("engine: %s", msg.message)
+        elif isinstance(msg, EngineReady):
+            self._tasks.add(task := asyncio.ensure_future(self._become_ready(msg)))
+            task.add_done_callback(self._tasks.discard)
+        elif isinstance(msg, EngineFailed):
+            self._fail(self.classifier(msg.exit_code, msg.error))
+
+    async def _become_ready(self, msg: EngineReady) -> None:
+        try:
+            backend = load_backend(self.backend)
+            self.tokenizer = await asyncio.to_thread(backend.load_tokenizer, msg.model_path)
+        except Exception as exc:
+            err = exc if isinstance(exc, FtrsError) else ModelLoadError(msg.model_path, f"tokenizer: {exc}")
+            self._fail(err)
+            self._send(Shutdown())
+            return
+        self.info = msg
+        if self.state == "loading":
+            self.state = "ready"
+            logger.debug("engine ready: %s (pid %d)", msg.model_name, msg.pid)
+            if self.on_ready is not None:
+                self.on_ready(msg)
+        self._ready.set()
+
+    def _on_exit(self, exit_code: int | None, last_error: dict[str, Any] | None) -> None:
+        if self.state == "stopped":
+            return
+        if self.failure is None:
+            self._fail(self.classifier(exit_code, last_error))
+        logger.error("engine process exited with code %s: %s", exit_code,
+                     self.failure.message if self.failure else "")
+
+    def _fail(self, err: FtrsError) -> None:
+        if self.failure is not None:
+            return
+        self.failure = err
+        if self.state != "stopped":
+            self.state = "failed"
+        self._fail_all(err)
+        self._ready.set()
+        if self.on_failure is not None:
+            self.on_failure(err)
+
+    def _fail_all(self, err: FtrsError) -> None:
+        streams, self._streams = self._streams, {}
+        for queue in streams.values():
+            queue.put_nowait(err)
+
+
+__all__ = ["DEFAULT_BACKEND", "Classifier", "EngineClient", "classify_engine_exit"]

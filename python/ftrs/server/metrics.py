@@ -1,0 +1,172 @@
+"""Prometheus metrics of the server (DESIGN.md "Metrics"), in a registry of its own.
+
+The engine never imports prometheus: it sends one `StepStats` per step and `observe_step` reads
+it here. Per-request figures (TTFT, inter-token latency, latency, token counts, outcome) are
+observed by the request handlers, which see the tokens arrive.
+
+`StepStats.experts` carries the expert/PCIe counters of the Rust core. Counters there are
+*cumulative since the engine started*; the registry adds the difference from the last value
+(a smaller value means the engine restarted: the new value is added whole). Keys read:
+  counters: h2d_bytes, d2h_bytes, hits, misses, prefetch_used, prefetch_wasted
+  gauges:   slots, queue_depth, inflight_bytes, prefill_cap_tokens
+  per step: prefill_fetch_bytes (histogram, observed when the step had prefill tokens)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from importlib import metadata
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ftrs.engine.protocol import StepStats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+_TOKEN_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+_BYTE_BUCKETS = tuple(float(2**p) for p in range(20, 36, 2))
+
+# StepStats.experts counter key -> (counter attribute, label value)
+_EXPERT_COUNTERS = {
+    "h2d_bytes": ("pcie_bytes", "h2d"),
+    "d2h_bytes": ("pcie_bytes", "d2h"),
+    "hits": ("expert_lookups", "hit"),
+    "misses": ("expert_lookups", "miss"),
+    "prefetch_used": ("expert_prefetch", "used"),
+    "prefetch_wasted": ("expert_prefetch", "wasted"),
+}
+DEVICE_STATES = ("ok", "degraded", "lost", "unknown")
+REQUEST_STATUSES = ("success", "aborted", "rejected", "failed")
+
+
+def ftrs_version() -> str:
+    try:
+        return metadata.version("ftrs")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+class ServerMetrics:
+    """All `ftrs_*` metrics; `render()` is the `/metrics` body."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        p = "ftrs_"
+        # requests
+        self.requests = Counter(p + "requests", "Finished requests by outcome.", ["status"], registry=r)
+        for s in REQUEST_STATUSES:
+            self.requests.labels(s)
+        self.running = Gauge(p + "requests_running", "Requests being decoded or prefilled.", registry=r)
+        self.waiting = Gauge(p + "requests_waiting", "Requests admitted to the queue, not yet running.", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens.", registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between two tokens of a stream.", buckets=_ITL_BUCKETS, registry=r)
+        self.latency = Histogram(p + "request_latency_seconds", "Arrival to last token.", buckets=_LATENCY_BUCKETS, registry=r)
+        # memory
+        self.kv_usage = Gauge(p + "kv_cache_usage_ratio", "Fraction of KV pages in use (0 to 1).", registry=r)
+        self.expert_slots = Gauge(p + "expert_cache_slots", "Device expert-cache slots.", registry=r)
+        # experts and PCIe
+        self.pcie_bytes = Counter(p + "pcie_bytes", "Bytes copied over PCIe.", ["direction"], registry=r)
+        self.expert_lookups = Counter(p + "expert_lookups", "Expert-cache lookups.", ["result"], registry=r)
+        self.expert_prefetch = Counter(p + "expert_prefetch", "Speculative expert prefetches.", ["outcome"], registry=r)
+        for attr, label in _EXPERT_COUNTERS.values():
+            getattr(self, attr).labels(label)
+        self.queue_depth = Gauge(p + "transfer_queue_depth", "Expert transfers queued.", registry=r)
+        self.inflight_bytes = Gauge(p + "transfer_inflight_bytes", "Bytes of expert transfers in flight.", registry=r)
+        self.prefill_chunk_tokens = Histogram(p + "prefill_chunk_tokens", "Prefill tokens per step.", buckets=_TOKEN_BUCKETS, registry=r)
+        self.prefill_fetch_bytes = Histogram(p + "prefill_chunk_fetch_bytes", "Expert bytes fetched per prefill step.", buckets=_BYTE_BUCKETS, registry=r)
+        # device
+        self.device_up = Gauge(p + "device_up", "1 while the engine and its device serve.", registry=r)
+        self.device_state = Gauge(p + "device_state", "1 for the current device state.", ["state"], registry=r)
+        self.device_lost = Counter(p + "device_lost", "Times the device was declared lost.", registry=r)
+        self.gpu_power = Gauge(p + "gpu_power_watts", "GPU power draw.", registry=r)
+        self.gpu_temperature = Gauge(p + "gpu_temperature_celsius", "GPU temperature.", registry=r)
+        self.link_gen = Gauge(p + "pcie_link_gen", "PCIe link generation.", ["kind"], registry=r)
+        self.link_width = Gauge(p + "pcie_link_width", "PCIe link width.", ["kind"], registry=r)
+        self.pcie_replays = Gauge(p + "pcie_replay_total", "PCIe replay counter of the device.", registry=r)
+        self.prefill_cap = Gauge(p + "prefill_cap_tokens", "Token budget of one step (prefill cap).", registry=r)
+        self.build_info = Gauge(p + "build_info", "Build of the server.", ["version"], registry=r)
+        self.build_info.labels(ftrs_version()).set(1)
+        self.set_device_state("unknown", up=False)
+        self._last_counters: dict[str, float] = {}
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ------------------------------------------------------------------------- engine side
+
+    def observe_step(self, stats: StepStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        if stats.kv_usage_ratio >= 0:
+            self.kv_usage.set(stats.kv_usage_ratio)
+        if stats.prefix_hit_tokens > 0:
+            self.prefix_hits.inc(stats.prefix_hit_tokens)
+        if stats.prefill_tokens > 0:
+            self.prefill_chunk_tokens.observe(stats.prefill_tokens)
+        self.observe_experts(stats.experts, had_prefill=stats.prefill_tokens > 0)
+
+    def observe_experts(self, experts: Mapping[str, object], had_prefill: bool = False) -> None:
+        for key, (attr, label) in _EXPERT_COUNTERS.items():
+            value = _number(experts.get(key))
+            if value is None:
+                continue
+            last = self._last_counters.get(key, 0.0)
+            delta = value - last if value >= last else value
+            if delta > 0:
+                getattr(self, attr).labels(label).inc(delta)
+            self._last_counters[key] = value
+        for key, gauge in (("slots", self.expert_slots), ("queue_depth", self.queue_depth),
+                           ("inflight_bytes", self.inflight_bytes),
+                           ("prefill_cap_tokens", self.prefill_cap)):
+            value = _number(experts.get(key))
+            if value is not None:
+                gauge.set(value)
+        fetch = _number(experts.get("prefill_fetch_bytes"))
+        if had_prefill and fetch is not None:
+            self.prefill_fetch_bytes.observe(fetch)
+
+    def set_device_state(self, state: str, up: bool) -> None:
+        for s in DEVICE_STATES:
+            self.device_state.labels(s).set(1 if s == state else 0)
+        self.device_up.set(1 if up else 0)
+
+    def observe_device(self, sample: Mapping[str, object]) -> None:
+        """A device-probe sample (health monitor): power_watts, temperature_celsius,
+        link_gen_current/max, link_width_current/max, replay_total; missing keys are skipped."""
+        for key, setter in (
+            ("power_watts", self.gpu_power.set),
+            ("temperature_celsius", self.gpu_temperature.set),
+            ("link_gen_current", self.link_gen.labels("current").set),
+            ("link_gen_max", self.link_gen.labels("max").set),
+            ("link_width_current", self.link_width.labels("current").set),
+            ("link_width_max", self.link_width.labels("max").set),
+            ("replay_total", self.pcie_replays.set),
+        ):
+            value = _number(sample.get(key))
+            if value is not None:
+                setter(value)
+
+    # ------------------------------------------------------------------------ request side
+
+    def request_done(self, status: str, prompt_tokens: int, generation_tokens: int,
+                     latency_s: float | None) -> None:
+        self.requests.labels(status).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
+        if latency_s is not None:
+            self.latency.observe(latency_s)
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+__all__ = ["CONTENT_TYPE", "DEVICE_STATES", "REQUEST_STATUSES", "ServerMetrics", "ftrs_version"]

@@ -1,0 +1,288 @@
+"""From an OpenAI request to engine tokens and back.
+
+`prepare_*` turn a validated request into prompt ids and `SamplingParams` (raising typed errors
+for what the protocol allows but ftrs refuses). `Generation` runs one request: it submits it,
+feeds each `TokenEvent` through the incremental detokenizer and the stop-string checker, and
+yields `Delta`s; it aborts the request in the engine when a stop string matches or when its
+consumer goes away (client disconnect), and records the request's metrics exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftrs.engine.protocol import GenerateRequest, TokenLogprob
+from ftrs.errors import ContextLengthExceeded, FtrsError, InvalidRequest
+from ftrs.sampling import SamplingParams
+from ftrs.server.detokenize import IncrementalDetokenizer, StopChecker
+from ftrs.server.engine_client import EngineClient
+from ftrs.server.errors import ModelNotFound, error_from_dict
+from ftrs.server.metrics import ServerMetrics
+from ftrs.server.protocol import (
+    ChatCompletionRequest,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    CompletionRequest,
+    TopLogprob,
+    _SamplingFields,
+)
+
+
+def _bad(param: str, why: str) -> InvalidRequest:
+    return InvalidRequest(f"{param}: {why}", evidence={"param": param})
+
+
+@dataclass(frozen=True)
+class Prepared:
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+def check_model(req: _SamplingFields, served: tuple[str, ...]) -> None:
+    if req.model not in served:
+        raise ModelNotFound(
+            f"The model `{req.model}` does not exist; this server serves {', '.join(served)}",
+            evidence={"param": "model"},
+        )
+
+
+def _common_checks(req: _SamplingFields) -> None:
+    if req.n != 1:
+        raise _bad("n", f"only n=1 is supported, got {req.n}")
+    if req.stream_options is not None and not req.stream:
+        raise _bad("stream_options", "only allowed when stream is true")
+
+
+def _params(req: _SamplingFields, max_tokens: int, logprobs: int | None, vocab: int) -> SamplingParams:
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        stop=stop,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logprobs=logprobs,
+    ).validate(vocab)
+
+
+def _check_context(prompt_len: int, max_tokens: int, max_model_len: int, prompt_param: str) -> None:
+    if prompt_len == 0:
+        raise _bad("prompt", "the prompt is empty")
+    if prompt_len >= max_model_len:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{prompt_len} tokens",
+            evidence={"param": prompt_param,
+                      "prompt_tokens": prompt_len, "max_model_len": max_model_len},
+        )
+    if prompt_len + max_tokens > max_model_len:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{prompt_len} tokens and max_tokens is {max_tokens}",
+            evidence={"param": "max_tokens", "prompt_tokens": prompt_len,
+                      "max_model_len": max_model_len},
+        )
+
+
+def prepare_completion(req: CompletionRequest, tokenizer: Any, vocab: int, max_model_len: int) -> Prepared:
+    _common_checks(req)
+    if req.echo:
+        raise _bad("echo", "echo is not supported")
+    if req.suffix:
+        raise _bad("suffix", "suffix is not supported")
+    if req.best_of not in (None, 1):
+        raise _bad("best_of", "only best_of=1 is supported")
+    prompt: Any = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise _bad("prompt", f"one prompt per request is supported, got {len(prompt)}")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = list(tokenizer.encode(prompt, add_special_tokens=True))
+    else:
+        ids = [int(t) for t in prompt]
+        if any(not 0 <= t < vocab for t in ids):
+            raise _bad("prompt", f"token ids must be in [0, {vocab})")
+    max_tokens = 16 if req.max_tokens is None else req.max_tokens
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise _bad("logprobs", f"must be in [0, 20], got {req.logprobs}")
+    params = _params(req, max_tokens, req.logprobs, vocab)
+    _check_context(len(ids), max_tokens, max_model_len, "prompt")
+    return Prepared(ids, params)
+
+
+def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, vocab: int, max_model_len: int) -> Prepared:
+    _common_checks(req)
+    messages: list[dict[str, Any]] = []
+    for i, m in enumerate(req.messages):
+        if m.has_non_text_parts():
+            raise _bad(f"messages[{i}].content", "only text content parts are supported")
+        messages.append({"role": m.role, "content": m.text()})
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except FtrsError:
+        raise
+    except Exception as exc:  # a template error is the request's fault (roles, order)
+        raise _bad("messages", f"chat template failed: {exc}") from exc
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if req.top_logprobs is not None and not req.logprobs:
+        raise _bad("top_logprobs", "requires logprobs to be true")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = requested if requested is not None else max(max_model_len - len(ids), 1)
+    params = _params(req, max_tokens, logprobs, vocab)
+    _check_context(len(ids), max_tokens, max_model_len, "messages")
+    return Prepared(ids, params)
+
+
+# ------------------------------------------------------------------------------------ running
+
+
+@dataclass(slots=True)
+class Delta:
+    """What one engine event adds to a choice; `finish_reason` set on the last one."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class Generation:
+    client: EngineClient
+    metrics: ServerMetrics
+    request_id: str
+    prepared: Prepared
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    _arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    async def run(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[Delta]:
+        """Yield deltas until the request finishes. Raises the request's `FtrsError`."""
+        params = self.prepared.params
+        detok = IncrementalDetokenizer(self.client.tokenizer)
+        stop = StopChecker(params.stop)
+        self.num_prompt_tokens = len(self.prepared.prompt_ids)
+        queue = self.client.submit(GenerateRequest(self.request_id, self.prepared.prompt_ids, params))
+        status, last = "aborted", self._arrival
+        try:
+            while True:
+                item = await self._next(queue, is_disconnected)
+                if item is None:  # client went away (non-streaming)
+                    return
+                if isinstance(item, FtrsError):
+                    raise item
+                if item.error is not None:
+                    raise error_from_dict(item.error)
+                now = time.monotonic()
+                if item.new_token_ids:
+                    if not self.token_ids:
+                        self.metrics.ttft.observe(now - self._arrival)
+                    else:
+                        gap = (now - last) / len(item.new_token_ids)
+                        for _ in item.new_token_ids:
+                            self.metrics.itl.observe(gap)
+                    last = now
+                self.num_prompt_tokens = item.num_prompt_tokens or self.num_prompt_tokens
+                self.num_cached_tokens = max(self.num_cached_tokens, item.num_cached_tokens)
+                self.token_ids.extend(item.new_token_ids)
+                text = detok.push(item.new_token_ids)
+                if item.finish_reason is not None:
+                    text += detok.flush()
+                out = stop.feed(text)
+                if stop.stopped:
+                    self.finish_reason = "stop"
+                    if item.finish_reason is None:
+                        self.client.abort(self.request_id)
+                elif item.finish_reason is not None:
+                    out += stop.flush()
+                    self.finish_reason = item.finish_reason
+                if self.finish_reason is not None:
+                    status = "success"
+                    yield Delta(out, item.new_token_ids, item.logprobs or [], self.finish_reason)
+                    return
+                if out or item.new_token_ids:
+                    yield Delta(out, item.new_token_ids, item.logprobs or [])
+        except FtrsError as err:
+            status = "rejected" if err.http_status < 500 else "failed"
+            raise
+        finally:
+            if self.finish_reason is None:
+                self.client.abort(self.request_id)
+            else:
+                self.client.release(self.request_id)
+            self.metrics.request_done(status, self.num_prompt_tokens, len(self.token_ids),
+                                      time.monotonic() - self._arrival if status == "success" else None)
+
+    async def _next(self, queue: asyncio.Queue[Any], is_disconnected: Callable[[], Awaitable[bool]] | None) -> Any:
+        if is_disconnected is None:
+            return await queue.get()
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if await is_disconnected():
+                    return None
+
+
+# ---------------------------------------------------------------------------------- logprobs
+
+
+def _token_str(tokenizer: Any, token_id: int) -> str:
+    return str(tokenizer.decode([token_id], skip_special_tokens=False))
+
+
+def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob]) -> ChatLogprobs:
+    content = []
+    for lp in lps:
+        tok = _token_str(tokenizer, lp.token_id)
+        top = [
+            TopLogprob(token=(t := _token_str(tokenizer, tid)), logprob=v, bytes=list(t.encode()))
+            for tid, v in lp.top
+        ]
+        content.append(ChatTokenLogprob(token=tok, logprob=lp.logprob, bytes=list(tok.encode()),
+                                        top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+    out = CompletionLogprobs()
+    for lp in lps:
+        tok = _token_str(tokenizer, lp.token_id)
+        out.tokens.append(tok)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append({_token_str(tokenizer, t): v for t, v in lp.top})
+        out.text_offset.append(offset)
+        offset += len(tok)
+    return out
+
+
+__all__ = [
+    "Delta",
+    "Generation",
+    "Prepared",
+    "chat_logprobs",
+    "check_model",
+    "completion_logprobs",
+    "prepare_chat",
+    "prepare_completion",
+]
