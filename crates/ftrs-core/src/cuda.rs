@@ -1,0 +1,379 @@
+//! The CUDA driver API, loaded at run time from `libcuda.so.1` with `libloading`, so the wheel
+//! builds and imports on hosts with no CUDA at all (creating the backend then fails cleanly with
+//! [`CoreError::DriverUnavailable`]).
+//!
+//! Three layers, like cudarc: (1) [`Api`], the raw `extern "C"` function pointers, resolved
+//! once per process and kept forever (the library is never unloaded); (2) `check`, which turns
+//! a `CUresult` into a typed error (`CUDA_ERROR_OUT_OF_MEMORY` → OutOfMemory, anything else →
+//! KernelFault: a CUDA error alone is not evidence of a lost device, DESIGN.md "Errors");
+//! (3) safe RAII types [`Event`], `Stream`, `PrimaryContext` and the [`CudaBackend`], which
+//! copies with `cuMemcpyHtoDAsync_v2` on its own stream and records one event per copy.
+
+#![allow(unsafe_code)]
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::sync::OnceLock;
+
+use crate::backend::{Completion, CopyBackend};
+use crate::error::{CoreError, DeviceFault, Result};
+use crate::raw::{CopyJob, MemKind};
+
+type CuResult = c_int;
+type CuDevice = c_int;
+type CuContext = *mut c_void;
+type CuStream = *mut c_void;
+type CuEvent = *mut c_void;
+type CuDevicePtr = u64;
+
+const CUDA_SUCCESS: CuResult = 0;
+const CUDA_ERROR_OUT_OF_MEMORY: CuResult = 2;
+const CUDA_ERROR_NOT_READY: CuResult = 600;
+const CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: CuResult = 712;
+const CU_STREAM_NON_BLOCKING: c_uint = 1;
+const CU_EVENT_DISABLE_TIMING: c_uint = 2;
+const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 1;
+
+/// Raw driver entry points. Every pointer came from the same `libcuda.so.1`, which `_lib`
+/// keeps loaded; the value lives in a process-wide `OnceLock`, so the pointers never dangle.
+#[derive(Debug)]
+struct Api {
+    /// Keeps the library mapped for the life of the process.
+    _lib: libloading::Library,
+    init: unsafe extern "C" fn(c_uint) -> CuResult,
+    device_get_count: unsafe extern "C" fn(*mut c_int) -> CuResult,
+    device_get: unsafe extern "C" fn(*mut CuDevice, c_int) -> CuResult,
+    primary_ctx_retain: unsafe extern "C" fn(*mut CuContext, CuDevice) -> CuResult,
+    primary_ctx_release: unsafe extern "C" fn(CuDevice) -> CuResult,
+    ctx_set_current: unsafe extern "C" fn(CuContext) -> CuResult,
+    stream_create: unsafe extern "C" fn(*mut CuStream, c_uint) -> CuResult,
+    stream_destroy: unsafe extern "C" fn(CuStream) -> CuResult,
+    memcpy_htod_async:
+        unsafe extern "C" fn(CuDevicePtr, *const c_void, usize, CuStream) -> CuResult,
+    event_create: unsafe extern "C" fn(*mut CuEvent, c_uint) -> CuResult,
+    event_record: unsafe extern "C" fn(CuEvent, CuStream) -> CuResult,
+    event_synchronize: unsafe extern "C" fn(CuEvent) -> CuResult,
+    event_query: unsafe extern "C" fn(CuEvent) -> CuResult,
+    event_destroy: unsafe extern "C" fn(CuEvent) -> CuResult,
+    host_register: unsafe extern "C" fn(*mut c_void, usize, c_uint) -> CuResult,
+    get_error_string: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
+}
+
+impl Api {
+    /// Loads the driver and resolves every symbol.
+    fn load() -> std::result::Result<Self, String> {
+        // SAFETY: loading libcuda runs its initialisers, which have no preconditions; the
+        // library is the NVIDIA driver, not arbitrary code chosen by a user.
+        let lib = unsafe { libloading::Library::new("libcuda.so.1") }
+            .map_err(|e| format!("CUDA driver not found (libcuda.so.1: {e})"))?;
+        macro_rules! sym {
+            ($name:literal) => {
+                // SAFETY: the symbol is declared in cuda.h with exactly the field's signature;
+                // the pointer stays valid while `lib` is loaded, and `lib` moves into `Api`.
+                *unsafe { lib.get(concat!($name, "\0").as_bytes()) }
+                    .map_err(|e| format!("CUDA driver lacks {}: {e}", $name))?
+            };
+        }
+        Ok(Self {
+            init: sym!("cuInit"),
+            device_get_count: sym!("cuDeviceGetCount"),
+            device_get: sym!("cuDeviceGet"),
+            primary_ctx_retain: sym!("cuDevicePrimaryCtxRetain"),
+            primary_ctx_release: sym!("cuDevicePrimaryCtxRelease_v2"),
+            ctx_set_current: sym!("cuCtxSetCurrent"),
+            stream_create: sym!("cuStreamCreate"),
+            stream_destroy: sym!("cuStreamDestroy_v2"),
+            memcpy_htod_async: sym!("cuMemcpyHtoDAsync_v2"),
+            event_create: sym!("cuEventCreate"),
+            event_record: sym!("cuEventRecord"),
+            event_synchronize: sym!("cuEventSynchronize"),
+            event_query: sym!("cuEventQuery"),
+            event_destroy: sym!("cuEventDestroy_v2"),
+            host_register: sym!("cuMemHostRegister_v2"),
+            get_error_string: sym!("cuGetErrorString"),
+            _lib: lib,
+        })
+    }
+
+    /// Layer 2: a `CUresult` as a typed error naming the call.
+    fn check(&self, r: CuResult, call: &str) -> Result<()> {
+        if r == CUDA_SUCCESS {
+            return Ok(());
+        }
+        let mut msg: *const c_char = std::ptr::null();
+        // SAFETY: `msg` is a valid out-pointer; the driver stores a static string or nothing.
+        let text =
+            if unsafe { (self.get_error_string)(r, &mut msg) } == CUDA_SUCCESS && !msg.is_null() {
+                // SAFETY: on success the driver returned a NUL-terminated static string.
+                unsafe { CStr::from_ptr(msg) }
+                    .to_string_lossy()
+                    .into_owned()
+            } else {
+                "unknown error".to_string()
+            };
+        let kind = if r == CUDA_ERROR_OUT_OF_MEMORY {
+            DeviceFault::OutOfMemory
+        } else {
+            DeviceFault::KernelFault
+        };
+        Err(CoreError::Device {
+            kind,
+            source_name: "copy_backend",
+            injected: false,
+            detail: format!("{call} failed: CUresult {r} ({text})"),
+        })
+    }
+}
+
+/// The process-wide driver, initialised with `cuInit(0)`.
+fn api() -> Result<&'static Api> {
+    static API: OnceLock<std::result::Result<Api, String>> = OnceLock::new();
+    let api = API
+        .get_or_init(|| {
+            let api = Api::load()?;
+            // SAFETY: cuInit has no preconditions; flags must be 0.
+            let r = unsafe { (api.init)(0) };
+            if r != CUDA_SUCCESS {
+                return Err(format!(
+                    "CUDA driver found but cuInit failed (CUresult {r})"
+                ));
+            }
+            Ok(api)
+        })
+        .as_ref()
+        .map_err(|e| CoreError::DriverUnavailable(e.clone()))?;
+    Ok(api)
+}
+
+/// True when the driver loads and sees at least one device.
+pub fn available() -> bool {
+    let Ok(api) = api() else { return false };
+    let mut n: c_int = 0;
+    // SAFETY: `n` is a valid out-pointer.
+    let r = unsafe { (api.device_get_count)(&mut n) };
+    r == CUDA_SUCCESS && n > 0
+}
+
+/// A retained primary context of one device; released on drop.
+#[derive(Debug)]
+struct PrimaryContext {
+    /// The driver.
+    api: &'static Api,
+    /// Device ordinal handle.
+    device: CuDevice,
+    /// The retained context; valid until `drop` releases it.
+    ctx: CuContext,
+}
+
+impl PrimaryContext {
+    fn retain(ordinal: i32) -> Result<Self> {
+        let api = api()?;
+        let mut device: CuDevice = 0;
+        // SAFETY: `device` is a valid out-pointer.
+        api.check(
+            unsafe { (api.device_get)(&mut device, ordinal) },
+            "cuDeviceGet",
+        )?;
+        let mut ctx: CuContext = std::ptr::null_mut();
+        // SAFETY: `ctx` is a valid out-pointer; `device` came from cuDeviceGet.
+        api.check(
+            unsafe { (api.primary_ctx_retain)(&mut ctx, device) },
+            "cuDevicePrimaryCtxRetain",
+        )?;
+        Ok(Self { api, device, ctx })
+    }
+
+    /// Makes the context current on the calling thread (cheap; done before every call batch).
+    fn make_current(&self) -> Result<()> {
+        // SAFETY: `ctx` is retained (valid) until drop.
+        self.api.check(
+            unsafe { (self.api.ctx_set_current)(self.ctx) },
+            "cuCtxSetCurrent",
+        )
+    }
+}
+
+impl Drop for PrimaryContext {
+    fn drop(&mut self) {
+        // SAFETY: balances the retain in `retain`; errors at teardown are ignored.
+        unsafe { (self.api.primary_ctx_release)(self.device) };
+    }
+}
+
+/// A non-blocking stream; destroyed on drop.
+#[derive(Debug)]
+struct Stream {
+    /// The driver.
+    api: &'static Api,
+    /// Valid stream handle until drop.
+    raw: CuStream,
+}
+
+impl Stream {
+    fn new(ctx: &PrimaryContext) -> Result<Self> {
+        ctx.make_current()?;
+        let mut raw: CuStream = std::ptr::null_mut();
+        // SAFETY: `raw` is a valid out-pointer and a context is current.
+        ctx.api.check(
+            unsafe { (ctx.api.stream_create)(&mut raw, CU_STREAM_NON_BLOCKING) },
+            "cuStreamCreate",
+        )?;
+        Ok(Self { api: ctx.api, raw })
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: `raw` is a live stream; the driver waits for pending work before freeing it.
+        unsafe { (self.api.stream_destroy)(self.raw) };
+    }
+}
+
+/// A recorded event marking the end of one copy; destroyed on drop.
+#[derive(Debug)]
+pub struct Event {
+    /// The driver.
+    api: &'static Api,
+    /// Valid event handle until drop.
+    raw: CuEvent,
+}
+
+// SAFETY: CUDA driver handles may be used from any thread once a context is current there;
+// `Event` only calls synchronize/query/destroy, each thread-safe in the driver.
+unsafe impl Send for Event {}
+
+impl Event {
+    /// Blocks until the event fires.
+    fn synchronize(&self) -> Result<()> {
+        // SAFETY: `raw` is a live event.
+        self.api.check(
+            unsafe { (self.api.event_synchronize)(self.raw) },
+            "cuEventSynchronize",
+        )
+    }
+    /// True once the event fired (non-blocking).
+    pub fn is_done(&self) -> Result<bool> {
+        // SAFETY: `raw` is a live event.
+        let r = unsafe { (self.api.event_query)(self.raw) };
+        if r == CUDA_ERROR_NOT_READY {
+            return Ok(false);
+        }
+        self.api.check(r, "cuEventQuery").map(|()| true)
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: `raw` is a live event, destroyed once.
+        unsafe { (self.api.event_destroy)(self.raw) };
+    }
+}
+
+/// Asynchronous host → device copies on a dedicated stream of device `ordinal`.
+#[derive(Debug)]
+pub struct CudaBackend {
+    /// Copies are issued here; declared before `ctx` so it is destroyed first.
+    stream: Stream,
+    /// The device's primary context, current on every thread before each call.
+    ctx: PrimaryContext,
+}
+
+// SAFETY: the handles are thread-safe driver objects; every method makes the context current
+// on the calling thread before using them.
+unsafe impl Send for CudaBackend {}
+// SAFETY: as above; the driver serialises work on a stream internally.
+unsafe impl Sync for CudaBackend {}
+
+impl CudaBackend {
+    /// Opens device `ordinal`; `DriverUnavailable` without a driver.
+    pub fn new(ordinal: i32) -> Result<Self> {
+        let ctx = PrimaryContext::retain(ordinal)?;
+        let stream = Stream::new(&ctx)?;
+        Ok(Self { stream, ctx })
+    }
+}
+
+impl CopyBackend for CudaBackend {
+    fn name(&self) -> String {
+        "cuda".into()
+    }
+
+    fn submit(&self, job: &CopyJob) -> Result<Completion> {
+        if job.kind() != MemKind::Device {
+            return Err(CoreError::Config(
+                "cuda backend needs a device destination".into(),
+            ));
+        }
+        self.ctx.make_current()?;
+        let api = self.ctx.api;
+        // SAFETY: `CopyJob` guarantees both ranges are in bounds; the source is host memory that
+        // outlives the copy (the engine finishes every copy before dropping the pool) and the
+        // destination is device memory per `Destination::new`'s contract.
+        let r = unsafe {
+            (api.memcpy_htod_async)(
+                job.dst() as CuDevicePtr,
+                job.src() as *const c_void,
+                job.len(),
+                self.stream.raw,
+            )
+        };
+        api.check(r, "cuMemcpyHtoDAsync_v2")?;
+        let mut raw: CuEvent = std::ptr::null_mut();
+        // SAFETY: `raw` is a valid out-pointer and the context is current.
+        api.check(
+            unsafe { (api.event_create)(&mut raw, CU_EVENT_DISABLE_TIMING) },
+            "cuEventCreate",
+        )?;
+        let event = Event { api, raw };
+        // SAFETY: both handles are live.
+        api.check(
+            unsafe { (api.event_record)(event.raw, self.stream.raw) },
+            "cuEventRecord",
+        )?;
+        Ok(Completion::Event(event))
+    }
+
+    fn finish(&self, c: Completion) -> Result<()> {
+        match c {
+            Completion::Event(e) => {
+                self.ctx.make_current()?;
+                e.synchronize()
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Page-locks `len` bytes at `addr` for DMA (`cuMemHostRegister_v2`, portable).
+/// `DriverUnavailable` without a driver; already-registered memory is fine.
+pub fn host_register(addr: usize, len: usize) -> Result<()> {
+    let ctx = PrimaryContext::retain(0)?;
+    ctx.make_current()?;
+    // SAFETY: the caller passes a live host allocation of `len` bytes (the pool's region, which
+    // is never freed while registered memory is used: the pool outlives every engine).
+    let r =
+        unsafe { (ctx.api.host_register)(addr as *mut c_void, len, CU_MEMHOSTREGISTER_PORTABLE) };
+    if r == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED {
+        return Ok(());
+    }
+    ctx.api.check(r, "cuMemHostRegister_v2")?;
+    // The registration belongs to the context; keep the primary context retained for the
+    // process so the pinning stays valid.
+    std::mem::forget(ctx);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn missing_driver_is_a_typed_error_not_a_crash() {
+        if available() {
+            return; // a GPU host: nothing to check here
+        }
+        assert!(matches!(
+            CudaBackend::new(0),
+            Err(CoreError::DriverUnavailable(_)) | Err(CoreError::Device { .. })
+        ));
+    }
+}

@@ -1,0 +1,36 @@
+//! ftrs-core: the Rust half of ftrs (DESIGN.md "The Rust core"), with no Python in it.
+//!
+//! - [`layout`]: where each (layer, expert, tensor) lives in the host pool.
+//! - [`pool`]: the page-aligned host pool and its safetensors loader.
+//! - [`cache`]: the device slot cache (LRU, frequency-aware LRU, Belady) and its simulator.
+//! - [`transfer`]: the transfer engine: lookups, demand/prefetch queues, tickets, budget, pacing.
+//! - [`backend`] / [`cuda`]: how bytes move (host memcpy, simulated link, CUDA driver).
+//! - [`clock`]: real and virtual time, token bucket.
+//! - [`recorder`]: the lock-free flight recorder.
+//! - [`raw`]: the only module with raw-pointer code besides the CUDA FFI.
+//!
+//! Unsafe code is denied crate-wide and allowed only in `raw` and `cuda`; every other module
+//! forbids it.
+
+#![deny(unsafe_code)]
+
+pub mod backend;
+pub mod cache;
+pub mod clock;
+pub mod cuda;
+pub mod error;
+pub mod layout;
+pub mod pool;
+pub mod raw;
+pub mod recorder;
+pub mod transfer;
+
+pub use backend::{create_backend, CopyBackend};
+pub use cache::{simulate, Key, Policy, SlotCache};
+pub use clock::{Clock, RealClock, TokenBucket, VirtualClock};
+pub use error::{CoreError, DeviceFault, Result};
+pub use layout::ExpertLayout;
+pub use pool::{ExpertPool, FillEntry, PoolDtype};
+pub use raw::{Destination, MemKind};
+pub use recorder::{FlightRecorder, StepKind, StepRecord};
+pub use transfer::{EngineConfig, Stats, TransferEngine};

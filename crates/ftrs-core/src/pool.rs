@@ -1,0 +1,324 @@
+//! The host expert pool: every routed expert's weights in one page-aligned region.
+//!
+//! The region follows an [`ExpertLayout`]. It is filled either by the caller, one tensor at a
+//! time ([`ExpertPool::write`], for weights it dequantized itself), or from safetensors files
+//! ([`ExpertPool::fill_from_safetensors`]): every distinct file is memory-mapped once and its
+//! header parsed once; then `threads` scoped threads take entries from a shared atomic index,
+//! convert F32/F16/BF16 on disk to the pool dtype in 64 Ki-element chunks and write them into
+//! disjoint ranges of the region. Entries are validated up front (range, duplicates), and each
+//! failure names the file and tensor; when several fail, the first entry's error is returned.
+
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use half::{bf16, f16};
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+
+use crate::error::{CoreError, Result};
+use crate::layout::ExpertLayout;
+use crate::raw::{effective_threads, map_readonly, HostRegion};
+
+/// Alignment of the pool allocation: one page, as `cuMemHostRegister` wants.
+pub const POOL_ALIGN: usize = 4096;
+
+/// Element type of the pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolDtype {
+    /// IEEE f32.
+    F32,
+    /// IEEE f16.
+    F16,
+    /// bfloat16.
+    BF16,
+}
+
+impl PoolDtype {
+    /// Parses the torch spellings `float32|float16|bfloat16` (and `f32|f16|bf16`).
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "float32" | "f32" | "F32" => Ok(Self::F32),
+            "float16" | "f16" | "half" | "F16" => Ok(Self::F16),
+            "bfloat16" | "bf16" | "BF16" => Ok(Self::BF16),
+            _ => Err(CoreError::Config(format!(
+                "unknown pool dtype {s:?}: expected float32, float16 or bfloat16"
+            ))),
+        }
+    }
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            Self::F32 => 4,
+            Self::F16 | Self::BF16 => 2,
+        }
+    }
+    /// The torch spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "float32",
+            Self::F16 => "float16",
+            Self::BF16 => "bfloat16",
+        }
+    }
+}
+
+/// One tensor to load: from `tensor` in file `path` into (layer, expert, tensor_index).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FillEntry {
+    /// The safetensors file.
+    pub path: String,
+    /// Tensor name inside the file.
+    pub tensor: String,
+    /// Destination layer.
+    pub layer: usize,
+    /// Destination expert.
+    pub expert: usize,
+    /// Destination tensor index in the layout.
+    pub tensor_index: usize,
+}
+
+/// All routed-expert weights in host memory.
+#[derive(Debug)]
+pub struct ExpertPool {
+    /// Where each tensor lives; `region.len() == layout.total_bytes()`.
+    layout: ExpertLayout,
+    /// Element type; every layout tensor size is a multiple of its size for safetensors fills.
+    dtype: PoolDtype,
+    /// The zeroed, page-aligned memory.
+    region: HostRegion,
+    /// Set once the region is registered with the CUDA driver (never unregistered: the
+    /// registration lives as long as the driver context, and the pool as long as the engine).
+    pinned: std::sync::atomic::AtomicBool,
+}
+
+impl ExpertPool {
+    /// Allocates a zeroed pool for `layout`.
+    pub fn new(layout: ExpertLayout, dtype: PoolDtype) -> Result<Self> {
+        let region = HostRegion::zeroed(layout.total_bytes(), POOL_ALIGN)?;
+        Ok(Self {
+            layout,
+            dtype,
+            region,
+            pinned: false.into(),
+        })
+    }
+    /// The layout.
+    pub fn layout(&self) -> &ExpertLayout {
+        &self.layout
+    }
+    /// The element type.
+    pub fn dtype(&self) -> PoolDtype {
+        self.dtype
+    }
+    /// Address of byte 0.
+    pub fn address(&self) -> usize {
+        self.region.addr()
+    }
+    /// Size in bytes.
+    pub fn nbytes(&self) -> usize {
+        self.region.len()
+    }
+    /// The memory (for building copy jobs).
+    pub fn region(&self) -> &HostRegion {
+        &self.region
+    }
+    /// Whether `pin` succeeded.
+    pub fn is_pinned(&self) -> bool {
+        self.pinned.load(Ordering::Acquire)
+    }
+
+    /// Page-locks the region through the CUDA driver. `Ok(false)` when there is no driver.
+    pub fn pin(&self) -> Result<bool> {
+        if self.is_pinned() {
+            return Ok(true);
+        }
+        match crate::cuda::host_register(self.address(), self.nbytes()) {
+            Ok(()) => {
+                self.pinned.store(true, Ordering::Release);
+                Ok(true)
+            }
+            Err(CoreError::DriverUnavailable(_)) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Writes raw bytes of tensor `tensor` of (layer, expert); the length must equal the
+    /// layout's size for that tensor.
+    pub fn write(&self, layer: usize, expert: usize, tensor: usize, data: &[u8]) -> Result<()> {
+        let off = self.layout.offset(layer, expert, tensor)?;
+        let want = self.layout.tensor_bytes(tensor);
+        if data.len() != want {
+            return Err(CoreError::Config(format!(
+                "tensor {tensor} of (layer {layer}, expert {expert}) is {want} bytes, got {}",
+                data.len()
+            )));
+        }
+        self.region.write(off, data)
+    }
+
+    /// Reads `dst.len()` bytes at pool offset `offset` (tests and debugging).
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.region.read(offset, dst)
+    }
+
+    /// Loads `entries` from safetensors files with `threads` threads (0 = all cores).
+    /// Returns the number of bytes written.
+    pub fn fill_from_safetensors(&self, entries: &[FillEntry], threads: usize) -> Result<usize> {
+        let mut seen = HashMap::new();
+        for (i, e) in entries.iter().enumerate() {
+            self.layout.offset(e.layer, e.expert, e.tensor_index)?;
+            if let Some(j) = seen.insert((e.layer, e.expert, e.tensor_index), i) {
+                return Err(CoreError::Config(format!(
+                    "entries {j} and {i} both fill (layer {}, expert {}, tensor {})",
+                    e.layer, e.expert, e.tensor_index
+                )));
+            }
+        }
+        let mut file_index: HashMap<&str, usize> = HashMap::new();
+        let mut maps = Vec::new();
+        for e in entries {
+            if !file_index.contains_key(e.path.as_str()) {
+                file_index.insert(&e.path, maps.len());
+                maps.push(map_file(&e.path)?);
+            }
+        }
+        let mut parsed = Vec::with_capacity(maps.len());
+        for (path, map) in file_index_order(&file_index).into_iter().zip(&maps) {
+            let st = SafeTensors::deserialize(map).map_err(|err| CoreError::ModelLoad {
+                path: path.to_string(),
+                problem: format!("not a readable safetensors file: {err}"),
+            })?;
+            parsed.push(st);
+        }
+
+        let next = AtomicUsize::new(0);
+        let written = AtomicUsize::new(0);
+        let errors: Mutex<Vec<(usize, CoreError)>> = Mutex::new(Vec::new());
+        let workers = effective_threads(threads).min(entries.len()).max(1);
+        std::thread::scope(|s| {
+            for _ in 0..workers {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(e) = entries.get(i) else { break };
+                    let st = &parsed[file_index[e.path.as_str()]];
+                    match self.fill_one(st, e) {
+                        Ok(n) => {
+                            written.fetch_add(n, Ordering::Relaxed);
+                        }
+                        Err(err) => errors
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .push((i, err)),
+                    }
+                });
+            }
+        });
+        let mut errors = errors.into_inner().unwrap_or_else(|p| p.into_inner());
+        errors.sort_by_key(|(i, _)| *i);
+        match errors.into_iter().next() {
+            Some((_, e)) => Err(e),
+            None => Ok(written.into_inner()),
+        }
+    }
+
+    fn fill_one(&self, st: &SafeTensors<'_>, e: &FillEntry) -> Result<usize> {
+        let fail = |problem: String| CoreError::ModelLoad {
+            path: e.path.clone(),
+            problem,
+        };
+        let view = st
+            .tensor(&e.tensor)
+            .map_err(|_| fail(format!("tensor {:?} not found", e.tensor)))?;
+        let src_size = match view.dtype() {
+            Dtype::F32 => 4,
+            Dtype::F16 | Dtype::BF16 => 2,
+            other => {
+                return Err(fail(format!(
+                    "tensor {:?} has dtype {other:?}; only F32, F16 and BF16 are supported",
+                    e.tensor
+                )))
+            }
+        };
+        let numel: usize = view.shape().iter().product();
+        let want = self.layout.tensor_bytes(e.tensor_index);
+        if numel * self.dtype.size() != want {
+            return Err(fail(format!(
+                "tensor {:?} has shape {:?} ({numel} elements = {} bytes as {}) but layout tensor {} \
+                 is {want} bytes",
+                e.tensor,
+                view.shape(),
+                numel * self.dtype.size(),
+                self.dtype.name(),
+                e.tensor_index
+            )));
+        }
+        let data = view.data();
+        debug_assert_eq!(data.len(), numel * src_size);
+        let off = self.layout.offset(e.layer, e.expert, e.tensor_index)?;
+        if same_dtype(view.dtype(), self.dtype) {
+            self.region.write(off, data)?;
+            return Ok(want);
+        }
+        const CHUNK: usize = 64 * 1024;
+        let mut buf = vec![0u8; CHUNK * self.dtype.size()];
+        for (k, src) in data.chunks(CHUNK * src_size).enumerate() {
+            let n = src.len() / src_size;
+            let out = &mut buf[..n * self.dtype.size()];
+            convert(src, view.dtype(), out, self.dtype);
+            self.region
+                .write(off + k * CHUNK * self.dtype.size(), out)?;
+        }
+        Ok(want)
+    }
+}
+
+fn file_index_order<'a>(index: &HashMap<&'a str, usize>) -> Vec<&'a str> {
+    let mut v: Vec<(&str, usize)> = index.iter().map(|(k, v)| (*k, *v)).collect();
+    v.sort_by_key(|(_, i)| *i);
+    v.into_iter().map(|(k, _)| k).collect()
+}
+
+fn map_file(path: &str) -> Result<Mmap> {
+    let fail = |problem: String| CoreError::ModelLoad {
+        path: path.to_string(),
+        problem,
+    };
+    let file = File::open(path).map_err(|e| fail(format!("cannot open: {e}")))?;
+    map_readonly(&file).map_err(|e| fail(format!("cannot mmap: {e}")))
+}
+
+fn same_dtype(disk: Dtype, pool: PoolDtype) -> bool {
+    matches!(
+        (disk, pool),
+        (Dtype::F32, PoolDtype::F32)
+            | (Dtype::F16, PoolDtype::F16)
+            | (Dtype::BF16, PoolDtype::BF16)
+    )
+}
+
+/// Converts little-endian elements of `from` in `src` to `to` in `dst` (sizes must agree).
+fn convert(src: &[u8], from: Dtype, dst: &mut [u8], to: PoolDtype) {
+    let read = |c: &[u8]| -> f32 {
+        match from {
+            Dtype::F32 => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+            Dtype::F16 => f16::from_le_bytes([c[0], c[1]]).to_f32(),
+            _ => bf16::from_le_bytes([c[0], c[1]]).to_f32(),
+        }
+    };
+    let in_size = if from == Dtype::F32 { 4 } else { 2 };
+    for (s, d) in src
+        .chunks_exact(in_size)
+        .zip(dst.chunks_exact_mut(to.size()))
+    {
+        let x = read(s);
+        match to {
+            PoolDtype::F32 => d.copy_from_slice(&x.to_le_bytes()),
+            PoolDtype::F16 => d.copy_from_slice(&f16::from_f32(x).to_le_bytes()),
+            PoolDtype::BF16 => d.copy_from_slice(&bf16::from_f32(x).to_le_bytes()),
+        }
+    }
+}

@@ -1,0 +1,311 @@
+//! The only module of ftrs-core that touches raw memory.
+//!
+//! Two things need it: (1) the host pool is one zeroed allocation aligned to a page (so the CUDA
+//! driver can pin it and DMA from it), owned by [`HostRegion`]; (2) expert copies go between raw
+//! addresses (pool → device-slot buffer owned by Python), done by [`copy_parallel`], which
+//! splits a large block into contiguous chunks, one per scoped thread, each a `memcpy`.
+//! Everything else in the crate uses the safe, bounds-checked methods here.
+
+#![allow(unsafe_code)]
+
+use std::alloc::{self, Layout};
+use std::ptr::NonNull;
+
+use crate::error::{CoreError, Result};
+
+/// Below this many bytes per thread, splitting a copy costs more than it saves.
+pub const MIN_BYTES_PER_THREAD: usize = 4 << 20;
+
+/// One zeroed, aligned heap allocation, freed on drop.
+#[derive(Debug)]
+pub struct HostRegion {
+    /// Start of the allocation; valid for `len` bytes until drop; aligned to `layout.align()`.
+    ptr: NonNull<u8>,
+    /// Length in bytes; > 0; equals `layout.size()`.
+    len: usize,
+    /// The layout `ptr` was allocated with (needed to free it).
+    layout: Layout,
+}
+
+// SAFETY: HostRegion owns its allocation like a Box<[u8]>; the raw pointer is never exposed
+// mutably except through `write`, whose callers write disjoint ranges (documented below).
+unsafe impl Send for HostRegion {}
+// SAFETY: see above; shared access reads or writes through raw pointers with bounds checks.
+unsafe impl Sync for HostRegion {}
+
+impl HostRegion {
+    /// Allocates `len` zeroed bytes aligned to `align` (a power of two). `len == 0` is an error.
+    pub fn zeroed(len: usize, align: usize) -> Result<Self> {
+        let layout = Layout::from_size_align(len, align).map_err(|e| {
+            CoreError::Config(format!("bad pool layout ({len} B, align {align}): {e}"))
+        })?;
+        if len == 0 {
+            return Err(CoreError::Config("pool of zero bytes".into()));
+        }
+        // SAFETY: `layout` has a non-zero size (checked above).
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).ok_or_else(|| {
+            CoreError::Capacity(format!("cannot allocate a host pool of {len} bytes"))
+        })?;
+        Ok(Self { ptr, len, layout })
+    }
+
+    /// Address of the first byte.
+    pub fn addr(&self) -> usize {
+        self.ptr.as_ptr() as usize
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false (a region is never empty); here for clippy's `len_without_is_empty`.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn check(&self, offset: usize, n: usize) -> Result<()> {
+        match offset.checked_add(n) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(CoreError::Config(format!(
+                "range [{offset}, {offset}+{n}) outside the pool of {} bytes",
+                self.len
+            ))),
+        }
+    }
+
+    /// Copies `src` to `offset`. Callers writing concurrently must use disjoint ranges, and must
+    /// not write a block while the transfer engine copies it (the engine reads blocks the caller
+    /// finished loading).
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check(offset, src.len())?;
+        // SAFETY: the range is inside the allocation (checked) and `src` is readable for its
+        // length; `ptr::copy` is a memmove, so `src` may even point into this region.
+        unsafe { std::ptr::copy(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len()) };
+        Ok(())
+    }
+
+    /// Copies `dst.len()` bytes starting at `offset` into `dst`.
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check(offset, dst.len())?;
+        // SAFETY: the range is inside the allocation (checked); `dst` is an exclusive borrow.
+        unsafe { std::ptr::copy(self.ptr.as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+}
+
+impl Drop for HostRegion {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` was allocated by `alloc_zeroed` with exactly `layout` and is freed once.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+/// Copies `n` bytes from address `src` to address `dst`, split over up to `threads` threads
+/// (0 = all cores) when the copy is large enough to gain from it.
+///
+/// # Safety
+/// 1. `src..src+n` is readable and `dst..dst+n` is writable host memory for the whole call.
+/// 2. The two ranges do not overlap.
+/// 3. No other thread writes either range during the call.
+pub unsafe fn copy_parallel(dst: usize, src: usize, n: usize, threads: usize) {
+    let threads = effective_threads(threads)
+        .min(n / MIN_BYTES_PER_THREAD)
+        .max(1);
+    if threads == 1 {
+        // SAFETY: guaranteed by the caller (points 1-3).
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, n) };
+        return;
+    }
+    // Chunks are multiples of 4 KiB so every thread starts on a page boundary of `src`.
+    let chunk = n.div_ceil(threads).next_multiple_of(4096);
+    std::thread::scope(|s| {
+        let mut start = 0;
+        while start < n {
+            let len = chunk.min(n - start);
+            let (d, sr) = (dst + start, src + start);
+            s.spawn(move || {
+                // SAFETY: [start, start+len) is a sub-range of the caller's ranges (points 1-3
+                // hold for it), and the chunks of different threads are disjoint.
+                unsafe { std::ptr::copy_nonoverlapping(sr as *const u8, d as *mut u8, len) };
+            });
+            start += len;
+        }
+    });
+}
+
+/// Where a destination buffer lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemKind {
+    /// Host memory, written with `memcpy`.
+    Host,
+    /// CUDA device memory (a `CUdeviceptr`), written by the CUDA backend only.
+    Device,
+}
+
+/// The device-side slot buffer: `len` bytes at `base`, owned by the caller (Python).
+#[derive(Debug, Clone, Copy)]
+pub struct Destination {
+    /// First byte; valid for `len` bytes while any engine using it lives (the `new` contract).
+    base: usize,
+    /// Size in bytes.
+    len: usize,
+    /// Host or device memory.
+    kind: MemKind,
+}
+
+impl Destination {
+    /// Wraps a caller-owned buffer.
+    ///
+    /// # Safety
+    /// 1. `base..base+len` is writable memory of `kind` (host memory, or device memory of the
+    ///    device the CUDA backend uses) for as long as this value or any engine built on it lives.
+    /// 2. It does not overlap the expert pool.
+    /// 3. While a copy into a slot runs, nobody else writes that slot, and readers of a slot
+    ///    only read it after the engine reported it ready.
+    pub unsafe fn new(base: usize, len: usize, kind: MemKind) -> Self {
+        Self { base, len, kind }
+    }
+    /// First byte.
+    pub fn base(&self) -> usize {
+        self.base
+    }
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// True for a zero-byte buffer.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Host or device.
+    pub fn kind(&self) -> MemKind {
+        self.kind
+    }
+}
+
+/// One validated copy: `len` bytes from the pool to the destination. Only [`CopyJob::new`]
+/// makes one, from bounds-checked offsets, so running it is safe.
+#[derive(Debug, Clone, Copy)]
+pub struct CopyJob {
+    /// Source address inside a live [`HostRegion`]; `src..src+len` inside it.
+    src: usize,
+    /// Destination address inside a [`Destination`]; `dst..dst+len` inside it.
+    dst: usize,
+    /// Bytes to copy.
+    len: usize,
+    /// Kind of the destination memory.
+    kind: MemKind,
+}
+
+impl CopyJob {
+    /// Checks both ranges and builds the job. The region must outlive the job (the engine owns
+    /// an `Arc` of the pool and joins its worker before dropping it).
+    pub fn new(
+        src: &HostRegion,
+        src_off: usize,
+        dst: &Destination,
+        dst_off: usize,
+        len: usize,
+    ) -> Result<Self> {
+        src.check(src_off, len)?;
+        match dst_off.checked_add(len) {
+            Some(end) if end <= dst.len => {}
+            _ => {
+                return Err(CoreError::Config(format!(
+                    "destination range [{dst_off}, +{len}) outside {} bytes",
+                    dst.len
+                )))
+            }
+        }
+        Ok(Self {
+            src: src.addr() + src_off,
+            dst: dst.base + dst_off,
+            len,
+            kind: dst.kind,
+        })
+    }
+    /// Source address (host).
+    pub fn src(&self) -> usize {
+        self.src
+    }
+    /// Destination address (host or device).
+    pub fn dst(&self) -> usize {
+        self.dst
+    }
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// True for an empty copy.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Destination memory kind.
+    pub fn kind(&self) -> MemKind {
+        self.kind
+    }
+
+    /// Runs the copy with `memcpy` on up to `threads` threads. Errors for device destinations.
+    pub fn run_host(&self, threads: usize) -> Result<()> {
+        if self.kind != MemKind::Host {
+            return Err(CoreError::Config(
+                "host backend cannot write device memory".into(),
+            ));
+        }
+        // SAFETY: `new` checked both ranges; the source region outlives the job (engine
+        // contract above) and the destination is valid per `Destination::new`'s contract,
+        // which also rules out overlap and concurrent writers.
+        unsafe { copy_parallel(self.dst, self.src, self.len, threads) };
+        Ok(())
+    }
+}
+
+/// Memory-maps `file` read-only.
+///
+/// The map lives only while a fill runs. A file truncated underneath us by another process is
+/// outside the contract (as for every mmap-based loader): it would fault, not corrupt the pool.
+pub fn map_readonly(file: &std::fs::File) -> std::io::Result<memmap2::Mmap> {
+    // SAFETY: the map is read-only and dropped before the fill returns; concurrent modification
+    // of the file by another process is documented as unsupported.
+    unsafe { memmap2::Mmap::map(file) }
+}
+
+/// `threads`, or the number of cores when 0.
+pub fn effective_threads(threads: usize) -> usize {
+    if threads > 0 {
+        threads
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn region_is_zeroed_aligned_and_bounds_checked() {
+        let r = HostRegion::zeroed(3 * 4096, 4096).unwrap();
+        assert_eq!(r.addr() % 4096, 0);
+        let mut out = vec![1u8; 3 * 4096];
+        r.read(0, &mut out).unwrap();
+        assert!(out.iter().all(|&b| b == 0));
+        r.write(4090, &[7; 6]).unwrap();
+        assert!(r.write(4096 * 3 - 2, &[1; 3]).is_err());
+        let mut six = [0u8; 6];
+        r.read(4090, &mut six).unwrap();
+        assert_eq!(six, [7; 6]);
+    }
+
+    #[test]
+    fn parallel_copy_matches_source_for_odd_sizes() {
+        let n = 3 * MIN_BYTES_PER_THREAD + 12345;
+        let src: Vec<u8> = (0..n).map(|i| (i * 31 % 251) as u8).collect();
+        let mut dst = vec![0u8; n];
+        // SAFETY: both vectors are live for the call, distinct, and n bytes long.
+        unsafe { copy_parallel(dst.as_mut_ptr() as usize, src.as_ptr() as usize, n, 4) };
+        assert!(src == dst);
+    }
+}

@@ -1,0 +1,707 @@
+//! The transfer engine: one `lookup` per MoE layer answers slot ids and queues the copies.
+//!
+//! State lives under one mutex (`State`) shared with one worker thread:
+//! - `lookup(layer, demand, prefetch)`: each distinct demanded expert is a hit (resident: pin
+//!   its slot), an in-flight transfer (pin; a queued prefetch is moved to the demand queue and
+//!   counts as prefetch *used*; the ticket waits on that transfer, never a second copy), or a
+//!   miss (capacity is checked for all misses first — queued prefetches are cancelled to make
+//!   room if needed, else `Capacity` with nothing changed — then a slot is allocated, evicting
+//!   per policy among unpinned slots, and a DEMAND transfer queued). Prefetch keys not resident
+//!   and not in flight get a slot only if one is evictable, and a PREFETCH transfer.
+//!   Every transfer pins its slot until it ends, so a slot with a copy in flight is never a
+//!   victim. The ticket completes when the call's demand transfers have landed.
+//! - The worker always takes the demand queue before the prefetch queue. It issues copies while
+//!   `inflight_bytes + bytes <= max_inflight_bytes` (0 = no limit; one copy always fits) and the
+//!   token bucket allows (waiting on the clock; a real clock wait wakes early on new work so a
+//!   demand never waits behind a paced prefetch), and finishes the oldest in-flight copy.
+//! - `cancel_prefetches`: queued prefetches are dropped and their slots freed; a started one is
+//!   marked cancelled and its key detached at once (the slot is reserved, not published, and
+//!   freed when the copy ends), so a cancelled prefetch never lands.
+//! - Failures (backend errors, injected faults) free the slot and reach `wait(ticket)`.
+
+#![forbid(unsafe_code)]
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+use crate::backend::{Completion, CopyBackend};
+use crate::cache::{Key, Policy, SlotCache};
+use crate::clock::{Clock, TokenBucket};
+use crate::error::{CoreError, DeviceFault, Result};
+use crate::pool::ExpertPool;
+use crate::raw::{CopyJob, Destination};
+
+/// Engine settings.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Device slots; > 0.
+    pub num_slots: usize,
+    /// Eviction policy (`lru` or `lfru`; `belady` is offline only).
+    pub policy: Policy,
+    /// Byte budget of copies in flight; 0 = unlimited.
+    pub max_inflight_bytes: usize,
+    /// Pacing rate in bytes/s; 0 = off.
+    pub pacing_bytes_per_s: f64,
+}
+
+/// Counters, read in one call (see DESIGN.md "Metrics").
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Bytes landed host → device.
+    pub bytes_h2d: u64,
+    /// Demanded experts looked up (duplicates in one call count once).
+    pub lookups: u64,
+    /// Demanded experts already resident.
+    pub hits: u64,
+    /// Demanded experts not resident (new demand fetch, or waiting on an in-flight prefetch).
+    pub misses: u64,
+    /// Demand transfers queued.
+    pub demand_fetches: u64,
+    /// Prefetch transfers queued.
+    pub prefetch_issued: u64,
+    /// Prefetched experts demanded before eviction (in flight or landed).
+    pub prefetch_used: u64,
+    /// Prefetched experts evicted or cancelled before any use.
+    pub prefetch_wasted: u64,
+    /// Prefetches cancelled (queued or started).
+    pub prefetch_cancelled: u64,
+    /// Transfers queued, not started (gauge).
+    pub queue_depth: u64,
+    /// Bytes of started, unfinished copies (gauge).
+    pub inflight_bytes: u64,
+    /// Hits per layer.
+    pub layer_hits: Vec<u64>,
+    /// Misses per layer.
+    pub layer_misses: Vec<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Prio {
+    Demand,
+    Prefetch,
+}
+
+#[derive(Debug)]
+struct Transfer {
+    /// The expert; while not cancelled, `inflight[key] == this transfer`.
+    key: Key,
+    /// Destination slot; pinned once by this transfer until it ends.
+    slot: u32,
+    /// Current priority (a prefetch becomes Demand when demanded).
+    prio: Prio,
+    /// Issued as a prefetch (for used/wasted accounting).
+    was_prefetch: bool,
+    /// A prefetch that was demanded before landing.
+    used: bool,
+    /// Copy started (no longer in a queue).
+    started: bool,
+    /// Cancelled after starting: the result is discarded and the slot freed.
+    cancelled: bool,
+    /// Tickets completed by this transfer.
+    waiters: Vec<u64>,
+}
+
+#[derive(Debug)]
+struct Ticket {
+    /// Transfers still to land; done at 0.
+    remaining: usize,
+    /// First failure among them.
+    error: Option<CoreError>,
+}
+
+#[derive(Debug)]
+struct State {
+    /// Slot ownership and policy.
+    cache: SlotCache,
+    /// `ready[s]`: slot `s` holds the landed bytes of `cache.id_of_slot(s)`.
+    ready: Vec<bool>,
+    /// `prefetched_unused[s]`: landed by a prefetch and not demanded since.
+    prefetched_unused: Vec<bool>,
+    /// Live transfers (queued or started) by id.
+    transfers: HashMap<u64, Transfer>,
+    /// Key → its live, non-cancelled transfer: never two for one key.
+    inflight: HashMap<Key, u64>,
+    /// Next transfer id.
+    next_transfer: u64,
+    /// Demand transfers not started, FIFO.
+    demand_q: VecDeque<u64>,
+    /// Prefetch transfers not started, FIFO.
+    prefetch_q: VecDeque<u64>,
+    /// Tickets not yet waited on.
+    tickets: HashMap<u64, Ticket>,
+    /// Next ticket id; ids below it were issued.
+    next_ticket: u64,
+    /// Slots pinned by lookups since the last release (one entry per pin).
+    pinned: Vec<u32>,
+    /// Sum of bytes of started transfers.
+    inflight_bytes: usize,
+    /// Armed fault drill: (kind, copies to let through first).
+    fault: Option<(DeviceFault, u64)>,
+    /// Pacing, if on.
+    bucket: Option<TokenBucket>,
+    /// Counters.
+    stats: Stats,
+    /// Set by drop: the worker drains and exits.
+    shutdown: bool,
+}
+
+#[derive(Debug)]
+struct Inner {
+    /// Bookkeeping.
+    state: Mutex<State>,
+    /// Wakes the worker (new work, shutdown).
+    work: Condvar,
+    /// Wakes waiters (a transfer ended).
+    done: Condvar,
+    /// Source of every copy; outlives the worker (held here).
+    pool: Arc<ExpertPool>,
+    /// The slot buffer; holds `num_slots * expert_bytes` bytes.
+    dst: Destination,
+    /// How copies are made.
+    backend: Arc<dyn CopyBackend>,
+    /// Time for pacing.
+    clock: Arc<dyn Clock>,
+    /// Copy budget; 0 = unlimited.
+    max_inflight_bytes: usize,
+}
+
+/// Streams expert blocks from the pool into device slots (see module doc).
+#[derive(Debug)]
+pub struct TransferEngine {
+    /// Shared with the worker.
+    inner: Arc<Inner>,
+    /// The worker; joined on drop.
+    worker: Option<JoinHandle<()>>,
+}
+
+fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl TransferEngine {
+    /// Starts an engine copying from `pool` into `dst` (slot stride = `expert_bytes`).
+    pub fn new(
+        pool: Arc<ExpertPool>,
+        dst: Destination,
+        cfg: EngineConfig,
+        backend: Arc<dyn CopyBackend>,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self> {
+        let eb = pool.layout().expert_bytes();
+        let cache = SlotCache::new(cfg.num_slots, cfg.policy)?;
+        let need = cfg.num_slots.saturating_mul(eb);
+        if dst.len() < need {
+            return Err(CoreError::Config(format!(
+                "destination of {} bytes is smaller than {} slots x {eb} bytes = {need}",
+                dst.len(),
+                cfg.num_slots
+            )));
+        }
+        if !(cfg.pacing_bytes_per_s >= 0.0 && cfg.pacing_bytes_per_s.is_finite()) {
+            return Err(CoreError::Config(format!(
+                "bad pacing rate {}",
+                cfg.pacing_bytes_per_s
+            )));
+        }
+        let bucket = (cfg.pacing_bytes_per_s > 0.0).then(|| {
+            let burst = (eb as f64).max(cfg.pacing_bytes_per_s / 100.0);
+            TokenBucket::new(cfg.pacing_bytes_per_s, burst, clock.now())
+        });
+        let layers = pool.layout().num_layers();
+        let state = State {
+            cache,
+            ready: vec![false; cfg.num_slots],
+            prefetched_unused: vec![false; cfg.num_slots],
+            transfers: HashMap::new(),
+            inflight: HashMap::new(),
+            next_transfer: 0,
+            demand_q: VecDeque::new(),
+            prefetch_q: VecDeque::new(),
+            tickets: HashMap::new(),
+            next_ticket: 0,
+            pinned: Vec::new(),
+            inflight_bytes: 0,
+            fault: None,
+            bucket,
+            stats: Stats {
+                layer_hits: vec![0; layers],
+                layer_misses: vec![0; layers],
+                ..Stats::default()
+            },
+            shutdown: false,
+        };
+        let inner = Arc::new(Inner {
+            state: Mutex::new(state),
+            work: Condvar::new(),
+            done: Condvar::new(),
+            pool,
+            dst,
+            backend,
+            clock,
+            max_inflight_bytes: cfg.max_inflight_bytes,
+        });
+        let w = Arc::clone(&inner);
+        let worker = std::thread::Builder::new()
+            .name("ftrs-transfer".into())
+            .spawn(move || worker_loop(&w))
+            .map_err(|e| CoreError::Config(format!("cannot start transfer thread: {e}")))?;
+        Ok(Self {
+            inner,
+            worker: Some(worker),
+        })
+    }
+
+    /// Number of slots.
+    pub fn num_slots(&self) -> usize {
+        lock(&self.inner.state).cache.capacity()
+    }
+    /// The backend's name.
+    pub fn backend_name(&self) -> String {
+        self.inner.backend.name()
+    }
+
+    /// One call per MoE layer (see module doc). Returns the slots of `demand`, in order, and a
+    /// ticket for [`Self::wait`].
+    pub fn lookup(&self, layer: u32, demand: &[u32], prefetch: &[Key]) -> Result<(Vec<u32>, u64)> {
+        let layout = self.inner.pool.layout();
+        for &e in demand {
+            layout.check(layer as usize, e as usize)?;
+        }
+        for &(l, e) in prefetch {
+            layout.check(l as usize, e as usize)?;
+        }
+        let mut st = lock(&self.inner.state);
+        let st = &mut *st;
+        let mut seen = HashSet::new();
+        let keys: Vec<Key> = demand
+            .iter()
+            .map(|&e| (layer, e))
+            .filter(|k| seen.insert(*k))
+            .collect();
+
+        // Phase 1: pin what is resident or in flight; collect misses.
+        let mut pinned_now = Vec::new();
+        let mut waits_on = Vec::new();
+        let mut misses = Vec::new();
+        for &key in &keys {
+            st.cache.access(key);
+            match st.cache.slot_for(key) {
+                Some(slot) => {
+                    st.cache.pin(slot);
+                    pinned_now.push(slot);
+                    if let Some(&tid) = st.inflight.get(&key) {
+                        waits_on.push(tid);
+                        // Upgrade now, so making room below never cancels what we wait on.
+                        let t = st
+                            .transfers
+                            .get_mut(&tid)
+                            .expect("in-flight map points at a live transfer");
+                        if t.prio == Prio::Prefetch {
+                            t.prio = Prio::Demand;
+                            if !t.started {
+                                st.prefetch_q.retain(|&x| x != tid);
+                                st.demand_q.push_back(tid);
+                            }
+                        }
+                    }
+                }
+                None => misses.push(key),
+            }
+        }
+        while st.cache.evictable() < misses.len() {
+            let Some(tid) = st.prefetch_q.pop_back() else {
+                break;
+            };
+            cancel_queued(st, tid);
+        }
+        if st.cache.evictable() < misses.len() {
+            for slot in pinned_now {
+                unpin(st, slot);
+            }
+            return Err(CoreError::Capacity(format!(
+                "layer {layer} needs {} more slots but only {} of {} can be evicted",
+                misses.len(),
+                st.cache.evictable(),
+                st.cache.capacity()
+            )));
+        }
+
+        // Phase 2: commit.
+        let ticket = st.next_ticket;
+        st.next_ticket += 1;
+        let lstats = layer as usize;
+        st.stats.lookups += keys.len() as u64;
+        st.stats.hits += (keys.len() - misses.len() - waits_on.len()) as u64;
+        st.stats.layer_hits[lstats] += (keys.len() - misses.len() - waits_on.len()) as u64;
+        st.stats.misses += (misses.len() + waits_on.len()) as u64;
+        st.stats.layer_misses[lstats] += (misses.len() + waits_on.len()) as u64;
+        for &slot in &pinned_now {
+            if std::mem::take(&mut st.prefetched_unused[slot as usize]) {
+                st.stats.prefetch_used += 1;
+            }
+        }
+        for &tid in &waits_on {
+            let t = st
+                .transfers
+                .get_mut(&tid)
+                .expect("in-flight map points at a live transfer");
+            if t.was_prefetch && !t.used {
+                t.used = true;
+                st.stats.prefetch_used += 1;
+            }
+            t.waiters.push(ticket);
+        }
+        let mut remaining = waits_on.len();
+        for &key in &misses {
+            let slot = allocate(st, key).expect("capacity checked above");
+            st.cache.pin(slot);
+            pinned_now.push(slot);
+            queue(st, key, slot, Prio::Demand, Some(ticket));
+            st.stats.demand_fetches += 1;
+            remaining += 1;
+        }
+        st.tickets.insert(
+            ticket,
+            Ticket {
+                remaining,
+                error: None,
+            },
+        );
+        st.pinned.extend(pinned_now);
+
+        for &key in prefetch {
+            if st.cache.slot_for(key).is_some() || st.cache.evictable() == 0 {
+                continue;
+            }
+            let slot = allocate(st, key).expect("an evictable slot exists");
+            queue(st, key, slot, Prio::Prefetch, None);
+            st.stats.prefetch_issued += 1;
+        }
+        let slots = demand
+            .iter()
+            .map(|&e| {
+                st.cache
+                    .slot_for((layer, e))
+                    .expect("demanded key is resident or in flight")
+            })
+            .collect();
+        self.inner.work.notify_all();
+        Ok((slots, ticket))
+    }
+
+    /// Blocks until every demand transfer of `ticket` landed; returns the first failure.
+    pub fn wait(&self, ticket: u64) -> Result<()> {
+        let mut st = lock(&self.inner.state);
+        loop {
+            match st.tickets.get(&ticket) {
+                None if ticket < st.next_ticket => return Ok(()),
+                None => return Err(CoreError::Config(format!("unknown ticket {ticket}"))),
+                Some(t) if t.remaining == 0 => {
+                    let t = st.tickets.remove(&ticket).expect("present");
+                    return t.error.map_or(Ok(()), Err);
+                }
+                Some(_) => st = self.inner.done.wait(st).unwrap_or_else(|p| p.into_inner()),
+            }
+        }
+    }
+
+    /// Unpins everything pinned by lookups since the last release.
+    pub fn release(&self) {
+        let mut st = lock(&self.inner.state);
+        let st = &mut *st;
+        for slot in std::mem::take(&mut st.pinned) {
+            unpin(st, slot);
+        }
+        st.tickets
+            .retain(|_, t| t.remaining > 0 || t.error.is_some());
+    }
+
+    /// Cancels every prefetch not yet demanded; returns how many.
+    pub fn cancel_prefetches(&self) -> usize {
+        let mut st = lock(&self.inner.state);
+        let st = &mut *st;
+        let mut n = 0;
+        while let Some(tid) = st.prefetch_q.pop_front() {
+            cancel_queued(st, tid);
+            n += 1;
+        }
+        let started: Vec<u64> = st
+            .transfers
+            .iter()
+            .filter(|(_, t)| t.started && t.prio == Prio::Prefetch && !t.cancelled)
+            .map(|(id, _)| *id)
+            .collect();
+        for tid in started {
+            let t = st.transfers.get_mut(&tid).expect("listed above");
+            t.cancelled = true;
+            let (key, slot) = (t.key, t.slot);
+            st.inflight.remove(&key);
+            st.cache.detach(slot);
+            st.stats.prefetch_cancelled += 1;
+            st.stats.prefetch_wasted += 1;
+            n += 1;
+        }
+        n
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> Stats {
+        let st = lock(&self.inner.state);
+        let mut s = st.stats.clone();
+        s.queue_depth = (st.demand_q.len() + st.prefetch_q.len()) as u64;
+        s.inflight_bytes = st.inflight_bytes as u64;
+        s
+    }
+
+    /// Zeroes the counters (gauges are recomputed on read).
+    pub fn reset_stats(&self) {
+        let mut st = lock(&self.inner.state);
+        let layers = st.stats.layer_hits.len();
+        st.stats = Stats {
+            layer_hits: vec![0; layers],
+            layer_misses: vec![0; layers],
+            ..Stats::default()
+        };
+    }
+
+    /// (layer, expert, slot) of every slot whose bytes have landed.
+    pub fn resident(&self) -> Vec<(u32, u32, u32)> {
+        let st = lock(&self.inner.state);
+        let mut v: Vec<_> = st
+            .cache
+            .resident()
+            .filter(|(_, s)| st.ready[*s as usize])
+            .map(|((l, e), s)| (l, e, s))
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// Makes the copy after the next `after_copies` ones fail with `kind` (a drill).
+    pub fn inject_fault(&self, kind: DeviceFault, after_copies: u64) {
+        lock(&self.inner.state).fault = Some((kind, after_copies));
+    }
+
+    /// Checks the cache's structural invariants and the engine's own (tests).
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let st = lock(&self.inner.state);
+        st.cache.check_invariants()?;
+        let bytes: usize = st.transfers.values().filter(|t| t.started).count()
+            * self.inner.pool.layout().expert_bytes();
+        if bytes != st.inflight_bytes {
+            return Err(format!("inflight_bytes {} != {bytes}", st.inflight_bytes));
+        }
+        for (key, tid) in &st.inflight {
+            let t = &st.transfers[tid];
+            if t.key != *key || t.cancelled || st.cache.slot_for(*key) != Some(t.slot) {
+                return Err(format!("in-flight entry of {key:?} is stale"));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for TransferEngine {
+    fn drop(&mut self) {
+        lock(&self.inner.state).shutdown = true;
+        self.inner.work.notify_all();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// A slot for `key` (not resident): free or evicted per policy.
+fn allocate(st: &mut State, key: Key) -> Result<u32> {
+    let (slot, evicted) = st.cache.insert(key)?;
+    let s = slot as usize;
+    if evicted.is_some() && std::mem::take(&mut st.prefetched_unused[s]) {
+        st.stats.prefetch_wasted += 1;
+    }
+    st.ready[s] = false;
+    st.prefetched_unused[s] = false;
+    Ok(slot)
+}
+
+fn queue(st: &mut State, key: Key, slot: u32, prio: Prio, ticket: Option<u64>) {
+    let tid = st.next_transfer;
+    st.next_transfer += 1;
+    st.cache.pin(slot);
+    let t = Transfer {
+        key,
+        slot,
+        prio,
+        was_prefetch: prio == Prio::Prefetch,
+        used: false,
+        started: false,
+        cancelled: false,
+        waiters: ticket.into_iter().collect(),
+    };
+    st.transfers.insert(tid, t);
+    debug_assert!(!st.inflight.contains_key(&key), "{key:?} fetched twice");
+    st.inflight.insert(key, tid);
+    match prio {
+        Prio::Demand => st.demand_q.push_back(tid),
+        Prio::Prefetch => st.prefetch_q.push_back(tid),
+    }
+}
+
+/// Drops a queued (not started) prefetch and frees its slot.
+fn cancel_queued(st: &mut State, tid: u64) {
+    let t = st.transfers.remove(&tid).expect("queued transfer is live");
+    debug_assert!(!t.started && t.prio == Prio::Prefetch && t.waiters.is_empty());
+    st.inflight.remove(&t.key);
+    unpin(st, t.slot);
+    if st.cache.pins(t.slot) == 0 && st.cache.id_of_slot(t.slot).is_some() {
+        st.cache.free(t.slot);
+    }
+    st.stats.prefetch_cancelled += 1;
+    st.stats.prefetch_wasted += 1;
+}
+
+/// Drops one pin; a reserved slot (detached key) is freed at its last pin.
+fn unpin(st: &mut State, slot: u32) {
+    st.cache.unpin(slot);
+    if st.cache.pins(slot) == 0 && st.cache.is_reserved(slot) {
+        st.cache.free(slot);
+    }
+}
+
+enum Step {
+    Submit(u64, CopyJob, Option<CoreError>),
+    Finish,
+    Exit,
+}
+
+fn worker_loop(inner: &Inner) {
+    let eb = inner.pool.layout().expert_bytes();
+    let mut pending: VecDeque<(u64, Result<Completion>)> = VecDeque::new();
+    loop {
+        let step = {
+            let mut st = lock(&inner.state);
+            loop {
+                let next = st.demand_q.front().or(st.prefetch_q.front()).copied();
+                let fits = inner.max_inflight_bytes == 0
+                    || st.inflight_bytes == 0
+                    || st.inflight_bytes + eb <= inner.max_inflight_bytes;
+                if let (Some(tid), true) = (next, fits) {
+                    let now = inner.clock.now();
+                    let delay = st
+                        .bucket
+                        .as_mut()
+                        .map_or(std::time::Duration::ZERO, |b| b.delay_for(now, eb));
+                    if !delay.is_zero() {
+                        if !pending.is_empty() {
+                            break Step::Finish;
+                        }
+                        if inner.clock.block_or_advance(delay) {
+                            st = inner
+                                .work
+                                .wait_timeout(st, delay)
+                                .unwrap_or_else(|p| p.into_inner())
+                                .0;
+                        }
+                        continue;
+                    }
+                    if let Some(b) = st.bucket.as_mut() {
+                        b.consume(now, eb);
+                    }
+                    if st.demand_q.front() == Some(&tid) {
+                        st.demand_q.pop_front();
+                    } else {
+                        st.prefetch_q.pop_front();
+                    }
+                    st.inflight_bytes += eb;
+                    let t = st.transfers.get_mut(&tid).expect("queued transfer is live");
+                    t.started = true;
+                    let (key, slot) = (t.key, t.slot);
+                    let src = inner
+                        .pool
+                        .layout()
+                        .block_offset(key.0 as usize, key.1 as usize);
+                    let job = src.and_then(|off| {
+                        CopyJob::new(inner.pool.region(), off, &inner.dst, slot as usize * eb, eb)
+                    });
+                    let fault = match st.fault {
+                        Some((kind, 0)) => {
+                            st.fault = None;
+                            Some(CoreError::Device {
+                                kind,
+                                source_name: "copy_backend",
+                                injected: true,
+                                detail: format!("injected {kind} on copy of expert {key:?}"),
+                            })
+                        }
+                        Some((kind, n)) => {
+                            st.fault = Some((kind, n - 1));
+                            None
+                        }
+                        None => None,
+                    };
+                    match job {
+                        Ok(job) => break Step::Submit(tid, job, fault),
+                        Err(e) => {
+                            pending.push_back((tid, Err(e)));
+                            continue;
+                        }
+                    }
+                }
+                if !pending.is_empty() {
+                    break Step::Finish;
+                }
+                if st.shutdown {
+                    break Step::Exit;
+                }
+                st = inner.work.wait(st).unwrap_or_else(|p| p.into_inner());
+            }
+        };
+        match step {
+            Step::Submit(tid, job, fault) => {
+                let r = match fault {
+                    Some(e) => Err(e),
+                    None => inner.backend.submit(&job),
+                };
+                pending.push_back((tid, r));
+            }
+            Step::Finish => {
+                let (tid, c) = pending.pop_front().expect("pending is non-empty");
+                let r = c.and_then(|c| inner.backend.finish(c));
+                complete(inner, tid, r, eb);
+            }
+            Step::Exit => return,
+        }
+    }
+}
+
+fn complete(inner: &Inner, tid: u64, r: Result<()>, eb: usize) {
+    let mut st = lock(&inner.state);
+    let st = &mut *st;
+    let t = st.transfers.remove(&tid).expect("started transfer is live");
+    st.inflight_bytes -= eb;
+    if !t.cancelled {
+        st.inflight.remove(&t.key);
+    }
+    let s = t.slot as usize;
+    match (&r, t.cancelled) {
+        (Ok(()), false) => {
+            st.ready[s] = true;
+            st.prefetched_unused[s] = t.was_prefetch && !t.used;
+            st.stats.bytes_h2d += eb as u64;
+        }
+        (Err(_), false) => {
+            st.cache.detach(t.slot);
+        }
+        (_, true) => {}
+    }
+    unpin(st, t.slot);
+    for w in &t.waiters {
+        if let Some(tk) = st.tickets.get_mut(w) {
+            tk.remaining -= 1;
+            if let (Err(e), None) = (&r, &tk.error) {
+                tk.error = Some(e.clone());
+            }
+        }
+    }
+    inner.done.notify_all();
+}
