@@ -1,0 +1,380 @@
+//! Transfer engine behaviour: bytes land where the slots say, demand before prefetch, no
+//! double fetch, cancellation, faults, budget and pacing on a virtual clock.
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use ftrs_core::backend::{Completion, CopyBackend, HostBackend, SimulatedBackend};
+use ftrs_core::raw::CopyJob;
+use ftrs_core::{
+    Clock, CoreError, Destination, DeviceFault, EngineConfig, ExpertLayout, ExpertPool, MemKind,
+    Policy, RealClock, TransferEngine, VirtualClock,
+};
+use proptest::prelude::*;
+
+const LAYERS: usize = 3;
+const EXPERTS: usize = 8;
+
+/// A pool whose every byte of block (l, e) is `l * 16 + e + 1`.
+fn pool() -> Arc<ExpertPool> {
+    let lay = ExpertLayout::new(LAYERS, EXPERTS, &[100, 60], 64).unwrap();
+    let pool = ExpertPool::new(lay, ftrs_core::PoolDtype::F32).unwrap();
+    for l in 0..LAYERS {
+        for e in 0..EXPERTS {
+            for (t, n) in [(0, 100), (1, 60)] {
+                pool.write(l, e, t, &vec![(l * 16 + e + 1) as u8; n])
+                    .unwrap();
+            }
+        }
+    }
+    Arc::new(pool)
+}
+
+/// The slot buffer of a test engine.
+struct Dst {
+    /// Host memory standing in for device slots.
+    buf: Vec<u8>,
+}
+
+fn engine_on(
+    pool: Arc<ExpertPool>,
+    slots: usize,
+    backend: Arc<dyn CopyBackend>,
+    clock: Arc<dyn Clock>,
+    budget: usize,
+) -> (TransferEngine, Box<Dst>) {
+    engine_paced(pool, slots, backend, clock, budget, 0.0)
+}
+
+fn engine_paced(
+    pool: Arc<ExpertPool>,
+    slots: usize,
+    backend: Arc<dyn CopyBackend>,
+    clock: Arc<dyn Clock>,
+    budget: usize,
+    pace: f64,
+) -> (TransferEngine, Box<Dst>) {
+    let mut dst = Box::new(Dst {
+        buf: vec![0u8; slots * pool.layout().expert_bytes()],
+    });
+    // SAFETY: `dst.buf` is host memory that outlives the engine (tuple fields drop in order:
+    // the engine first), disjoint from the pool, and read only after `wait` or when idle.
+    let d =
+        unsafe { Destination::new(dst.buf.as_mut_ptr() as usize, dst.buf.len(), MemKind::Host) };
+    let cfg = EngineConfig {
+        num_slots: slots,
+        policy: Policy::Lru,
+        max_inflight_bytes: budget,
+        pacing_bytes_per_s: pace,
+    };
+    let eng = TransferEngine::new(pool, d, cfg, backend, clock).unwrap();
+    (eng, dst)
+}
+
+fn host_engine(slots: usize) -> (TransferEngine, Box<Dst>, Arc<ExpertPool>) {
+    let p = pool();
+    let (e, d) = engine_on(
+        Arc::clone(&p),
+        slots,
+        Arc::new(HostBackend { threads: 1 }),
+        Arc::new(RealClock::new()),
+        0,
+    );
+    (e, d, p)
+}
+
+fn slot_byte(dst: &Dst, pool: &ExpertPool, slot: u32) -> u8 {
+    let lay = pool.layout();
+    let base = slot as usize * lay.expert_bytes();
+    let t1 = lay.tensor_offset(1).unwrap();
+    let b: Vec<u8> = dst.buf[base..base + 100]
+        .iter()
+        .chain(&dst.buf[base + t1..base + t1 + 60])
+        .copied()
+        .collect();
+    assert!(b.iter().all(|&x| x == b[0]), "slot {slot} is torn");
+    b[0]
+}
+
+fn idle(eng: &TransferEngine) {
+    for _ in 0..10_000 {
+        let s = eng.stats();
+        if s.queue_depth == 0 && s.inflight_bytes == 0 {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    panic!("engine never went idle");
+}
+
+/// Records the order of copies (as keys) and blocks every copy until the gate opens.
+#[derive(Debug)]
+struct Gate {
+    inner: HostBackend,
+    open: Mutex<bool>,
+    cv: Condvar,
+    order: Mutex<Vec<(u32, u32)>>,
+    pool_addr: usize,
+    eb: usize,
+}
+
+impl Gate {
+    fn new(pool_addr: usize, eb: usize) -> Arc<Self> {
+        Arc::new(Self {
+            inner: HostBackend { threads: 1 },
+            open: Mutex::new(false),
+            cv: Condvar::new(),
+            order: Mutex::new(Vec::new()),
+            pool_addr,
+            eb,
+        })
+    }
+    fn open(&self) {
+        *self.open.lock().unwrap() = true;
+        self.cv.notify_all();
+    }
+    fn order(&self) -> Vec<(u32, u32)> {
+        self.order.lock().unwrap().clone()
+    }
+}
+
+impl CopyBackend for Gate {
+    fn name(&self) -> String {
+        "gate".into()
+    }
+    fn submit(&self, job: &CopyJob) -> ftrs_core::Result<Completion> {
+        let block = (job.src() - self.pool_addr) / self.eb;
+        self.order
+            .lock()
+            .unwrap()
+            .push(((block / EXPERTS) as u32, (block % EXPERTS) as u32));
+        let mut open = self.open.lock().unwrap();
+        while !*open {
+            open = self.cv.wait(open).unwrap();
+        }
+        self.inner.submit(job)
+    }
+    fn finish(&self, c: Completion) -> ftrs_core::Result<()> {
+        self.inner.finish(c)
+    }
+}
+
+fn gated(slots: usize) -> (TransferEngine, Box<Dst>, Arc<ExpertPool>, Arc<Gate>) {
+    let p = pool();
+    let gate = Gate::new(p.address(), p.layout().expert_bytes());
+    let (e, d) = engine_on(
+        Arc::clone(&p),
+        slots,
+        gate.clone(),
+        Arc::new(RealClock::new()),
+        0,
+    );
+    (e, d, p, gate)
+}
+
+#[test]
+fn demanded_bytes_land_in_the_returned_slots_and_hit_the_second_time() {
+    let rig = host_engine(4);
+    let (eng, dst, pool) = (&rig.0, &*rig.1, &rig.2);
+    let (slots, t) = eng.lookup(1, &[3, 5, 3], &[]).unwrap();
+    assert_eq!(slots[0], slots[2]);
+    eng.wait(t).unwrap();
+    assert_eq!(slot_byte(&dst, &pool, slots[0]), 16 + 3 + 1);
+    assert_eq!(slot_byte(&dst, &pool, slots[1]), 16 + 5 + 1);
+    eng.release();
+    let (again, t) = eng.lookup(1, &[5, 3], &[]).unwrap();
+    eng.wait(t).unwrap();
+    assert_eq!(again, vec![slots[1], slots[0]]);
+    let s = eng.stats();
+    assert_eq!(
+        (s.lookups, s.hits, s.misses, s.demand_fetches),
+        (4, 2, 2, 2)
+    );
+    assert_eq!(s.layer_hits[1], 2);
+    assert_eq!(s.bytes_h2d, 2 * pool.layout().expert_bytes() as u64);
+    assert_eq!(eng.resident(), vec![(1, 3, slots[0]), (1, 5, slots[1])]);
+    eng.check_invariants().unwrap();
+}
+
+#[test]
+fn a_demand_never_waits_behind_a_queued_prefetch() {
+    let rig = gated(8);
+    let (eng, _dst, _p, gate) = (&rig.0, &*rig.1, &rig.2, &rig.3);
+    // (0,0) starts and blocks at the gate; three prefetches queue behind it.
+    let (_, t0) = eng.lookup(0, &[0], &[(1, 0), (1, 1), (1, 2)]).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let (_, t1) = eng.lookup(0, &[5], &[]).unwrap();
+    gate.open();
+    eng.wait(t0).unwrap();
+    eng.wait(t1).unwrap();
+    idle(eng);
+    assert_eq!(gate.order(), vec![(0, 0), (0, 5), (1, 0), (1, 1), (1, 2)]);
+    assert_eq!(eng.stats().prefetch_issued, 3);
+}
+
+#[test]
+fn a_demand_for_an_inflight_prefetch_upgrades_it_instead_of_fetching_twice() {
+    let rig = gated(8);
+    let (eng, dst, p, gate) = (&rig.0, &*rig.1, &rig.2, &rig.3);
+    let (_, t0) = eng.lookup(0, &[0], &[(1, 0), (1, 1), (1, 2)]).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let (slots, t1) = eng.lookup(1, &[2], &[]).unwrap();
+    gate.open();
+    eng.wait(t0).unwrap();
+    eng.wait(t1).unwrap();
+    assert_eq!(slot_byte(&dst, &p, slots[0]), 16 + 2 + 1);
+    idle(eng);
+    assert_eq!(gate.order(), vec![(0, 0), (1, 2), (1, 0), (1, 1)]);
+    let s = eng.stats();
+    assert_eq!((s.prefetch_used, s.demand_fetches, s.misses), (1, 1, 2));
+}
+
+#[test]
+fn cancelled_prefetches_never_land_queued_or_started() {
+    let rig = gated(8);
+    let (eng, _dst, _p, gate) = (&rig.0, &*rig.1, &rig.2, &rig.3);
+    // A started prefetch (blocked in the backend) and two queued ones.
+    let (_, t) = eng.lookup(0, &[], &[(2, 1), (2, 2), (2, 3)]).unwrap();
+    eng.wait(t).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(eng.cancel_prefetches(), 3);
+    gate.open();
+    idle(eng);
+    assert!(eng.resident().is_empty(), "{:?}", eng.resident());
+    assert_eq!(gate.order(), vec![(2, 1)]);
+    let s = eng.stats();
+    assert_eq!((s.prefetch_cancelled, s.prefetch_wasted), (3, 3));
+    eng.check_invariants().unwrap();
+    // All slots are usable again.
+    let (_, t) = eng.lookup(0, &[0, 1, 2, 3, 4, 5, 6, 7], &[]).unwrap();
+    eng.wait(t).unwrap();
+}
+
+#[test]
+fn demand_beyond_unpinned_capacity_is_a_capacity_error_that_changes_nothing() {
+    let rig = host_engine(3);
+    let (eng, _dst, _p) = (&rig.0, &*rig.1, &rig.2);
+    let (_, t) = eng.lookup(0, &[0, 1], &[]).unwrap();
+    eng.wait(t).unwrap();
+    assert!(matches!(
+        eng.lookup(1, &[0, 1], &[]),
+        Err(CoreError::Capacity(_))
+    ));
+    eng.check_invariants().unwrap();
+    let (_, t) = eng.lookup(1, &[0], &[]).unwrap();
+    eng.wait(t).unwrap();
+    assert!(matches!(
+        eng.lookup(0, &[9], &[]),
+        Err(CoreError::Config(_))
+    ));
+}
+
+#[test]
+fn an_injected_fault_fails_the_nth_copy_and_frees_its_slot() {
+    let rig = host_engine(4);
+    let (eng, _dst, _p) = (&rig.0, &*rig.1, &rig.2);
+    eng.inject_fault(DeviceFault::DeviceLost, 1);
+    let (_, t) = eng.lookup(0, &[0], &[]).unwrap();
+    eng.wait(t).unwrap();
+    let (_, t) = eng.lookup(0, &[1], &[]).unwrap();
+    match eng.wait(t) {
+        Err(CoreError::Device {
+            kind: DeviceFault::DeviceLost,
+            injected: true,
+            ..
+        }) => {}
+        other => panic!("expected an injected DeviceLost, got {other:?}"),
+    }
+    eng.release();
+    eng.check_invariants().unwrap();
+    assert_eq!(eng.resident().len(), 1);
+    let (_, t) = eng.lookup(0, &[1], &[]).unwrap();
+    eng.wait(t).unwrap();
+}
+
+#[test]
+fn the_inflight_budget_bounds_bytes_in_flight_on_a_simulated_link() {
+    let clock = Arc::new(VirtualClock::new());
+    let p = pool();
+    let eb = p.layout().expert_bytes();
+    // 1 byte per ns, 10 us per copy.
+    let link = Arc::new(SimulatedBackend::new(1.0, 10.0, clock.clone(), 1).unwrap());
+    let rig = engine_on(Arc::clone(&p), 8, link, clock.clone(), 2 * eb);
+    let (eng, dst) = (&rig.0, &*rig.1);
+    let (slots, t) = eng.lookup(0, &[0, 1, 2, 3, 4, 5], &[]).unwrap();
+    eng.wait(t).unwrap();
+    for (e, s) in slots.iter().enumerate() {
+        assert_eq!(slot_byte(&dst, &p, *s), e as u8 + 1);
+    }
+    // A serial link: six copies of (10 us + eb ns) back to back.
+    let expect = 6.0 * (10e-6 + eb as f64 * 1e-9);
+    let took = clock.now().as_secs_f64();
+    assert!((took - expect).abs() < 1e-9, "{took} vs {expect}");
+}
+
+#[test]
+fn pacing_holds_the_byte_rate_on_a_virtual_clock() {
+    let clock = Arc::new(VirtualClock::new());
+    let p = pool();
+    let eb = p.layout().expert_bytes() as f64;
+    let rate = eb * 100.0; // 100 blocks per virtual second; burst = one block
+    let rig = engine_paced(
+        Arc::clone(&p),
+        8,
+        Arc::new(HostBackend { threads: 1 }),
+        clock.clone(),
+        0,
+        rate,
+    );
+    let eng = &rig.0;
+    let (_, t) = eng.lookup(0, &[0, 1, 2, 3, 4, 5, 6, 7], &[]).unwrap();
+    eng.wait(t).unwrap();
+    // The first block rides the burst; seven more at 10 ms each.
+    let took = clock.now().as_secs_f64();
+    assert!((took - 0.07).abs() < 1e-6, "took {took}");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_lookups_keep_every_invariant(
+        ops in proptest::collection::vec(
+            (0u8..5, 0u32..LAYERS as u32, proptest::collection::vec(0u32..EXPERTS as u32, 0..4),
+             proptest::collection::vec((0u32..LAYERS as u32, 0u32..EXPERTS as u32), 0..4)),
+            1..40),
+        slots in 4usize..10,
+    ) {
+        let rig = host_engine(slots);
+    let (eng, dst, p) = (&rig.0, &*rig.1, &rig.2);
+        let mut held: Vec<((u32, u32), u32)> = Vec::new();
+        for (op, layer, demand, prefetch) in ops {
+            match op {
+                0..=2 => match eng.lookup(layer, &demand, &prefetch) {
+                    Ok((got, t)) => {
+                        eng.wait(t).unwrap();
+                        for (e, s) in demand.iter().zip(&got) {
+                            held.push(((layer, *e), *s));
+                        }
+                    }
+                    Err(CoreError::Capacity(_)) => {}
+                    Err(e) => panic!("{e}"),
+                },
+                3 => { eng.release(); held.clear(); }
+                _ => { eng.cancel_prefetches(); }
+            }
+            eng.check_invariants().map_err(TestCaseError::fail)?;
+            // Pinned experts stay resident, in their slot, with their bytes.
+            let resident = eng.resident();
+            prop_assert!(resident.len() <= slots);
+            for &((l, e), s) in &held {
+                prop_assert!(resident.contains(&(l, e, s)), "{:?} lost slot {}", (l, e), s);
+                prop_assert_eq!(slot_byte(&dst, &p, s), (l * 16 + e + 1) as u8);
+            }
+            let mut seen = std::collections::HashSet::new();
+            for (_, _, s) in &resident {
+                prop_assert!(seen.insert(*s), "slot {} owned twice", s);
+            }
+        }
+    }
+}
