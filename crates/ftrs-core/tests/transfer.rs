@@ -179,8 +179,8 @@ fn demanded_bytes_land_in_the_returned_slots_and_hit_the_second_time() {
     let (slots, t) = eng.lookup(1, &[3, 5, 3], &[]).unwrap();
     assert_eq!(slots[0], slots[2]);
     eng.wait(t).unwrap();
-    assert_eq!(slot_byte(&dst, &pool, slots[0]), 16 + 3 + 1);
-    assert_eq!(slot_byte(&dst, &pool, slots[1]), 16 + 5 + 1);
+    assert_eq!(slot_byte(dst, pool, slots[0]), 16 + 3 + 1);
+    assert_eq!(slot_byte(dst, pool, slots[1]), 16 + 5 + 1);
     eng.release();
     let (again, t) = eng.lookup(1, &[5, 3], &[]).unwrap();
     eng.wait(t).unwrap();
@@ -222,7 +222,7 @@ fn a_demand_for_an_inflight_prefetch_upgrades_it_instead_of_fetching_twice() {
     gate.open();
     eng.wait(t0).unwrap();
     eng.wait(t1).unwrap();
-    assert_eq!(slot_byte(&dst, &p, slots[0]), 16 + 2 + 1);
+    assert_eq!(slot_byte(dst, p, slots[0]), 16 + 2 + 1);
     idle(eng);
     assert_eq!(gate.order(), vec![(0, 0), (1, 2), (1, 0), (1, 1)]);
     let s = eng.stats();
@@ -304,7 +304,7 @@ fn the_inflight_budget_bounds_bytes_in_flight_on_a_simulated_link() {
     let (slots, t) = eng.lookup(0, &[0, 1, 2, 3, 4, 5], &[]).unwrap();
     eng.wait(t).unwrap();
     for (e, s) in slots.iter().enumerate() {
-        assert_eq!(slot_byte(&dst, &p, *s), e as u8 + 1);
+        assert_eq!(slot_byte(dst, &p, *s), e as u8 + 1);
     }
     // A serial link: six copies of (10 us + eb ns) back to back.
     let expect = 6.0 * (10e-6 + eb as f64 * 1e-9);
@@ -369,7 +369,7 @@ proptest! {
             prop_assert!(resident.len() <= slots);
             for &((l, e), s) in &held {
                 prop_assert!(resident.contains(&(l, e, s)), "{:?} lost slot {}", (l, e), s);
-                prop_assert_eq!(slot_byte(&dst, &p, s), (l * 16 + e + 1) as u8);
+                prop_assert_eq!(slot_byte(dst, p, s), (l * 16 + e + 1) as u8);
             }
             let mut seen = std::collections::HashSet::new();
             for (_, _, s) in &resident {
