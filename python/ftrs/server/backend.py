@@ -17,7 +17,6 @@ from ftrs.server.engine_process import LoadedEngine
 
 def load(config: EngineConfig) -> LoadedEngine:
     from ftrs.engine.core import EngineCore
-
     from ftrs.models import resolve_model
 
     path = str(resolve_model(config.model))

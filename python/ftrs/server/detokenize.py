@@ -2,8 +2,9 @@
 
 Detokenizer: a token can end in the middle of a multi-byte UTF-8 character (byte-level BPE), and
 SentencePiece decoders render a leading space from the previous token. So each push decodes a
-short window `ids[prefix_offset:]` and emits only the part past `ids[prefix_offset:read_offset]`,
-and only once it no longer ends in U+FFFD (an incomplete character). The concatenation of what
+short window `ids[prefix_offset:]` and emits only the part past `ids[prefix_offset:read_offset]`;
+while the window ends in U+FFFD (an incomplete character) it emits only the text before it and
+does not advance. The concatenation of what
 `push` and `flush` return equals `decode(all ids)` for tokenizers whose decode is local.
 
 Stop strings: matched on the detokenized text; the text is cut *before* the stop string, and the
@@ -31,6 +32,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self._prefix_offset = 0  # start of the context window decoded with each push
         self._read_offset = 0  # ids before this index are already emitted as text
+        self._partial = 0  # chars emitted past `read_offset` while a character was incomplete
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
@@ -41,11 +43,17 @@ class IncrementalDetokenizer:
         self.ids.extend(new_ids)
         prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
         full = self._decode(self.ids[self._prefix_offset :])
-        if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
-            return ""
-        delta = full[len(prefix) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self.ids)
+        start = len(prefix) + self._partial
+        if full.endswith(_REPLACEMENT):
+            # An incomplete character at the end: emit what precedes it, keep the window.
+            stable = full.rstrip(_REPLACEMENT)
+            delta = stable[start:] if len(stable) > start else ""
+            self._partial += len(delta)
+        else:
+            delta = full[start:] if len(full) > start else ""
+            if len(full) > len(prefix):
+                self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
+                self._partial = 0
         self.text += delta
         return delta
 
@@ -53,8 +61,10 @@ class IncrementalDetokenizer:
         """The request finished: emit whatever is left, incomplete characters included."""
         prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
         full = self._decode(self.ids[self._prefix_offset :])
-        delta = full[len(prefix) :] if len(full) > len(prefix) else ""
+        start = len(prefix) + self._partial
+        delta = full[start:] if len(full) > start else ""
         self._prefix_offset = self._read_offset = len(self.ids)
+        self._partial = 0
         self.text += delta
         return delta
 

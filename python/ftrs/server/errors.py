@@ -46,7 +46,9 @@ def error_from_dict(d: dict[str, Any]) -> FtrsError:
     if isinstance(cls, type) and issubclass(cls, FtrsError) and cls is not ftrs_errors.ModelLoadError:
         return cls(message, evidence=evidence)
     err = FtrsError(message, evidence=evidence)
-    err.http_status = int(d.get("http_status", 500))
+    # A model that failed to load leaves the service unavailable (503), whatever its class says.
+    load_failure = d.get("type") == "ModelLoadError"
+    err.http_status = 503 if load_failure else int(d.get("http_status", 500))
     err.code = str(d.get("code", "internal_error"))
     return err
 

@@ -1,0 +1,51 @@
+"""`ftrs serve` options: one per EngineConfig field, typed, defaults untouched when absent."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+import pytest
+
+from ftrs.config import EngineConfig
+from ftrs.errors import ConfigError
+from ftrs.server.cli import add_serve_arguments, engine_config_from_args
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_every_engine_config_field_has_an_option() -> None:
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    options = {o for a in parser._actions for o in a.option_strings}
+    for f in fields(EngineConfig):
+        assert "--" + f.name.replace("_", "-") in options, f.name
+
+
+def test_defaults_match_engine_config_and_server_defaults() -> None:
+    args = _parse()
+    assert engine_config_from_args(args) == EngineConfig()
+    assert (args.model, args.host, args.port, args.api_key) == ("demo", "127.0.0.1", 8000, None)
+
+
+def test_options_are_typed() -> None:
+    args = _parse("--model", "m", "--moe-cache-size", "8", "--no-moe-prefetch", "--pcie-pacing", "2.5",
+                  "--moe-strategy", "offload", "--max-prefill-length", "1024")
+    config = engine_config_from_args(args)
+    assert config.model == "m"
+    assert config.moe_cache_size == 8
+    assert config.moe_prefetch is False
+    assert config.pcie_pacing == 2.5
+    assert config.moe_strategy == "offload"
+    assert config.max_prefill_length == 1024
+
+
+def test_bad_values_raise_typed_config_errors() -> None:
+    with pytest.raises(ConfigError, match="page_size"):
+        engine_config_from_args(_parse("--page-size", "3"))
+    with pytest.raises(SystemExit):
+        _parse("--moe-cache-size", "many")

@@ -1,0 +1,67 @@
+"""ServerMetrics observes StepStats into Prometheus text that the official parser reads."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from ftrs.engine.protocol import StepStats
+from ftrs.server.metrics import ServerMetrics
+
+
+def _stats(step: int, **experts: float) -> StepStats:
+    return StepStats(step=step, time=0.0, duration_s=0.01, kind="mixed", num_running=3,
+                     num_waiting=2, prefill_tokens=100, decode_tokens=3, kv_usage_ratio=0.25,
+                     prefix_hit_tokens=16, experts=dict(experts))
+
+
+def _samples(m: ServerMetrics) -> dict[str, float]:
+    out = {}
+    for fam in text_string_to_metric_families(m.render().decode()):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def test_cumulative_engine_counters_become_prometheus_counters() -> None:
+    m = ServerMetrics()
+    m.observe_step(_stats(1, h2d_bytes=1000, hits=5, misses=1, slots=32))
+    m.observe_step(_stats(2, h2d_bytes=2500, hits=9, misses=1, slots=32))
+    s = _samples(m)
+    assert s["ftrs_pcie_bytes_total{direction=h2d}"] == 2500
+    assert s["ftrs_expert_lookups_total{result=hit}"] == 9
+    assert s["ftrs_expert_lookups_total{result=miss}"] == 1
+    assert s["ftrs_expert_cache_slots"] == 32
+    assert s["ftrs_requests_running"] == 3 and s["ftrs_requests_waiting"] == 2
+    assert s["ftrs_kv_cache_usage_ratio"] == 0.25
+    assert s["ftrs_prefix_cache_hit_tokens_total"] == 32
+    assert s["ftrs_prefill_chunk_tokens_count"] == 2
+
+
+def test_a_counter_that_goes_down_means_an_engine_restart_and_is_added_whole() -> None:
+    m = ServerMetrics()
+    m.observe_experts({"h2d_bytes": 1000})
+    m.observe_experts({"h2d_bytes": 300})
+    assert _samples(m)["ftrs_pcie_bytes_total{direction=h2d}"] == 1300
+
+
+def test_device_state_is_one_hot_and_build_info_is_labelled() -> None:
+    m = ServerMetrics()
+    m.set_device_state("lost", up=False)
+    s = _samples(m)
+    assert s["ftrs_device_state{state=lost}"] == 1
+    assert s["ftrs_device_state{state=ok}"] == 0
+    assert s["ftrs_device_up"] == 0
+    assert [k for k in s if k.startswith("ftrs_build_info{version=")]
+
+
+def test_request_outcomes_and_tokens_are_counted() -> None:
+    m = ServerMetrics()
+    m.request_done("success", prompt_tokens=10, generation_tokens=5, latency_s=0.5)
+    m.request_done("aborted", prompt_tokens=7, generation_tokens=2, latency_s=None)
+    s = _samples(m)
+    assert s["ftrs_requests_total{status=success}"] == 1
+    assert s["ftrs_requests_total{status=aborted}"] == 1
+    assert s["ftrs_prompt_tokens_total"] == 17
+    assert s["ftrs_generation_tokens_total"] == 7
+    assert s["ftrs_request_latency_seconds_count"] == 1
