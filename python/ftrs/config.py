@@ -70,4 +70,45 @@ class EngineConfig:
         return cls(**kwargs)
 
 
-__all__ = ["EngineConfig", "env_flag", "ftrs_home"]
+
+
+
+def _flag_type(annotation: object) -> tuple[type, bool]:
+    """(base type, optional) from a dataclass annotation string such as "int | None"."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "str")
+    parts = [p.strip() for p in text.split("|")]
+    names = [p for p in parts if p != "None"]
+    base = {"int": int, "float": float, "str": str, "bool": bool}.get(names[0] if names else "", str)
+    return base, "None" in parts
+
+
+def add_engine_arguments(parser: Any, skip: tuple[str, ...] = ("model",)) -> None:
+    """One CLI option per EngineConfig field (`moe_cache_size` -> `--moe-cache-size`).
+
+    Options left out stay None on the namespace and keep the dataclass default.
+    """
+    import argparse
+
+    group = parser.add_argument_group("engine options")
+    for f in fields(EngineConfig):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        typ, _ = _flag_type(f.type)
+        if typ is bool:
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                               default=None, help=f"(default: {f.default})")
+        else:
+            group.add_argument(flag, dest=f.name, type=typ, default=None,
+                               metavar=f.name.upper(), help=f"(default: {f.default})")
+
+
+def engine_config_from_args(args: Any) -> EngineConfig:
+    """EngineConfig from parsed args: only options given on the command line override defaults."""
+    kwargs: dict[str, Any] = {}
+    for f in fields(EngineConfig):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            kwargs[f.name] = value
+    return EngineConfig.from_kwargs(**kwargs)
+__all__ = ["EngineConfig", "add_engine_arguments", "engine_config_from_args", "env_flag", "ftrs_home"]

@@ -1,0 +1,3 @@
+from ftrs.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The engine: one forward step over a scheduled batch, and sampling."""

@@ -1,0 +1,127 @@
+"""EngineCore: load a model, then `step()` — schedule, run the decoder once, sample, report.
+
+The loop is the one of the small, readable engines: `schedule() -> run() -> postprocess()`.
+It is used in-process by `ftrs.LLM` and inside the engine process by the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ftrs.config import EngineConfig
+from ftrs.engine.batch import build_batch
+from ftrs.engine.protocol import GenerateRequest, StepStats, TokenEvent
+from ftrs.engine.runtime import Runtime
+from ftrs.engine.sampler import sample
+from ftrs.errors import ContextLengthExceeded, InvalidRequest
+from ftrs.kvcache.pages import PagePool
+from ftrs.scheduler.scheduler import Scheduler
+from ftrs.scheduler.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        self.config = config
+        self.rt = Runtime(config, progress=progress)
+        self.spec = self.rt.spec
+        self.tokenizer = self.rt.loaded.tokenizer
+        self.model_name = config.model
+        self.vocab_size = self.spec.vocab_size
+        self.max_model_len = self.rt.max_model_len
+        self.pool = PagePool(self.rt.num_pages, config.page_size)
+        self.scheduler = Scheduler(self.pool, config.max_prefill_length,
+                                   config.max_running_requests)
+        self._seqs: dict[str, Sequence] = {}
+        self._step = 0
+        self._seed_gen = torch.Generator().manual_seed(config.seed)
+        eos = set(self.spec.eos_token_ids)
+        if self.tokenizer is not None:
+            eos |= self.tokenizer.eos_token_ids
+        self.eos_token_ids = frozenset(eos)
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def add_request(self, req: GenerateRequest) -> None:
+        if req.request_id in self._seqs:
+            raise InvalidRequest(f"duplicate request id {req.request_id!r}")
+        params = req.params.validate(self.vocab_size)
+        prompt = list(req.prompt_token_ids)
+        if not prompt:
+            raise InvalidRequest("prompt: must contain at least one token",
+                                 evidence={"param": "prompt"})
+        if any(not isinstance(t, int) or not 0 <= t < self.vocab_size for t in prompt):
+            raise InvalidRequest(f"prompt: token ids must be in [0, {self.vocab_size})",
+                                 evidence={"param": "prompt"})
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ContextLengthExceeded(
+                f"this model's maximum context length is {self.max_model_len} tokens; the request "
+                f"asks for {len(prompt)} prompt + {params.max_tokens} completion tokens",
+                evidence={"prompt_tokens": len(prompt), "max_tokens": params.max_tokens})
+        seed = params.seed if params.seed is not None else int(
+            torch.randint(0, 2**62, (1,), generator=self._seed_gen))
+        gen = None if params.greedy else torch.Generator().manual_seed(seed)
+        seq = Sequence(req.request_id, prompt, len(prompt), params, gen, req.arrival_time)
+        self.scheduler.add(seq)
+        self._seqs[req.request_id] = seq
+
+    def abort(self, request_id: str) -> None:
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def step(self) -> tuple[list[TokenEvent], StepStats]:
+        t0 = time.perf_counter()
+        work = self.scheduler.schedule()
+        self._step += 1
+        if not work:
+            return [], self._stats(t0, "idle", 0, 0)
+        batch = build_batch(work, self.pool.page_size, self.rt.device)
+        hidden = self.rt.decoder.forward(batch.input_ids, batch.positions, batch.meta, self.rt.kv)
+        logits = self.rt.decoder.logits(hidden[batch.sample_rows]).cpu()
+        for w in work:
+            w.seq.num_computed += w.num_tokens
+        tokens, records = sample(logits, batch.sample_seqs)
+        events = [self._append(seq, tok, rec)
+                  for seq, tok, rec in zip(batch.sample_seqs, tokens, records)]
+        kind = ("mixed" if batch.num_prefill_tokens and batch.num_decode_tokens
+                else "prefill" if batch.num_prefill_tokens else "decode")
+        return events, self._stats(t0, kind, batch.num_prefill_tokens, batch.num_decode_tokens,
+                                   prefix_hit=batch.prefix_hit_tokens)
+
+    def _append(self, seq: Sequence, tok: int, rec: object) -> TokenEvent:
+        seq.tokens.append(tok)
+        p = seq.params
+        reason = None
+        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            reason = "stop"
+        elif seq.num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
+            reason = "length"
+        event = TokenEvent(seq.request_id, [tok], reason, [rec] if rec is not None else None,  # type: ignore[list-item]
+                           seq.num_prompt, seq.num_cached)
+        if reason is not None:
+            self._seqs.pop(seq.request_id, None)
+            self.scheduler.finish(seq, reason)
+        return event
+
+    def _stats(self, t0: float, kind: str, prefill: int, decode: int,
+               prefix_hit: int = 0) -> StepStats:
+        moe = self.rt.decoder.moe
+        return StepStats(
+            step=self._step, time=time.time(), duration_s=time.perf_counter() - t0, kind=kind,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            prefill_tokens=prefill, decode_tokens=decode,
+            kv_usage_ratio=self.scheduler.kv_usage(), prefix_hit_tokens=prefix_hit,
+            experts=moe.stats() if moe is not None else {})
+
+    def close(self) -> None:
+        self.rt.close()

@@ -1,0 +1,79 @@
+"""Runtime: resolve device and dtype, load the model, pick the MoE strategy, size the KV cache."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ftrs.config import EngineConfig
+from ftrs.errors import ConfigError
+from ftrs.models.decoder import Decoder, KVCache
+from ftrs.models.load import load_model
+from ftrs.moe.base import MoEStrategy, create_strategy
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_KV_TOKENS_CPU = 65536
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device: unsupported {name!r} (cpu, cuda, cuda:N, auto)")
+    return dev
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class Runtime:
+    """Everything one forward pass needs, built once."""
+
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.loaded = load_model(config.model, self.device, self.dtype, progress=progress)
+        self.spec = self.loaded.spec
+        self.moe: MoEStrategy | None = None
+        if self.spec.is_moe:
+            assert self.loaded.experts is not None
+            strategy = "resident" if config.moe_strategy == "auto" else config.moe_strategy
+            if strategy == "offload":
+                import ftrs.moe.offload  # noqa: F401 - registers the strategy
+            self.moe = create_strategy(strategy, experts=self.loaded.experts, device=self.device,
+                                       config=config, routers=self._routers())
+        self.decoder = Decoder(self.spec, self.loaded.dense, self.moe, self.device, self.dtype)
+        self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
+                                 self.spec.max_position_embeddings)
+        kv_tokens = config.kv_tokens or self._kv_budget_tokens()
+        self.num_pages = max(1, kv_tokens // config.page_size)
+        self.kv = KVCache.allocate(self.spec, self.num_pages * config.page_size, self.dtype,
+                                   self.device)
+        log.info("model %s: %s, %d layers, %s on %s; KV cache %d tokens", config.model,
+                 self.spec.arch, self.spec.num_layers, str(self.dtype).removeprefix("torch."),
+                 self.device, self.num_pages * config.page_size)
+
+    def _routers(self) -> dict[int, torch.Tensor]:
+        return {layer: self.loaded.dense[f"{layer}.router"] for layer in self.spec.moe_layers}
+
+    def _kv_budget_tokens(self) -> int:
+        s = self.spec
+        per_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * self.dtype.itemsize
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return max(1024, int(free * 0.5) // per_token)
+        budget = 2 * 2**30  # 2 GiB of host memory for KV on the CPU device
+        return max(1024, min(DEFAULT_KV_TOKENS_CPU, budget // per_token))
+
+    def close(self) -> None:
+        if self.moe is not None:
+            self.moe.close()

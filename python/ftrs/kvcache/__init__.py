@@ -1,0 +1,1 @@
+"""Paged KV memory: the page pool and the radix prefix cache over it."""

@@ -1,0 +1,130 @@
+"""The offline API: `LLM(model).generate(prompts, SamplingParams)` and `LLM.logits(ids)`.
+
+It drives the same EngineCore as the server, in-process: same scheduler, same KV cache, same
+sampling — so what the server returns for a greedy request equals what `generate` returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ftrs.config import EngineConfig
+from ftrs.engine.batch import build_batch
+from ftrs.engine.core import EngineCore
+from ftrs.engine.protocol import GenerateRequest, TokenLogprob
+from ftrs.errors import InvalidRequest
+from ftrs.models.tokenizer import Tokenizer
+from ftrs.sampling import SamplingParams
+from ftrs.scheduler.scheduler import Work
+from ftrs.scheduler.sequence import Sequence
+
+
+@dataclass
+class Completion:
+    """One finished request."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    """`LLM(model="demo", device="auto", dtype="auto", moe_strategy="resident", **options)`.
+
+    Every engine option (`EngineConfig` field, i.e. every CLI flag of `ftrs serve`) is a keyword.
+    """
+
+    def __init__(self, model: str = "demo", progress: bool = False, **options: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **options)
+        self.engine = EngineCore(self.config, progress=progress)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self.engine.tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer; pass token ids")
+        return self.engine.tokenizer
+
+    def _encode(self, prompt: str | Seq[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return [int(t) for t in prompt]
+
+    def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+    def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
+                 params: SamplingParams | None = None) -> list[Completion]:
+        params = params or SamplingParams()
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        out: dict[str, Completion] = {}
+        order: list[str] = []
+        for prompt in prompts:
+            rid = f"llm-{next(self._ids)}"
+            ids = self._encode(prompt)
+            self.engine.add_request(GenerateRequest(rid, ids, params))
+            out[rid] = Completion(ids, logprobs=[] if params.logprobs is not None else None)
+            order.append(rid)
+        pending = set(order)
+        while pending:
+            events, _ = self.engine.step()
+            for ev in events:
+                c = out[ev.request_id]
+                c.token_ids.extend(ev.new_token_ids)
+                c.num_cached_tokens = ev.num_cached_tokens
+                if ev.logprobs and c.logprobs is not None:
+                    c.logprobs.extend(ev.logprobs)
+                if params.stop and ev.finish_reason is None and self._hit_stop(c, params):
+                    self.engine.abort(ev.request_id)
+                    c.finish_reason = "stop"
+                    pending.discard(ev.request_id)
+                elif ev.finish_reason is not None:
+                    c.finish_reason = ev.finish_reason
+                    pending.discard(ev.request_id)
+        tok = self.engine.tokenizer
+        for c in out.values():
+            if tok is not None:
+                c.text = tok.decode(c.token_ids)
+                for s in params.stop:
+                    if s in c.text:
+                        c.text = c.text[: c.text.index(s)]
+                        c.finish_reason = "stop"
+        return [out[r] for r in order]
+
+    def _hit_stop(self, c: Completion, params: SamplingParams) -> bool:
+        tok = self.engine.tokenizer
+        if tok is None:
+            return False
+        text = tok.decode(c.token_ids)
+        return any(s in text for s in params.stop)
+
+    @torch.inference_mode()
+    def logits(self, token_ids: Seq[int]) -> torch.Tensor:
+        """Logits of every position of one prompt: (len, vocab) fp32, on the CPU."""
+        ids = [int(t) for t in token_ids]
+        if not ids:
+            raise InvalidRequest("logits: need at least one token")
+        eng = self.engine
+        seq = Sequence("logits", ids, len(ids), SamplingParams(max_tokens=1), None, 0.0)
+        seq.pages = eng.pool.alloc(-(-len(ids) // eng.pool.page_size)) or []
+        if not seq.pages:
+            raise InvalidRequest("logits: not enough free KV pages for this prompt")
+        try:
+            batch = build_batch([Work(seq, len(ids))], eng.pool.page_size, eng.rt.device)
+            hidden = eng.rt.decoder.forward(batch.input_ids, batch.positions, batch.meta, eng.rt.kv)
+            return eng.rt.decoder.logits(hidden).cpu()
+        finally:
+            for p in seq.pages:
+                eng.pool.unref(p)
+
+    def close(self) -> None:
+        self.engine.close()

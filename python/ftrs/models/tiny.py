@@ -1,0 +1,118 @@
+"""`ftrs models make-tiny`: small random checkpoints in the Hugging Face format, for fast tests.
+
+Weights are drawn from N(0, 0.1²) with a seeded generator: a range wide enough that the logits of
+the top two tokens are far apart, so greedy argmax is stable under float reordering. Each
+checkpoint comes with a byte-level tokenizer and a ChatML template, so it can be served.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+
+from ftrs.errors import ConfigError
+from ftrs.models.tokenizer import Tokenizer
+
+ARCHS = ("llama", "qwen3", "mixtral", "qwen3_moe")
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+INIT_STD = 0.1
+
+
+def tiny_config(arch: str) -> dict[str, Any]:
+    if arch not in ARCHS:
+        raise ConfigError(f"make-tiny: unknown arch {arch!r} (one of {', '.join(ARCHS)})")
+    cfg: dict[str, Any] = {
+        "model_type": arch, "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "intermediate_size": 96, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+        "tie_word_embeddings": arch == "qwen3", "hidden_act": "silu", "bos_token_id": 1,
+        "eos_token_id": 2, "initializer_range": INIT_STD, "torch_dtype": "float32",
+        "attention_bias": False, "attention_dropout": 0.0,
+    }
+    if arch in ("llama", "mixtral"):
+        cfg["rope_theta"] = 10000.0
+    else:  # the newer spelling, so both are exercised
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 1000000.0}
+    if arch == "mixtral":
+        cfg |= {"num_local_experts": 8, "num_experts_per_tok": 2}
+    if arch == "qwen3_moe":
+        cfg |= {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1]}
+    return cfg
+
+
+def tiny_tokenizer(vocab_size: int) -> Tokenizer:
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    for ch in byte_chars:
+        vocab[ch] = len(vocab)
+    tk = HFTokenizer(models.BPE(vocab, [], fuse_unk=False))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    reserved = [f"<|reserved_{i}|>" for i in range(vocab_size - len(vocab))]
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t in specials + reserved])
+    return Tokenizer(tk, CHATML, "<|im_start|>", "<|im_end|>", [2], add_bos=False)
+
+
+def tiny_tensors(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * INIT_STD
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(n, generator=g)
+
+    arch, h, v = cfg["model_type"], cfg["hidden_size"], cfg["vocab_size"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rnd(v, h), "model.norm.weight": norm(h)}
+    if not cfg["tie_word_embeddings"]:
+        t["lm_head.weight"] = rnd(v, h)
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        t |= {p + "input_layernorm.weight": norm(h), p + "post_attention_layernorm.weight": norm(h),
+              p + "self_attn.q_proj.weight": rnd(nh * hd, h),
+              p + "self_attn.k_proj.weight": rnd(nkv * hd, h),
+              p + "self_attn.v_proj.weight": rnd(nkv * hd, h),
+              p + "self_attn.o_proj.weight": rnd(h, nh * hd)}
+        if arch in ("qwen3", "qwen3_moe"):
+            t |= {p + "self_attn.q_norm.weight": norm(hd), p + "self_attn.k_norm.weight": norm(hd)}
+        moe = arch == "mixtral" or (arch == "qwen3_moe" and layer not in cfg["mlp_only_layers"])
+        if not moe:
+            i = cfg["intermediate_size"]
+            t |= {p + "mlp.gate_proj.weight": rnd(i, h), p + "mlp.up_proj.weight": rnd(i, h),
+                  p + "mlp.down_proj.weight": rnd(h, i)}
+        elif arch == "mixtral":
+            i = cfg["intermediate_size"]
+            t[p + "block_sparse_moe.gate.weight"] = rnd(cfg["num_local_experts"], h)
+            for e in range(cfg["num_local_experts"]):
+                q = f"{p}block_sparse_moe.experts.{e}."
+                t |= {q + "w1.weight": rnd(i, h), q + "w3.weight": rnd(i, h), q + "w2.weight": rnd(h, i)}
+        else:
+            i = cfg["moe_intermediate_size"]
+            t[p + "mlp.gate.weight"] = rnd(cfg["num_experts"], h)
+            for e in range(cfg["num_experts"]):
+                q = f"{p}mlp.experts.{e}."
+                t |= {q + "gate_proj.weight": rnd(i, h), q + "up_proj.weight": rnd(i, h),
+                      q + "down_proj.weight": rnd(h, i)}
+    return t
+
+
+def make_tiny(arch: str, out_dir: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+    """Write config.json, model.safetensors and a tokenizer to `out_dir`; returns it."""
+    cfg = tiny_config(arch)
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.to(dtype).contiguous() for k, v in tiny_tensors(cfg, seed).items()}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    tiny_tokenizer(cfg["vocab_size"]).save(out_dir)
+    return out_dir

@@ -1,0 +1,98 @@
+"""`ftrs models upcycle`: a dense llama checkpoint -> a Mixtral-format MoE with identical experts.
+
+Each MLP is copied into E experts and a seeded random router is added. Because the top-k router
+weights are renormalised to sum to one, the MoE computes sum_k w_k * MLP(x) = MLP(x) whatever
+the router picks: its output must equal the dense model's, an exact oracle for every MoE path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from ftrs.errors import ConfigError, ModelLoadError
+from ftrs.models.gguf_loader import read_gguf
+from ftrs.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+SHARD_BYTES = 1 << 30
+_MLP = {"mlp.gate_proj.weight": "w1.weight", "mlp.up_proj.weight": "w3.weight",
+        "mlp.down_proj.weight": "w2.weight"}
+
+
+def read_dense(src: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer | None]:
+    """(config, tensors under HF names, tokenizer) of a dense llama checkpoint dir or GGUF file."""
+    if src.is_file() and src.suffix == ".gguf":
+        return read_gguf(src)
+    from safetensors.torch import load_file
+
+    from ftrs.models.safetensors_loader import checkpoint_files
+
+    cfg_path = src / "config.json"
+    if not cfg_path.is_file():
+        raise ModelLoadError(str(cfg_path), "config.json not found")
+    cfg = json.loads(cfg_path.read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    for f in checkpoint_files(src):
+        tensors |= load_file(str(f))
+    tok = Tokenizer.from_dir(src) if (src / "tokenizer.json").is_file() else None
+    return cfg, tensors, tok
+
+
+def _save_sharded(tensors: dict[str, torch.Tensor], out: Path) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, fname)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+
+
+def upcycle(src: Path, dst: Path, experts: int, top_k: int, seed: int = 0,
+            router_std: float = 0.5) -> Path:
+    if not 1 <= top_k <= experts:
+        raise ConfigError(f"upcycle: need 1 <= top-k <= experts, got top-k {top_k}, {experts} experts")
+    cfg, tensors, tokenizer = read_dense(src)
+    if cfg.get("model_type") != "llama":
+        raise ModelLoadError(str(src), f"upcycle takes a dense llama model, got {cfg.get('model_type')!r}")
+    g = torch.Generator().manual_seed(seed)
+    hidden = int(cfg["hidden_size"])
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        head, _, tail = name.partition(".mlp.")
+        mlp_key = "mlp." + tail
+        if tail and mlp_key in _MLP:
+            for e in range(experts):
+                out[f"{head}.block_sparse_moe.experts.{e}.{_MLP[mlp_key]}"] = t.contiguous()
+            router = f"{head}.block_sparse_moe.gate.weight"
+            if router not in out:
+                out[router] = (torch.randn(experts, hidden, generator=g) * router_std).to(t.dtype)
+        else:
+            out[name] = t.contiguous()
+    new_cfg = dict(cfg)
+    new_cfg |= {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+                "num_local_experts": experts, "num_experts_per_tok": top_k,
+                "router_jitter_noise": 0.0, "output_router_logits": False}
+    dst.mkdir(parents=True, exist_ok=True)
+    _save_sharded(out, dst)
+    (dst / "config.json").write_text(json.dumps(new_cfg, indent=2))
+    if tokenizer is not None:
+        tokenizer.save(dst)
+    log.info("upcycled %s -> %s (%d experts, top-%d)", src, dst, experts, top_k)
+    return dst

@@ -1,0 +1,60 @@
+"""The MoE strategy interface and its registry.
+
+A strategy computes the routed experts of one MoE layer from the router's choice. The decoder
+routes (`layers.moe.route`) and hands over ids and weights; the strategy decides where expert
+weights come from (resident on the device, streamed from the host pool, ...).
+
+Invariant every strategy keeps: the result is `layers.moe.combine_experts` over the selected
+experts in ascending id, so all strategies agree bit for bit with `resident`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ftrs.errors import ConfigError
+
+
+class MoEStrategy(ABC):
+    """Computes routed experts; one instance serves every MoE layer of a model."""
+
+    name: str = "?"
+
+    @abstractmethod
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        """`x`: (tokens, hidden); `ids`, `weights`: (tokens, k). Returns (tokens, hidden)."""
+
+    def begin_forward(self, num_tokens: int) -> None:
+        """Called before the first layer of a forward pass."""
+
+    def end_forward(self) -> None:
+        """Called after the last layer of a forward pass."""
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for the step record (empty for strategies that move nothing)."""
+        return {}
+
+    def close(self) -> None:
+        """Release threads and memory; the strategy is unusable afterwards."""
+
+
+_REGISTRY: dict[str, Callable[..., MoEStrategy]] = {}
+
+
+def register(name: str) -> Callable[[Callable[..., MoEStrategy]], Callable[..., MoEStrategy]]:
+    def deco(factory: Callable[..., MoEStrategy]) -> Callable[..., MoEStrategy]:
+        _REGISTRY[name] = factory
+        return factory
+
+    return deco
+
+
+def create_strategy(name: str, **kwargs: Any) -> MoEStrategy:
+    if name not in _REGISTRY:
+        raise ConfigError(f"moe_strategy: unknown {name!r} (known: {', '.join(sorted(_REGISTRY))})")
+    return _REGISTRY[name](**kwargs)

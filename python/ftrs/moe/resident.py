@@ -1,0 +1,29 @@
+"""`resident`: every routed expert lives on the compute device; nothing moves per step."""
+
+from __future__ import annotations
+
+import torch
+
+from ftrs.layers.moe import combine_experts
+from ftrs.models.experts import HostExperts
+from ftrs.moe.base import MoEStrategy, register
+
+
+@register("resident")
+class ResidentStrategy(MoEStrategy):
+    """Experts viewed in place on the CPU, or copied once to the GPU as one block."""
+
+    name = "resident"
+
+    def __init__(self, experts: HostExperts, device: torch.device, **_: object) -> None:
+        host = experts.host_bytes()
+        self._region = host if device.type == "cpu" else host.to(device)
+        self._weights = experts.views(self._region)
+
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        chosen = torch.unique(ids).tolist()  # ascending
+        per_layer = self._weights[layer]
+        combine_experts(x, ids, weights, chosen, lambda e: per_layer[e], out)
+        return out

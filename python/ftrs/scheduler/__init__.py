@@ -1,0 +1,1 @@
+"""Continuous batching: which tokens of which requests run in the next step."""

@@ -1,0 +1,141 @@
+"""The scheduler: continuous batching with chunked prefill inside one token budget.
+
+Each step it takes, in order: one decode token for every running request whose prompt is done,
+then the next chunk of running prefills, then new requests first-come first-served, while the
+step's token budget (`max_prefill_length`), `max_running_requests` and the KV pages allow.
+Prefill and decode share a step, so a long prompt never freezes running streams.
+
+KV pages come from the free pool, then from evicting unreferenced prefix-cache pages; when both
+are exhausted a running request is preempted (newest first): its pages are released and it goes
+back to the head of the queue with its generated tokens, to be recomputed later. Never dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import NamedTuple
+
+from ftrs.errors import ContextLengthExceeded
+from ftrs.kvcache.pages import PagePool
+from ftrs.kvcache.radix import RadixCache
+from ftrs.scheduler.sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+
+
+class Work(NamedTuple):
+    seq: Sequence
+    num_tokens: int  # tokens of `seq` computed in this step, from `seq.num_computed`
+
+
+class Scheduler:
+    def __init__(self, pool: PagePool, max_prefill_length: int, max_running: int,
+                 prefix_cache: bool = True) -> None:
+        self.pool = pool
+        self.radix = RadixCache(pool) if prefix_cache else None
+        self.budget = max_prefill_length
+        self.max_running = max_running
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    # --- queue ------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        pages_needed = -(-(len(seq.tokens) + seq.params.max_tokens) // self.pool.page_size)
+        if pages_needed > self.pool.num_pages:
+            raise ContextLengthExceeded(
+                f"prompt ({len(seq.tokens)} tokens) plus max_tokens ({seq.params.max_tokens}) "
+                f"exceeds the KV cache ({self.pool.num_pages * self.pool.page_size} tokens)",
+                evidence={"prompt_tokens": len(seq.tokens), "max_tokens": seq.params.max_tokens})
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def kv_usage(self) -> float:
+        """Share of pages held by requests (cached prefixes nobody uses do not count)."""
+        idle = self.pool.num_free + (self.radix.evictable() if self.radix else 0)
+        return 1.0 - idle / self.pool.num_pages
+
+    # --- pages ------------------------------------------------------------------------------
+
+    def _take_pages(self, n: int) -> list[int] | None:
+        if n <= 0:
+            return []
+        short = n - self.pool.num_free
+        if short > 0 and self.radix is not None:
+            self.radix.evict(short)
+        return self.pool.alloc(n)
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        need = -(-(seq.num_computed + num_tokens) // self.pool.page_size) - len(seq.pages)
+        pages = self._take_pages(need)
+        if pages is None:
+            return False
+        seq.pages.extend(pages)
+        return True
+
+    def _release(self, seq: Sequence, cache: bool) -> None:
+        if cache and self.radix is not None:
+            full = seq.num_computed // self.pool.page_size
+            self.radix.insert(seq.tokens[: full * self.pool.page_size], seq.pages[:full])
+        for p in seq.pages:
+            self.pool.unref(p)
+        seq.pages = []
+
+    def _preempt(self, seq: Sequence) -> None:
+        log.info("preempting %s (%d tokens) to free KV pages", seq.request_id, len(seq.tokens))
+        self.running.remove(seq)
+        self._release(seq, cache=True)
+        seq.num_computed = 0
+        seq.num_cached = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def schedule(self) -> list[Work]:
+        budget = self.budget
+        work: list[Work] = []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            n = 1 if seq.num_uncomputed == 1 else min(seq.num_uncomputed, budget)
+            while not self._grow(seq, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status is Status.RUNNING:
+                work.append(Work(seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            if self.radix is not None and not seq.pages:
+                max_pages = (len(seq.tokens) - 1) // self.pool.page_size  # compute >= 1 token
+                seq.pages = self.radix.match(seq.tokens, max_pages)
+                seq.num_computed = len(seq.pages) * self.pool.page_size
+                seq.num_cached = seq.num_computed
+            n = min(seq.num_uncomputed, budget)
+            if not self._grow(seq, n):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            work.append(Work(seq, n))
+            budget -= n
+        return work
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire a request: cache its computed full pages, free the rest."""
+        seq.finish_reason = reason
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq, cache=reason != "error")
+        seq.status = Status.FINISHED

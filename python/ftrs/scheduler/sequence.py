@@ -1,0 +1,46 @@
+"""Per-request state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from ftrs.sampling import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request. `tokens` = prompt + generated; KV exists for `tokens[:num_computed]`."""
+
+    request_id: str
+    tokens: list[int]
+    num_prompt: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    arrival: float
+    status: Status = Status.WAITING
+    num_computed: int = 0
+    num_cached: int = 0  # prompt tokens served from the prefix cache at (last) admission
+    pages: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+    @property
+    def output_tokens(self) -> list[int]:
+        return self.tokens[self.num_prompt:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.tokens) - self.num_computed
