@@ -1,0 +1,242 @@
+"""ftrs._core for real, on the CPU: pool, safetensors fill, transfer engine, cache simulator,
+flight recorder, and the error mapping to ftrs.errors."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ftrs import _core, errors
+
+
+def make_pool(layers: int = 2, experts: int = 6, sizes: tuple[int, ...] = (96, 40)) -> _core.ExpertPool:
+    """A float32 pool whose block (l, e) holds distinct values, written through `write`."""
+    lay = _core.ExpertLayout(layers, experts, [s * 4 for s in sizes], alignment=64)
+    pool = _core.ExpertPool(lay, "float32")
+    for l in range(layers):
+        for e in range(experts):
+            for t, n in enumerate(sizes):
+                data = torch.arange(n, dtype=torch.float32) + 1000 * l + 10 * e + t
+                pool.write(l, e, t, data.numpy())
+    return pool
+
+
+def pool_block(pool: _core.ExpertPool, layer: int, expert: int) -> torch.Tensor:
+    lay = pool.layout
+    view = torch.frombuffer(pool, dtype=torch.uint8)
+    off = lay.offset(layer, expert, 0)
+    return view[off : off + lay.expert_bytes]
+
+
+def slot_bytes(dst: torch.Tensor, lay: _core.ExpertLayout, slot: int) -> torch.Tensor:
+    return dst[slot * lay.expert_bytes : (slot + 1) * lay.expert_bytes]
+
+
+def wait_idle(eng: _core.TransferEngine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = eng.stats()
+        if s["queue_depth"] == 0 and s["inflight_bytes"] == 0:
+            return
+        time.sleep(0.005)
+    raise AssertionError("engine never went idle")
+
+
+def test_layout_tensors_are_aligned_disjoint_and_inside_the_pool() -> None:
+    lay = _core.ExpertLayout(3, 4, [100, 300, 7], alignment=256)
+    spans = []
+    for l in range(3):
+        for e in range(4):
+            for t, n in enumerate([100, 300, 7]):
+                off = lay.offset(l, e, t)
+                assert off % 256 == 0
+                assert off == lay.offset(l, e, 0) + lay.tensor_offset(t)
+                spans.append((off, off + n))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert spans[-1][1] <= lay.total_bytes == 12 * lay.expert_bytes
+    with pytest.raises(errors.ConfigError):
+        lay.offset(3, 0, 0)
+
+
+def test_pool_is_zeroed_page_aligned_and_writable_through_the_buffer_protocol() -> None:
+    pool = _core.ExpertPool(_core.ExpertLayout(1, 2, [512]), "bfloat16")
+    assert pool.address % 4096 == 0
+    view = torch.frombuffer(pool, dtype=torch.uint8)
+    assert view.numel() == pool.nbytes and int(view.sum()) == 0
+    view[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    assert bytes(memoryview(pool)[:4]) == b"\x01\x02\x03\x04"
+    with pytest.raises(errors.ConfigError):
+        pool.write(0, 0, 0, b"\x00" * 3)
+    assert pool.pin() is _core.cuda_available()
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fill_from_safetensors_converts_to_the_pool_dtype(tmp_path: Path, pool_dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    tensors = {
+        f"layers.{l}.experts.{e}.{name}": torch.randn(shape).to(disk)
+        for l in range(2)
+        for e in range(3)
+        for name, shape, disk in [("w1", (8, 4), torch.bfloat16), ("w2", (4, 8), torch.float32)]
+    }
+    half = len(tensors) // 2
+    names = list(tensors)
+    save_file({k: tensors[k] for k in names[:half]}, str(tmp_path / "a.safetensors"))
+    save_file({k: tensors[k] for k in names[half:]}, str(tmp_path / "b.safetensors"))
+    esize = torch.empty((), dtype=pool_dtype).element_size()
+    lay = _core.ExpertLayout(2, 3, [32 * esize, 32 * esize])
+    pool = _core.ExpertPool(lay, str(pool_dtype).removeprefix("torch."))
+    entries = []
+    for i, name in enumerate(names):
+        _, l, _, e, w = name.split(".")
+        path = tmp_path / ("a.safetensors" if i < half else "b.safetensors")
+        entries.append((str(path), name, int(l), int(e), int(w[1]) - 1))
+    assert pool.fill_from_safetensors(entries, threads=2) == 12 * 32 * esize
+    view = torch.frombuffer(pool, dtype=torch.uint8)
+    for path, name, l, e, t in entries:
+        off = lay.offset(l, e, t)
+        got = view[off : off + 32 * esize].view(pool_dtype)
+        want = tensors[name].to(torch.float32).to(pool_dtype).flatten()
+        assert torch.equal(got, want), name
+
+
+def test_fill_problems_raise_model_load_error_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "x.safetensors"
+    save_file({"w": torch.zeros(4, dtype=torch.float32), "i": torch.zeros(4, dtype=torch.int32)}, str(path))
+    pool = _core.ExpertPool(_core.ExpertLayout(1, 1, [16]), "float32")
+    for entry, problem in [
+        ((str(tmp_path / "missing.safetensors"), "w", 0, 0, 0), "cannot open"),
+        ((str(path), "nope", 0, 0, 0), "not found"),
+        ((str(path), "i", 0, 0, 0), "dtype"),
+    ]:
+        with pytest.raises(errors.ModelLoadError) as info:
+            pool.fill_from_safetensors([entry])
+        assert info.value.path == entry[0]
+        assert problem in info.value.problem
+    small = _core.ExpertPool(_core.ExpertLayout(1, 1, [8]), "float32")
+    with pytest.raises(errors.ModelLoadError, match="shape"):
+        small.fill_from_safetensors([(str(path), "w", 0, 0, 0)])
+
+
+def test_lookup_copies_pool_blocks_into_the_returned_slots_and_hits_next_time() -> None:
+    pool = make_pool()
+    lay = pool.layout
+    dst = torch.zeros(4 * lay.expert_bytes, dtype=torch.uint8)
+    eng = _core.TransferEngine(pool, 4, dst.data_ptr(), dst.numel())
+    assert (eng.num_slots, eng.backend_name) == (4, "host")
+    slots, ticket = eng.lookup(1, [2, 5], [(0, 1)])
+    eng.wait(ticket)
+    for e, s in zip([2, 5], slots):
+        assert torch.equal(slot_bytes(dst, lay, s), pool_block(pool, 1, e))
+    eng.release()
+    wait_idle(eng)
+    again, ticket = eng.lookup(1, [5, 2], [])
+    eng.wait(ticket)
+    assert again == [slots[1], slots[0]]
+    slots0, ticket = eng.lookup(0, [1])
+    eng.wait(ticket)
+    assert torch.equal(slot_bytes(dst, lay, slots0[0]), pool_block(pool, 0, 1))
+    s = eng.stats()
+    assert (s["lookups"], s["hits"], s["misses"], s["demand_fetches"]) == (5, 3, 2, 2)
+    assert (s["prefetch_issued"], s["prefetch_used"]) == (1, 1)
+    assert s["layer_hits"] == [1, 2] and s["layer_misses"] == [0, 2]
+    assert s["bytes_h2d"] == 3 * lay.expert_bytes
+    assert sorted(eng.resident()) == sorted([(1, 2, slots[0]), (1, 5, slots[1]), (0, 1, slots0[0])])
+    eng.reset_stats()
+    assert eng.stats()["lookups"] == 0
+
+
+def test_cancelled_prefetches_never_land() -> None:
+    pool = make_pool()
+    lay = pool.layout
+    dst = torch.zeros(6 * lay.expert_bytes, dtype=torch.uint8)
+    # A 1 kB/s link: each copy holds the link for ~0.5 s, so nothing finishes before the cancel.
+    eng = _core.TransferEngine(pool, 6, dst.data_ptr(), dst.numel(), backend="simulated:0.000001")
+    _, ticket = eng.lookup(0, [], [(1, 0), (1, 1), (1, 2)])
+    eng.wait(ticket)
+    assert eng.cancel_prefetches() == 3
+    wait_idle(eng)
+    assert eng.resident() == []
+    s = eng.stats()
+    assert (s["prefetch_issued"], s["prefetch_cancelled"], s["prefetch_wasted"]) == (3, 3, 3)
+
+
+def test_injected_device_lost_surfaces_in_wait_as_ftrs_errors_device_lost() -> None:
+    pool = make_pool()
+    dst = torch.zeros(4 * pool.layout.expert_bytes, dtype=torch.uint8)
+    eng = _core.TransferEngine(pool, 4, dst.data_ptr(), dst.numel())
+    eng.inject_fault("device_lost", after_copies=1)
+    _, t = eng.lookup(0, [0])
+    eng.wait(t)
+    _, t = eng.lookup(0, [1])
+    with pytest.raises(errors.DeviceLost) as info:
+        eng.wait(t)
+    assert info.value.evidence["source"] == "copy_backend"
+    assert info.value.evidence["injected"] is True
+    eng.release()
+    eng.inject_fault("oom")
+    _, t = eng.lookup(0, [2])
+    with pytest.raises(errors.DeviceOutOfMemory):
+        eng.wait(t)
+    with pytest.raises(errors.ConfigError):
+        eng.inject_fault("meteor")
+
+
+def test_bad_arguments_raise_config_or_capacity_errors() -> None:
+    pool = make_pool()
+    dst = torch.zeros(2 * pool.layout.expert_bytes, dtype=torch.uint8)
+    addr, n = dst.data_ptr(), dst.numel()
+    for kwargs in [{"backend": "warp"}, {"policy": "random"}, {"policy": "belady"}]:
+        with pytest.raises(errors.ConfigError):
+            _core.TransferEngine(pool, 2, addr, n, **kwargs)
+    with pytest.raises(errors.ConfigError):
+        _core.TransferEngine(pool, 0, addr, n)
+    with pytest.raises(errors.ConfigError):
+        _core.TransferEngine(pool, 3, addr, n)
+    eng = _core.TransferEngine(pool, 2, addr, n, policy="lfru")
+    with pytest.raises(errors.CapacityError):
+        eng.lookup(0, [0, 1, 2])
+    with pytest.raises(errors.ConfigError):
+        eng.lookup(0, [99])
+    if not _core.cuda_available():
+        with pytest.raises(errors.DeviceError, match="CUDA driver"):
+            _core.TransferEngine(pool, 2, addr, n, backend="cuda")
+
+
+def test_simulate_cache_belady_is_never_worse_than_lru_or_lfru() -> None:
+    rng = random.Random(7)
+    for _ in range(20):
+        trace = [[(rng.randrange(4), min(int(rng.expovariate(0.3)), 15)) for _ in range(3)] for _ in range(200)]
+        cap = rng.randrange(4, 24)
+        best = _core.simulate_cache(trace, cap, "belady")
+        for policy in ("lru", "lfru"):
+            hits, misses = _core.simulate_cache(trace, cap, policy)
+            assert hits + misses == sum(best)
+            assert best[0] >= hits
+    with pytest.raises(errors.ConfigError):
+        _core.simulate_cache([[(0, 0)]], 1, "fifo")
+
+
+def test_host_copy_matches_numpy() -> None:
+    src = np.random.default_rng(0).integers(0, 256, 9 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    _core.host_copy(dst.ctypes.data, src.ctypes.data, src.nbytes, threads=2)
+    assert np.array_equal(dst, src)
+
+
+def test_flight_recorder_keeps_the_last_records_oldest_first() -> None:
+    rec = _core.FlightRecorder(capacity=4)
+    for step in range(10):
+        rec.record(step=step, time=1.5 * step, kind="decode", tokens=step * 2, power_w=300.0)
+    assert len(rec) == 4
+    dump = rec.dump()
+    assert [r["step"] for r in dump] == [6, 7, 8, 9]
+    assert dump[0]["kind"] == "decode" and dump[0]["tokens"] == 12 and dump[0]["time"] == 9.0
+    assert dump[0]["chunk_tokens"] == -1 and np.isnan(dump[0]["temperature_c"])
