@@ -3,6 +3,7 @@ flight recorder, and the error mapping to ftrs.errors."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import time
 from pathlib import Path
@@ -15,15 +16,17 @@ from safetensors.torch import save_file
 from ftrs import _core, errors
 
 
-def make_pool(layers: int = 2, experts: int = 6, sizes: tuple[int, ...] = (96, 40)) -> _core.ExpertPool:
-    """A float32 pool whose block (l, e) holds distinct values, written through `write`."""
+def make_pool(
+    layers: int = 2, experts: int = 6, sizes: tuple[int, ...] = (96, 40)
+) -> _core.ExpertPool:
+    """A float32 pool whose block (layer, e) holds distinct values, written through `write`."""
     lay = _core.ExpertLayout(layers, experts, [s * 4 for s in sizes], alignment=64)
     pool = _core.ExpertPool(lay, "float32")
-    for l in range(layers):
+    for layer in range(layers):
         for e in range(experts):
             for t, n in enumerate(sizes):
-                data = torch.arange(n, dtype=torch.float32) + 1000 * l + 10 * e + t
-                pool.write(l, e, t, data.numpy())
+                data = torch.arange(n, dtype=torch.float32) + 1000 * layer + 10 * e + t
+                pool.write(layer, e, t, data.numpy())
     return pool
 
 
@@ -51,15 +54,15 @@ def wait_idle(eng: _core.TransferEngine, timeout: float = 10.0) -> None:
 def test_layout_tensors_are_aligned_disjoint_and_inside_the_pool() -> None:
     lay = _core.ExpertLayout(3, 4, [100, 300, 7], alignment=256)
     spans = []
-    for l in range(3):
+    for layer in range(3):
         for e in range(4):
             for t, n in enumerate([100, 300, 7]):
-                off = lay.offset(l, e, t)
+                off = lay.offset(layer, e, t)
                 assert off % 256 == 0
-                assert off == lay.offset(l, e, 0) + lay.tensor_offset(t)
+                assert off == lay.offset(layer, e, 0) + lay.tensor_offset(t)
                 spans.append((off, off + n))
     spans.sort()
-    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
     assert spans[-1][1] <= lay.total_bytes == 12 * lay.expert_bytes
     with pytest.raises(errors.ConfigError):
         lay.offset(3, 0, 0)
@@ -78,11 +81,13 @@ def test_pool_is_zeroed_page_aligned_and_writable_through_the_buffer_protocol() 
 
 
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_fill_from_safetensors_converts_to_the_pool_dtype(tmp_path: Path, pool_dtype: torch.dtype) -> None:
+def test_fill_from_safetensors_converts_to_the_pool_dtype(
+    tmp_path: Path, pool_dtype: torch.dtype
+) -> None:
     torch.manual_seed(0)
     tensors = {
-        f"layers.{l}.experts.{e}.{name}": torch.randn(shape).to(disk)
-        for l in range(2)
+        f"layers.{layer}.experts.{e}.{name}": torch.randn(shape).to(disk)
+        for layer in range(2)
         for e in range(3)
         for name, shape, disk in [("w1", (8, 4), torch.bfloat16), ("w2", (4, 8), torch.float32)]
     }
@@ -95,13 +100,13 @@ def test_fill_from_safetensors_converts_to_the_pool_dtype(tmp_path: Path, pool_d
     pool = _core.ExpertPool(lay, str(pool_dtype).removeprefix("torch."))
     entries = []
     for i, name in enumerate(names):
-        _, l, _, e, w = name.split(".")
+        _, layer, _, e, w = name.split(".")
         path = tmp_path / ("a.safetensors" if i < half else "b.safetensors")
-        entries.append((str(path), name, int(l), int(e), int(w[1]) - 1))
+        entries.append((str(path), name, int(layer), int(e), int(w[1]) - 1))
     assert pool.fill_from_safetensors(entries, threads=2) == 12 * 32 * esize
     view = torch.frombuffer(pool, dtype=torch.uint8)
-    for path, name, l, e, t in entries:
-        off = lay.offset(l, e, t)
+    for _path, name, layer, e, t in entries:
+        off = lay.offset(layer, e, t)
         got = view[off : off + 32 * esize].view(pool_dtype)
         want = tensors[name].to(torch.float32).to(pool_dtype).flatten()
         assert torch.equal(got, want), name
@@ -109,7 +114,10 @@ def test_fill_from_safetensors_converts_to_the_pool_dtype(tmp_path: Path, pool_d
 
 def test_fill_problems_raise_model_load_error_naming_the_file(tmp_path: Path) -> None:
     path = tmp_path / "x.safetensors"
-    save_file({"w": torch.zeros(4, dtype=torch.float32), "i": torch.zeros(4, dtype=torch.int32)}, str(path))
+    save_file(
+        {"w": torch.zeros(4, dtype=torch.float32), "i": torch.zeros(4, dtype=torch.int32)},
+        str(path),
+    )
     pool = _core.ExpertPool(_core.ExpertLayout(1, 1, [16]), "float32")
     for entry, problem in [
         ((str(tmp_path / "missing.safetensors"), "w", 0, 0, 0), "cannot open"),
@@ -133,7 +141,7 @@ def test_lookup_copies_pool_blocks_into_the_returned_slots_and_hits_next_time() 
     assert (eng.num_slots, eng.backend_name) == (4, "host")
     slots, ticket = eng.lookup(1, [2, 5], [(0, 1)])
     eng.wait(ticket)
-    for e, s in zip([2, 5], slots):
+    for e, s in zip([2, 5], slots, strict=False):
         assert torch.equal(slot_bytes(dst, lay, s), pool_block(pool, 1, e))
     eng.release()
     wait_idle(eng)
@@ -213,7 +221,10 @@ def test_bad_arguments_raise_config_or_capacity_errors() -> None:
 def test_simulate_cache_belady_is_never_worse_than_lru_or_lfru() -> None:
     rng = random.Random(7)
     for _ in range(20):
-        trace = [[(rng.randrange(4), min(int(rng.expovariate(0.3)), 15)) for _ in range(3)] for _ in range(200)]
+        trace = [
+            [(rng.randrange(4), min(int(rng.expovariate(0.3)), 15)) for _ in range(3)]
+            for _ in range(200)
+        ]
         cap = rng.randrange(4, 24)
         best = _core.simulate_cache(trace, cap, "belady")
         for policy in ("lru", "lfru"):
