@@ -31,7 +31,9 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        cmd = [sys.executable, "-m", "ftrs.server", "--port", str(self.port), *args]
+        # `ftrs serve` when the CLI is there, else the server's own entry point (same options)
+        entry = ["ftrs", "serve"] if (ROOT / "python/ftrs/__main__.py").is_file() else ["ftrs.server"]
+        cmd = [sys.executable, "-m", *entry, "--port", str(self.port), *args]
         if api_key:
             cmd += ["--api-key", api_key]
         if backend:

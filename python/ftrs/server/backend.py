@@ -2,13 +2,15 @@
 
 A backend is a module with two functions; `--engine-backend MODULE` selects another (tests use a
 fake one so the HTTP layer is tested without a model):
-  `load(config: EngineConfig) -> LoadedEngine`      runs in the engine process
-  `load_tokenizer(model_path: str) -> Tokenizer`   runs in the API process
+  `load(config: EngineConfig) -> LoadedEngine`           runs in the engine process
+  `load_tokenizer(source: object) -> Tokenizer | None`   runs in the API process
+`LoadedEngine.tokenizer_source` crosses the pipe, so it must pickle. Here it is the tokenizer's
+JSON and chat-template fields: the API process rebuilds the very tokenizer the engine loaded
+(from a directory or a GGUF file) without reading the checkpoint a second time.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from ftrs.config import EngineConfig
@@ -17,17 +19,27 @@ from ftrs.server.engine_process import LoadedEngine
 
 def load(config: EngineConfig) -> LoadedEngine:
     from ftrs.engine.core import EngineCore
-    from ftrs.models import resolve_model
 
-    path = str(resolve_model(config.model))
-    engine = EngineCore(replace(config, model=path))
-    return LoadedEngine(engine, path)
+    engine = EngineCore(config, progress=True)
+    tok = engine.tokenizer
+    source = None
+    if tok is not None:
+        source = {"json": tok.tk.to_str(), "chat_template": tok.chat_template,
+                  "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+                  "eos_token_ids": sorted(tok.eos_token_ids), "add_bos": tok.add_bos}
+    return LoadedEngine(engine, source)
 
 
-def load_tokenizer(model_path: str) -> Any:
-    from ftrs.models.tokenizer import load_tokenizer as _load
+def load_tokenizer(source: Any) -> Any:
+    if source is None:
+        return None
+    from tokenizers import Tokenizer as HFTokenizer
 
-    return _load(model_path)
+    from ftrs.models.tokenizer import Tokenizer
+
+    return Tokenizer(HFTokenizer.from_str(source["json"]), source["chat_template"],
+                     source["bos_token"], source["eos_token"], source["eos_token_ids"],
+                     add_bos=source["add_bos"])
 
 
 __all__ = ["load", "load_tokenizer"]

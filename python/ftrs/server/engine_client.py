@@ -242,9 +242,9 @@ class EngineClient:
     async def _become_ready(self, msg: EngineReady) -> None:
         try:
             backend = load_backend(self.backend)
-            self.tokenizer = await asyncio.to_thread(backend.load_tokenizer, msg.model_path)
+            self.tokenizer = await asyncio.to_thread(backend.load_tokenizer, msg.tokenizer_source)
         except Exception as exc:
-            err = exc if isinstance(exc, FtrsError) else ModelLoadError(msg.model_path, f"tokenizer: {exc}")
+            err = exc if isinstance(exc, FtrsError) else ModelLoadError(msg.model_name, f"tokenizer: {exc}")
             self._fail(err)
             self._send(Shutdown())
             return

@@ -47,7 +47,7 @@ class Engine(Protocol):
 
 class LoadedEngine(NamedTuple):
     engine: Engine
-    model_path: str  # what the API process passes to the backend's `load_tokenizer`
+    tokenizer_source: Any  # picklable; the API process passes it to the backend's `load_tokenizer`
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class EngineProgress:
 @dataclass(frozen=True)
 class EngineReady:
     model_name: str
-    model_path: str
+    tokenizer_source: Any
     max_model_len: int
     vocab_size: int
     pid: int
@@ -131,7 +131,7 @@ def _run(config: EngineConfig, backend: str, inbox: Connection, outbox: Connecti
     outbox.send(
         EngineReady(
             model_name=engine.model_name,
-            model_path=loaded.model_path,
+            tokenizer_source=loaded.tokenizer_source,
             max_model_len=engine.max_model_len,
             vocab_size=engine.vocab_size,
             pid=os.getpid(),
@@ -147,6 +147,13 @@ def _run(config: EngineConfig, backend: str, inbox: Connection, outbox: Connecti
         except OSError:
             pass
         return err.exit_code
+    finally:
+        close = getattr(engine, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception as exc:  # exiting anyway; say so and keep the original error
+                logger.warning("engine close failed: %s", exc)
 
 
 def _loop(engine: Engine, inbox: Connection, outbox: Connection) -> int:

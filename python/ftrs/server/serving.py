@@ -37,6 +37,19 @@ def _bad(param: str, why: str) -> InvalidRequest:
     return InvalidRequest(f"{param}: {why}", evidence={"param": param})
 
 
+class _NoText:
+    """Decoder of a model without a tokenizer: token-id prompts work, the text stays empty."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
+def _require_tokenizer(tokenizer: Any, param: str) -> Any:
+    if tokenizer is None:
+        raise _bad(param, "this model has no tokenizer: send token ids to /v1/completions")
+    return tokenizer
+
+
 @dataclass(frozen=True)
 class Prepared:
     prompt_ids: list[int]
@@ -110,7 +123,7 @@ def prepare_completion(req: CompletionRequest, tokenizer: Any, vocab: int, max_m
             raise _bad("prompt", f"one prompt per request is supported, got {len(prompt)}")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        ids = list(tokenizer.encode(prompt, add_special_tokens=True))
+        ids = list(_require_tokenizer(tokenizer, "prompt").encode(prompt, add_special_tokens=True))
     else:
         ids = [int(t) for t in prompt]
         if any(not 0 <= t < vocab for t in ids):
@@ -125,6 +138,7 @@ def prepare_completion(req: CompletionRequest, tokenizer: Any, vocab: int, max_m
 
 def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, vocab: int, max_model_len: int) -> Prepared:
     _common_checks(req)
+    _require_tokenizer(tokenizer, "messages")
     messages: list[dict[str, Any]] = []
     for i, m in enumerate(req.messages):
         if m.has_non_text_parts():
@@ -179,7 +193,7 @@ class Generation:
     async def run(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[Delta]:
         """Yield deltas until the request finishes. Raises the request's `FtrsError`."""
         params = self.prepared.params
-        detok = IncrementalDetokenizer(self.client.tokenizer)
+        detok = IncrementalDetokenizer(self.client.tokenizer or _NoText())
         stop = StopChecker(params.stop)
         self.num_prompt_tokens = len(self.prepared.prompt_ids)
         queue = self.client.submit(GenerateRequest(self.request_id, self.prepared.prompt_ids, params))
@@ -248,6 +262,8 @@ class Generation:
 
 
 def _token_str(tokenizer: Any, token_id: int) -> str:
+    if tokenizer is None:
+        return f"token_id:{token_id}"
     return str(tokenizer.decode([token_id], skip_special_tokens=False))
 
 
