@@ -80,7 +80,7 @@ def test_unreadable_kernel_log_is_not_applicable(monkeypatch: pytest.MonkeyPatch
     def denied(path: str, flags: int) -> int:
         raise PermissionError(13, "Permission denied", path)
 
-    monkeypatch.setattr(kmsg.os, "open", denied)
+    monkeypatch.setattr("ftrs.health.kmsg.os.open", denied)
     r = probe_kernel_log(GPU_BDF, source="/dev/kmsg")
     assert r.status is Status.NOT_APPLICABLE
     assert r.reason.startswith("kernel log not readable:") and "Permission denied" in r.reason

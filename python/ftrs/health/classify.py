@@ -63,7 +63,8 @@ class Probes:
     cuda: ProbeResult | None = None
 
     def present(self) -> list[ProbeResult]:
-        return [p for p in dataclasses.astuple(self, tuple_factory=list) if p is not None]
+        found = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return [p for p in found if p is not None]
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name).to_dict() for f in dataclasses.fields(self)

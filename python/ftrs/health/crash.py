@@ -1,0 +1,168 @@
+"""Crash reports: one JSON file per device fault, so every failed attempt counts.
+
+Written to `<home>/crash/<UTC timestamp>-<class>.json` (home is $FTRS_HOME, resolved by
+ftrs.config and passed in), atomically (temp file in the same directory, fsync, rename), so a
+reader never sees half a report. Contents: the classification with its message and evidence,
+every probe result, the kernel log tail, the last flight-recorder steps, and host facts
+(hostname, kernel, python, torch and driver versions). Deliberately no environment variables
+and no command line: those carry tokens and paths users do not mean to share.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import os
+import platform
+import socket
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from ftrs.health.classify import Probes
+from ftrs.health.kmsg import KernelLogResult
+
+logger = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+DEFAULT_STEPS = 64
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def ftrs_version() -> str:
+    try:
+        from ftrs import __version__
+    except ImportError:
+        return _version("ftrs") or "unknown"
+    return str(__version__)
+
+
+def host_info() -> dict[str, Any]:
+    """Facts about the host that help triage; no environment, no user names, no paths."""
+    driver = None
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8") as f:
+            driver = f.readline().strip()
+    except OSError:
+        pass
+    return {"hostname": socket.gethostname(), "kernel": platform.release(),
+            "os": platform.platform(), "machine": platform.machine(),
+            "python": platform.python_version(), "torch": _version("torch"),
+            "nvidia_ml_py": _version("nvidia-ml-py"), "nvidia_driver": driver}
+
+
+@dataclass(frozen=True)
+class CrashReport:
+    """A loaded report. `data` is the whole JSON document."""
+
+    path: Path
+    created_at: str
+    classification: str
+    message: str
+    evidence: dict[str, Any]
+    data: dict[str, Any]
+
+
+def build_crash_report(
+    error: BaseException, *, probes: Probes | None = None,
+    kernel_log_tail: Sequence[str] | None = None,
+    flight_recorder: Sequence[dict[str, Any]] | None = None, steps: int = DEFAULT_STEPS,
+    now: dt.datetime | None = None,
+) -> dict[str, Any]:
+    """The report as a JSON-ready dict. The kernel log tail defaults to the probe's tail."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    evidence = dict(getattr(error, "evidence", {}) or {})
+    if kernel_log_tail is None and probes is not None and isinstance(
+            probes.kernel_log, KernelLogResult):
+        kernel_log_tail = probes.kernel_log.tail
+    recorded = list(flight_recorder or [])[-steps:] if steps > 0 else []
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created_at": now.isoformat(),
+        "classification": type(error).__name__,
+        "code": getattr(error, "code", None),
+        "exit_code": getattr(error, "exit_code", None),
+        "message": getattr(error, "message", None) or str(error),
+        "hint": evidence.get("hint"),
+        "evidence": evidence,
+        "probes": probes.to_dict() if probes is not None else {},
+        "kernel_log_tail": list(kernel_log_tail or []),
+        "flight_recorder": recorded,
+        "ftrs_version": ftrs_version(),
+        "host": host_info(),
+    }
+
+
+def write_crash_report(
+    home: str | Path, error: BaseException, *, probes: Probes | None = None,
+    kernel_log_tail: Sequence[str] | None = None,
+    flight_recorder: Sequence[dict[str, Any]] | None = None, steps: int = DEFAULT_STEPS,
+    now: dt.datetime | None = None,
+) -> Path:
+    """Write the report atomically and return its path. Never overwrites an older report."""
+    now = now or dt.datetime.now(dt.timezone.utc)
+    report = build_crash_report(error, probes=probes, kernel_log_tail=kernel_log_tail,
+                                flight_recorder=flight_recorder, steps=steps, now=now)
+    directory = Path(home) / "crash"
+    directory.mkdir(parents=True, exist_ok=True)
+    utc = now.astimezone(dt.timezone.utc)
+    stamp = f"{utc:%Y%m%dT%H%M%S}.{utc.microsecond // 1000:03d}Z"
+    fd, tmp = tempfile.mkstemp(prefix=".", suffix=".json.tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2, sort_keys=True, default=str)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        path = directory / f"{stamp}-{type(error).__name__}.json"
+        n = 1
+        while path.exists():  # same millisecond: "<stamp>.<n>-<class>.json" sorts after it
+            path = directory / f"{stamp}.{n}-{type(error).__name__}.json"
+            n += 1
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    logger.error("crash report written: %s", path)
+    return path
+
+
+def list_crash_reports(home: str | Path) -> list[Path]:
+    """Report paths under `<home>/crash`, oldest first (names start with a UTC timestamp)."""
+    directory = Path(home) / "crash"
+    if not directory.is_dir():
+        return []
+    return sorted((p for p in directory.glob("*.json") if not p.name.startswith(".")),
+                  key=_order)
+
+
+def _order(path: Path) -> tuple[str, int]:
+    stamp = path.name.split("-", 1)[0]  # "20260922T074501.123Z" or "...Z.2"
+    base, _, rest = stamp.partition("Z")
+    n = rest.lstrip(".")
+    return (base, int(n) if n.isdigit() else 0)
+
+
+def load_crash_report(path: str | Path) -> CrashReport:
+    """Read one report. Raises ValueError when the file is not a crash report."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable crash report: {e}") from e
+    if not isinstance(data, dict) or "schema_version" not in data or "classification" not in data:
+        raise ValueError(f"{path}: not a crash report (no schema_version/classification)")
+    return CrashReport(path=path, created_at=str(data.get("created_at", "")),
+                       classification=str(data["classification"]),
+                       message=str(data.get("message", "")),
+                       evidence=dict(data.get("evidence") or {}), data=data)
