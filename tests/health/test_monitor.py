@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from ftrs.errors import DeviceError, DeviceLost, DeviceUnhealthy, EngineHang
+from ftrs.errors import DeviceError, DeviceLost, DeviceUnhealthy, EngineHang, KernelFault
 from ftrs.health.child import ChildResult
 from ftrs.health.monitor import DeviceMonitor, MonitorConfig
 from ftrs.health.result import Status
@@ -177,3 +177,17 @@ def test_stop_joins_the_thread_and_is_idempotent(sysfs: FakeSysfs) -> None:
     mon.stop()
     with pytest.raises(RuntimeError):
         mon.start()
+
+
+def test_engine_cuda_error_through_diagnose_is_reported_once(
+    sysfs: FakeSysfs, fake_nvml: FakeNvml,
+) -> None:
+    rec = Recorder()
+    mon = _monitor(sysfs, rec, fake_nvml)
+    err = mon.diagnose(RuntimeError("CUDA error: unspecified launch failure"))
+    assert isinstance(err, KernelFault) and not isinstance(err, DeviceLost)
+    assert err.evidence["device_answers"] == ["pci", "nvml"]
+    oom = mon.diagnose("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert oom is not None and type(oom).__name__ == "DeviceOutOfMemory"
+    assert rec.faults == [err]  # the OOM is per request, not a fault of the engine
+    assert mon.fault is err and mon.tick() is err

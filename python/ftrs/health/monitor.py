@@ -70,7 +70,8 @@ class DeviceMonitor:
                                    clock=clock)
                           if has_pending_work is not None and last_step_finished_at is not None
                           else None)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _state and _fault
+        self._probe_lock = threading.RLock()  # one probe round at a time (NVML handle, baseline)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fault: DeviceError | None = None
@@ -122,20 +123,25 @@ class DeviceMonitor:
         """One iteration (the thread calls this; tests and drills may too). The fault, if any."""
         if self.fault is not None:
             return self.fault
-        started = time.perf_counter()
-        try:
-            return self._tick()
-        finally:
-            self.probe_seconds_total += time.perf_counter() - started
+        with self._probe_lock:
+            started = time.perf_counter()
+            try:
+                verdict = self._tick()
+            finally:
+                self.probe_seconds_total += time.perf_counter() - started
+        if isinstance(verdict, (DeviceOutOfMemory, DeviceUnhealthy)):
+            return None  # not terminal: the slow sample publishes degradation as state
+        return self._report(verdict)
 
     def diagnose(self, error: BaseException | str | int | None) -> DeviceError | None:
         """Classify an error the engine saw, with every probe taken now. A terminal verdict
         (lost, fault, hang) goes to `on_fault` unless one was already reported."""
-        started = time.perf_counter()
-        try:
-            verdict = classify(error, self._full_probes(), baseline=self._baseline)
-        finally:
-            self.probe_seconds_total += time.perf_counter() - started
+        with self._probe_lock:
+            started = time.perf_counter()
+            try:
+                verdict = classify(error, self._full_probes(), baseline=self._baseline)
+            finally:
+                self.probe_seconds_total += time.perf_counter() - started
         if verdict is not None and not isinstance(verdict, (DeviceOutOfMemory, DeviceUnhealthy)):
             self._report(verdict)
         return verdict
@@ -176,7 +182,7 @@ class DeviceMonitor:
         now = self._clock()
         if self.config.bdf is not None:
             if self._pci(detail=False).status is Status.LOST:
-                return self._report(classify(None, self._full_probes()))
+                return classify(None, self._full_probes())
             self.fast_samples += 1
             if now >= self._next_slow:
                 self._next_slow = now + self.config.slow_interval_s
@@ -186,14 +192,14 @@ class DeviceMonitor:
         if self._watchdog is not None:
             hang = self._watchdog.check()
             if hang is not None:
-                return self._report(classify(hang, self._full_probes()))
+                return classify(hang, self._full_probes())
         return None
 
     def _slow_sample(self) -> DeviceError | None:
         probes = Probes(pci=self._pci(detail=True), nvml=self._nvml_sample())
         self.slow_samples += 1
         if any(p.status is Status.LOST for p in probes.present()):
-            return self._report(classify(None, self._with_extras(probes)))
+            return classify(None, self._with_extras(probes))
         verdict = classify(None, probes, baseline=self._baseline)
         self._baseline = probes
         state, reason = "ok", ""
