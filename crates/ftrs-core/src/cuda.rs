@@ -55,6 +55,7 @@ struct Api {
     event_query: unsafe extern "C" fn(CuEvent) -> CuResult,
     event_destroy: unsafe extern "C" fn(CuEvent) -> CuResult,
     host_register: unsafe extern "C" fn(*mut c_void, usize, c_uint) -> CuResult,
+    host_unregister: unsafe extern "C" fn(*mut c_void) -> CuResult,
     get_error_string: unsafe extern "C" fn(CuResult, *mut *const c_char) -> CuResult,
 }
 
@@ -89,6 +90,7 @@ impl Api {
             event_query: sym!("cuEventQuery"),
             event_destroy: sym!("cuEventDestroy_v2"),
             host_register: sym!("cuMemHostRegister_v2"),
+            host_unregister: sym!("cuMemHostUnregister"),
             get_error_string: sym!("cuGetErrorString"),
             _lib: lib,
         })
@@ -360,6 +362,18 @@ pub fn host_register(addr: usize, len: usize) -> Result<()> {
     // process so the pinning stays valid.
     std::mem::forget(ctx);
     Ok(())
+}
+
+/// Undoes [`host_register`] before the memory at `addr` is freed. Errors are ignored: this
+/// runs at teardown, where the device may already be gone.
+pub fn host_unregister(addr: usize) {
+    if let Ok(ctx) = PrimaryContext::retain(0) {
+        if ctx.make_current().is_ok() {
+            // SAFETY: `addr` is the start of a range registered by `host_register` and still
+            // allocated (the pool calls this before freeing its region).
+            unsafe { (ctx.api.host_unregister)(addr as *mut c_void) };
+        }
+    }
 }
 
 #[cfg(test)]

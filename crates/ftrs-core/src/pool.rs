@@ -90,8 +90,8 @@ pub struct ExpertPool {
     dtype: PoolDtype,
     /// The zeroed, page-aligned memory.
     region: HostRegion,
-    /// Set once the region is registered with the CUDA driver (never unregistered: the
-    /// registration lives as long as the driver context, and the pool as long as the engine).
+    /// Set once the region is registered with the CUDA driver; unregistered on drop, before
+    /// the region is freed (engines hold an `Arc` of the pool, so none outlives it).
     pinned: std::sync::atomic::AtomicBool,
 }
 
@@ -273,6 +273,15 @@ impl ExpertPool {
                 .write(off + k * CHUNK * self.dtype.size(), out)?;
         }
         Ok(want)
+    }
+}
+
+impl Drop for ExpertPool {
+    fn drop(&mut self) {
+        // Unpin before `region` frees the memory, so the driver never holds freed pages.
+        if self.is_pinned() {
+            crate::cuda::host_unregister(self.address());
+        }
     }
 }
 
