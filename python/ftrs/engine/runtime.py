@@ -10,7 +10,7 @@ from ftrs.config import EngineConfig
 from ftrs.errors import ConfigError
 from ftrs.models.decoder import Decoder, KVCache
 from ftrs.models.load import load_model
-from ftrs.moe.base import MoEStrategy, create_strategy
+from ftrs.moe.base import MoEStrategy, create_strategy, import_strategy
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +47,7 @@ class Runtime:
         if self.spec.is_moe:
             assert self.loaded.experts is not None
             strategy = "resident" if config.moe_strategy == "auto" else config.moe_strategy
-            if strategy == "offload":
-                import ftrs.moe.offload  # noqa: F401 - registers the strategy
+            import_strategy(strategy)
             self.moe = create_strategy(strategy, experts=self.loaded.experts, device=self.device,
                                        config=config, routers=self._routers())
         self.decoder = Decoder(self.spec, self.loaded.dense, self.moe, self.device, self.dtype)

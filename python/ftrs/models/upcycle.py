@@ -79,7 +79,7 @@ def upcycle(src: Path, dst: Path, experts: int, top_k: int, seed: int = 0,
         mlp_key = "mlp." + tail
         if tail and mlp_key in _MLP:
             for e in range(experts):
-                out[f"{head}.block_sparse_moe.experts.{e}.{_MLP[mlp_key]}"] = t.contiguous()
+                out[f"{head}.block_sparse_moe.experts.{e}.{_MLP[mlp_key]}"] = t.clone()
             router = f"{head}.block_sparse_moe.gate.weight"
             if router not in out:
                 out[router] = (torch.randn(experts, hidden, generator=g) * router_std).to(t.dtype)

@@ -54,6 +54,14 @@ def register(name: str) -> Callable[[Callable[..., MoEStrategy]], Callable[..., 
     return deco
 
 
+def import_strategy(name: str) -> None:
+    """Import the module of a built-in strategy, which registers it."""
+    import importlib
+
+    if name in ("resident", "offload"):
+        importlib.import_module(f"ftrs.moe.{name}")
+
+
 def create_strategy(name: str, **kwargs: Any) -> MoEStrategy:
     if name not in _REGISTRY:
         raise ConfigError(f"moe_strategy: unknown {name!r} (known: {', '.join(sorted(_REGISTRY))})")

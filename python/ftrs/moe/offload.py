@@ -1,0 +1,147 @@
+"""`offload`: routed experts stream from the host pool into a device slot cache.
+
+Per MoE layer: the router's choice is known before any expert runs, so the strategy makes ONE
+call into the Rust transfer engine with the distinct experts the whole batch needs (a prefill
+chunk fetches each expert once, not once per token). Resident experts answer with their slot at
+once; missing ones are queued as demand transfers, ahead of every prefetch. While layer l
+computes, layer l+1's experts are already on the way: its router applied to layer l's hidden
+state predicts them, and they are issued as prefetches (never evicting a pinned slot).
+
+When a layer needs more experts than there are slots, it computes them in waves of at most
+`num_slots` experts, in ascending id, so any capacity from `top_k` upward works. Experts run
+through `layers.moe.combine_experts` in the same order as `resident`: results are bit-identical.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+
+from ftrs import _core
+from ftrs.config import EngineConfig
+from ftrs.errors import CapacityError, ConfigError
+from ftrs.layers.moe import ExpertWeights, combine_experts, route
+from ftrs.models.experts import HostExperts
+from ftrs.moe.base import MoEStrategy, register
+
+log = logging.getLogger(__name__)
+CPU_SLOT_BUDGET = 4 << 30  # bytes of device slots by default on the CPU device
+CAPACITY_RETRY_S = 5.0  # how long a lookup may wait for in-flight prefetches to land
+
+
+def cache_slots(config: EngineConfig, experts: HostExperts, device: torch.device) -> int:
+    total = experts.num_experts_total
+    if config.moe_cache_size is not None:
+        slots = config.moe_cache_size
+    elif config.moe_cache_rate is not None:
+        slots = math.ceil(config.moe_cache_rate * total)
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        slots = int(free * 0.6) // experts.expert_bytes
+    else:
+        slots = CPU_SLOT_BUDGET // experts.expert_bytes
+    top_k = experts.spec.top_k
+    if slots < top_k:
+        raise ConfigError(f"moe cache of {slots} slots is below top_k={top_k}: nothing could run")
+    return min(slots, total)
+
+
+def backend_spec(config: EngineConfig, device: torch.device) -> str:
+    if config.copy_backend == "auto":
+        return "cuda" if device.type == "cuda" else "host"
+    if config.copy_backend == "cuda" and device.type != "cuda":
+        raise ConfigError("copy_backend=cuda needs a CUDA device")
+    return config.copy_backend
+
+
+@register("offload")
+class OffloadStrategy(MoEStrategy):
+    name = "offload"
+
+    def __init__(self, experts: HostExperts, device: torch.device, config: EngineConfig,
+                 routers: dict[int, torch.Tensor], **_: object) -> None:
+        self.experts = experts
+        self.spec = experts.spec
+        self.routers = routers
+        self.prefetch = config.moe_prefetch
+        self.num_slots = cache_slots(config, experts, device)
+        eb = experts.expert_bytes
+        self.buffer = torch.empty(self.num_slots * eb, dtype=torch.uint8, device=device)
+        backend = backend_spec(config, device)
+        if device.type == "cuda":
+            experts.pool.pin()
+        self.engine = _core.TransferEngine(
+            experts.pool, self.num_slots, self.buffer.data_ptr(), self.buffer.numel(),
+            backend=backend, policy=config.moe_cache_policy,
+            pacing_bytes_per_s=(config.pcie_pacing or 0.0) * 1e9)
+        self.backend = backend
+        self.slot_weights: list[ExpertWeights] = [
+            experts.block_views(self.buffer, s * eb) for s in range(self.num_slots)]
+        self.next_moe = {a: b for a, b in zip(self.spec.moe_layers, self.spec.moe_layers[1:])}
+        self._predicted: dict[int, set[int]] = {}
+        self.pred_hits = self.pred_issued = self.pred_needed = 0
+        self.distinct_per_layer: list[int] = []  # distinct experts of each MoE layer, this step
+        log.info("offload: %d of %d expert slots (%.1f MiB), backend %s, policy %s",
+                 self.num_slots, experts.num_experts_total, self.buffer.numel() / 2**20,
+                 backend, config.moe_cache_policy)
+
+    def _predict(self, layer: int, x: torch.Tensor) -> list[tuple[int, int]]:
+        nxt = self.next_moe.get(layer)
+        if nxt is None or not self.prefetch:
+            return []
+        ids, _ = route(x, self.routers[nxt], self.spec.top_k, False)
+        guess = torch.unique(ids).tolist()[: max(0, self.num_slots - self.spec.top_k)]
+        self._predicted[nxt] = set(guess)
+        li = self.experts.layer_index[nxt]
+        return [(li, e) for e in guess]
+
+    def _lookup(self, li: int, wave: list[int], prefetch: list[tuple[int, int]]) -> list[int]:
+        deadline = time.monotonic() + CAPACITY_RETRY_S
+        while True:
+            try:
+                slots, ticket = self.engine.lookup(li, wave, prefetch)
+                self.engine.wait(ticket)
+                return list(slots)
+            except CapacityError:
+                # slots held by prefetches already on the wire: they land within microseconds
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.0002)
+
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        li = self.experts.layer_index[layer]
+        needed = torch.unique(ids).tolist()  # ascending
+        self.distinct_per_layer.append(len(needed))
+        guess = self._predicted.pop(layer, None)
+        if guess is not None:
+            self.pred_issued += len(guess)
+            self.pred_needed += len(needed)
+            self.pred_hits += len(guess.intersection(needed))
+        prefetch = self._predict(layer, x)
+        out = torch.zeros_like(x)
+        for start in range(0, len(needed), self.num_slots):
+            wave = needed[start:start + self.num_slots]
+            slots = self._lookup(li, wave, prefetch if start == 0 else [])
+            by_expert = dict(zip(wave, slots))
+            combine_experts(x, ids, weights, wave, lambda e: self.slot_weights[by_expert[e]], out)
+            self.engine.release()
+        return out
+
+    def begin_forward(self, num_tokens: int) -> None:
+        self.distinct_per_layer = []
+
+    def stats(self) -> dict[str, Any]:
+        s = dict(self.engine.stats())
+        s |= {"slots": self.num_slots, "expert_bytes": self.experts.expert_bytes,
+              "prefetch_predicted": self.pred_issued, "prefetch_predicted_hits": self.pred_hits,
+              "prefetch_needed": self.pred_needed,
+              "distinct_experts": list(self.distinct_per_layer)}
+        return s
+
+    def close(self) -> None:
+        self.engine.cancel_prefetches()

@@ -1,0 +1,90 @@
+"""Logits and greedy continuations against Hugging Face transformers on the same checkpoint (fp32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ftrs.llm import LLM
+from ftrs.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+TOL = 1e-4
+IDS = [3, 17, 250, 41, 99, 500, 7, 8, 311, 42, 42, 42, 130, 64, 255, 1, 300, 12, 77, 5]
+
+
+def hf_model(path: Path, **kw: object) -> torch.nn.Module:
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kw)
+    return m.eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral", "qwen3_moe"])
+def test_tiny_logits_match_transformers(tiny_models: dict[str, Path], arch: str) -> None:
+    llm = LLM(str(tiny_models[arch]), kv_tokens=1024, dtype="float32")
+    ours = llm.logits(IDS)
+    with torch.no_grad():
+        ref = hf_model(tiny_models[arch])(torch.tensor([IDS])).logits[0].float()
+    assert ours.shape == ref.shape == (len(IDS), 512)
+    assert (ours - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_tiny_greedy_continuation_matches_transformers(tiny_models: dict[str, Path], arch: str) -> None:
+    # a small token budget forces chunked prefill; a batch of prompts shares every step
+    llm = LLM(str(tiny_models[arch]), kv_tokens=2048, max_prefill_length=7)
+    prompts = [IDS, IDS[:5], IDS[3:17]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    m = hf_model(tiny_models[arch])
+    for prompt, out in zip(prompts, outs):
+        ref = m.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                         min_new_tokens=24, pad_token_id=0)
+        assert out.token_ids == ref[0, len(prompt):].tolist()
+
+
+def test_gguf_logits_match_transformers(smollm_gguf: Path) -> None:
+    llm = LLM(str(smollm_gguf), kv_tokens=2048)
+    ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog. Paris is")
+    ours = llm.logits(ids)
+    m = hf_model(smollm_gguf.parent, gguf_file=smollm_gguf.name)
+    with torch.no_grad():
+        ref = m(torch.tensor([ids])).logits[0].float()
+    assert (ours - ref).abs().max().item() <= TOL
+
+    prompts = ["What is the capital of France?", "Write a haiku about the sea.",
+               "List three primary colors.", "def fibonacci(n):", "Explain photosynthesis briefly."]
+    chat = [llm.chat_prompt([{"role": "user", "content": p}]) for p in prompts]
+    outs = llm.generate(chat, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+    for text, out in zip(chat, outs):
+        ids = llm.tokenizer.encode(text)
+        ref = m.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
+                         do_sample=False, pad_token_id=2)
+        assert out.token_ids == ref[0, len(ids):].tolist(), text
+
+
+def test_gguf_tokenizer_matches_transformers(smollm_gguf: Path) -> None:
+    from ftrs.models.gguf_loader import gguf_metadata, _reader
+    from ftrs.models.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_gguf_fields(gguf_metadata(_reader(smollm_gguf)), str(smollm_gguf))
+    ref = transformers.AutoTokenizer.from_pretrained(str(smollm_gguf.parent),
+                                                     gguf_file=smollm_gguf.name)
+    texts = ["Hello, world!", "<|im_start|>user\nhi there<|im_end|>\n", "  spaces   and\ttabs",
+             "naïve café — déjà vu", "The year 2024 had 366 days."]
+    for t in texts:
+        assert ours.encode(t) == ref.encode(t, add_special_tokens=False), t
+        assert ours.decode(ours.encode(t), skip_special_tokens=False) == t
+
+
+def test_demo_moe_equals_dense_and_transformers(demo_model: Path, smollm_gguf: Path) -> None:
+    moe = LLM(str(demo_model), kv_tokens=2048)
+    dense = LLM(str(smollm_gguf), kv_tokens=2048)
+    ids = moe.tokenizer.encode("Upcycled experts must agree with the dense model they came from.")
+    ours = moe.logits(ids)
+    assert moe.engine.spec.num_experts == 8 and moe.engine.spec.top_k == 2
+    assert (ours - dense.logits(ids)).abs().max().item() <= TOL
+    with torch.no_grad():
+        ref = hf_model(demo_model)(torch.tensor([ids])).logits[0].float()
+    assert (ours - ref).abs().max().item() <= TOL
