@@ -177,7 +177,8 @@ class EngineClient:
         body: dict[str, Any] = {"status": self.state}
         if self.state == "ready" and self.info is not None:
             body.update(status="ok", model=self.info.model_name, engine_pid=self.info.pid,
-                        max_model_len=self.info.max_model_len, in_flight=len(self._streams))
+                        max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size,
+                        in_flight=len(self._streams))
             return 200, body
         if self.failure is not None:
             body.update(reason=self.failure.message, code=self.failure.code,

@@ -45,8 +45,10 @@ REQUEST_STATUSES = ("success", "aborted", "rejected", "failed")
 def ftrs_version() -> str:
     try:
         return metadata.version("ftrs")
-    except metadata.PackageNotFoundError:
-        return "0+unknown"
+    except metadata.PackageNotFoundError:  # running from a checkout
+        import ftrs
+
+        return str(getattr(ftrs, "__version__", "0+unknown"))
 
 
 class ServerMetrics:
