@@ -6,7 +6,8 @@ multi-byte character yields U+FFFD, exactly the case the incremental detokenizer
 Engine: each request emits one token per step (its whole prompt is "prefilled" in the first
 step). The output is a fixed text with multi-byte characters, read from an offset derived from
 the prompt (greedy), from the seed, or at random (temperature > 0 without a seed). Prompts
-that end in "EOS" emit EOS after 3 tokens; a prompt containing "__die__" makes the engine
+that end in "EOS" emit EOS after 3 tokens; "__refuse__" makes `add_request` raise
+CapacityError (503); a prompt containing "__die__" makes the engine
 process exit with code 86 (as a lost device would) after its first token. KV usage is the
 token count of running requests over a 4096-token pool; page-aligned prompt prefixes seen
 before are reported as cached tokens.
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 
 from ftrs.config import EngineConfig
 from ftrs.engine.protocol import GenerateRequest, StepStats, TokenEvent, TokenLogprob
-from ftrs.errors import ContextLengthExceeded, ModelLoadError
+from ftrs.errors import CapacityError, ContextLengthExceeded, ModelLoadError
 from ftrs.server.engine_process import LoadedEngine
 
 BOS, EOS = 256, 257
@@ -82,6 +83,8 @@ class FakeEngine:
     def add_request(self, req: GenerateRequest) -> None:
         if len(req.prompt_token_ids) + req.params.max_tokens > MAX_MODEL_LEN:
             raise ContextLengthExceeded("too long for the fake engine", evidence={"param": "max_tokens"})
+        if b"__refuse__" in bytes(t % 256 for t in req.prompt_token_ids):
+            raise CapacityError("the fake KV pool cannot hold this request")
         p = req.params
         if p.temperature == 0:
             offset = zlib.crc32(bytes(t % 256 for t in req.prompt_token_ids))

@@ -168,3 +168,16 @@ def test_openai_client_raises_typed_errors(client: Any) -> None:
             assert e.body["code"] in ("invalid_request", "model_not_found")  # type: ignore[index]
         else:
             raise AssertionError(f"{kw} did not fail")
+
+
+def test_a_request_the_engine_refuses_is_an_http_error_streamed_or_not(client: Any) -> None:
+    for stream in (False, True):
+        try:
+            r = client.completions.create(model=MODEL, prompt="__refuse__", max_tokens=4, stream=stream)
+            list(r) if stream else None
+        except openai.APIStatusError as e:
+            assert e.status_code == 503
+            assert e.body["code"] == "overloaded"  # type: ignore[index]
+        else:
+            raise AssertionError(f"stream={stream}: the refused request succeeded")
+    assert client.completions.create(model=MODEL, prompt="fine", max_tokens=2).usage.completion_tokens == 2

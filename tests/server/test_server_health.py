@@ -48,6 +48,11 @@ def test_metrics_parse_and_follow_traffic(fake_server: ServerProcess, client: An
     assert after["ftrs_inter_token_latency_seconds_count"] - before["ftrs_inter_token_latency_seconds_count"] == 4
     assert after["ftrs_device_up"] == 1 and after["ftrs_device_state{state=ok}"] == 1
     assert after["ftrs_pcie_bytes_total{direction=h2d}"] > 0  # the fake engine's counters
+    bad = httpx.post(fake_server.url + "/v1/completions", headers=fake_server.headers, timeout=5,
+                     json={"model": "fake", "prompt": "x", "temperature": -1})
+    assert bad.status_code == 400
+    rejected = scrape(fake_server.url)["ftrs_requests_total{status=rejected}"]
+    assert rejected == after["ftrs_requests_total{status=rejected}"] + 1
 
 
 def test_client_disconnect_mid_stream_aborts_and_frees_kv(fake_server: ServerProcess) -> None:

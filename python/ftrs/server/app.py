@@ -12,7 +12,7 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +50,7 @@ from ftrs.server.protocol import (
     new_id,
 )
 from ftrs.server.serving import (
+    Delta,
     Generation,
     chat_logprobs,
     check_model,
@@ -116,7 +117,7 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
     app.state.engine = client
     app.state.metrics = metrics
     app.state.settings = settings
-    _install_error_handlers(app)
+    _install_error_handlers(app, metrics)
 
     async def authorize(request: Request) -> None:
         if settings.api_key is None:
@@ -156,9 +157,11 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
+            deltas = await _primed(gen.run())
+
             async def events() -> AsyncIterator[str]:
                 offset = 0
-                async for d in gen.run():
+                async for d in deltas:
                     lp = None
                     if req.logprobs is not None:
                         lp = completion_logprobs(eng.tokenizer, d.logprobs, offset)
@@ -169,7 +172,7 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
                 if include_usage:
                     yield _sse(CompletionResponse(id=gen.request_id, model=model, choices=[], usage=_usage(gen)))
 
-            return _stream(events())
+            return _stream(events(), metrics)
         text, lps = [], []
         async for d in gen.run(request.is_disconnected):
             text.append(d.text)
@@ -190,10 +193,12 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
+            deltas = await _primed(gen.run())
+
             async def events() -> AsyncIterator[str]:
                 first = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
                 yield _sse(ChatCompletionChunk(id=gen.request_id, model=model, choices=[first]))
-                async for d in gen.run():
+                async for d in deltas:
                     lp = chat_logprobs(eng.tokenizer, d.logprobs) if req.logprobs else None
                     choice = ChatChunkChoice(delta=ChatDelta(content=d.text), logprobs=lp,
                                              finish_reason=d.finish_reason,
@@ -202,7 +207,7 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
                 if include_usage:
                     yield _sse(ChatCompletionChunk(id=gen.request_id, model=model, choices=[], usage=_usage(gen)))
 
-            return _stream(events())
+            return _stream(events(), metrics)
         text, lps = [], []
         async for d in gen.run(request.is_disconnected):
             text.append(d.text)
@@ -226,14 +231,35 @@ def _json(obj: Any) -> Response:
     return Response(obj.model_dump_json(exclude_none=True), media_type="application/json")
 
 
-def _stream(events: AsyncIterator[str]) -> StreamingResponse:
-    """SSE; an error after the first byte becomes an `error` event, then `[DONE]`."""
+async def _primed(deltas: AsyncGenerator[Delta, None]) -> AsyncIterator[Delta]:
+    """Wait for the first delta before the response starts, so that an error the engine raises
+    before the first token (a refused request) is answered with its HTTP status, not as SSE."""
+    try:
+        first = await anext(deltas)
+    except StopAsyncIteration:
+        first = None
+
+    async def rest() -> AsyncIterator[Delta]:
+        try:
+            if first is not None:
+                yield first
+            async for d in deltas:
+                yield d
+        finally:
+            await deltas.aclose()
+
+    return rest()
+
+
+def _stream(events: AsyncIterator[str], metrics: ServerMetrics) -> StreamingResponse:
+    """SSE; an error after the response started becomes an `error` event, then `[DONE]`."""
 
     async def body() -> AsyncIterator[str]:
         try:
             async for chunk in events:
                 yield chunk
         except FtrsError as err:
+            metrics.request_failed(err.http_status)
             yield f"data: {json.dumps(error_body(err))}\n\n"
         yield "data: [DONE]\n\n"
 
@@ -241,24 +267,29 @@ def _stream(events: AsyncIterator[str]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _install_error_handlers(app: FastAPI) -> None:
+def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    def answer(request: Request, err: FtrsError) -> JSONResponse:
+        if request.method == "POST" and request.url.path.startswith("/v1/"):
+            metrics.request_failed(err.http_status)
+        return error_response(err)
+
     @app.exception_handler(FtrsError)
-    async def ftrs_error(_: Request, exc: FtrsError) -> JSONResponse:
-        return error_response(exc)
+    async def ftrs_error(request: Request, exc: FtrsError) -> JSONResponse:
+        return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
-            return error_response(InvalidRequest(f"invalid JSON body: {first.get('msg', '')}"))
+            return answer(request, InvalidRequest(f"invalid JSON body: {first.get('msg', '')}"))
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = ".".join(loc) or None
         msg = first.get("msg", "invalid request")
         if first.get("type") == "missing":
             msg = "field required"
-        return error_response(InvalidRequest(f"{param}: {msg}" if param else str(msg),
-                                             evidence={"param": param} if param else None))
+        return answer(request, InvalidRequest(f"{param}: {msg}" if param else str(msg),
+                                              evidence={"param": param} if param else None))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -268,9 +299,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         return error_response(err)
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error: %s", exc)
-        return error_response(FtrsError(f"internal server error: {type(exc).__name__}"))
+        return answer(request, FtrsError(f"internal server error: {type(exc).__name__}"))
 
 
 __all__ = ["ServeSettings", "create_app"]

@@ -156,13 +156,20 @@ class ServerMetrics:
 
     # ------------------------------------------------------------------------ request side
 
-    def request_done(self, status: str, prompt_tokens: int, generation_tokens: int,
+    def request_done(self, status: str | None, prompt_tokens: int, generation_tokens: int,
                      latency_s: float | None) -> None:
-        self.requests.labels(status).inc()
+        """Count a request's tokens; and its outcome unless `status` is None (an error, counted
+        by `request_failed` where it is answered)."""
+        if status is not None:
+            self.requests.labels(status).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generation_tokens)
         if latency_s is not None:
             self.latency.observe(latency_s)
+
+
+    def request_failed(self, http_status: int) -> None:
+        self.requests.labels("rejected" if http_status < 500 else "failed").inc()
 
 
 def _number(value: object) -> float | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,14 +190,15 @@ class Generation:
     def num_completion_tokens(self) -> int:
         return len(self.token_ids)
 
-    async def run(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncIterator[Delta]:
+    async def run(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncGenerator[Delta, None]:
         """Yield deltas until the request finishes. Raises the request's `FtrsError`."""
         params = self.prepared.params
         detok = IncrementalDetokenizer(self.client.tokenizer or _NoText())
         stop = StopChecker(params.stop)
         self.num_prompt_tokens = len(self.prepared.prompt_ids)
         queue = self.client.submit(GenerateRequest(self.request_id, self.prepared.prompt_ids, params))
-        status, last = "aborted", self._arrival
+        status: str | None = "aborted"
+        last = self._arrival
         try:
             while True:
                 item = await self._next(queue, is_disconnected)
@@ -236,8 +237,8 @@ class Generation:
                     return
                 if out or item.new_token_ids:
                     yield Delta(out, item.new_token_ids, item.logprobs or [])
-        except FtrsError as err:
-            status = "rejected" if err.http_status < 500 else "failed"
+        except FtrsError:
+            status = None  # counted where the error is answered (HTTP error or SSE event)
             raise
         finally:
             if self.finish_reason is None:
