@@ -157,6 +157,8 @@ class FakeEngine:
 def load(config: EngineConfig) -> LoadedEngine:
     if config.model == "fail-load":
         raise ModelLoadError(config.model, "fake load failure for tests")
+    if config.model == "slow-load":
+        time.sleep(3.0)
     return LoadedEngine(FakeEngine(), config.model)
 
 

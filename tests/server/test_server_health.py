@@ -108,3 +108,21 @@ def test_load_failure_is_reported_on_health() -> None:
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_error"
     finally:
         server.stop()
+
+
+def test_health_is_503_with_a_reason_while_loading_then_200() -> None:
+    server = ServerProcess(["--model", "slow-load"], api_key=None)
+    try:
+        body = server.wait("loading")
+        r = httpx.get(server.url + "/health", timeout=5)
+        assert r.status_code in (503, 200)  # the load may just have finished
+        assert "slow-load" in str(body["reason"])
+        chat = {"model": "slow-load", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        early = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=5)
+        assert early.status_code in (503, 200)
+        if early.status_code == 503:
+            assert early.json()["error"]["code"] == "engine_unavailable"
+        server.wait("ok")
+        assert httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=10).status_code == 200
+    finally:
+        server.stop()
