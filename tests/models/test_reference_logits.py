@@ -18,7 +18,14 @@ IDS = [3, 17, 250, 41, 99, 500, 7, 8, 311, 42, 42, 42, 130, 64, 255, 1, 300, 12,
 
 def hf_model(path: Path, **kw: object) -> torch.nn.Module:
     m = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kw)
+    m.generation_config.eos_token_id = None  # continue past EOS, as ftrs' ignore_eos does
     return m.eval()
+
+
+def greedy(n: int) -> object:
+    """Exactly n greedy tokens, EOS neither stopping nor suppressed (as ftrs' ignore_eos)."""
+    return transformers.GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                         pad_token_id=0)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral", "qwen3_moe"])
@@ -39,8 +46,7 @@ def test_tiny_greedy_continuation_matches_transformers(tiny_models: dict[str, Pa
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     m = hf_model(tiny_models[arch])
     for prompt, out in zip(prompts, outs):
-        ref = m.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                         min_new_tokens=24, pad_token_id=0)
+        ref = m.generate(torch.tensor([prompt]), generation_config=greedy(24))
         assert out.token_ids == ref[0, len(prompt):].tolist()
 
 
@@ -59,8 +65,7 @@ def test_gguf_logits_match_transformers(smollm_gguf: Path) -> None:
     outs = llm.generate(chat, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
     for text, out in zip(chat, outs):
         ids = llm.tokenizer.encode(text)
-        ref = m.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
-                         do_sample=False, pad_token_id=2)
+        ref = m.generate(torch.tensor([ids]), generation_config=greedy(32))
         assert out.token_ids == ref[0, len(ids):].tolist(), text
 
 
