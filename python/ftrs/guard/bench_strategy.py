@@ -1,0 +1,249 @@
+"""`ftrs bench strategy`: measure a short real workload under each strategy and cache size, pick
+the measured fastest, and store it as a profile for `--moe-strategy auto`.
+
+The workload, per candidate (resident; offload at each cache rate), on a freshly loaded engine:
+one warm-up request (8 prompt tokens, 2 decoded), then one request of `prompt_tokens` random
+prompt tokens (one prefill chunk) and `decode_tokens` greedy tokens (EOS ignored). Prefill time
+is arrival to first token, decode time the rest. The score is the total: the candidate with the
+smallest measured total is the pick. Nothing is estimated from bandwidth ratios: a host whose
+link or cache behaves unlike the model of it is measured as it is.
+
+Profiles live in `$FTRS_HOME/profiles/<hash of key>.json`; the key is (device, host, model,
+link), so a profile measured on another host, GPU, checkpoint or link never applies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import platform
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ftrs.guard.profile import profile_key, write_profile
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CACHE_RATES = (0.25, 0.5, 1.0)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: str
+    cache_rate: float | None = None
+
+    @property
+    def label(self) -> str:
+        return self.strategy if self.cache_rate is None else f"{self.strategy}@{self.cache_rate:g}"
+
+
+@dataclass(frozen=True)
+class BenchRow:
+    label: str
+    strategy: str
+    cache_rate: float | None
+    prefill_s: float
+    decode_s: float
+    total_s: float
+    bytes_h2d: int = 0
+    error: str | None = None
+
+
+@dataclass
+class StrategyBench:
+    rows: list[BenchRow]
+    pick: BenchRow
+    key: dict[str, str]
+    workload: dict[str, Any]
+    profile_path: Path | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "workload": self.workload, "rows": [asdict(r) for r in self.rows],
+                "pick": asdict(self.pick), "profile_path": str(self.profile_path or ""),
+                "notes": self.notes}
+
+    def format_table(self) -> str:
+        lines = [f"{'candidate':<16}{'prefill s':>11}{'decode s':>10}{'total s':>10}{'H2D MB':>10}"]
+        for r in self.rows:
+            mark = "  <- pick" if r is self.pick else ""
+            if r.error:
+                lines.append(f"{r.label:<16}  failed: {r.error}")
+                continue
+            lines.append(f"{r.label:<16}{r.prefill_s:>11.3f}{r.decode_s:>10.3f}{r.total_s:>10.3f}"
+                         f"{r.bytes_h2d / 1e6:>10.1f}{mark}")
+        return "\n".join(lines)
+
+
+Runner = Callable[[Candidate], BenchRow]
+
+
+def candidates(cache_rates: Sequence[float] = DEFAULT_CACHE_RATES,
+               resident: bool = True) -> list[Candidate]:
+    out = [Candidate("resident")] if resident else []
+    return out + [Candidate("offload", float(r)) for r in cache_rates]
+
+
+def engine_runner(model: str, *, prompt_tokens: int, decode_tokens: int, copy_backend: str,
+                  device: str, dtype: str, seed: int = 0) -> Runner:
+    """The real workload of the module doc, one fresh engine per candidate."""
+    import torch
+
+    from ftrs.engine.protocol import GenerateRequest
+    from ftrs.llm import LLM
+    from ftrs.sampling import SamplingParams
+
+    def run(c: Candidate) -> BenchRow:
+        opts: dict[str, Any] = {"moe_strategy": c.strategy, "device": device, "dtype": dtype,
+                                "max_prefill_length": max(prompt_tokens, 8)}
+        if c.strategy == "offload":
+            opts |= {"moe_cache_rate": c.cache_rate, "copy_backend": copy_backend}
+        llm = LLM(model, **opts)
+        try:
+            eng = llm.engine
+            gen = torch.Generator().manual_seed(seed)
+            warm = torch.randint(0, eng.vocab_size, (8,), generator=gen).tolist()
+            prompt = torch.randint(0, eng.vocab_size, (prompt_tokens,), generator=gen).tolist()
+            _drive(eng, GenerateRequest("warm", warm, SamplingParams(
+                max_tokens=2, temperature=0.0, ignore_eos=True)))
+            before = _h2d(eng)
+            first, total = _drive(eng, GenerateRequest("bench", prompt, SamplingParams(
+                max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)))
+            return BenchRow(c.label, c.strategy, c.cache_rate, first, total - first, total,
+                            _h2d(eng) - before)
+        finally:
+            llm.close()
+
+    return run
+
+
+def _h2d(eng: Any) -> int:
+    moe = eng.rt.moe
+    return int(moe.stats().get("bytes_h2d", 0)) if moe is not None else 0
+
+
+def _drive(eng: Any, req: Any) -> tuple[float, float]:
+    """Run one request to completion; (seconds to first token, seconds in all)."""
+    t0 = time.perf_counter()
+    first: float | None = None
+    eng.add_request(req)
+    while True:
+        events, _ = eng.step()
+        for ev in events:
+            if ev.request_id != req.request_id:
+                continue
+            if first is None and ev.new_token_ids:
+                first = time.perf_counter() - t0
+            if ev.finish_reason is not None:
+                total = time.perf_counter() - t0
+                return (first if first is not None else total), total
+
+
+def device_name(device: str) -> str:
+    try:
+        import torch
+
+        if device != "cpu" and torch.cuda.is_available():
+            return str(torch.cuda.get_device_name(0))
+    except Exception:  # no driver: describe the CPU
+        logger.debug("no CUDA device name", exc_info=True)
+    return f"cpu:{platform.machine()}:{platform.processor() or 'unknown'}"
+
+
+def model_id(model: str) -> str:
+    """The checkpoint's name plus a hash of its config.json (so a rebuilt model matches)."""
+    from ftrs.errors import ModelLoadError
+    from ftrs.models.load import resolve_model
+
+    try:
+        path = resolve_model(model)
+    except ModelLoadError:
+        return model
+    cfg = path / "config.json" if path.is_dir() else path
+    digest = hashlib.sha256(cfg.read_bytes() if cfg.is_file() else b"").hexdigest()[:12]
+    return f"{path.name}:{digest}"
+
+
+def link_id(copy_backend: str, link_desc: str | None = None) -> str:
+    """The link part of a profile key: the simulated spec, else the probed PCIe link, else
+    "host" (the CPU device, no link)."""
+    if copy_backend.startswith("simulated"):
+        return copy_backend
+    if link_desc:
+        return link_desc
+    from ftrs.guard.link import probe_link
+
+    link = probe_link(use_nvml=False)
+    return "host" if link.device == "cpu" else f"pcie:Gen{link.gen_max} x{link.width_current}"
+
+
+def run_strategy_bench(
+    model: str, *, prompt_tokens: int = 256, decode_tokens: int = 16,
+    cache_rates: Sequence[float] = DEFAULT_CACHE_RATES, copy_backend: str = "auto",
+    device: str = "auto", dtype: str = "auto", resident: bool = True,
+    home: Path | None = None, write: bool = True, link_desc: str | None = None,
+    runner: Runner | None = None,
+) -> StrategyBench:
+    """Measure every candidate, pick the fastest measured total, write the profile."""
+    run = runner or engine_runner(model, prompt_tokens=prompt_tokens,
+                                  decode_tokens=decode_tokens, copy_backend=copy_backend,
+                                  device=device, dtype=dtype)
+    rows: list[BenchRow] = []
+    for c in candidates(cache_rates, resident):
+        logger.info("bench strategy: %s", c.label)
+        try:
+            rows.append(run(c))
+        except Exception as e:  # a candidate that cannot run is a row, not the end of the bench
+            logger.warning("bench strategy: %s failed: %s", c.label, e)
+            rows.append(BenchRow(c.label, c.strategy, c.cache_rate, float("inf"),
+                                 float("inf"), float("inf"), error=str(e)))
+    ok = [r for r in rows if r.error is None]
+    if not ok:
+        raise RuntimeError("bench strategy: every candidate failed: "
+                           + "; ".join(f"{r.label}: {r.error}" for r in rows))
+    pick = min(ok, key=lambda r: r.total_s)
+    key = profile_key(device=device_name(device), host=socket.gethostname(),
+                      model=model_id(model),
+                      link=link_id(copy_backend, link_desc))
+    workload = {"prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens,
+                "copy_backend": copy_backend, "device": device, "dtype": dtype,
+                "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    bench = StrategyBench(rows, pick, key, workload)
+    if write:
+        bench.profile_path = write_profile(bench.to_dict(), key, home)
+        logger.info("bench strategy: picked %s (%.3f s); profile %s", pick.label, pick.total_s,
+                    bench.profile_path)
+    return bench
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="demo", help="model directory or 'demo'")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--cache-rates", type=float, nargs="+", default=list(DEFAULT_CACHE_RATES))
+    parser.add_argument("--copy-backend", default="auto",
+                        help="auto | host | cuda | simulated:GBPS[:LAT_US]")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--no-resident", action="store_true", help="skip the resident candidate")
+    parser.add_argument("--no-write", action="store_true", help="do not write a profile")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """`ftrs bench strategy`: run, then print the table (or JSON) to stdout."""
+    bench = run_strategy_bench(
+        args.model, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
+        cache_rates=args.cache_rates, copy_backend=args.copy_backend, device=args.device,
+        dtype=args.dtype, resident=not args.no_resident, write=not args.no_write)
+    text = json.dumps(bench.to_dict(), indent=2) if args.json else (
+        bench.format_table() + f"\npick: {bench.pick.label}"
+        + (f"\nprofile: {bench.profile_path}" if bench.profile_path else ""))
+    print(text)  # the CLI's output
+    return 0

@@ -1,0 +1,107 @@
+"""The link guard at `ftrs serve` start: resolve `--moe-strategy auto`, then cap the prefill.
+
+`apply_link_guard(config, ...)` returns the config to run with and the guard's decision; the
+server logs the decision, puts `decision.to_dict()` in `/health` and sets
+`ftrs_prefill_cap_tokens` from `config.max_prefill_length`. Only the model's config.json is
+read (no weights), the link is probed through sysfs/NVML, and on a GPU the H2D bandwidth is
+measured once through the copy engine. With `copy_backend=simulated:GBPS` the simulated
+bandwidth is the link's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+from pathlib import Path
+
+from ftrs.config import EngineConfig, ftrs_home
+from ftrs.errors import ModelLoadError
+from ftrs.guard.fetch import FetchModel, fetch_model_from_spec
+from ftrs.guard.link import LinkState, measure_link, probe_link
+from ftrs.guard.policy import DEFAULT_WINDOW_S, GuardDecision, decide_prefill_cap
+from ftrs.guard.profile import AutoChoice, profile_key, resolve_auto_strategy
+from ftrs.health.crash import CrashReport, list_crash_reports, load_crash_report
+
+logger = logging.getLogger(__name__)
+
+
+def model_fetch(model: str, device: str, dtype: str) -> FetchModel:
+    """The fetch model of a checkpoint from its config.json, in the dtype it will run in."""
+    from ftrs.models.arch import load_arch
+    from ftrs.models.load import resolve_model
+
+    path = resolve_model(model)
+    if not path.is_dir():
+        raise ModelLoadError(str(path), "fetch volumes need a checkpoint directory (GGUF is dense)")
+    spec = load_arch(path)
+    if dtype == "auto":
+        dtype = "float32" if device == "cpu" else "bfloat16"
+    return fetch_model_from_spec(spec, dtype, model=path.name)
+
+
+def simulated_link(spec: str) -> LinkState:
+    """A LinkState for `simulated:GBPS[:LAT_US]`: the simulated bandwidth, no PCIe figures."""
+    gbps = float(spec.split(":")[1])
+    return LinkState(device="cpu", measured_h2d_gbps=gbps, measured_backend=spec)
+
+
+def current_link(config: EngineConfig, *, sysfs_root: str | Path = "/sys",
+                 measure: bool = True) -> LinkState:
+    if config.copy_backend.startswith("simulated"):
+        return simulated_link(config.copy_backend)
+    link = probe_link(sysfs_root=sysfs_root, under_load=False)
+    if measure and link.device == "cuda" and config.device != "cpu":
+        link = measure_link(link, sysfs_root=sysfs_root)
+    return link
+
+
+def load_reports(home: Path) -> list[CrashReport]:
+    out = []
+    for p in list_crash_reports(home):
+        try:
+            out.append(load_crash_report(p))
+        except ValueError as e:
+            logger.warning("skipping %s", e)
+    return out
+
+
+def resolve_auto(config: EngineConfig, fetch: FetchModel, link: LinkState,
+                 home: Path) -> AutoChoice:
+    from ftrs.guard.bench_strategy import device_name, link_id, model_id
+
+    budget = None
+    if link.device == "cuda" and config.device != "cpu":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info()
+        budget = int(free * 0.6)
+    key = profile_key(device=device_name(config.device), host=socket.gethostname(),
+                      model=model_id(config.model), link=link_id(config.copy_backend))
+    return resolve_auto_strategy(key, total_expert_bytes=fetch.total_expert_bytes,
+                                 device_budget_bytes=budget, home=home)
+
+
+def apply_link_guard(
+    config: EngineConfig, *, explicit_max_prefill: bool, no_link_guard: bool = False,
+    window_s: float = DEFAULT_WINDOW_S, home: Path | None = None,
+    sysfs_root: str | Path = "/sys", measure: bool = True,
+) -> tuple[EngineConfig, GuardDecision]:
+    """(config to serve with, decision). Logs the auto choice and the decision."""
+    home = home or ftrs_home()
+    fetch = model_fetch(config.model, config.device, config.dtype)
+    link = current_link(config, sysfs_root=sysfs_root, measure=measure)
+    if config.moe_strategy == "auto" and fetch.num_experts:
+        choice = resolve_auto(config, fetch, link, home)
+        logger.info("%s", choice.message)
+        config = dataclasses.replace(config, moe_strategy=choice.strategy,
+                                     moe_cache_rate=choice.cache_rate
+                                     if choice.cache_rate is not None else config.moe_cache_rate)
+    decision = decide_prefill_cap(
+        link, fetch, requested=config.max_prefill_length, crash_reports=load_reports(home),
+        window_s=window_s, strategy=config.moe_strategy, explicit_request=explicit_max_prefill,
+        no_link_guard=no_link_guard)
+    decision.log(logger)
+    if decision.cap_tokens is not None:
+        config = dataclasses.replace(config, max_prefill_length=decision.cap_tokens)
+    return config, decision
