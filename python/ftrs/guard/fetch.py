@@ -25,10 +25,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ftrs.models.arch import ArchSpec
-
 if TYPE_CHECKING:
     from ftrs.llm import LLM
+    from ftrs.models.arch import ArchSpec
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +104,7 @@ class FetchModel:
         return FetchModel(self.model, self.expert_bytes, self.num_moe_layers, self.num_experts,
                           self.top_k, self.dtype, ordered)
 
-    def table(self, chunks: Sequence[int], hit_rate: float = 0.0) -> list[dict[str, float]]:
+    def table(self, chunks: Sequence[int], hit_rate: float = 0.0) -> list[dict[str, Any]]:
         """Rows of (chunk tokens, distinct experts per layer, chunk bytes) for reports."""
         return [{"chunk_tokens": c, "distinct_experts_per_layer": round(self.distinct_experts(c), 3),
                  "chunk_bytes": self.prefill_chunk_bytes(c, hit_rate)} for c in chunks]

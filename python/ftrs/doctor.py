@@ -1,0 +1,210 @@
+"""`ftrs doctor [--model M] [--bundle PATH]`: what this host is, and how to run ftrs on it.
+
+One report (a dict; `format_text` renders it): device and driver, PCIe link (current and max),
+measured copy bandwidth, host RAM, the model's fetch volumes, the recommended strategy, cache
+size and prefill ceiling each with its reason, and the recent crash reports. Without a GPU it
+says so plainly and still reports the CPU-side figures (host copy bandwidth through the Rust
+host backend, RAM, fetch volumes). `--bundle` also writes a tar.gz (see `guard.bundle`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from ftrs.config import ftrs_home
+from ftrs.guard.link import LinkState, measure_link, probe_link
+from ftrs.guard.policy import DEFAULT_WINDOW_S, decide_prefill_cap, lost_chunk_tokens, report_bdf
+from ftrs.health.crash import host_info
+
+logger = logging.getLogger(__name__)
+
+CHUNKS = (1, 16, 256, 2048, 8192)
+HIT_RATES = (0.0, 0.5, 0.9)
+RECENT_CRASHES = 10
+
+
+def read_meminfo(path: str | Path = "/proc/meminfo") -> dict[str, int]:
+    """MemTotal / MemAvailable in bytes (empty where unreadable)."""
+    out: dict[str, int] = {}
+    try:
+        for line in Path(path).read_text().splitlines():
+            name, _, rest = line.partition(":")
+            if name in ("MemTotal", "MemAvailable") and rest.split():
+                out[name] = int(rest.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def device_section(link: LinkState) -> dict[str, Any]:
+    info = host_info()
+    gpu = link.device == "cuda"
+    d: dict[str, Any] = {"gpu": gpu, "bdf": link.bdf, "driver": info.get("nvidia_driver"),
+                         "torch": info.get("torch"), "kernel": info.get("kernel")}
+    if not gpu:
+        d["message"] = ("no GPU found (no NVIDIA device on the PCI bus): ftrs runs on the CPU; "
+                        "the figures below are CPU-side (host copy bandwidth, RAM)")
+        return d
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            free, total = torch.cuda.mem_get_info()
+            d |= {"name": torch.cuda.get_device_name(0), "memory_free_bytes": free,
+                  "memory_total_bytes": total}
+        else:
+            d["message"] = "an NVIDIA GPU is on the bus but CUDA is not usable from torch"
+    except Exception as e:  # a broken driver is itself a finding
+        d["message"] = f"CUDA query failed: {e}"
+    return d
+
+
+def crash_section(home: Path) -> list[dict[str, Any]]:
+    from ftrs.guard.startup import load_reports
+
+    return [{"file": r.path.name, "created_at": r.created_at, "classification": r.classification,
+             "message": r.message, "bdf": report_bdf(r), "largest_chunk_tokens": lost_chunk_tokens(r)}
+            for r in load_reports(home)[-RECENT_CRASHES:]]
+
+
+def recommend(fetch: Any, link: LinkState, device: dict[str, Any]) -> dict[str, Any]:
+    """Strategy and cache size, each with its reason (the prefill ceiling is the guard's)."""
+    total = fetch.total_expert_bytes
+    if not device["gpu"] or "memory_free_bytes" not in device:
+        return {"strategy": "resident", "strategy_reason": (
+                    "no usable GPU: experts stay in host memory and run on the CPU; nothing "
+                    "crosses a link"), "cache_slots": None,
+                "cache_reason": "no device cache on the CPU"}
+    budget = int(device["memory_free_bytes"] * 0.6)
+    if total <= budget:
+        return {"strategy": "resident", "strategy_reason": (
+                    f"all experts ({total / 1e9:.2f} GB) fit in 60% of free device memory "
+                    f"({budget / 1e9:.2f} GB)"), "cache_slots": None,
+                "cache_reason": "resident: every expert is on the device"}
+    slots = budget // fetch.expert_bytes
+    all_slots = fetch.num_moe_layers * fetch.num_experts
+    return {"strategy": "offload", "strategy_reason": (
+                f"experts ({total / 1e9:.2f} GB) exceed 60% of free device memory "
+                f"({budget / 1e9:.2f} GB); run `ftrs bench strategy` to measure the alternatives"),
+            "cache_slots": int(slots), "cache_reason": (
+                f"{slots} slots of {fetch.expert_bytes / 2**20:.1f} MiB fill 60% of free device "
+                f"memory: {slots / all_slots:.0%} of the {all_slots} experts")}
+
+
+def model_section(model: str, device: str, window_s: float, link: LinkState,
+                  dev: dict[str, Any], home: Path, requested: int) -> dict[str, Any]:
+    from ftrs.guard.startup import load_reports, model_fetch
+
+    fetch = model_fetch(model, device, "auto")
+    gbps, source = link.effective_gbps()
+    rows = fetch.table(CHUNKS)
+    for r in rows:
+        r["fetch_s"] = r["chunk_bytes"] / (gbps * 1e9) if gbps else None
+    rec = recommend(fetch, link, dev)
+    reports = load_reports(home)
+    offload = decide_prefill_cap(link, fetch, requested=requested, crash_reports=reports,
+                                 window_s=window_s, strategy="offload")
+    rec |= {"prefill_ceiling": offload.max_prefill_length if rec["strategy"] == "offload"
+            else requested,
+            "prefill_reason": "; ".join(offload.reasons) if rec["strategy"] == "offload"
+            else f"{rec['strategy']}: no experts cross the link; no cap",
+            "prefill_ceiling_if_offload": offload.to_dict()}
+    return {"fetch": fetch.to_dict(), "link_gbps": gbps, "link_gbps_source": source,
+            "prefill_chunks": rows,
+            "decode_bytes_per_token": {str(h): fetch.decode_bytes_per_token(h) for h in HIT_RATES},
+            "recommendation": rec}
+
+
+def build_report(model: str | None = None, *, sysfs_root: str | Path = "/sys",
+                 home: Path | None = None, measure: bool = True, backend: str | None = None,
+                 window_s: float = DEFAULT_WINDOW_S, requested: int = 8192) -> dict[str, Any]:
+    """The doctor report as a JSON-ready dict."""
+    home = home or ftrs_home()
+    link = probe_link(sysfs_root=sysfs_root, under_load=False)
+    if measure:
+        link = measure_link(link, backend, sysfs_root=sysfs_root)
+    dev = device_section(link)
+    mem = read_meminfo()
+    report: dict[str, Any] = {
+        "device": dev, "link": link.to_dict(), "host": host_info(),
+        "memory": {"ram_total_bytes": mem.get("MemTotal"),
+                   "ram_available_bytes": mem.get("MemAvailable")},
+        "bandwidth": {"h2d_gbps": link.measured_h2d_gbps, "h2d_backend": link.measured_backend,
+                      "d2h_gbps": link.measured_d2h_gbps, "host_copy_gbps": link.host_copy_gbps},
+        "crash_reports": crash_section(home)}
+    if model is not None:
+        report["model"] = {"name": model} | model_section(
+            model, "cuda" if dev["gpu"] else "cpu", window_s, link, dev, home, requested)
+    return report
+
+
+def _fmt_bytes(n: float | None) -> str:
+    return "?" if n is None else f"{n / 1e9:.2f} GB"
+
+
+def format_text(r: dict[str, Any]) -> str:
+    dev, link, bw = r["device"], r["link"], r["bandwidth"]
+    lines = ["ftrs doctor", ""]
+    if dev.get("message"):
+        lines.append(f"device: {dev['message']}")
+    if dev["gpu"]:
+        lines.append(f"device: {dev.get('name', '?')} at {dev['bdf']}, driver {dev['driver']}")
+        lines.append(f"link: Gen{link['gen_current']} x{link['width_current']} now, max "
+                     f"Gen{link['gen_max']} x{link['width_max']} ({link['link_source']})"
+                     + ("  BELOW MAX" if link["below_max"] else ""))
+    lines.append(f"bandwidth: H2D {bw['h2d_gbps']} GB/s via {bw['h2d_backend']}; host copy "
+                 f"{bw['host_copy_gbps']} GB/s" + (f"; D2H {bw['d2h_gbps']:.2f} GB/s"
+                                                  if bw["d2h_gbps"] else ""))
+    mem = r["memory"]
+    lines.append(f"RAM: {_fmt_bytes(mem['ram_available_bytes'])} available of "
+                 f"{_fmt_bytes(mem['ram_total_bytes'])}")
+    if "model" in r:
+        m, f = r["model"], r["model"]["fetch"]
+        lines += ["", f"model {m['name']}: {f['num_moe_layers']} MoE layers x {f['num_experts']} "
+                  f"experts, top-{f['top_k']}, {f['expert_bytes'] / 2**20:.2f} MiB per expert "
+                  f"({f['dtype']}), {_fmt_bytes(f['total_expert_bytes'])} of experts"]
+        for h, b in m["decode_bytes_per_token"].items():
+            lines.append(f"  decode at hit rate {h}: {b / 1e6:.1f} MB per token")
+        for row in m["prefill_chunks"]:
+            t = f", {row['fetch_s']:.3f} s at {m['link_gbps']:.1f} GB/s" if row["fetch_s"] else ""
+            lines.append(f"  prefill chunk {row['chunk_tokens']:>5}: "
+                         f"{row['distinct_experts_per_layer']:.2f} experts/layer, "
+                         f"{_fmt_bytes(row['chunk_bytes'])}{t}")
+        rec = m["recommendation"]
+        lines += ["", f"recommended strategy: {rec['strategy']} — {rec['strategy_reason']}",
+                  f"recommended cache: {rec['cache_slots'] or '-'} — {rec['cache_reason']}",
+                  f"prefill ceiling: {rec['prefill_ceiling']} — {rec['prefill_reason']}"]
+        for w in rec["prefill_ceiling_if_offload"]["warnings"]:
+            lines.append(f"  warning: {w}")
+    lines += ["", f"crash reports: {len(r['crash_reports'])}"]
+    for c in r["crash_reports"]:
+        lines.append(f"  {c['file']}: {c['classification']}: {c['message']}")
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model directory or 'demo'")
+    parser.add_argument("--bundle", default=None, metavar="PATH", help="also write a tar.gz")
+    parser.add_argument("--server-url", default=None, help="snapshot /metrics of this server")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--no-measure", action="store_true", help="skip bandwidth measurement")
+    parser.add_argument("--link-guard-window", type=float, default=DEFAULT_WINDOW_S)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """`ftrs doctor`: print the report; write the bundle when asked."""
+    home = ftrs_home()
+    report = build_report(args.model, home=home, measure=not args.no_measure,
+                          window_s=args.link_guard_window)
+    text = format_text(report)
+    print(json.dumps(report, indent=2, default=str) if args.json else text)
+    if args.bundle:
+        from ftrs.guard.bundle import write_bundle
+
+        path = write_bundle(args.bundle, report, text, home=home, server_url=args.server_url)
+        print(f"bundle: {path}")
+    return 0
