@@ -1,0 +1,109 @@
+"""Cache policies on real routing traces: hit rates of lru, lfru and belady (the MIN bound).
+
+The demo model (SmolLM2-135M upcycled to 8 experts, top-2, 30 layers) serves real chat prompts
+one request after another (batch 1, greedy, `--max-tokens` each) with the resident strategy; a
+`RoutingRecorder` keeps the distinct experts of every MoE layer of every forward. That trace —
+one entry per layer-step, as the offload strategy would look it up — is replayed by
+`ftrs._core.simulate_cache` at 25%, 50% and 75% of all experts. Routing does not depend on the
+strategy (offload equals resident bit for bit), so the trace is the one offload would see.
+
+Two traces are reported: `all` (prefill and decode forwards) and `decode` (single-token
+forwards only, the steady state of a stream). `belady` is Belady's MIN on the same trace: no
+online policy can beat it; `*_vs_belady` is the fraction of the bound each policy reaches.
+
+    python bench/policies.py            # 8 prompts x 64 tokens
+    python bench/policies.py --quick    # 3 prompts x 16 tokens
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]  # bench/copy.py would shadow the standard library
+
+import argparse
+import importlib.util
+import json
+import time
+from types import ModuleType
+from typing import Any
+
+from ftrs import _core
+from ftrs.llm import LLM
+
+POLICIES = ("lru", "lfru", "belady")
+RATES = (0.25, 0.5, 0.75)
+
+
+def load_common() -> ModuleType:
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_common.py")
+    spec = importlib.util.spec_from_file_location("ftrs_bench_common", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def hit_rates(trace: list[list[tuple[int, int]]], total: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for rate in RATES:
+        cap = max(1, round(rate * total))
+        row: dict[str, Any] = {"slots": cap}
+        for policy in POLICIES:
+            hits, misses = _core.simulate_cache(trace, cap, policy)
+            row[policy] = round(hits / (hits + misses), 4)
+        for policy in POLICIES[:-1]:
+            row[f"{policy}_vs_belady"] = round(row[policy] / row["belady"], 4) if row["belady"] else None
+        out[f"{int(rate * 100)}%"] = row
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="3 prompts x 16 tokens")
+    args = ap.parse_args()
+    if args.quick:
+        args.prompts, args.max_tokens = 3, 16
+    common = load_common()
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model or common.demo_path(), kv_tokens=8192, device="cpu")
+    rt = llm.engine.rt
+    assert rt.moe is not None, "the model has no routed experts"
+    rec = common.RoutingRecorder(rt.moe)
+    common.use_strategy(llm, rec)
+    chats = [llm.chat_prompt([{"role": "user", "content": p}])
+             for p in (common.PROMPTS * 4)[: args.prompts]]
+    for text in chats:  # one request after another: the cache lives across requests
+        common.run_steps(llm, [llm.tokenizer.encode(text)], args.max_tokens)
+    record_s = time.perf_counter() - t0
+
+    all_steps = [[(layer, e) for e in experts] for _, layer, experts in rec.steps]
+    decode_steps = [[(layer, e) for e in experts] for f, layer, experts in rec.steps
+                    if rec.forwards[f].num_tokens == 1]
+    total = rt.loaded.experts.num_experts_total
+    print(json.dumps({
+        "bench": "policies",
+        "model": args.model or "demo",
+        "num_moe_layers": len(rt.spec.moe_layers),
+        "experts_per_layer": rt.spec.num_experts,
+        "top_k": rt.spec.top_k,
+        "experts_total": total,
+        "workload": {"prompts": len(chats), "max_tokens": args.max_tokens, "batch": 1,
+                     "forwards": len(rec.forwards),
+                     "prefill_forwards": sum(f.num_tokens > 1 for f in rec.forwards),
+                     "layer_steps_all": len(all_steps), "layer_steps_decode": len(decode_steps),
+                     "record_s": round(record_s, 1)},
+        "hit_rate": {"all": hit_rates(all_steps, total), "decode": hit_rates(decode_steps, total)},
+    }, indent=2))
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()
