@@ -1,0 +1,81 @@
+"""`ftrs bench strategy` picks the fastest row of its own measured table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ftrs.guard.bench_strategy import BenchRow, Candidate, run_strategy_bench
+from ftrs.guard.profile import load_profile, resolve_auto_strategy
+from ftrs.models.tiny import make_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny("mixtral", tmp_path_factory.mktemp("tiny") / "mixtral", seed=0)
+
+
+def test_real_bench_at_two_link_speeds(tiny_moe: Path, tmp_path: Path) -> None:
+    picks = {}
+    tables = {}
+    for backend in ("simulated:0.005", "simulated:200"):
+        b = run_strategy_bench(str(tiny_moe), prompt_tokens=32, decode_tokens=4,
+                               cache_rates=(0.25, 1.0), copy_backend=backend, device="cpu",
+                               home=tmp_path)
+        ok = [r for r in b.rows if r.error is None]
+        assert len(ok) == 3
+        assert b.pick == min(ok, key=lambda r: r.total_s)  # the argmin of its own table
+        assert [r.label for r in b.rows] == ["resident", "offload@0.25", "offload@1"]
+        assert all(r.bytes_h2d > 0 for r in ok if r.strategy == "offload")
+        prof = load_profile(b.key, tmp_path)
+        assert prof is not None and prof["pick"]["label"] == b.pick.label
+        picks[backend], tables[backend] = b.pick.label, [r.label for r in
+                                                        sorted(ok, key=lambda r: r.total_s)]
+    if tables["simulated:0.005"][0] != tables["simulated:200"][0]:
+        assert picks["simulated:0.005"] != picks["simulated:200"]
+
+
+def test_pick_follows_the_measurements(tmp_path: Path) -> None:
+    """A fake runner standing for two links: a slow one where moving experts dominates, a fast
+    one where a small cache is cheaper; the picks differ because the tables do."""
+
+    def runner(seconds: dict[str, float]):  # type: ignore[no-untyped-def]
+        def run(c: Candidate) -> BenchRow:
+            t = seconds[c.label]
+            return BenchRow(c.label, c.strategy, c.cache_rate, t / 2, t / 2, t)
+        return run
+
+    slow = {"resident": 1.0, "offload@0.25": 9.0, "offload@1": 3.0}
+    fast = {"resident": 1.0, "offload@0.25": 0.4, "offload@1": 0.7}
+    a = run_strategy_bench("m", cache_rates=(0.25, 1.0), copy_backend="simulated:1",
+                           home=tmp_path, runner=runner(slow))
+    b = run_strategy_bench("m", cache_rates=(0.25, 1.0), copy_backend="simulated:100",
+                           home=tmp_path, runner=runner(fast))
+    assert (a.pick.label, b.pick.label) == ("resident", "offload@0.25")
+    assert a.profile_path != b.profile_path  # keyed by link
+    choice = resolve_auto_strategy(b.key, total_expert_bytes=10, device_budget_bytes=1,
+                                   home=tmp_path)
+    assert (choice.strategy, choice.cache_rate) == ("offload", 0.25)
+    assert str(b.profile_path) in choice.message
+
+
+def test_failed_candidate_is_a_row_not_the_pick(tmp_path: Path) -> None:
+    def run(c: Candidate) -> BenchRow:
+        if c.strategy == "resident":
+            raise RuntimeError("out of memory")
+        return BenchRow(c.label, c.strategy, c.cache_rate, 1.0, 1.0, 2.0 + (c.cache_rate or 0))
+
+    b = run_strategy_bench("m", cache_rates=(0.5,), copy_backend="simulated:1", home=tmp_path,
+                           runner=run, write=False)
+    assert b.rows[0].error == "out of memory" and b.pick.label == "offload@0.5"
+
+
+def test_auto_without_profile_says_what_it_assumed(tmp_path: Path) -> None:
+    key = {"device": "d", "host": "h", "model": "m", "link": "l"}
+    fits = resolve_auto_strategy(key, total_expert_bytes=10, device_budget_bytes=100,
+                                 home=tmp_path)
+    assert fits.strategy == "resident" and "no profile" in fits.message
+    big = resolve_auto_strategy(key, total_expert_bytes=1000, device_budget_bytes=100,
+                                home=tmp_path)
+    assert big.strategy == "offload" and "assumed offload" in big.message

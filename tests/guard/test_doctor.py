@@ -1,0 +1,70 @@
+"""`ftrs doctor` without a GPU, and the bundle's freedom from secrets."""
+
+from __future__ import annotations
+
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from ftrs.doctor import build_report, format_text
+from ftrs.errors import DeviceLost
+from ftrs.guard.bundle import redact, write_bundle
+from ftrs.health.crash import write_crash_report
+from ftrs.models.tiny import make_tiny
+
+from .conftest import GPU
+
+
+def test_doctor_without_gpu_says_so_and_reports_cpu_figures(empty_sysfs: Path,
+                                                            tmp_path: Path) -> None:
+    model = make_tiny("qwen3_moe", tmp_path / "m", seed=0)
+    r = build_report(str(model), sysfs_root=empty_sysfs, home=tmp_path / "home")
+    text = format_text(r)
+    assert r["device"]["gpu"] is False and "no GPU found" in text
+    assert r["bandwidth"]["h2d_backend"] == "host" and r["bandwidth"]["h2d_gbps"] > 0
+    assert r["bandwidth"]["host_copy_gbps"] > 0
+    assert r["memory"]["ram_total_bytes"] > 0
+    fetch = r["model"]["fetch"]  # qwen3_moe tiny: 2 MoE layers, 8 experts of 3 x 48 x 64 fp32
+    assert fetch["num_moe_layers"] == 2 and fetch["expert_bytes"] == 3 * 48 * 64 * 4
+    assert r["model"]["recommendation"]["strategy"] == "resident"
+    assert "prefill ceiling: 8192" in text
+    json.dumps(r, default=str)
+
+
+SECRET_KEY = "sk-test-DoNotLeak0123456789"
+ENV_SECRET = "env-secret-value-0xC0FFEE"
+
+
+def test_bundle_has_no_secrets(empty_sysfs: Path, tmp_path: Path,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPENAI_API_KEY", ENV_SECRET)
+    monkeypatch.setenv("FTRS_API_KEY", ENV_SECRET)
+    home = tmp_path / "home"
+    write_crash_report(home, DeviceLost("lost", evidence={
+        "bdf": GPU, "cmdline": f"ftrs serve --api-key {SECRET_KEY}",
+        "headers": {"authorization": f"Bearer {SECRET_KEY}"}}),
+        flight_recorder=[{"step": 7, "chunk_tokens": 8192}])
+    report = build_report(None, sysfs_root=empty_sysfs, home=home, measure=False)
+    out = write_bundle(tmp_path / "b.tar.gz", report, format_text(report), home=home,
+                       server_url="http://user:pw0rd@127.0.0.1:9/")
+    with tarfile.open(out) as tar:
+        names = tar.getnames()
+        blobs = {n: tar.extractfile(n).read().decode() for n in names  # type: ignore[union-attr]
+                 if tar.getmember(n).isfile()}
+    assert any(n.startswith("ftrs-doctor/crash/") for n in names)
+    assert any(n.startswith("ftrs-doctor/flight_recorder/") for n in names)
+    assert "ftrs-doctor/report.json" in names and "ftrs-doctor/manifest.json" in names
+    manifest = json.loads(blobs["ftrs-doctor/manifest.json"])
+    assert any("metrics snapshot" in n for n in manifest["notes"])  # server gone: noted
+    for name, text in blobs.items():
+        for secret in (SECRET_KEY, ENV_SECRET, "pw0rd", "OPENAI_API_KEY", "FTRS_API_KEY"):
+            assert secret not in text, (name, secret)
+
+
+def test_redact_patterns() -> None:
+    assert redact('{"api_key": "abc123xyz"}') == '{"api_key": "<redacted>"}'
+    assert "hunter2" not in redact("--password hunter2 --port 1")
+    assert redact("Authorization: Bearer abc.def") == "Authorization: <redacted>"
+    assert redact("plain text 8192 tokens") == "plain text 8192 tokens"
