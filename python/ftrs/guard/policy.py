@@ -74,7 +74,7 @@ class GuardDecision:
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
 def report_bdf(report: CrashReport) -> str | None:
@@ -143,7 +143,7 @@ def decide_prefill_cap(
         numbers |= {"window_budget_bytes": budget, "fetch_time_s_at_requested": need / (gbps * 1e9)}
         if need <= budget:
             reasons.append(f"a {requested}-token chunk moves {_gb(need)} of experts: "
-                           f"{need / (gbps * 1e9):.3f} s at {gbps:.1f} GB/s ({source}), within "
+                           f"{need / (gbps * 1e9):.3f} s at {gbps:.3g} GB/s ({source}), within "
                            f"the {window_s:g} s window")
         else:
             fit = fetch.largest_chunk_within(budget, requested, hit_rate)
@@ -151,13 +151,13 @@ def decide_prefill_cap(
             if fit >= floor:
                 cap = fit
                 reasons.append(f"a {requested}-token chunk moves {_gb(need)}: "
-                               f"{need / (gbps * 1e9):.3f} s at {gbps:.1f} GB/s ({source}), over "
+                               f"{need / (gbps * 1e9):.3f} s at {gbps:.3g} GB/s ({source}), over "
                                f"the {window_s:g} s window ({_gb(budget)}); {fit} tokens fit")
             else:
                 at_floor = fetch.prefill_chunk_bytes(floor, hit_rate)
                 warnings.append(
                     f"a {requested}-token chunk moves {_gb(need)} ({need / (gbps * 1e9):.3f} s at "
-                    f"{gbps:.1f} GB/s), over the {window_s:g} s window, and even {floor} tokens "
+                    f"{gbps:.3g} GB/s), over the {window_s:g} s window, and even {floor} tokens "
                     f"move {_gb(at_floor)}: no chunk size fixes this link; use a larger "
                     "--moe-cache-rate, the resident strategy, or a faster link")
     if link.below_max:
