@@ -65,3 +65,12 @@ def test_request_outcomes_and_tokens_are_counted() -> None:
     assert s["ftrs_prompt_tokens_total"] == 17
     assert s["ftrs_generation_tokens_total"] == 7
     assert s["ftrs_request_latency_seconds_count"] == 1
+
+
+def test_pcie_bytes_are_derived_from_fetch_counts_when_the_core_does_not_report_them() -> None:
+    m = ServerMetrics()
+    m.observe_experts({"demand_fetches": 3, "prefetch_issued": 2, "prefetch_cancelled": 1,
+                       "expert_bytes": 1000, "queue_depth": 4, "inflight_bytes": 2000})
+    s = _samples(m)
+    assert s["ftrs_pcie_bytes_total{direction=h2d}"] == 4000
+    assert s["ftrs_transfer_queue_depth"] == 4 and s["ftrs_transfer_inflight_bytes"] == 2000

@@ -21,7 +21,7 @@ from ftrs.config import EngineConfig
 from ftrs.errors import FtrsError
 
 if TYPE_CHECKING:
-    from ftrs.server.engine_client import EngineClient
+    from ftrs.server.engine_client import Classifier, EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +73,16 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.from_kwargs(**kwargs)
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    """Serve until interrupted. Returns the exit code (the engine's failure code if it died)."""
+def run_serve(args: argparse.Namespace, classifier: Classifier | None = None) -> int:
+    """Serve until interrupted. Returns the exit code (the engine's failure code if it died).
+
+    `classifier(exit_code, last_error) -> FtrsError` decides what a dead engine means (the
+    device supervisor passes one that reads the device); default `classify_engine_exit`.
+    """
     import uvicorn
 
     from ftrs.server.app import ServeSettings, create_app
-    from ftrs.server.engine_client import DEFAULT_BACKEND
+    from ftrs.server.engine_client import DEFAULT_BACKEND, classify_engine_exit
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -90,7 +94,7 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = ServeSettings(engine=engine, host=args.host, port=args.port, api_key=args.api_key,
                              served_model_name=args.served_model_name,
                              backend=args.engine_backend or DEFAULT_BACKEND)
-    app = create_app(settings)
+    app = create_app(settings, classifier or classify_engine_exit)
     client: EngineClient = app.state.engine
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=5)

@@ -8,6 +8,8 @@ observed by the request handlers, which see the tokens arrive.
 *cumulative since the engine started*; the registry adds the difference from the last value
 (a smaller value means the engine restarted: the new value is added whole). Keys read:
   counters: h2d_bytes, d2h_bytes, hits, misses, prefetch_used, prefetch_wasted
+            (without h2d_bytes: (demand_fetches + prefetch_issued - prefetch_cancelled)
+             * expert_bytes, the names `ftrs._core` TransferEngine.stats() uses)
   gauges:   slots, queue_depth, inflight_bytes, prefill_cap_tokens
   per step: prefill_fetch_bytes (histogram, observed when the step had prefill tokens)
 """
@@ -114,6 +116,7 @@ class ServerMetrics:
         self.observe_experts(stats.experts, had_prefill=stats.prefill_tokens > 0)
 
     def observe_experts(self, experts: Mapping[str, object], had_prefill: bool = False) -> None:
+        experts = {**experts, "h2d_bytes": _h2d_bytes(experts)}
         for key, (attr, label) in _EXPERT_COUNTERS.items():
             value = _number(experts.get(key))
             if value is None:
@@ -170,6 +173,19 @@ class ServerMetrics:
 
     def request_failed(self, http_status: int) -> None:
         self.requests.labels("rejected" if http_status < 500 else "failed").inc()
+
+
+def _h2d_bytes(experts: Mapping[str, object]) -> object:
+    """`h2d_bytes` if the core reports it; else copies started times `expert_bytes` (the
+    offload strategy's view: demand fetches plus prefetches that were not cancelled)."""
+    if "h2d_bytes" in experts:
+        return experts["h2d_bytes"]
+    parts = [_number(experts.get(k)) for k in ("demand_fetches", "prefetch_issued", "expert_bytes")]
+    if any(p is None for p in parts):
+        return None
+    demand, issued, size = (float(p or 0) for p in parts)
+    cancelled = _number(experts.get("prefetch_cancelled")) or 0.0
+    return (demand + issued - cancelled) * size
 
 
 def _number(value: object) -> float | None:
