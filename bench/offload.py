@@ -1,0 +1,249 @@
+"""Offload on the demo model over simulated links, beside the bounds of DESIGN.md, one run.
+
+One process loads the demo model once; strategies are swapped on the same weights:
+- `resident` gives t_compute: seconds per decode token (batch 1), measured before and after
+  the offload runs (their mean is used), and the compute time of each prefill chunk.
+- `offload` (`--cache-rate` of all experts, lru) over `simulated:GBPS` at each `--links` speed,
+  with prefetch and without. Each starts from an empty expert cache.
+
+Decode (batch 1, greedy, one chat prompt, `--max-tokens` tokens; only steps with no prefill
+token are timed and counted): tokens/s, bytes moved per token, hit rate, prefetch precision
+(prefetched experts later demanded / prefetches issued, from the Rust counters) and the
+predictor's precision/recall (layer l+1's router on layer l's hidden state vs the experts
+layer l+1 then used), and the bound of DESIGN.md:
+    M = missed lookups per token x expert_bytes
+    with prefetch:    tok/s <= 1 / max(t_compute, M / link)
+    without prefetch: tok/s <= 1 / (t_compute + M / link)
+`bound_all_bytes` is the same with M = every byte moved per token (prefetches included), the
+bound the link really imposes when prefetches are wasted. `link_bound` says M / link > t_compute.
+
+Prefill (one chunk of `--chunk` tokens of real text, forward only, empty cache):
+    overlap_efficiency = max(t_compute, bytes_moved / link) / t_offload   (1.0 = perfect overlap)
+
+Chunk bytes vs chunk size: one resident forward over `--route-tokens` tokens records the
+router's choice; for each chunk size C the distinct experts per layer are averaged over every
+C-token slice, times layers x expert_bytes, beside the uniform formula E(1 - (1 - k/E)^C).
+Routing is causal, so a slice routes as it would in a chunked prefill (up to float reordering).
+
+    python bench/offload.py            # links 0.1,0.5,2 GB/s, 32 decode tokens, chunk 512, 4096 routed
+    python bench/offload.py --quick    # 12 decode tokens, chunk 128, 512 routed tokens
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    del sys.path[0]  # bench/copy.py would shadow the standard library
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import statistics
+import time
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ftrs.engine.batch import build_batch
+from ftrs.llm import LLM
+from ftrs.moe.base import MoEStrategy
+from ftrs.moe.offload import OffloadStrategy
+from ftrs.sampling import SamplingParams
+from ftrs.scheduler.scheduler import Work
+from ftrs.scheduler.sequence import Sequence
+
+CHUNK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def load_common() -> ModuleType:
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_common.py")
+    spec = importlib.util.spec_from_file_location("ftrs_bench_common", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@torch.inference_mode()
+def forward_only(llm: LLM, ids: list[int]) -> float:
+    """One prefill forward over `ids` (no logits); returns its seconds."""
+    eng = llm.engine
+    seq = Sequence("bench-forward", ids, len(ids), SamplingParams(max_tokens=1), None, 0.0)
+    seq.pages = eng.pool.alloc(-(-len(ids) // eng.pool.page_size)) or []
+    assert seq.pages, "not enough KV pages"
+    try:
+        batch = build_batch([Work(seq, len(ids))], eng.pool.page_size, eng.rt.device)
+        t0 = time.perf_counter()
+        eng.rt.decoder.forward(batch.input_ids, batch.positions, batch.meta, eng.rt.kv)
+        return time.perf_counter() - t0
+    finally:
+        for p in seq.pages:
+            eng.pool.unref(p)
+
+
+def decode_run(common: ModuleType, llm: LLM, prompt: list[int], tokens: int) -> dict[str, Any]:
+    steps = common.run_steps(llm, [prompt], tokens)
+    dec = [i for i, s in enumerate(steps) if s.kind == "decode"]
+    out = dict(common.decode_summary(steps))
+    if dec and steps[dec[-1]].experts:
+        before = steps[dec[0] - 1].experts
+        out["counters"] = common.counter_delta(steps[dec[-1]].experts, before)
+    return out
+
+
+def offload(llm: LLM, link: float, rate: float, prefetch: bool) -> OffloadStrategy:
+    rt = llm.engine.rt
+    cfg = dataclasses.replace(llm.config, moe_strategy="offload", moe_cache_rate=rate,
+                              moe_cache_size=None, copy_backend=f"simulated:{link:g}",
+                              moe_prefetch=prefetch)
+    assert rt.loaded.experts is not None
+    routers = {layer: rt.loaded.dense[f"{layer}.router"] for layer in rt.spec.moe_layers}
+    return OffloadStrategy(experts=rt.loaded.experts, device=rt.device, config=cfg,
+                           routers=routers)
+
+
+def decode_figures(d: dict[str, Any], t_compute: float, link: float, eb: int,
+                   prefetch: bool) -> dict[str, Any]:
+    c, n = d["counters"], d["decode_tokens"]
+    missed_bytes = c["misses"] * eb / n  # M of DESIGN.md, measured
+    moved_bytes = c["bytes_h2d"] / n
+    bw = link * 1e9
+    if prefetch:
+        bound = 1 / max(t_compute, missed_bytes / bw)
+        bound_all = 1 / max(t_compute, moved_bytes / bw)
+    else:
+        bound = 1 / (t_compute + missed_bytes / bw)
+        bound_all = 1 / (t_compute + moved_bytes / bw)
+    pred, pred_hits, needed = (c["prefetch_predicted"], c["prefetch_predicted_hits"],
+                               c["prefetch_needed"])
+    return {
+        "tok_per_s": round(d["tok_per_s"], 3),
+        "decode_tokens": n,
+        "bytes_per_token": round(moved_bytes),
+        "missed_bytes_per_token": round(missed_bytes),
+        "hit_rate": round(c["hits"] / c["lookups"], 4) if c["lookups"] else None,
+        "prefetch_issued": c["prefetch_issued"],
+        "prefetch_precision": (round(c["prefetch_used"] / c["prefetch_issued"], 4)
+                               if c["prefetch_issued"] else None),
+        "predictor_precision": round(pred_hits / pred, 4) if pred else None,
+        "predictor_recall": round(pred_hits / needed, 4) if needed and prefetch else None,
+        "link_bound": missed_bytes / bw > t_compute,
+        "bound_tok_per_s": round(bound, 3),
+        "achieved_vs_bound": round(d["tok_per_s"] / bound, 3),
+        "bound_all_bytes_tok_per_s": round(bound_all, 3),
+        "achieved_vs_bound_all_bytes": round(d["tok_per_s"] / bound_all, 3),
+    }
+
+
+def chunk_bytes(common: ModuleType, llm: LLM, corpus: list[int], eb: int) -> dict[str, Any]:
+    rt = llm.engine.rt
+    rec = common.RoutingRecorder(rt.moe, keep_ids=True)
+    common.use_strategy(llm, rec)
+    try:
+        secs = forward_only(llm, corpus)
+    finally:
+        common.use_strategy(llm, rec.inner)
+    ids = rec.forwards[-1].ids  # layer -> (N, k)
+    e, k, layers, n = rt.spec.num_experts, rt.spec.top_k, len(ids), len(corpus)
+    rows = []
+    for c in (s for s in CHUNK_SIZES if s <= n):
+        per_chunk = [sum(torch.unique(t[i:i + c]).numel() for t in ids.values()) / layers
+                     for i in range(0, n - c + 1, c)]
+        distinct = statistics.fmean(per_chunk)
+        uniform = e * (1 - (1 - k / e) ** c)
+        rows.append({"chunk_tokens": c, "chunks_averaged": len(per_chunk),
+                     "distinct_per_layer": round(distinct, 3),
+                     "uniform_distinct_per_layer": round(uniform, 3),
+                     "bytes": round(distinct * layers * eb),
+                     "uniform_bytes": round(uniform * layers * eb),
+                     "bytes_per_token": round(distinct * layers * eb / c)})
+    return {"routed_tokens": n, "forward_s": round(secs, 1), "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
+    ap.add_argument("--links", default="0.1,0.5,2", help="simulated link speeds, GB/s (this CPU computes a token in ~1 s: slow links make it link-bound)")
+    ap.add_argument("--cache-rate", type=float, default=0.25)
+    ap.add_argument("--max-tokens", type=int, default=32, help="decode tokens per run")
+    ap.add_argument("--chunk", type=int, default=512, help="prefill chunk tokens")
+    ap.add_argument("--route-tokens", type=int, default=4096, help="tokens routed for chunk bytes")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.max_tokens, args.chunk, args.route_tokens = 12, 128, 512
+    common = load_common()
+    links = [float(x) for x in args.links.split(",")]
+
+    llm = LLM(args.model or common.demo_path(), device="cpu", dtype="float32",
+              kv_tokens=max(4096, args.route_tokens + 256),
+              max_prefill_length=max(args.chunk, args.route_tokens, 8192))
+    rt = llm.engine.rt
+    resident: MoEStrategy | None = rt.moe
+    assert resident is not None and rt.loaded.experts is not None, "the model has no experts"
+    eb = rt.loaded.experts.expert_bytes
+    chat = llm.chat_prompt([{"role": "user", "content": common.PROMPTS[0]}])
+    prompt = llm.tokenizer.encode(chat)
+    corpus = common.corpus_ids(llm, max(args.chunk, args.route_tokens))
+    chunk = corpus[: args.chunk]
+
+    forward_only(llm, chunk[:16])  # warm-up
+    t_chunk = [forward_only(llm, chunk)]
+    res_before = decode_run(common, llm, prompt, args.max_tokens)
+
+    decode: list[dict[str, Any]] = []
+    prefill: list[dict[str, Any]] = []
+    for link in links:
+        for prefetch in (True, False):
+            strat = offload(llm, link, args.cache_rate, prefetch)
+            common.use_strategy(llm, strat)
+            before = strat.stats()
+            t_off = forward_only(llm, chunk)
+            moved = strat.stats()["bytes_h2d"] - before["bytes_h2d"]
+            prefill.append({"link_gbps": link, "prefetch": prefetch, "chunk_tokens": len(chunk),
+                            "t_offload_s": round(t_off, 3), "bytes_moved": moved,
+                            "t_transfer_s": round(moved / (link * 1e9), 3)})
+            d = decode_run(common, llm, prompt, args.max_tokens)
+            decode.append({"link_gbps": link, "prefetch": prefetch, "raw": d})
+            strat.close()
+            common.use_strategy(llm, resident)
+            del strat
+    t_chunk.append(forward_only(llm, chunk))
+    res_after = decode_run(common, llm, prompt, args.max_tokens)
+
+    t_compute = statistics.fmean([1 / res_before["tok_per_s"], 1 / res_after["tok_per_s"]])
+    t_chunk_mean = statistics.fmean(t_chunk)
+    for row in decode:
+        row |= decode_figures(row.pop("raw"), t_compute, row["link_gbps"], eb, row["prefetch"])
+    for row in prefill:
+        ideal = max(t_chunk_mean, row["t_transfer_s"])
+        row |= {"t_compute_s": round(t_chunk_mean, 3), "bound_s": round(ideal, 3),
+                "serial_s": round(t_chunk_mean + row["t_transfer_s"], 3),
+                "overlap_efficiency": round(ideal / row["t_offload_s"], 3)}
+
+    print(json.dumps({
+        "bench": "offload",
+        "model": args.model or "demo",
+        "expert_bytes": eb,
+        "experts_total": rt.loaded.experts.num_experts_total,
+        "cache_rate": args.cache_rate,
+        "policy": llm.config.moe_cache_policy,
+        "torch_threads": torch.get_num_threads(),
+        "resident": {"decode_tok_per_s_before": round(res_before["tok_per_s"], 3),
+                     "decode_tok_per_s_after": round(res_after["tok_per_s"], 3),
+                     "t_compute_s_per_token": round(t_compute, 4),
+                     "chunk_compute_s": [round(t, 3) for t in t_chunk]},
+        "decode": decode,
+        "prefill": prefill,
+        "chunk_bytes": chunk_bytes(common, llm, corpus[: args.route_tokens], eb),
+    }, indent=2))
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()
