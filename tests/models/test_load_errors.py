@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -61,7 +62,7 @@ def test_wrong_shape(tiny_models: dict[str, Path], tmp_path: Path) -> None:
         tensors = load_file(str(d / "model.safetensors"))
         tensors[name] = tensors[name][:-1].contiguous()
         save_file(tensors, str(d / "model.safetensors"))
-        with pytest.raises(ModelLoadError, match=f"tensor {name} has shape"):
+        with pytest.raises(ModelLoadError, match=re.escape(f"tensor {name} has shape")):
             _load(d)
 
 
@@ -70,7 +71,7 @@ def test_missing_tensor(tiny_models: dict[str, Path], tmp_path: Path) -> None:
     tensors = load_file(str(d / "model.safetensors"))
     del tensors["model.layers.2.self_attn.k_norm.weight"]
     save_file(tensors, str(d / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match="missing tensors: 2.k_norm"):
+    with pytest.raises(ModelLoadError, match=r"missing tensors: 2\.k_norm"):
         _load(d)
 
 

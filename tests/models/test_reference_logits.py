@@ -70,7 +70,7 @@ def test_gguf_logits_match_transformers(smollm_gguf: Path) -> None:
 
 
 def test_gguf_tokenizer_matches_transformers(smollm_gguf: Path) -> None:
-    from ftrs.models.gguf_loader import gguf_metadata, _reader
+    from ftrs.models.gguf_loader import _reader, gguf_metadata
     from ftrs.models.tokenizer import Tokenizer
 
     ours = Tokenizer.from_gguf_fields(gguf_metadata(_reader(smollm_gguf)), str(smollm_gguf))

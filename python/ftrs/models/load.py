@@ -75,7 +75,9 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype,
         raise ModelLoadError(str(path), "not a directory")
     spec = load_arch(path)
     dense, experts = load_safetensors(path, spec, dtype, device, progress=progress)
-    tokenizer = Tokenizer.from_dir(path) if (path / "tokenizer.json").is_file() else None
-    if tokenizer is None:
+    tok: Tokenizer | None = None
+    if (path / "tokenizer.json").is_file():
+        tok = Tokenizer.from_dir(path)
+    else:
         log.warning("%s has no tokenizer.json: only token-id prompts will work", path)
-    return LoadedModel(model, path, spec, dense, experts, tokenizer)
+    return LoadedModel(model, path, spec, dense, experts, tok)

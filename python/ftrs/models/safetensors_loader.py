@@ -85,7 +85,7 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
         except Exception as e:  # safetensors raises its own error types for truncated headers
             raise ModelLoadError(str(path), f"cannot read safetensors: {e}") from e
         with handle as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open handles are not mappings
+            for name in f.keys():
                 key = map_hf_name(name)
                 if key is None:
                     continue

@@ -14,7 +14,8 @@ from typing import Any
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from ftrs.errors import InvalidRequest, ModelLoadError
 
@@ -85,12 +86,18 @@ class Tokenizer:
             return v.get("content") if isinstance(v, dict) else v
 
         bos, eos = tok(conf.get("bos_token")), tok(conf.get("eos_token"))
-        eos_ids = {tk.token_to_id(eos)} if eos and tk.token_to_id(eos) is not None else set()
+        eos_ids: set[int] = set()
+        eos_id = tk.token_to_id(eos) if eos else None
+        if eos_id is not None:
+            eos_ids.add(int(eos_id))
         for name in ("generation_config.json", "config.json"):
             p = model_dir / name
             if p.is_file():
-                e = json.loads(p.read_text()).get("eos_token_id")
-                eos_ids |= set(e) if isinstance(e, list) else ({e} if isinstance(e, int) else set())
+                found = json.loads(p.read_text()).get("eos_token_id")
+                if isinstance(found, list):
+                    eos_ids |= {int(i) for i in found}
+                elif isinstance(found, int):
+                    eos_ids.add(found)
         template = conf.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)

@@ -127,8 +127,8 @@ class OffloadStrategy(MoEStrategy):
         for start in range(0, len(needed), self.num_slots):
             wave = needed[start:start + self.num_slots]
             slots = self._lookup(li, wave, prefetch if start == 0 else [])
-            by_expert = dict(zip(wave, slots))
-            combine_experts(x, ids, weights, wave, lambda e: self.slot_weights[by_expert[e]], out)
+            views = {e: self.slot_weights[s] for e, s in zip(wave, slots)}
+            combine_experts(x, ids, weights, wave, views.__getitem__, out)
             self.engine.release()
         return out
 

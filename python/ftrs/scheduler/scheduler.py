@@ -115,13 +115,16 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            if self.radix is not None and not seq.pages:
+            if self.radix is not None:
                 max_pages = (len(seq.tokens) - 1) // self.pool.page_size  # compute >= 1 token
                 seq.pages = self.radix.match(seq.tokens, max_pages)
                 seq.num_computed = len(seq.pages) * self.pool.page_size
                 seq.num_cached = seq.num_computed
             n = min(seq.num_uncomputed, budget)
             if not self._grow(seq, n):
+                # a waiting request holds no pages: another may need the ones it matched
+                self._release(seq, cache=False)
+                seq.num_computed = seq.num_cached = 0
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
