@@ -99,6 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--seed", type=int, default=0)
     msub.add_parser("demo", help="build the demo checkpoint (once) and print its path")
     models.set_defaults(func=_cmd_models)
+
+    from ftrs import doctor
+    from ftrs.guard import bench_strategy
+
+    doc = sub.add_parser("doctor", help="report this host, link and model; recommend settings")
+    doctor.add_arguments(doc)
+    doc.set_defaults(func=doctor.run_cli)
+    bench = sub.add_parser("bench", help="benchmarks that pick settings for this host")
+    bsub = bench.add_subparsers(dest="bench_cmd", required=True)
+    strat = bsub.add_parser("strategy", help="measure strategies and cache sizes, pick the "
+                            "fastest, write a profile")
+    bench_strategy.add_arguments(strat)
+    strat.set_defaults(func=bench_strategy.run_cli)
     return p
 
 

@@ -86,9 +86,16 @@ def apply_link_guard(
     config: EngineConfig, *, explicit_max_prefill: bool, no_link_guard: bool = False,
     window_s: float = DEFAULT_WINDOW_S, home: Path | None = None,
     sysfs_root: str | Path = "/sys", measure: bool = True,
-) -> tuple[EngineConfig, GuardDecision]:
-    """(config to serve with, decision). Logs the auto choice and the decision."""
+) -> tuple[EngineConfig, GuardDecision | None]:
+    """(config to serve with, decision). Logs the auto choice and the decision.
+
+    A dense checkpoint (a GGUF file, or no routed experts) moves no experts: no decision.
+    """
+    from ftrs.models.load import resolve_model
+
     home = home or ftrs_home()
+    if not resolve_model(config.model).is_dir():
+        return config, None
     fetch = model_fetch(config.model, config.device, config.dtype)
     link = current_link(config, sysfs_root=sysfs_root, measure=measure)
     if config.moe_strategy == "auto" and fetch.num_experts:

@@ -72,6 +72,7 @@ class ServeSettings:
     api_key: str | None = None
     served_model_name: str | None = None
     backend: str = DEFAULT_BACKEND  # module with load() and load_tokenizer(); see backend.py
+    link_guard: dict[str, Any] | None = None  # the startup guard's decision, shown on /health
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -98,7 +99,8 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
         metrics.set_device_state(state, up=False)
 
     def on_ready(_: EngineReady) -> None:
-        metrics.set_device_state("ok", up=True)
+        degraded = client.degraded is not None  # restarted on the CPU after a device error
+        metrics.set_device_state("degraded" if degraded else "ok", up=not degraded)
         logger.info("ftrs ready: serving %s at http://%s:%d/v1", settings.model_names[0],
                     settings.host, settings.port)
 
@@ -135,6 +137,8 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
     @app.get("/health")
     async def health() -> JSONResponse:
         status, body = client.health()
+        if settings.link_guard is not None:
+            body = {**body, "link_guard": settings.link_guard}
         return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")

@@ -48,6 +48,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients use (default: the --model value)")
     parser.add_argument("--engine-backend", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--no-link-guard", action="store_true",
+                        help="with an explicit --max-prefill-length, do not cap it")
+    parser.add_argument("--link-guard-window", type=float, default=0.5,
+                        help="seconds of expert fetch one prefill chunk may take (default 0.5)")
     group = parser.add_argument_group("engine options")
     for f in fields(EngineConfig):
         if f.name in _SERVER_OPTIONS:
@@ -88,17 +92,27 @@ def run_serve(args: argparse.Namespace, classifier: Classifier | None = None) ->
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         engine = engine_config_from_args(args)
+        from ftrs.guard.startup import apply_link_guard
+
+        engine, link_guard = apply_link_guard(
+            engine, explicit_max_prefill=getattr(args, "max_prefill_length", None) is not None,
+            no_link_guard=getattr(args, "no_link_guard", False),
+            window_s=getattr(args, "link_guard_window", 0.5))
     except FtrsError as err:
         logger.error("ftrs serve: %s", err.message)
         return err.exit_code
     settings = ServeSettings(engine=engine, host=args.host, port=args.port, api_key=args.api_key,
                              served_model_name=args.served_model_name,
-                             backend=args.engine_backend or DEFAULT_BACKEND)
+                             backend=args.engine_backend or DEFAULT_BACKEND,
+                             link_guard=link_guard.to_dict() if link_guard is not None else None)
     app = create_app(settings, classifier or classify_engine_exit)
     client: EngineClient = app.state.engine
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
+    from ftrs.server.supervision import install_policy
+
+    install_policy(client, server, engine.on_device_lost)
 
     async def main() -> None:
         progress = asyncio.ensure_future(_report_loading(client, settings.engine.model))
