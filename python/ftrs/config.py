@@ -44,8 +44,19 @@ class EngineConfig:
     kv_tokens: int | None = None  # KV pool capacity in tokens; None = from memory budget
     max_model_len: int | None = None
     seed: int = 0
+    hang_timeout: float = 120.0  # s: work pending and no step finished -> EngineHang
+    on_device_lost: str = "exit"  # exit | restart | cpu: what the server does on a device error
+    fault_inject: str | None = None  # drills: KIND@step=N (ftrs.engine.faults)
 
     def __post_init__(self) -> None:
+        if self.hang_timeout <= 0:
+            raise ConfigError(f"hang_timeout: must be > 0, got {self.hang_timeout}")
+        if self.on_device_lost not in ("exit", "restart", "cpu"):
+            raise ConfigError(f"on_device_lost: expected exit, restart or cpu, got {self.on_device_lost!r}")
+        if self.fault_inject is not None:
+            from ftrs.engine.faults import parse_fault_spec
+
+            parse_fault_spec(self.fault_inject)
         if self.moe_strategy not in ("resident", "offload", "auto"):
             raise ConfigError(f"moe_strategy: unknown strategy {self.moe_strategy!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

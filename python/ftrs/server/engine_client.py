@@ -92,6 +92,8 @@ class EngineClient:
         self._proc: Any = None
         self._inbox: Any = None  # engine -> API
         self._outbox: Any = None  # API -> engine
+        self._generation = 0  # bumped by restart(); messages of older engines are ignored
+        self.degraded: dict[str, Any] | None = None  # set by restart(): why and how degraded
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -110,7 +112,24 @@ class EngineClient:
         from_engine_w.close()  # so the reader sees EOF when the engine dies
         self._inbox, self._outbox = from_engine_r, to_engine_w
         self.state = "loading"
-        threading.Thread(target=self._read_loop, name="ftrs-engine-reader", daemon=True).start()
+        threading.Thread(target=self._read_loop, args=(self._generation, self._inbox, self._proc),
+                         name="ftrs-engine-reader", daemon=True).start()
+
+    def restart(self, config: EngineConfig, degraded: dict[str, Any] | None = None) -> None:
+        """Spawn a fresh engine with `config` after a failure (the device supervisor's
+        `--on-device-lost cpu|restart`); `/health` reports `degraded` once it is ready."""
+        for conn in (self._inbox, self._outbox):
+            with contextlib.suppress(OSError, AttributeError):
+                conn.close()
+        self._generation += 1
+        self.config = config
+        self.degraded = degraded
+        self.failure = None
+        self.info = None
+        self.progress = None
+        self.started_at = time.monotonic()
+        self._ready = asyncio.Event()
+        self.start()
 
     async def wait_ready(self, timeout: float | None = None) -> bool:
         with contextlib.suppress(asyncio.TimeoutError):
@@ -179,10 +198,12 @@ class EngineClient:
             body.update(status="ok", model=self.info.model_name, engine_pid=self.info.pid,
                         max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size,
                         in_flight=len(self._streams))
+            if self.degraded is not None:
+                body.update(degraded=True, degraded_reason=self.degraded)
             return 200, body
         if self.failure is not None:
             body.update(reason=self.failure.message, code=self.failure.code,
-                        error=self.failure.to_dict())
+                        classification=type(self.failure).__name__, error=self.failure.to_dict())
         elif self.state in ("starting", "loading"):
             body.update(reason=f"loading {self.config.model}",
                         elapsed_s=round(time.monotonic() - self.started_at, 1))
@@ -207,21 +228,23 @@ class EngineClient:
         with contextlib.suppress(RuntimeError):  # loop closed during shutdown
             self._loop.call_soon_threadsafe(fn, *args)
 
-    def _read_loop(self) -> None:
+    def _read_loop(self, gen: int, inbox: Any, proc: Any) -> None:
         """Reader thread: everything the engine sends goes to the loop, in order."""
         last_error: dict[str, Any] | None = None
         while True:
             try:
-                msg = self._inbox.recv()
+                msg = inbox.recv()
             except (EOFError, OSError):
                 break
             if isinstance(msg, EngineFailed):
                 last_error = msg.error
-            self._call(self._on_message, msg)
-        self._proc.join(10)
-        self._call(self._on_exit, self._proc.exitcode, last_error)
+            self._call(self._on_message, msg, gen)
+        proc.join(10)
+        self._call(self._on_exit, proc.exitcode, last_error, gen)
 
-    def _on_message(self, msg: object) -> None:
+    def _on_message(self, msg: object, gen: int = 0) -> None:
+        if gen != self._generation:
+            return  # an engine that was replaced by restart()
         if isinstance(msg, StepOutput):
             for ev in msg.events:
                 queue = self._streams.get(ev.request_id)
@@ -257,8 +280,8 @@ class EngineClient:
                 self.on_ready(msg)
         self._ready.set()
 
-    def _on_exit(self, exit_code: int | None, last_error: dict[str, Any] | None) -> None:
-        if self.state == "stopped":
+    def _on_exit(self, exit_code: int | None, last_error: dict[str, Any] | None, gen: int = 0) -> None:
+        if self.state == "stopped" or gen != self._generation:
             return
         if self.failure is None:
             self._fail(self.classifier(exit_code, last_error))

@@ -137,8 +137,9 @@ def _run(config: EngineConfig, backend: str, inbox: Connection, outbox: Connecti
             pid=os.getpid(),
         )
     )
+    supervisor = _supervise(config, engine, outbox)
     try:
-        return _loop(engine, inbox, outbox)
+        return _loop(engine, inbox, outbox, supervisor)
     except BaseException as exc:
         err = _as_ftrs_error(exc, "step")
         logger.error("engine step failed: %s", err.message)
@@ -148,6 +149,8 @@ def _run(config: EngineConfig, backend: str, inbox: Connection, outbox: Connecti
             pass
         return err.exit_code
     finally:
+        if supervisor is not None:
+            supervisor.close()
         close = getattr(engine, "close", None)
         if callable(close):
             try:
@@ -156,7 +159,25 @@ def _run(config: EngineConfig, backend: str, inbox: Connection, outbox: Connecti
                 logger.warning("engine close failed: %s", exc)
 
 
-def _loop(engine: Engine, inbox: Connection, outbox: Connection) -> int:
+def _supervise(config: EngineConfig, engine: Engine, outbox: Connection) -> Any:
+    """The device supervisor (flight recorder, monitor, watchdog, fault injection); None for
+    engines that are not EngineCore-like (the tests' fake backend) unless a fault is injected."""
+    if not hasattr(engine, "rt") and config.fault_inject is None:
+        return None
+    from ftrs.server.supervision import EngineSupervisor
+
+    def on_fatal(err: FtrsError) -> None:  # monitor thread: the step loop may be stuck
+        logger.error("engine fault: %s", err.message)
+        try:
+            outbox.send(EngineFailed(error_to_wire(err), err.exit_code, "step"))
+            outbox.close()
+        finally:
+            os._exit(err.exit_code)
+
+    return EngineSupervisor(config, engine, on_fatal=on_fatal)
+
+
+def _loop(engine: Engine, inbox: Connection, outbox: Connection, supervisor: Any = None) -> int:
     while True:
         if not engine.has_work():
             try:
@@ -182,7 +203,7 @@ def _loop(engine: Engine, inbox: Connection, outbox: Connection) -> int:
                     outbox.send(StepOutput([ev], None))
         if engine.has_work() or aborted:
             # One step after an abort with nothing else to do reports the freed KV pages.
-            events, stats = engine.step()
+            events, stats = engine.step() if supervisor is None else supervisor.step()
             outbox.send(StepOutput(events, stats))
 
 

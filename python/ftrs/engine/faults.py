@@ -1,0 +1,133 @@
+"""Fault injection for drills and tests: `--fault-inject KIND@step=N` (issue 5).
+
+KIND is `device_lost`, `kernel_fault`, `oom` or `hang`; N is the engine step (1-based, the
+count of `step()` calls) at which the fault fires. The fault is injected as low as the CPU
+allows, so the real detection path runs:
+
+- `device_lost` / `kernel_fault`: with the offload strategy, at the copy backend
+  (`TransferEngine.inject_fault(kind, 0)`: the next expert copy fails with the typed error);
+  without it, or when the step made no copy, the step raises the error class itself with
+  evidence `{"injected": true, ...}`. For `device_lost` the fake sysfs tree the monitor watches
+  (`fake_sysfs`) then reads vendor 0xffff, so the health classifier decides DeviceLost from
+  PCI config space; for `kernel_fault` the device keeps answering 0x10de, so it decides
+  KernelFault.
+- `oom`: the step raises DeviceOutOfMemory before it runs; the engine fails that step's
+  requests and keeps serving.
+- `hang`: the step blocks forever; the progress watchdog (`--hang-timeout`) fires EngineHang.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ftrs.errors import ConfigError, DeviceError, DeviceLost, DeviceOutOfMemory, KernelFault
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("device_lost", "kernel_fault", "oom", "hang")
+FAKE_BDF = "0000:01:00.0"
+NVIDIA_VENDOR = 0x10DE
+VENDOR_GONE = 0xFFFF
+_SPEC_RE = re.compile(r"^\s*([a-z_]+)\s*@\s*step\s*=\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    kind: str
+    step: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}@step={self.step}"
+
+
+def parse_fault_spec(text: str) -> FaultSpec:
+    """"device_lost@step=40" → FaultSpec("device_lost", 40); ConfigError when malformed."""
+    m = _SPEC_RE.match(text)
+    if m is None or m.group(1) not in KINDS or int(m.group(2)) < 1:
+        raise ConfigError(f"fault_inject: expected KIND@step=N with KIND one of {', '.join(KINDS)} "
+                          f"and N >= 1, got {text!r}")
+    return FaultSpec(m.group(1), int(m.group(2)))
+
+
+def make_fake_sysfs(root: Path, bdf: str = FAKE_BDF) -> Path:
+    """A minimal sysfs tree with one healthy NVIDIA GPU at `bdf` (config space vendor 0x10de)."""
+    dev = root / "devices" / "pci0000:00" / bdf
+    dev.mkdir(parents=True, exist_ok=True)
+    config = bytearray(64)
+    config[0:2] = NVIDIA_VENDOR.to_bytes(2, "little")
+    config[9:12] = (0x030000).to_bytes(3, "little")
+    (dev / "config").write_bytes(bytes(config))
+    (dev / "vendor").write_text(f"0x{NVIDIA_VENDOR:04x}\n")
+    (dev / "class").write_text("0x030000\n")
+    link = root / "bus" / "pci" / "devices" / bdf
+    link.parent.mkdir(parents=True, exist_ok=True)
+    if not link.exists():
+        link.symlink_to(dev)
+    return root
+
+
+def set_fake_vendor(root: Path, vendor: int, bdf: str = FAKE_BDF) -> None:
+    """What the hardware does when it leaves the bus: config space reads all ones."""
+    path = root / "bus" / "pci" / "devices" / bdf / "config"
+    config = bytearray(path.read_bytes())
+    config[0:2] = vendor.to_bytes(2, "little")
+    path.write_bytes(bytes(config))
+
+
+def copy_engine(engine: Any) -> Any:
+    """The offload strategy's TransferEngine, or None (resident strategy, fake engine)."""
+    moe = getattr(getattr(engine, "rt", None), "moe", None)
+    eng = getattr(moe, "engine", None)
+    return eng if eng is not None and hasattr(eng, "inject_fault") else None
+
+
+class StepFaults:
+    """Fires one `FaultSpec` around the engine's steps; `sysfs_root` is the fake tree."""
+
+    def __init__(self, spec: FaultSpec, sysfs_root: Path | None = None) -> None:
+        self.spec = spec
+        self.sysfs_root = sysfs_root
+        self.fired = False
+        self._armed_copy = False
+        self._block = threading.Event()
+
+    def evidence(self, **extra: Any) -> dict[str, Any]:
+        return {"injected": True, "fault_inject": str(self.spec), **extra}
+
+    def before_step(self, step: int, engine: Any) -> None:
+        if self.fired or step != self.spec.step:
+            return
+        self.fired = True
+        kind = self.spec.kind
+        logger.warning("fault injection: %s at step %d", kind, step)
+        if kind == "hang":
+            self._block.wait()  # never set: the watchdog ends the process
+            return
+        if kind == "oom":
+            raise DeviceOutOfMemory(f"device out of memory (injected at step {step})",
+                                    evidence=self.evidence(step=step))
+        if kind == "device_lost" and self.sysfs_root is not None:
+            set_fake_vendor(self.sysfs_root, VENDOR_GONE)
+        copier = copy_engine(engine)
+        if copier is not None:
+            copier.inject_fault(kind, 0)
+            self._armed_copy = True
+
+    def after_step(self, step: int) -> None:
+        """The step ran without a copy failing (no copy, or no offload): raise the class."""
+        if not self.fired or step != self.spec.step or self.spec.kind not in ("device_lost",
+                                                                              "kernel_fault"):
+            return
+        cls: type[DeviceError] = DeviceLost if self.spec.kind == "device_lost" else KernelFault
+        raise cls(f"{self.spec.kind} (injected at step {step})",
+                  evidence=self.evidence(step=step, layer="step",
+                                         copy_backend_armed=self._armed_copy))
+
+
+__all__ = ["FAKE_BDF", "KINDS", "FaultSpec", "StepFaults", "copy_engine", "make_fake_sysfs",
+           "parse_fault_spec", "set_fake_vendor"]

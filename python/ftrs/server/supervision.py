@@ -1,0 +1,261 @@
+"""Device supervision of the server (issue 5): the engine side and the API side.
+
+Engine side, `EngineSupervisor` (runs in the engine process, wraps every `step()`):
+- a `FlightRecorder` (ftrs._core, last 512 steps) records every step;
+- a `DeviceMonitor` (health.monitor) watches the device's PCI config space and, through its
+  progress watchdog, the step loop (`hang_timeout`): work pending (a step running) and no step
+  finished for that long → EngineHang;
+- a device error from a step is classified by the health classifier with fresh probes
+  (`monitor.diagnose`), so the same failure is DeviceLost when config space reads 0xffff and
+  KernelFault when the device still answers;
+- on a terminal verdict (lost, fault, hang) it writes a crash report to `$FTRS_HOME/crash/`
+  with the classification, the evidence and the last steps; the caller reports the typed
+  error to the API process and exits with the error's exit code. A verdict found by the
+  monitor thread (a hang: the main thread is stuck) is reported and exited from there;
+- DeviceOutOfMemory fails only the requests of that step; the engine keeps serving.
+With `--fault-inject` the monitor watches a fake sysfs tree (engine.faults) and the fault is
+injected at the copy backend, so the real detection path runs on a CPU-only host.
+
+API side, `install_policy(client, server, policy)`: what `ftrs serve` does once the engine
+died of a device error. `exit`: stop serving (in-flight clients already have their typed
+error) and exit with the error's code (86/87/88). `cpu`: restart the engine with
+device="cpu" and keep serving; /health then says `"degraded": true`. `restart`: restart on the
+same device only when a fresh probe says the device answers; otherwise behave as `exit`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ftrs.config import EngineConfig, ftrs_home
+from ftrs.engine.faults import FAKE_BDF, StepFaults, make_fake_sysfs, parse_fault_spec
+from ftrs.engine.protocol import StepStats, TokenEvent
+from ftrs.errors import DeviceError, DeviceOutOfMemory, FtrsError
+
+logger = logging.getLogger(__name__)
+
+Fatal = Callable[[FtrsError], None]
+
+
+def _num(d: dict[str, Any], *keys: str) -> int:
+    for k in keys:
+        v = d.get(k)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return int(v)
+    return -1
+
+
+class EngineSupervisor:
+    """Wraps the engine's steps in the engine process. `on_fatal(err)` is called (from the
+    monitor thread) when the monitor finds a terminal fault the step loop cannot report."""
+
+    def __init__(self, config: EngineConfig, engine: Any, on_fatal: Fatal | None = None) -> None:
+        from ftrs import _core
+        from ftrs.health.monitor import DeviceMonitor, MonitorConfig
+
+        self.config = config
+        self.engine = engine
+        self.on_fatal = on_fatal
+        self.recorder = _core.FlightRecorder(capacity=512)
+        self.step_no = 0
+        self._in_step = False
+        self._last_step_end = time.monotonic()
+        self._fatal_lock = threading.Lock()
+        self._fatal_claimed = False
+        self.crash_report: Path | None = None
+        self.faults: StepFaults | None = None
+        self.sysfs_root: Path | None = None
+        bdf: str | None = None
+        if config.fault_inject:
+            self.sysfs_root = make_fake_sysfs(Path(tempfile.mkdtemp(prefix="ftrs-fake-sysfs-")))
+            bdf = FAKE_BDF
+            self.faults = StepFaults(parse_fault_spec(config.fault_inject), self.sysfs_root)
+        mcfg = MonitorConfig(bdf=bdf, sysfs_root=str(self.sysfs_root or "/sys"),
+                             hang_timeout_s=config.hang_timeout, kernel_log=None,
+                             use_nvml=False, fast_interval_s=0.1)
+        self.monitor = DeviceMonitor(mcfg, on_fault=self._monitor_fault,
+                                     has_pending_work=lambda: self._in_step,
+                                     last_step_finished_at=lambda: self._last_step_end)
+        self.monitor.start()
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def step(self) -> tuple[list[TokenEvent], StepStats | None]:
+        """One engine step; raises the classified DeviceError (crash report written) when fatal."""
+        self.step_no += 1
+        n = self.step_no
+        self._in_step = True
+        self._last_step_end = time.monotonic()  # the watchdog measures from the step's start
+        try:
+            if self.faults is not None:
+                self.faults.before_step(n, self.engine)
+            events, stats = self.engine.step()
+            if self.faults is not None:
+                self.faults.after_step(n)
+        except DeviceOutOfMemory as err:
+            self._in_step = False
+            self._last_step_end = time.monotonic()
+            self.recorder.record(n, time=time.time(), kind="unknown")
+            return self._fail_requests(err), None
+        except BaseException as exc:
+            self._in_step = False
+            raise self.fatal_from(exc) from exc
+        self._in_step = False
+        self._last_step_end = time.monotonic()
+        self._record(stats)
+        return events, stats
+
+    def _record(self, stats: StepStats) -> None:
+        ex = stats.experts or {}
+        kind = stats.kind if stats.kind in ("prefill", "decode", "mixed", "idle") else "unknown"
+        self.recorder.record(
+            self.step_no, time=stats.time, kind=kind,
+            tokens=stats.prefill_tokens + stats.decode_tokens, chunk_tokens=stats.prefill_tokens,
+            bytes_issued=_num(ex, "h2d_bytes", "bytes_issued", "fetch_bytes"),
+            inflight_bytes=_num(ex, "inflight_bytes"),
+            experts_fetched=_num(ex, "misses", "fetches", "experts_fetched"))
+
+    def _fail_requests(self, err: DeviceOutOfMemory) -> list[TokenEvent]:
+        """Out of memory: fail the requests this step carried, keep the engine serving."""
+        from ftrs.server.engine_process import error_to_wire
+
+        ids = list(getattr(self.engine, "_seqs", {}) or {})
+        logger.error("out of memory at step %d: failing %d request(s)", self.step_no, len(ids))
+        wire = error_to_wire(err)
+        events = []
+        for rid in ids:
+            self.engine.abort(rid)
+            events.append(TokenEvent(rid, [], finish_reason="error", error=wire))
+        return events
+
+    # -- fatal faults -----------------------------------------------------------------------
+
+    def _claim(self) -> bool:
+        with self._fatal_lock:
+            first, self._fatal_claimed = not self._fatal_claimed, True
+            return first
+
+    def classify(self, exc: BaseException) -> FtrsError:
+        """The health classifier's verdict on `exc`, evidence of both merged."""
+        verdict = self.monitor.diagnose(exc)
+        if verdict is None:
+            return exc if isinstance(exc, FtrsError) else FtrsError(
+                f"engine step failed: {type(exc).__name__}: {exc}")
+        extra = dict(getattr(exc, "evidence", {}) or {})
+        if self.faults is not None:
+            extra.update(self.faults.evidence())
+        verdict.evidence = {**extra, **verdict.evidence}
+        return verdict
+
+    def fatal_from(self, exc: BaseException) -> FtrsError:
+        """Classify a step's exception; for a device error write the crash report. When the
+        monitor thread already owns the exit, block: it ends the process."""
+        if not isinstance(exc, DeviceError) and self.faults is None:
+            return exc if isinstance(exc, FtrsError) else FtrsError(
+                f"engine step failed: {type(exc).__name__}: {exc}")
+        if not self._claim():
+            threading.Event().wait(30)  # the monitor thread is exiting the process
+        err = self.classify(exc)
+        self.write_report(err)
+        return err
+
+    def _monitor_fault(self, verdict: DeviceError) -> None:
+        """From the monitor thread: a hang, or a loss seen between steps."""
+        if not self._claim():
+            return
+        if self.faults is not None:
+            verdict.evidence = {**self.faults.evidence(), **verdict.evidence}
+        self.write_report(verdict)
+        if self.on_fatal is not None:
+            self.on_fatal(verdict)
+
+    def write_report(self, err: FtrsError) -> None:
+        from ftrs.health.classify import Probes
+        from ftrs.health.crash import write_crash_report
+        from ftrs.health.sysfs import probe_pci
+
+        probes = None
+        if self.sysfs_root is not None:
+            probes = Probes(pci=probe_pci(FAKE_BDF, root=self.sysfs_root))
+        try:
+            self.crash_report = write_crash_report(ftrs_home(), err, probes=probes,
+                                                   flight_recorder=self.recorder.dump())
+            err.evidence.setdefault("crash_report", str(self.crash_report))
+        except OSError as e:  # the report must never mask the error itself
+            logger.error("could not write the crash report: %s", e)
+
+    def close(self) -> None:
+        self.monitor.stop(1.0)
+
+
+# -------------------------------------------------------------------------------- API side
+
+
+def install_policy(client: Any, server: Any, policy: str, grace_s: float = 1.0) -> None:
+    """Chain onto `client.on_failure`: act on a device error per `policy` (exit|restart|cpu).
+
+    `server` is the uvicorn.Server; `exit` sets `server.should_exit` after `grace_s`, so the
+    clients in flight receive their typed errors first.
+    """
+    previous = client.on_failure
+
+    def on_failure(err: FtrsError) -> None:
+        if previous is not None:
+            previous(err)
+        if not isinstance(err, DeviceError):
+            return
+        loop = asyncio.get_running_loop()
+        action = policy
+        if action == "restart" and not _device_answers(client.config):
+            logger.error("on-device-lost restart: the device does not answer; exiting")
+            action = "exit"
+        if action == "exit":
+            logger.error("ftrs serve: %s (%s); exiting with code %d", err.message, err.code,
+                         err.exit_code)
+            loop.call_later(grace_s, _stop, server)
+            return
+        config = client.config
+        if action == "cpu":
+            config = dataclasses.replace(config, device="cpu", fault_inject=None)
+        else:
+            config = dataclasses.replace(config, fault_inject=None)
+        logger.warning("on-device-lost %s: restarting the engine on %s", action, config.device)
+        client.restart(config, degraded={"reason": err.message, "code": err.code,
+                                         "classification": type(err).__name__,
+                                         "mode": action, "device": config.device})
+
+    client.on_failure = on_failure
+
+
+def _stop(server: Any) -> None:
+    server.should_exit = True
+
+
+def _device_answers(config: EngineConfig) -> bool:
+    """Restart only when a fresh probe says the device is back (a fault drill never is)."""
+    if config.fault_inject is not None:
+        return False
+    if not config.device.startswith(("cuda", "auto")):
+        return True
+    from ftrs.health.result import Status
+    from ftrs.health.sysfs import discover_nvidia_gpus, probe_pci
+
+    gpus = discover_nvidia_gpus()
+    return bool(gpus) and probe_pci(gpus[0]).status in (Status.OK, Status.DEGRADED)
+
+
+def exit_code_for(client: Any) -> int | None:
+    """The code `ftrs serve` exits with: the failure's, unless the engine was restarted."""
+    failure = getattr(client, "failure", None)
+    return None if failure is None else int(failure.exit_code)
+
+
+__all__ = ["EngineSupervisor", "exit_code_for", "install_policy"]
