@@ -11,7 +11,7 @@ What is timed is decode alone:
   the last stamp minus the first (the first comes right after the prefill forward), tokens =
   (max_tokens - 1) x batch.
 `ratio` = ftrs tok/s / transformers tok/s (median over `--reps`). `greedy_equal` counts the
-sequences whose tokens agree between the two up to and including the first EOS: transformers'
+sequences whose tokens agree between the two up to (not including) ftrs' first EOS: transformers'
 `min_new_tokens` (needed for a fixed length) masks EOS, while ftrs' `ignore_eos` only keeps
 going after it, so the two legitimately part ways after an EOS.
 
@@ -76,7 +76,7 @@ def run_hf(model: Any, prompts: list[list[int]], n: int) -> tuple[float, list[li
 
 
 def same_until_eos(ours: list[int], theirs: list[int], eos: int = 2) -> bool:
-    cut = ours.index(eos) + 1 if eos in ours else len(ours)
+    cut = ours.index(eos) if eos in ours else len(ours)  # transformers masked that EOS
     return ours[:cut] == theirs[:cut]
 
 
