@@ -94,7 +94,11 @@ def apply_link_guard(
     from ftrs.models.load import resolve_model
 
     home = home or ftrs_home()
-    if not resolve_model(config.model).is_dir():
+    try:
+        path = resolve_model(config.model)
+    except ModelLoadError:
+        return config, None  # the engine reports the load failure itself, on /health
+    if not path.is_dir():
         return config, None
     fetch = model_fetch(config.model, config.device, config.dtype)
     link = current_link(config, sysfs_root=sysfs_root, measure=measure)
