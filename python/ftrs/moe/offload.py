@@ -126,10 +126,12 @@ class OffloadStrategy(MoEStrategy):
         out = torch.zeros_like(x)
         for start in range(0, len(needed), self.num_slots):
             wave = needed[start:start + self.num_slots]
-            slots = self._lookup(li, wave, prefetch if start == 0 else [])
-            views = {e: self.slot_weights[s] for e, s in zip(wave, slots)}
-            combine_experts(x, ids, weights, wave, views.__getitem__, out)
-            self.engine.release()
+            try:
+                slots = self._lookup(li, wave, prefetch if start == 0 else [])
+                views = {e: self.slot_weights[s] for e, s in zip(wave, slots)}
+                combine_experts(x, ids, weights, wave, views.__getitem__, out)
+            finally:
+                self.engine.release()  # a failed wave must not leave its slots pinned
         return out
 
     def begin_forward(self, num_tokens: int) -> None:
