@@ -36,11 +36,6 @@ class AttnMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
-def _expand_kv(x: torch.Tensor, rep: int) -> torch.Tensor:
-    """(..., kv_heads, d) -> (..., kv_heads * rep, d): each kv head serves `rep` query heads."""
-    return x if rep == 1 else x.repeat_interleave(rep, dim=-2)
-
-
 def paged_attention(
     q: torch.Tensor,  # (tokens, heads, head_dim)
     k: torch.Tensor,  # (tokens, kv_heads, head_dim)
@@ -52,24 +47,27 @@ def paged_attention(
 ) -> torch.Tensor:  # (tokens, heads, head_dim)
     k_cache[meta.slot_mapping] = k
     v_cache[meta.slot_mapping] = v
-    rep = q.shape[1] // k.shape[1]
+    gqa = q.shape[1] != k.shape[1]  # grouped-query: each kv head serves several query heads
     out = torch.empty_like(q)
     if meta.decode_rows.numel():
         qd = q[meta.decode_rows].unsqueeze(2)  # (B, heads, 1, d)
-        kd = _expand_kv(k_cache[meta.decode_gather], rep).transpose(1, 2)  # (B, heads, L, d)
-        vd = _expand_kv(v_cache[meta.decode_gather], rep).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
+        kd = k_cache[meta.decode_gather].transpose(1, 2)  # (B, kv_heads, L, d)
+        vd = v_cache[meta.decode_gather].transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
+                                            enable_gqa=gqa)
         out[meta.decode_rows] = od.squeeze(2)
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
         ctx = span.gather.numel()
         qp = q[rows].transpose(0, 1)  # (heads, n, d)
-        kp = _expand_kv(k_cache[span.gather], rep).transpose(0, 1)  # (heads, ctx, d)
-        vp = _expand_kv(v_cache[span.gather], rep).transpose(0, 1)
+        kp = k_cache[span.gather].transpose(0, 1)  # (kv_heads, ctx, d)
+        vp = v_cache[span.gather].transpose(0, 1)
         if ctx == span.q_len:
-            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale)
+            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
+                                                enable_gqa=gqa)
         else:
             mask = torch.ones(span.q_len, ctx, dtype=torch.bool, device=q.device).tril(ctx - span.q_len)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale)
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
+                                                enable_gqa=gqa)
         out[rows] = op.transpose(0, 1)
     return out
