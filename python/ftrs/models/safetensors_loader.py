@@ -105,7 +105,9 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
                     raise ModelLoadError(str(path), f"tensor {name} has shape {list(shape)}, "
                                          f"expected {list(want[key])}")
                 try:
-                    dense[key] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    # copy=True: never leave a weight backed by the file's pages, which the
+                    # kernel may drop under memory pressure and fault back in on every step
+                    dense[key] = f.get_tensor(name).to(device=device, dtype=dtype, copy=True)
                 except Exception as e:
                     raise ModelLoadError(str(path), f"cannot read tensor {name}: {e}") from e
         bar.update(1)
