@@ -1,8 +1,9 @@
 """Offload on the demo model over simulated links, beside the bounds of DESIGN.md, one run.
 
 One process loads the demo model once; strategies are swapped on the same weights:
-- `resident` gives t_compute: seconds per decode token (batch 1), measured before and after
-  the offload runs (their mean is used), and the compute time of each prefill chunk.
+- `resident` gives t_compute: seconds per decode token (batch 1) and the compute time of the
+  prefill chunk, measured right before EACH offload run (a shared host's load drifts; each
+  row's bound uses its own neighbour, printed as `t_compute_s_per_token`).
 - `offload` (`--cache-rate` of all experts, lru) over `simulated:GBPS` at each `--links` speed,
   with prefetch and without. Each starts from an empty expert cache.
 
@@ -193,38 +194,37 @@ def main() -> None:
     chunk = corpus[: args.chunk]
 
     forward_only(llm, chunk[:16])  # warm-up
-    t_chunk = [forward_only(llm, chunk)]
-    res_before = decode_run(common, llm, prompt, args.max_tokens)
-
     decode: list[dict[str, Any]] = []
     prefill: list[dict[str, Any]] = []
+    res_tps: list[float] = []
+    res_chunk: list[float] = []
     for link in links:
         for prefetch in (True, False):
+            # resident right before each offload run: the load of a shared host drifts
+            common.use_strategy(llm, resident)
+            t_chunk = forward_only(llm, chunk)
+            t_compute = 1 / decode_run(common, llm, prompt, args.max_tokens)["tok_per_s"]
+            res_chunk.append(t_chunk)
+            res_tps.append(1 / t_compute)
             strat = offload(llm, link, args.cache_rate, prefetch)
             common.use_strategy(llm, strat)
             before = strat.stats()
             t_off = forward_only(llm, chunk)
             moved = strat.stats()["bytes_h2d"] - before["bytes_h2d"]
+            ideal = max(t_chunk, moved / (link * 1e9))
             prefill.append({"link_gbps": link, "prefetch": prefetch, "chunk_tokens": len(chunk),
                             "t_offload_s": round(t_off, 3), "bytes_moved": moved,
-                            "t_transfer_s": round(moved / (link * 1e9), 3)})
+                            "t_transfer_s": round(moved / (link * 1e9), 3),
+                            "t_compute_s": round(t_chunk, 3), "bound_s": round(ideal, 3),
+                            "serial_s": round(t_chunk + moved / (link * 1e9), 3),
+                            "overlap_efficiency": round(ideal / t_off, 3)})
             d = decode_run(common, llm, prompt, args.max_tokens)
-            decode.append({"link_gbps": link, "prefetch": prefetch, "raw": d})
+            decode.append({"link_gbps": link, "prefetch": prefetch,
+                           "t_compute_s_per_token": round(t_compute, 4),
+                           **decode_figures(d, t_compute, link, eb, prefetch)})
             strat.close()
             common.use_strategy(llm, resident)
             del strat
-    t_chunk.append(forward_only(llm, chunk))
-    res_after = decode_run(common, llm, prompt, args.max_tokens)
-
-    t_compute = statistics.fmean([1 / res_before["tok_per_s"], 1 / res_after["tok_per_s"]])
-    t_chunk_mean = statistics.fmean(t_chunk)
-    for row in decode:
-        row |= decode_figures(row.pop("raw"), t_compute, row["link_gbps"], eb, row["prefetch"])
-    for row in prefill:
-        ideal = max(t_chunk_mean, row["t_transfer_s"])
-        row |= {"t_compute_s": round(t_chunk_mean, 3), "bound_s": round(ideal, 3),
-                "serial_s": round(t_chunk_mean + row["t_transfer_s"], 3),
-                "overlap_efficiency": round(ideal / row["t_offload_s"], 3)}
 
     print(json.dumps({
         "bench": "offload",
@@ -234,10 +234,8 @@ def main() -> None:
         "cache_rate": args.cache_rate,
         "policy": llm.config.moe_cache_policy,
         "torch_threads": torch.get_num_threads(),
-        "resident": {"decode_tok_per_s_before": round(res_before["tok_per_s"], 3),
-                     "decode_tok_per_s_after": round(res_after["tok_per_s"], 3),
-                     "t_compute_s_per_token": round(t_compute, 4),
-                     "chunk_compute_s": [round(t, 3) for t in t_chunk]},
+        "resident": {"decode_tok_per_s": [round(x, 3) for x in res_tps],
+                     "chunk_compute_s": [round(t, 3) for t in res_chunk]},
         "decode": decode,
         "prefill": prefill,
         "chunk_bytes": chunk_bytes(common, llm, corpus[: args.route_tokens], eb),
