@@ -1,7 +1,6 @@
 """Shared pieces of the MoE benches (offload.py, policies.py, generate.py).
 
-Loaded by path (`load_common()` in each script), never imported from the script's folder:
-bench/ holds `copy.py`, which would shadow the standard library's `copy`.
+Imported by the scripts beside it (`import _common as common`).
 
 - `RoutingRecorder`: a MoE strategy that records the router's choice, then delegates.
 - `run_steps`: drive an `LLM`'s engine step by step and keep every `StepStats`, so decode

@@ -21,34 +21,16 @@ going after it, so the two legitimately part ways after an EOS.
 
 from __future__ import annotations
 
-import os
-import sys
-
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    del sys.path[0]  # bench/copy.py would shadow the standard library
-
 import argparse
-import importlib.util
 import json
 import statistics
 import time
-from types import ModuleType
 from typing import Any
 
 import torch
 
 from ftrs.llm import LLM
 from ftrs.sampling import SamplingParams
-
-
-def load_common() -> ModuleType:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_common.py")
-    spec = importlib.util.spec_from_file_location("ftrs_bench_common", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 class StepClock:
@@ -91,8 +73,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.max_tokens, args.reps = 12, 1
-    common = load_common()
     from transformers import AutoModelForCausalLM
+
+    import _common as common
 
     path = args.model or common.demo_path()
     llm = LLM(path, device=args.device, dtype="float32", kv_tokens=8192)

@@ -32,15 +32,8 @@ Routing is causal, so a slice routes as it would in a chunked prefill (up to flo
 
 from __future__ import annotations
 
-import os
-import sys
-
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    del sys.path[0]  # bench/copy.py would shadow the standard library
-
 import argparse
 import dataclasses
-import importlib.util
 import json
 import statistics
 import time
@@ -59,15 +52,6 @@ from ftrs.scheduler.sequence import Sequence
 
 CHUNK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
-
-def load_common() -> ModuleType:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_common.py")
-    spec = importlib.util.spec_from_file_location("ftrs_bench_common", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @torch.inference_mode()
@@ -178,7 +162,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.max_tokens, args.chunk, args.route_tokens = 12, 128, 512
-    common = load_common()
+    import _common as common
     links = [float(x) for x in args.links.split(",")]
 
     llm = LLM(args.model or common.demo_path(), device="cpu", dtype="float32",

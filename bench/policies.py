@@ -17,17 +17,9 @@ online policy can beat it; `*_vs_belady` is the fraction of the bound each polic
 
 from __future__ import annotations
 
-import os
-import sys
-
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    del sys.path[0]  # bench/copy.py would shadow the standard library
-
 import argparse
-import importlib.util
 import json
 import time
-from types import ModuleType
 from typing import Any
 
 from ftrs import _core
@@ -36,15 +28,6 @@ from ftrs.llm import LLM
 POLICIES = ("lru", "lfru", "belady")
 RATES = (0.25, 0.5, 0.75)
 
-
-def load_common() -> ModuleType:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_common.py")
-    spec = importlib.util.spec_from_file_location("ftrs_bench_common", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def hit_rates(trace: list[list[tuple[int, int]]], total: int) -> dict[str, Any]:
@@ -70,7 +53,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.max_tokens = 3, 16
-    common = load_common()
+    import _common as common
 
     t0 = time.perf_counter()
     llm = LLM(args.model or common.demo_path(), kv_tokens=8192, device="cpu")

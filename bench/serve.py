@@ -14,12 +14,6 @@ and the ratio ftrs/transformers of useful output tokens/s is printed per C. JSON
 
 from __future__ import annotations
 
-import sys
-
-# bench/ holds modules named like the stdlib (copy.py): never import from the script's folder.
-if sys.path and sys.path[0] == __import__("os").path.dirname(__import__("os").path.abspath(__file__)):
-    del sys.path[0]
-
 import argparse
 import asyncio
 import json
@@ -29,6 +23,7 @@ import random
 import socket
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path

@@ -11,12 +11,6 @@ JSON on stdout; exit 1 on any error.
 
 from __future__ import annotations
 
-import sys
-
-# bench/ holds modules named like the stdlib (copy.py): never import from the script's folder.
-if sys.path and sys.path[0] == __import__("os").path.dirname(__import__("os").path.abspath(__file__)):
-    del sys.path[0]
-
 import argparse
 import asyncio
 import importlib.util
@@ -24,6 +18,7 @@ import json
 import logging
 import os
 import random
+import sys
 import time
 from pathlib import Path
 from typing import Any

@@ -7,14 +7,6 @@ round) and `ratio_vs_torch` / `ratio_vs_numpy` = ftrs / reference (target >= 0.9
 
 from __future__ import annotations
 
-import os
-import sys
-
-# Run as `python bench/copy.py`, this file's folder is sys.path[0] and the script would shadow
-# the standard library's `copy` module (which torch imports): drop that entry first.
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
-    sys.path.pop(0)
-
 import argparse
 import json
 import statistics
