@@ -44,6 +44,9 @@ class Runtime:
         self.loaded = load_model(config.model, self.device, self.dtype, progress=progress)
         self.spec = self.loaded.spec
         self.moe: MoEStrategy | None = None
+        if not self.spec.is_moe and config.moe_strategy == "offload":
+            log.warning("%s is a dense model: --moe-strategy offload has no experts to move, "
+                        "so everything stays on %s", config.model, self.device)
         if self.spec.is_moe:
             assert self.loaded.experts is not None
             strategy = "resident" if config.moe_strategy == "auto" else config.moe_strategy
