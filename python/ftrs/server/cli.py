@@ -14,29 +14,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import MISSING, fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ftrs.config import EngineConfig
+from ftrs.config import add_engine_arguments, engine_config_from_args
 from ftrs.errors import FtrsError
 
 if TYPE_CHECKING:
     from ftrs.server.engine_client import Classifier, EngineClient
 
 logger = logging.getLogger(__name__)
-
-_SERVER_OPTIONS = ("model", "host", "port", "api_key", "served_model_name", "engine_backend")
-_TYPES: dict[str, type] = {"int": int, "float": float, "str": str, "bool": bool}
-
-
-def _field_type(annotation: object) -> tuple[type, bool]:
-    """(base type, optional) from an annotation string such as "int | None"."""
-    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", str(annotation))
-    parts = [p.strip() for p in text.split("|")]
-    optional = "None" in parts
-    names = [p for p in parts if p != "None"]
-    return _TYPES.get(names[0], str) if names else str, optional
-
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `ftrs serve`: server options, then one per EngineConfig field."""
@@ -52,29 +38,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with an explicit --max-prefill-length, do not cap it")
     parser.add_argument("--link-guard-window", type=float, default=0.5,
                         help="seconds of expert fetch one prefill chunk may take (default 0.5)")
-    group = parser.add_argument_group("engine options")
-    for f in fields(EngineConfig):
-        if f.name in _SERVER_OPTIONS:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        typ, _ = _field_type(f.type)
-        default = f.default if f.default is not MISSING else None
-        if typ is bool:
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                               help=f"(default: {default})")
-        else:
-            group.add_argument(flag, dest=f.name, type=typ, default=None, metavar=f.name.upper(),
-                               help=f"(default: {default})")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """EngineConfig from parsed args: only options given on the command line override defaults."""
-    kwargs: dict[str, Any] = {"model": args.model}
-    for f in fields(EngineConfig):
-        value = getattr(args, f.name, None)
-        if f.name != "model" and value is not None:
-            kwargs[f.name] = value
-    return EngineConfig.from_kwargs(**kwargs)
+    add_engine_arguments(parser)
 
 
 def run_serve(args: argparse.Namespace, classifier: Classifier | None = None) -> int:
