@@ -46,7 +46,7 @@ class EngineConfig:
     seed: int = 0
     hang_timeout: float = 120.0  # s: work pending and no step finished -> EngineHang
     on_device_lost: str = "exit"  # exit | restart | cpu: what the server does on a device error
-    fault_inject: str | None = None  # drills: KIND@step=N (ftrs.engine.faults)
+    fault_inject: str | None = None  # drills: KIND@step=N or KIND@after=Ts (ftrs.engine.faults)
 
     def __post_init__(self) -> None:
         if self.hang_timeout <= 0:

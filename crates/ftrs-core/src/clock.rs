@@ -120,6 +120,11 @@ impl TokenBucket {
         }
     }
 
+    /// Refill rate in bytes per second.
+    pub fn rate(&self) -> f64 {
+        self.rate
+    }
+
     fn refill(&mut self, now: Duration) {
         if now > self.last {
             let dt = (now - self.last).as_secs_f64();

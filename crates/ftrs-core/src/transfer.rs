@@ -486,6 +486,32 @@ impl TransferEngine {
         lock(&self.inner.state).fault = Some((kind, after_copies));
     }
 
+    /// Turns pacing on at `bytes_per_s` (0 turns it off), from the next copy on: the adaptive
+    /// guard slows the link down while serving. Copies already started are not affected.
+    pub fn set_pacing(&self, bytes_per_s: f64) -> Result<()> {
+        if !(bytes_per_s >= 0.0 && bytes_per_s.is_finite()) {
+            return Err(CoreError::Config(format!("bad pacing rate {bytes_per_s}")));
+        }
+        let eb = self.inner.pool.layout().expert_bytes();
+        let now = self.inner.clock.now();
+        let mut st = lock(&self.inner.state);
+        st.bucket = (bytes_per_s > 0.0).then(|| {
+            let burst = (eb as f64).max(bytes_per_s / 100.0);
+            TokenBucket::new(bytes_per_s, burst, now)
+        });
+        drop(st);
+        self.inner.work.notify_all();
+        Ok(())
+    }
+
+    /// The pacing rate in bytes per second; 0 when pacing is off.
+    pub fn pacing_bytes_per_s(&self) -> f64 {
+        lock(&self.inner.state)
+            .bucket
+            .as_ref()
+            .map_or(0.0, TokenBucket::rate)
+    }
+
     /// Checks the cache's structural invariants and the engine's own (tests).
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         let st = lock(&self.inner.state);

@@ -334,6 +334,43 @@ fn pacing_holds_the_byte_rate_on_a_virtual_clock() {
     assert!((took - 0.07).abs() < 1e-6, "took {took}");
 }
 
+#[test]
+fn pacing_can_be_turned_on_and_off_while_running() {
+    let clock = Arc::new(VirtualClock::new());
+    let p = pool();
+    let eb = p.layout().expert_bytes() as f64;
+    let rig = engine_paced(
+        Arc::clone(&p),
+        8,
+        Arc::new(HostBackend { threads: 1 }),
+        clock.clone(),
+        0,
+        0.0,
+    );
+    let eng = &rig.0;
+    assert_eq!(eng.pacing_bytes_per_s(), 0.0);
+    assert!(eng.set_pacing(-1.0).is_err());
+    assert!(eng.set_pacing(f64::NAN).is_err());
+    eng.set_pacing(eb * 100.0).unwrap();
+    assert_eq!(eng.pacing_bytes_per_s(), eb * 100.0);
+    let (_, t) = eng.lookup(0, &[0, 1, 2, 3], &[]).unwrap();
+    eng.wait(t).unwrap();
+    eng.release();
+    // One block rides the burst; three more at 10 ms each.
+    let took = clock.now().as_secs_f64();
+    assert!((took - 0.03).abs() < 1e-6, "took {took}");
+    eng.set_pacing(0.0).unwrap();
+    assert_eq!(eng.pacing_bytes_per_s(), 0.0);
+    let (_, t) = eng.lookup(1, &[0, 1, 2, 3], &[]).unwrap();
+    eng.wait(t).unwrap();
+    let after = clock.now().as_secs_f64();
+    assert!(
+        (after - took).abs() < 1e-6,
+        "unpaced copies took {}",
+        after - took
+    );
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 

@@ -132,6 +132,18 @@ impl PyTransferEngine {
         self.inner.reset_stats()
     }
 
+    /// Turns pacing on at `bytes_per_s` from the next copy on (0 turns it off); the adaptive
+    /// guard calls it while serving.
+    fn set_pacing(&self, bytes_per_s: f64) -> PyResult<()> {
+        self.inner.set_pacing(bytes_per_s).py()
+    }
+
+    /// The pacing rate in bytes per second; 0 when pacing is off.
+    #[getter]
+    fn pacing_bytes_per_s(&self) -> f64 {
+        self.inner.pacing_bytes_per_s()
+    }
+
     /// (layer, expert, slot) of every slot whose bytes landed.
     fn resident(&self) -> Vec<(u32, u32, u32)> {
         self.inner.resident()

@@ -1,8 +1,11 @@
-"""Fault injection for drills and tests: `--fault-inject KIND@step=N` (issue 5).
+"""Fault injection for drills and tests: `--fault-inject KIND@step=N` (issue 5), and for the
+link-stress kinds also `KIND@after=Ts` (issue 6).
 
-KIND is `device_lost`, `kernel_fault`, `oom` or `hang`; N is the engine step (1-based, the
-count of `step()` calls) at which the fault fires. The fault is injected as low as the CPU
-allows, so the real detection path runs:
+KIND is `device_lost`, `kernel_fault`, `oom` or `hang` (step faults), or `replay_growth` or
+`link_degraded` (link stress, seen by the device monitor); N is the engine step (1-based, the
+count of `step()` calls) at which the fault fires; T (seconds, the `s` optional) is the time
+after the engine is up. The fault is injected as low as the CPU allows, so the real detection
+path runs:
 
 - `device_lost` / `kernel_fault`: with the offload strategy, at the copy backend
   (`TransferEngine.inject_fault(kind, 0)`: the next expert copy fails with the typed error);
@@ -14,6 +17,10 @@ allows, so the real detection path runs:
 - `oom`: the step raises DeviceOutOfMemory before it runs; the engine fails that step's
   requests and keeps serving.
 - `hang`: the step blocks forever; the progress watchdog (`--hang-timeout`) fires EngineHang.
+- `replay_growth` / `link_degraded`: the monitor's fault injector (`health.inject`) rewrites
+  its readings of the fake sysfs tree from then on: the AER correctable total grows on every
+  sample, or the link reads Gen1 at half its width. Not fatal: the device is judged degraded,
+  and the adaptive guard (`guard.live`) shrinks the prefill chunk and turns pacing on.
 """
 
 from __future__ import annotations
@@ -29,29 +36,47 @@ from ftrs.errors import ConfigError, DeviceError, DeviceLost, DeviceOutOfMemory,
 
 logger = logging.getLogger(__name__)
 
-KINDS = ("device_lost", "kernel_fault", "oom", "hang")
+STEP_KINDS = ("device_lost", "kernel_fault", "oom", "hang")
+MONITOR_KINDS = ("replay_growth", "link_degraded")
+KINDS = STEP_KINDS + MONITOR_KINDS
 FAKE_BDF = "0000:01:00.0"
 NVIDIA_VENDOR = 0x10DE
 VENDOR_GONE = 0xFFFF
 _SPEC_RE = re.compile(r"^\s*([a-z_]+)\s*@\s*step\s*=\s*(\d+)\s*$")
+_AFTER_RE = re.compile(r"^\s*([a-z_]+)\s*@\s*after\s*=\s*(\d+(?:\.\d*)?|\.\d+)\s*s?\s*$")
 
 
 @dataclass(frozen=True)
 class FaultSpec:
+    """`step` (1-based) or, for the monitor kinds, `after_s` says when the fault fires."""
+
     kind: str
-    step: int
+    step: int = 0
+    after_s: float | None = None
+
+    @property
+    def monitor(self) -> bool:
+        """A link-stress fault the device monitor sees (not one a step raises)."""
+        return self.kind in MONITOR_KINDS
 
     def __str__(self) -> str:
+        if self.after_s is not None:
+            return f"{self.kind}@after={self.after_s:g}s"
         return f"{self.kind}@step={self.step}"
 
 
 def parse_fault_spec(text: str) -> FaultSpec:
-    """"device_lost@step=40" → FaultSpec("device_lost", 40); ConfigError when malformed."""
+    """"device_lost@step=40" → FaultSpec("device_lost", 40); "replay_growth@after=1s" →
+    FaultSpec("replay_growth", after_s=1.0); ConfigError when malformed."""
     m = _SPEC_RE.match(text)
-    if m is None or m.group(1) not in KINDS or int(m.group(2)) < 1:
-        raise ConfigError(f"fault_inject: expected KIND@step=N with KIND one of {', '.join(KINDS)} "
-                          f"and N >= 1, got {text!r}")
-    return FaultSpec(m.group(1), int(m.group(2)))
+    if m is not None and m.group(1) in KINDS and int(m.group(2)) >= 1:
+        return FaultSpec(m.group(1), int(m.group(2)))
+    m = _AFTER_RE.match(text)
+    if m is not None and m.group(1) in MONITOR_KINDS:
+        return FaultSpec(m.group(1), after_s=float(m.group(2)))
+    raise ConfigError(f"fault_inject: expected KIND@step=N with KIND one of {', '.join(KINDS)} "
+                      f"and N >= 1, or KIND@after=Ts with KIND one of "
+                      f"{', '.join(MONITOR_KINDS)}; got {text!r}")
 
 
 def make_fake_sysfs(root: Path, bdf: str = FAKE_BDF) -> Path:
@@ -64,6 +89,14 @@ def make_fake_sysfs(root: Path, bdf: str = FAKE_BDF) -> Path:
     (dev / "config").write_bytes(bytes(config))
     (dev / "vendor").write_text(f"0x{NVIDIA_VENDOR:04x}\n")
     (dev / "class").write_text("0x030000\n")
+    # A healthy Gen4 x16 link and zero AER totals, for the link-stress kinds to rewrite.
+    for name, value in (("current_link_speed", "16.0 GT/s PCIe"),
+                        ("max_link_speed", "16.0 GT/s PCIe"),
+                        ("current_link_width", "16"), ("max_link_width", "16"),
+                        ("aer_dev_correctable", "RxErr 0\nTOTAL_ERR_COR 0"),
+                        ("aer_dev_nonfatal", "TLP 0\nTOTAL_ERR_NONFATAL 0"),
+                        ("aer_dev_fatal", "DLP 0\nTOTAL_ERR_FATAL 0")):
+        (dev / name).write_text(value + "\n")
     link = root / "bus" / "pci" / "devices" / bdf
     link.parent.mkdir(parents=True, exist_ok=True)
     if not link.exists():
@@ -95,12 +128,37 @@ class StepFaults:
         self.fired = False
         self._armed_copy = False
         self._block = threading.Event()
+        self._monitor: Any = None
+        self._timer: threading.Timer | None = None
+
+    def attach_monitor(self, monitor: Any) -> None:
+        """The device monitor (its `inject(kind)`) the link-stress kinds go to; with
+        `after_s` the timer starts now."""
+        self._monitor = monitor
+        if self.spec.monitor and self.spec.after_s is not None:
+            self._timer = threading.Timer(self.spec.after_s, self._fire_monitor)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _fire_monitor(self) -> None:
+        if self.fired or self._monitor is None:
+            return
+        self.fired = True
+        logger.warning("fault injection: %s (%s)", self.spec.kind, self.spec)
+        self._monitor.inject(self.spec.kind)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
     def evidence(self, **extra: Any) -> dict[str, Any]:
         return {"injected": True, "fault_inject": str(self.spec), **extra}
 
     def before_step(self, step: int, engine: Any) -> None:
         if self.fired or step != self.spec.step:
+            return
+        if self.spec.monitor:
+            self._fire_monitor()
             return
         self.fired = True
         kind = self.spec.kind
@@ -129,5 +187,5 @@ class StepFaults:
                                          copy_backend_armed=self._armed_copy))
 
 
-__all__ = ["FAKE_BDF", "KINDS", "FaultSpec", "StepFaults", "copy_engine", "make_fake_sysfs",
+__all__ = ["FAKE_BDF", "KINDS", "MONITOR_KINDS", "STEP_KINDS", "FaultSpec", "StepFaults", "copy_engine", "make_fake_sysfs",
            "parse_fault_spec", "set_fake_vendor"]

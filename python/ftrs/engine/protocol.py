@@ -70,6 +70,9 @@ class StepStats:
     kv_usage_ratio: float
     prefix_hit_tokens: int = 0
     experts: dict[str, Any] = field(default_factory=dict)
+    #: The adaptive guard's live state (`guard.live.LiveGuard.stats()`): prefill_cap_tokens,
+    #: pacing, recent events; None when no guard runs (engines without a supervisor).
+    guard: dict[str, Any] | None = None
 
 
 __all__ = ["AbortRequest", "GenerateRequest", "StepStats", "TokenEvent", "TokenLogprob"]

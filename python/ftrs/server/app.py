@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ftrs.config import EngineConfig
+from ftrs.engine.protocol import StepStats
 from ftrs.errors import DeviceLost, DeviceUnhealthy, FtrsError, InvalidRequest
 from ftrs.server.engine_client import (
     DEFAULT_BACKEND,
@@ -104,7 +105,15 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
         logger.info("ftrs ready: serving %s at http://%s:%d/v1", settings.model_names[0],
                     settings.host, settings.port)
 
-    client = EngineClient(settings.engine, settings.backend, classifier, on_stats=metrics.observe_step,
+    adaptive_guard: dict[str, Any] = {}  # the engine's latest `StepStats.guard`
+
+    def on_stats(stats: StepStats) -> None:
+        metrics.observe_step(stats)
+        if stats.guard:
+            adaptive_guard.clear()
+            adaptive_guard.update(stats.guard)
+
+    client = EngineClient(settings.engine, settings.backend, classifier, on_stats=on_stats,
                           on_failure=on_failure, on_ready=on_ready)
 
     @asynccontextmanager
@@ -139,6 +148,8 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
         status, body = client.health()
         if settings.link_guard is not None:
             body = {**body, "link_guard": settings.link_guard}
+        if adaptive_guard:
+            body = {**body, "adaptive_guard": dict(adaptive_guard)}
         return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")

@@ -12,6 +12,8 @@ observed by the request handlers, which see the tokens arrive.
              * expert_bytes, the names `ftrs._core` TransferEngine.stats() uses)
   gauges:   slots, queue_depth, inflight_bytes, prefill_cap_tokens
   per step: prefill_fetch_bytes (histogram, observed when the step had prefill tokens)
+`StepStats.guard` (the adaptive guard, `guard.live`) sets ftrs_prefill_cap_tokens to the live
+step budget, ftrs_pcie_pacing_bytes_per_second and ftrs_adaptive_guard_events.
 """
 
 from __future__ import annotations
@@ -94,6 +96,8 @@ class ServerMetrics:
         self.link_width = Gauge(p + "pcie_link_width", "PCIe link width.", ["kind"], registry=r)
         self.pcie_replays = Gauge(p + "pcie_replay_total", "PCIe replay counter of the device.", registry=r)
         self.prefill_cap = Gauge(p + "prefill_cap_tokens", "Token budget of one step (prefill cap).", registry=r)
+        self.pcie_pacing = Gauge(p + "pcie_pacing_bytes_per_second", "Expert-copy pacing rate set by the adaptive guard (0: off).", registry=r)
+        self.guard_events = Gauge(p + "adaptive_guard_events", "Times the adaptive guard tightened since the engine started.", registry=r)
         self.build_info = Gauge(p + "build_info", "Build of the server.", ["version"], registry=r)
         self.build_info.labels(ftrs_version()).set(1)
         self.set_device_state("unknown", up=False)
@@ -114,6 +118,18 @@ class ServerMetrics:
         if stats.prefill_tokens > 0:
             self.prefill_chunk_tokens.observe(stats.prefill_tokens)
         self.observe_experts(stats.experts, had_prefill=stats.prefill_tokens > 0)
+        if stats.guard:
+            self.observe_guard(stats.guard)
+
+    def observe_guard(self, guard: Mapping[str, object]) -> None:
+        """The adaptive guard's live state (`StepStats.guard`): the step budget it set, its
+        pacing and how often it tightened."""
+        for key, gauge in (("prefill_cap_tokens", self.prefill_cap),
+                           ("pcie_pacing_bytes_per_second", self.pcie_pacing),
+                           ("event_count", self.guard_events)):
+            value = _number(guard.get(key))
+            if value is not None:
+                gauge.set(value)
 
     def observe_experts(self, experts: Mapping[str, object], had_prefill: bool = False) -> None:
         experts = {**experts, "h2d_bytes": _h2d_bytes(experts)}

@@ -39,6 +39,7 @@ from ftrs.config import EngineConfig, ftrs_home
 from ftrs.engine.faults import FAKE_BDF, StepFaults, make_fake_sysfs, parse_fault_spec
 from ftrs.engine.protocol import StepStats, TokenEvent
 from ftrs.errors import DeviceError, DeviceOutOfMemory, FtrsError
+from ftrs.guard.live import LiveGuard
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +82,16 @@ class EngineSupervisor:
         mcfg = MonitorConfig(bdf=bdf, sysfs_root=str(self.sysfs_root or "/sys"),
                              hang_timeout_s=config.hang_timeout, kernel_log=None,
                              use_nvml=False, fast_interval_s=0.1)
+        # The adaptive guard (issue 6): monitor samples in, step budget and pacing out.
+        self.live_guard = LiveGuard(engine, config.max_prefill_length,
+                                    pacing_gbps=config.pcie_pacing)
         self.monitor = DeviceMonitor(mcfg, on_fault=self._monitor_fault,
+                                     on_sample=self.live_guard.on_sample,
                                      has_pending_work=lambda: self._in_step,
                                      last_step_finished_at=lambda: self._last_step_end)
         self.monitor.start()
+        if self.faults is not None:
+            self.faults.attach_monitor(self.monitor)  # replay_growth / link_degraded drills
 
     # -- the step ---------------------------------------------------------------------------
 
@@ -97,6 +104,7 @@ class EngineSupervisor:
         try:
             if self.faults is not None:
                 self.faults.before_step(n, self.engine)
+            self.live_guard.before_step()
             events, stats = self.engine.step()
             if self.faults is not None:
                 self.faults.after_step(n)
@@ -111,6 +119,8 @@ class EngineSupervisor:
         self._in_step = False
         self._last_step_end = time.monotonic()
         self._record(stats)
+        if stats is not None:
+            stats.guard = self.live_guard.stats()
         return events, stats
 
     def _record(self, stats: StepStats) -> None:
@@ -193,6 +203,8 @@ class EngineSupervisor:
             logger.error("could not write the crash report: %s", e)
 
     def close(self) -> None:
+        if self.faults is not None:
+            self.faults.close()
         self.monitor.stop(1.0)
 
 
