@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -16,7 +18,7 @@ from ftrs.engine.batch import build_batch
 from ftrs.engine.protocol import GenerateRequest, StepStats, TokenEvent
 from ftrs.engine.runtime import Runtime
 from ftrs.engine.sampler import sample
-from ftrs.errors import ContextLengthExceeded, InvalidRequest
+from ftrs.errors import ContextLengthExceeded, DeviceError, InvalidRequest
 from ftrs.kvcache.pages import PagePool
 from ftrs.scheduler.scheduler import Scheduler
 from ftrs.scheduler.sequence import Sequence
@@ -77,6 +79,26 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def num_requests(self) -> int:
+        """Requests the engine holds (running or waiting)."""
+        return len(self._seqs)
+
+    def fail_requests(self, request_ids: Iterable[str] | None,
+                      error: dict[str, Any]) -> list[TokenEvent]:
+        """Finish `request_ids` (None: every request) with `finish_reason="error"` and `error`
+        (the wire form `TokenEvent.error` holds), freeing their KV pages; the others keep
+        running. Unknown ids are skipped. One event per request failed."""
+        ids = list(self._seqs) if request_ids is None else list(request_ids)
+        events = []
+        for rid in ids:
+            seq = self._seqs.pop(rid, None)
+            if seq is not None:
+                self.scheduler.finish(seq, "abort")
+                events.append(TokenEvent(rid, [], finish_reason="error", error=error,
+                                         num_prompt_tokens=seq.num_prompt,
+                                         num_cached_tokens=seq.num_cached))
+        return events
+
     # --- the step ---------------------------------------------------------------------------
 
     def step(self) -> tuple[list[TokenEvent], StepStats]:
@@ -86,8 +108,16 @@ class EngineCore:
         if not work:
             return [], self._stats(t0, "idle", 0, 0)
         batch = build_batch(work, self.pool.page_size, self.rt.device)
-        hidden = self.rt.decoder.forward(batch.input_ids, batch.positions, batch.meta, self.rt.kv)
-        logits = self.rt.decoder.logits(hidden[batch.sample_rows]).cpu()
+        try:
+            hidden = self.rt.decoder.forward(batch.input_ids, batch.positions, batch.meta,
+                                             self.rt.kv)
+            logits = self.rt.decoder.logits(hidden[batch.sample_rows]).cpu()
+        except DeviceError as err:  # say what the failed step carried (crash report, OOM)
+            err.evidence.setdefault("failed_step", {
+                "step": self._step, "request_ids": [w.seq.request_id for w in work],
+                "prefill_tokens": batch.num_prefill_tokens,
+                "decode_tokens": batch.num_decode_tokens})
+            raise
         for w in work:
             w.seq.num_computed += w.num_tokens
         tokens, records = sample(logits, batch.sample_seqs)

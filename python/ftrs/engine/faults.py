@@ -3,9 +3,11 @@ link-stress kinds also `KIND@after=Ts` (issue 6).
 
 KIND is `device_lost`, `kernel_fault`, `oom` or `hang` (step faults), or `replay_growth` or
 `link_degraded` (link stress, seen by the device monitor); N is the engine step (1-based, the
-count of `step()` calls) at which the fault fires; T (seconds, the `s` optional) is the time
-after the engine is up. The fault is injected as low as the CPU allows, so the real detection
-path runs:
+count of `step()` calls) at which the fault fires; with `KIND@step=N,running=R`, N counts
+from the first step at which the engine holds >= R requests; T (seconds, the `s` optional) is
+the time after the engine is up (`device_lost@after=Ts`: the device leaves the bus while the
+engine idles, and only the monitor thread can see it). The fault is injected as low as the
+CPU allows, so the real detection path runs:
 
 - `device_lost` / `kernel_fault`: with the offload strategy, at the copy backend
   (`TransferEngine.inject_fault(kind, 0)`: the next expert copy fails with the typed error);
@@ -14,8 +16,9 @@ path runs:
   (`fake_sysfs`) then reads vendor 0xffff, so the health classifier decides DeviceLost from
   PCI config space; for `kernel_fault` the device keeps answering 0x10de, so it decides
   KernelFault.
-- `oom`: the step raises DeviceOutOfMemory before it runs; the engine fails that step's
-  requests and keeps serving.
+- `oom`: at the copy backend too (without it, the step raises DeviceOutOfMemory before it
+  runs); the supervisor fails the requests the failed step carried (`EngineCore` names them
+  in the error's `failed_step` evidence) and the engine keeps serving the others.
 - `hang`: the step blocks forever; the progress watchdog (`--hang-timeout`) fires EngineHang.
 - `replay_growth` / `link_degraded`: the monitor's fault injector (`health.inject`) rewrites
   its readings of the fake sysfs tree from then on: the AER correctable total grows on every
@@ -39,10 +42,11 @@ logger = logging.getLogger(__name__)
 STEP_KINDS = ("device_lost", "kernel_fault", "oom", "hang")
 MONITOR_KINDS = ("replay_growth", "link_degraded")
 KINDS = STEP_KINDS + MONITOR_KINDS
+AFTER_KINDS = (*MONITOR_KINDS, "device_lost")  # device_lost@after=Ts: lost while idle
 FAKE_BDF = "0000:01:00.0"
 NVIDIA_VENDOR = 0x10DE
 VENDOR_GONE = 0xFFFF
-_SPEC_RE = re.compile(r"^\s*([a-z_]+)\s*@\s*step\s*=\s*(\d+)\s*$")
+_SPEC_RE = re.compile(r"^\s*([a-z_]+)\s*@\s*step\s*=\s*(\d+)(?:\s*,\s*running\s*=\s*(\d+))?\s*$")
 _AFTER_RE = re.compile(r"^\s*([a-z_]+)\s*@\s*after\s*=\s*(\d+(?:\.\d*)?|\.\d+)\s*s?\s*$")
 
 
@@ -53,6 +57,9 @@ class FaultSpec:
     kind: str
     step: int = 0
     after_s: float | None = None
+    #: `KIND@step=N,running=R`: N counts the steps from the first one at which the engine
+    #: holds >= R requests (a drill with many clients fires once they are all in flight).
+    running: int = 0
 
     @property
     def monitor(self) -> bool:
@@ -62,7 +69,7 @@ class FaultSpec:
     def __str__(self) -> str:
         if self.after_s is not None:
             return f"{self.kind}@after={self.after_s:g}s"
-        return f"{self.kind}@step={self.step}"
+        return f"{self.kind}@step={self.step}" + (f",running={self.running}" if self.running else "")
 
 
 def parse_fault_spec(text: str) -> FaultSpec:
@@ -70,13 +77,13 @@ def parse_fault_spec(text: str) -> FaultSpec:
     FaultSpec("replay_growth", after_s=1.0); ConfigError when malformed."""
     m = _SPEC_RE.match(text)
     if m is not None and m.group(1) in KINDS and int(m.group(2)) >= 1:
-        return FaultSpec(m.group(1), int(m.group(2)))
+        return FaultSpec(m.group(1), int(m.group(2)), running=int(m.group(3) or 0))
     m = _AFTER_RE.match(text)
-    if m is not None and m.group(1) in MONITOR_KINDS:
+    if m is not None and m.group(1) in AFTER_KINDS:
         return FaultSpec(m.group(1), after_s=float(m.group(2)))
     raise ConfigError(f"fault_inject: expected KIND@step=N with KIND one of {', '.join(KINDS)} "
-                      f"and N >= 1, or KIND@after=Ts with KIND one of "
-                      f"{', '.join(MONITOR_KINDS)}; got {text!r}")
+                      f"and N >= 1 (optionally ,running=R), or KIND@after=Ts with KIND one of "
+                      f"{', '.join(AFTER_KINDS)}; got {text!r}")
 
 
 def make_fake_sysfs(root: Path, bdf: str = FAKE_BDF) -> Path:
@@ -127,6 +134,8 @@ class StepFaults:
         self.sysfs_root = sysfs_root
         self.fired = False
         self._armed_copy = False
+        self._fired_at = 0
+        self._counted = 0  # steps since the engine first held `spec.running` requests
         self._block = threading.Event()
         self._monitor: Any = None
         self._timer: threading.Timer | None = None
@@ -135,7 +144,7 @@ class StepFaults:
         """The device monitor (its `inject(kind)`) the link-stress kinds go to; with
         `after_s` the timer starts now."""
         self._monitor = monitor
-        if self.spec.monitor and self.spec.after_s is not None:
+        if self.spec.after_s is not None:
             self._timer = threading.Timer(self.spec.after_s, self._fire_monitor)
             self._timer.daemon = True
             self._timer.start()
@@ -145,6 +154,10 @@ class StepFaults:
             return
         self.fired = True
         logger.warning("fault injection: %s (%s)", self.spec.kind, self.spec)
+        if self.spec.kind == "device_lost":  # off the bus between steps: the monitor sees it
+            if self.sysfs_root is not None:
+                set_fake_vendor(self.sysfs_root, VENDOR_GONE)
+            return
         self._monitor.inject(self.spec.kind)
 
     def close(self) -> None:
@@ -155,31 +168,36 @@ class StepFaults:
         return {"injected": True, "fault_inject": str(self.spec), **extra}
 
     def before_step(self, step: int, engine: Any) -> None:
-        if self.fired or step != self.spec.step:
+        if self.fired or self.spec.after_s is not None:
+            return
+        if self._counted or not self.spec.running or _num_requests(engine) >= self.spec.running:
+            self._counted += 1
+        if self._counted < self.spec.step:
             return
         if self.spec.monitor:
             self._fire_monitor()
             return
         self.fired = True
+        self._fired_at = step
         kind = self.spec.kind
         logger.warning("fault injection: %s at step %d", kind, step)
         if kind == "hang":
             self._block.wait()  # never set: the watchdog ends the process
             return
-        if kind == "oom":
-            raise DeviceOutOfMemory(f"device out of memory (injected at step {step})",
-                                    evidence=self.evidence(step=step))
         if kind == "device_lost" and self.sysfs_root is not None:
             set_fake_vendor(self.sysfs_root, VENDOR_GONE)
         copier = copy_engine(engine)
-        if copier is not None:
+        if copier is not None:  # the step's next expert copy fails, raised from its wait
             copier.inject_fault(kind, 0)
             self._armed_copy = True
+        elif kind == "oom":
+            raise DeviceOutOfMemory(f"device out of memory (injected at step {step})",
+                                    evidence=self.evidence(step=step))
 
     def after_step(self, step: int) -> None:
         """The step ran without a copy failing (no copy, or no offload): raise the class."""
-        if not self.fired or step != self.spec.step or self.spec.kind not in ("device_lost",
-                                                                              "kernel_fault"):
+        if not self.fired or step != self._fired_at or self.spec.kind not in ("device_lost",
+                                                                               "kernel_fault"):
             return
         cls: type[DeviceError] = DeviceLost if self.spec.kind == "device_lost" else KernelFault
         raise cls(f"{self.spec.kind} (injected at step {step})",
@@ -187,5 +205,11 @@ class StepFaults:
                                          copy_backend_armed=self._armed_copy))
 
 
-__all__ = ["FAKE_BDF", "KINDS", "MONITOR_KINDS", "STEP_KINDS", "FaultSpec", "StepFaults", "copy_engine", "make_fake_sysfs",
+def _num_requests(engine: Any) -> int:
+    """Requests the engine holds; engines that cannot say count as full."""
+    count = getattr(engine, "num_requests", None)
+    return int(count()) if callable(count) else 1 << 30
+
+
+__all__ = ["AFTER_KINDS", "FAKE_BDF", "KINDS", "MONITOR_KINDS", "STEP_KINDS", "FaultSpec", "StepFaults", "copy_engine", "make_fake_sysfs",
            "parse_fault_spec", "set_fake_vendor"]

@@ -12,7 +12,8 @@ Engine side, `EngineSupervisor` (runs in the engine process, wraps every `step()
   with the classification, the evidence and the last steps; the caller reports the typed
   error to the API process and exits with the error's exit code. A verdict found by the
   monitor thread (a hang: the main thread is stuck) is reported and exited from there;
-- DeviceOutOfMemory fails only the requests of that step; the engine keeps serving.
+- DeviceOutOfMemory fails only the requests of that step (`EngineCore.fail_requests`, the
+  ids from the error's `failed_step` evidence); the engine keeps serving the others.
 With `--fault-inject` the monitor watches a fake sysfs tree (engine.faults) and the fault is
 injected at the copy backend, so the real detection path runs on a CPU-only host.
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import linecache
 import logging
 import tempfile
 import threading
@@ -38,7 +40,7 @@ from typing import Any
 from ftrs.config import EngineConfig, ftrs_home
 from ftrs.engine.faults import FAKE_BDF, StepFaults, make_fake_sysfs, parse_fault_spec
 from ftrs.engine.protocol import StepStats, TokenEvent
-from ftrs.errors import DeviceError, DeviceOutOfMemory, FtrsError
+from ftrs.errors import DeviceError, DeviceOutOfMemory, EngineHang, FtrsError
 from ftrs.guard.live import LiveGuard
 
 logger = logging.getLogger(__name__)
@@ -79,9 +81,11 @@ class EngineSupervisor:
             self.sysfs_root = make_fake_sysfs(Path(tempfile.mkdtemp(prefix="ftrs-fake-sysfs-")))
             bdf = FAKE_BDF
             self.faults = StepFaults(parse_fault_spec(config.fault_inject), self.sysfs_root)
-        mcfg = MonitorConfig(bdf=bdf, sysfs_root=str(self.sysfs_root or "/sys"),
-                             hang_timeout_s=config.hang_timeout, kernel_log=None,
-                             use_nvml=False, fast_interval_s=0.1)
+        gpu = None if bdf is not None else cuda_bdf(engine)  # a real GPU: watch it, all probes
+        mcfg = MonitorConfig(bdf=bdf or gpu, sysfs_root=str(self.sysfs_root or "/sys"),
+                             hang_timeout_s=config.hang_timeout,
+                             kernel_log="/dev/kmsg" if gpu else None,
+                             use_nvml=gpu is not None, fast_interval_s=0.1)
         # The adaptive guard (issue 6): monitor samples in, step budget and pacing out.
         self.live_guard = LiveGuard(engine, config.max_prefill_length,
                                     pacing_gbps=config.pcie_pacing)
@@ -137,13 +141,15 @@ class EngineSupervisor:
         """Out of memory: fail the requests this step carried, keep the engine serving."""
         from ftrs.server.engine_process import error_to_wire
 
-        ids = list(getattr(self.engine, "_seqs", {}) or {})
-        logger.error("out of memory at step %d: failing %d request(s)", self.step_no, len(ids))
-        wire = error_to_wire(err)
-        events = []
-        for rid in ids:
-            self.engine.abort(rid)
-            events.append(TokenEvent(rid, [], finish_reason="error", error=wire))
+        fail = getattr(self.engine, "fail_requests", None)
+        if fail is None:
+            logger.error("out of memory at step %d: this engine cannot fail requests", self.step_no)
+            return []
+        # EngineCore names the requests of the failed step; an error that does not: all of them
+        ids = (err.evidence.get("failed_step") or {}).get("request_ids")
+        events: list[TokenEvent] = fail(ids, error_to_wire(err))
+        logger.error("out of memory at step %d: failed %d request(s)%s", self.step_no,
+                     len(events), "" if ids is not None else " (all: the step's were unknown)")
         return events
 
     # -- fatal faults -----------------------------------------------------------------------
@@ -160,6 +166,9 @@ class EngineSupervisor:
             return exc if isinstance(exc, FtrsError) else FtrsError(
                 f"engine step failed: {type(exc).__name__}: {exc}")
         extra = dict(getattr(exc, "evidence", {}) or {})
+        raised_at = _raised_at(exc)
+        if raised_at is not None:
+            extra.setdefault("raised_at", raised_at)
         if self.faults is not None:
             extra.update(self.faults.evidence())
         verdict.evidence = {**extra, **verdict.evidence}
@@ -178,7 +187,12 @@ class EngineSupervisor:
         return err
 
     def _monitor_fault(self, verdict: DeviceError) -> None:
-        """From the monitor thread: a hang, or a loss seen between steps."""
+        """From the monitor thread: a hang, or a loss seen between steps. A loss seen while a
+        step runs waits (1 s at most) for that step's own error, which says more."""
+        deadline = time.monotonic() + 1.0
+        while (self._in_step and not isinstance(verdict, EngineHang)
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
         if not self._claim():
             return
         if self.faults is not None:
@@ -206,6 +220,38 @@ class EngineSupervisor:
         if self.faults is not None:
             self.faults.close()
         self.monitor.stop(1.0)
+
+
+def cuda_bdf(engine: Any) -> str | None:
+    """The PCI address of the engine's CUDA device, for the monitor to watch; None when the
+    engine runs elsewhere or the address cannot be told (then only the watchdog runs)."""
+    device: Any = getattr(getattr(engine, "rt", None), "device", None)
+    if getattr(device, "type", None) != "cuda":
+        return None
+    try:
+        import torch
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        p: Any = torch.cuda.get_device_properties(index)  # the stubs lack the pci_* fields
+        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+    except Exception as exc:  # never fatal: supervision degrades to the watchdog
+        logger.warning("cannot tell the GPU's PCI address (%s): only the watchdog runs", exc)
+        return None
+
+
+def _raised_at(exc: BaseException) -> str | None:
+    """The innermost Python frame of `exc` and its line: where the step saw the error (a
+    copy's `wait`, a kernel launch), which a sticky CUDA error alone does not say."""
+    tb = exc.__traceback__
+    if tb is None:
+        return None
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    code = tb.tb_frame.f_code
+    path = code.co_filename
+    path = path[path.rfind("ftrs/"):] if "ftrs/" in path else path
+    line = linecache.getline(code.co_filename, tb.tb_lineno).strip()
+    return f"{path}:{tb.tb_lineno} in {code.co_name}: {line}"
 
 
 # -------------------------------------------------------------------------------- API side
@@ -270,4 +316,4 @@ def exit_code_for(client: Any) -> int | None:
     return None if failure is None else int(failure.exit_code)
 
 
-__all__ = ["EngineSupervisor", "exit_code_for", "install_policy"]
+__all__ = ["EngineSupervisor", "cuda_bdf", "exit_code_for", "install_policy"]
