@@ -17,10 +17,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,58 +26,19 @@ from typing import Any
 import httpx
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from serverproc import ServerProcess
+
 OPTIONS = ["--device", "cpu", "--dtype", "float32", "--moe-strategy", "offload",
            "--moe-cache-size", "2", "--no-moe-prefetch"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
+class Server(ServerProcess):
+    """`ftrs serve` on the tiny MoE with FTRS_HOME (crash reports) in `home`."""
 
-class Server:
     def __init__(self, model: Path, home: Path, *args: str) -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.home = home
-        env = {**os.environ, "FTRS_HOME": str(home),
-               "PYTHONPATH": os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])}
-        self.log = home / "server.log"
-        self._log = self.log.open("w")
-        cmd = [sys.executable, "-m", "ftrs", "serve", "--model", str(model), "--served-model-name",
-               "tiny", "--port", str(self.port), *OPTIONS, *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
-
-    def wait_ok(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                if httpx.get(self.url + "/health", timeout=2).json().get("status") == "ok":
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(self.log.read_text())
-
-    def exit_code(self, timeout: float = 20.0) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"server did not exit:\n{self.log.read_text()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
+        super().__init__(["--model", str(model), "--served-model-name", "tiny", *OPTIONS, *args],
+                         log=home / "server.log", home=home)
 
 
 @pytest.fixture(scope="module")
