@@ -51,3 +51,31 @@ def test_lru_order_of_eviction() -> None:
     assert radix.evict(1) == 1
     assert radix.match([2], 1) == []
     assert len(radix.match([1], 1)) == 1 and len(radix.match([3], 1)) == 1
+
+
+def test_evictable_count_matches_a_walk_of_the_tree() -> None:
+    import random
+
+    rng = random.Random(0)
+    pool = PagePool(64, 2)
+    radix = RadixCache(pool)
+    held: list[list[int]] = []
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.4:  # a request finishes: its pages go into the tree
+            tokens = [rng.randrange(3) for _ in range(rng.randrange(2, 9))]
+            pages = pool.alloc(-(-len(tokens) // 2)) or []
+            if pages:
+                radix.insert(tokens, pages)
+                for p in pages:
+                    pool.unref(p)
+        elif op < 0.7:  # a request matches a prefix and holds it
+            held.append(radix.match([rng.randrange(3) for _ in range(8)], 4))
+        elif op < 0.9 and held:  # ... and lets it go
+            for p in held.pop(rng.randrange(len(held))):
+                pool.unref(p)
+        else:
+            radix.evict(rng.randrange(1, 4))
+        walked = sum(1 for n in radix._nodes() if pool.refcount[n.page] == 1)
+        assert radix.evictable() == walked
+        assert radix.num_cached_pages == len(radix._nodes())

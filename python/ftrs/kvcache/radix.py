@@ -57,13 +57,14 @@ class RadixCache:
                 child = _Node(chunk, page, node)
                 node.children[chunk] = child
                 self.pool.ref(page)
+                self.pool.set_cached(page, True)
                 self.num_cached_pages += 1
             child.last_use = now
             node = child
 
     def evictable(self) -> int:
-        """Pages that only the tree references (freed by `evict`)."""
-        return sum(1 for n in self._nodes() if self.pool.refcount[n.page] == 1)
+        """Pages that only the tree references (freed by `evict`). O(1): counted by the pool."""
+        return self.pool.num_idle_cached
 
     def _nodes(self) -> list[_Node]:
         out, stack = [], list(self.root.children.values())
@@ -85,6 +86,7 @@ class RadixCache:
                 assert leaf.parent is not None
                 del leaf.parent.children[leaf.key]
                 self.pool.unref(leaf.page)
+                self.pool.set_cached(leaf.page, False)
                 self.num_cached_pages -= 1
                 freed += 1
         return freed
