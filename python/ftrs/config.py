@@ -47,12 +47,18 @@ class EngineConfig:
     hang_timeout: float = 120.0  # s: work pending and no step finished -> EngineHang
     on_device_lost: str = "exit"  # exit | restart | cpu: what the server does on a device error
     fault_inject: str | None = None  # drills: KIND@step=N or KIND@after=Ts (ftrs.engine.faults)
+    guard_relax_after: float = 600.0  # s of a quiet link before the adaptive guard steps back; 0 = never
+    guard_loss_max_age_days: float = 30.0  # older DeviceLost crash reports no longer cap the prefill
 
     def __post_init__(self) -> None:
         if self.hang_timeout <= 0:
             raise ConfigError(f"hang_timeout: must be > 0, got {self.hang_timeout}")
         if self.on_device_lost not in ("exit", "restart", "cpu"):
             raise ConfigError(f"on_device_lost: expected exit, restart or cpu, got {self.on_device_lost!r}")
+        if self.guard_relax_after < 0:
+            raise ConfigError(f"guard_relax_after: must be >= 0 (0: never relax), got {self.guard_relax_after}")
+        if self.guard_loss_max_age_days <= 0:
+            raise ConfigError(f"guard_loss_max_age_days: must be > 0, got {self.guard_loss_max_age_days}")
         if self.fault_inject is not None:
             from ftrs.engine.faults import parse_fault_spec
 
