@@ -8,6 +8,11 @@
 //! KernelFault: a CUDA error alone is not evidence of a lost device, DESIGN.md "Errors");
 //! (3) safe RAII types [`Event`], `Stream`, `PrimaryContext` and the [`CudaBackend`], which
 //! copies with `cuMemcpyHtoDAsync_v2` on its own stream and records one event per copy.
+//!
+//! [`measure_copy`] times single copies either way (`cuMemcpyHtoDAsync_v2` or
+//! `cuMemcpyDtoHAsync_v2`) through the same stream and event types, for the link probe and the
+//! benches. It refuses a host range the driver does not know as pinned (`cuPointerGetAttribute`):
+//! a pageable copy is staged through a bounce buffer and would measure that, not the link.
 
 #![allow(unsafe_code)]
 
@@ -26,12 +31,16 @@ type CuEvent = *mut c_void;
 type CuDevicePtr = u64;
 
 const CUDA_SUCCESS: CuResult = 0;
+const CUDA_ERROR_INVALID_VALUE: CuResult = 1;
 const CUDA_ERROR_OUT_OF_MEMORY: CuResult = 2;
 const CUDA_ERROR_NOT_READY: CuResult = 600;
 const CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: CuResult = 712;
 const CU_STREAM_NON_BLOCKING: c_uint = 1;
 const CU_EVENT_DISABLE_TIMING: c_uint = 2;
 const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 1;
+const CU_POINTER_ATTRIBUTE_MEMORY_TYPE: c_int = 2;
+const CU_MEMORYTYPE_HOST: c_uint = 1;
+const CU_MEMORYTYPE_DEVICE: c_uint = 2;
 
 /// Raw driver entry points. Every pointer came from the same `libcuda.so.1`, which `_lib`
 /// keeps loaded; the value lives in a process-wide `OnceLock`, so the pointers never dangle.
@@ -49,6 +58,8 @@ struct Api {
     stream_destroy: unsafe extern "C" fn(CuStream) -> CuResult,
     memcpy_htod_async:
         unsafe extern "C" fn(CuDevicePtr, *const c_void, usize, CuStream) -> CuResult,
+    memcpy_dtoh_async: unsafe extern "C" fn(*mut c_void, CuDevicePtr, usize, CuStream) -> CuResult,
+    pointer_get_attribute: unsafe extern "C" fn(*mut c_void, c_int, CuDevicePtr) -> CuResult,
     event_create: unsafe extern "C" fn(*mut CuEvent, c_uint) -> CuResult,
     event_record: unsafe extern "C" fn(CuEvent, CuStream) -> CuResult,
     event_synchronize: unsafe extern "C" fn(CuEvent) -> CuResult,
@@ -84,6 +95,8 @@ impl Api {
             stream_create: sym!("cuStreamCreate"),
             stream_destroy: sym!("cuStreamDestroy_v2"),
             memcpy_htod_async: sym!("cuMemcpyHtoDAsync_v2"),
+            memcpy_dtoh_async: sym!("cuMemcpyDtoHAsync_v2"),
+            pointer_get_attribute: sym!("cuPointerGetAttribute"),
             event_create: sym!("cuEventCreate"),
             event_record: sym!("cuEventRecord"),
             event_synchronize: sym!("cuEventSynchronize"),
@@ -221,6 +234,38 @@ impl Stream {
         )?;
         Ok(Self { api: ctx.api, raw })
     }
+
+    /// Queues one copy of `len` bytes between `device` and `host` in direction `dir`.
+    ///
+    /// # Safety
+    /// 1. The stream's context is current on the calling thread.
+    /// 2. `host..host+len` is host memory and `device..device+len` device memory of that
+    ///    context, both allocated until the copy completed (an event recorded after it fired).
+    /// 3. Until then nobody else writes either range, nor reads the destination range.
+    unsafe fn copy(
+        &self,
+        dir: Direction,
+        device: CuDevicePtr,
+        host: usize,
+        len: usize,
+    ) -> Result<()> {
+        let api = self.api;
+        match dir {
+            Direction::HostToDevice => {
+                // SAFETY: points 1-3 of this function's contract.
+                let r = unsafe {
+                    (api.memcpy_htod_async)(device, host as *const c_void, len, self.raw)
+                };
+                api.check(r, "cuMemcpyHtoDAsync_v2")
+            }
+            Direction::DeviceToHost => {
+                // SAFETY: points 1-3 of this function's contract.
+                let r =
+                    unsafe { (api.memcpy_dtoh_async)(host as *mut c_void, device, len, self.raw) };
+                api.check(r, "cuMemcpyDtoHAsync_v2")
+            }
+        }
+    }
 }
 
 impl Drop for Stream {
@@ -244,6 +289,25 @@ pub struct Event {
 unsafe impl Send for Event {}
 
 impl Event {
+    /// A new event recorded on `stream`: it fires once the work queued there so far is done.
+    /// The stream's context must be current on the calling thread.
+    fn record(stream: &Stream) -> Result<Self> {
+        let api = stream.api;
+        let mut raw: CuEvent = std::ptr::null_mut();
+        // SAFETY: `raw` is a valid out-pointer and the context is current (caller).
+        api.check(
+            unsafe { (api.event_create)(&mut raw, CU_EVENT_DISABLE_TIMING) },
+            "cuEventCreate",
+        )?;
+        let event = Self { api, raw };
+        // SAFETY: both handles are live.
+        api.check(
+            unsafe { (api.event_record)(event.raw, stream.raw) },
+            "cuEventRecord",
+        )?;
+        Ok(event)
+    }
+
     /// Blocks until the event fires.
     fn synchronize(&self) -> Result<()> {
         // SAFETY: `raw` is a live event.
@@ -306,32 +370,19 @@ impl CopyBackend for CudaBackend {
             ));
         }
         self.ctx.make_current()?;
-        let api = self.ctx.api;
-        // SAFETY: `CopyJob` guarantees both ranges are in bounds; the source is host memory that
-        // outlives the copy (the engine finishes every copy before dropping the pool) and the
-        // destination is device memory per `Destination::new`'s contract.
-        let r = unsafe {
-            (api.memcpy_htod_async)(
+        // SAFETY: the context is current (above); `CopyJob` guarantees both ranges are in
+        // bounds; the source is host memory that outlives the copy (the engine finishes every
+        // copy before dropping the pool) and the destination is device memory that nobody else
+        // touches during the copy, per `Destination::new`'s contract.
+        unsafe {
+            self.stream.copy(
+                Direction::HostToDevice,
                 job.dst() as CuDevicePtr,
-                job.src() as *const c_void,
+                job.src(),
                 job.len(),
-                self.stream.raw,
             )
-        };
-        api.check(r, "cuMemcpyHtoDAsync_v2")?;
-        let mut raw: CuEvent = std::ptr::null_mut();
-        // SAFETY: `raw` is a valid out-pointer and the context is current.
-        api.check(
-            unsafe { (api.event_create)(&mut raw, CU_EVENT_DISABLE_TIMING) },
-            "cuEventCreate",
-        )?;
-        let event = Event { api, raw };
-        // SAFETY: both handles are live.
-        api.check(
-            unsafe { (api.event_record)(event.raw, self.stream.raw) },
-            "cuEventRecord",
-        )?;
-        Ok(Completion::Event(event))
+        }?;
+        Ok(Completion::Event(Event::record(&self.stream)?))
     }
 
     fn finish(&self, c: Completion) -> Result<()> {
@@ -376,6 +427,121 @@ pub fn host_unregister(addr: usize) {
     }
 }
 
+/// Which way a copy of [`measure_copy`] goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// Host → device (`cuMemcpyHtoDAsync_v2`), as the backend copies expert blocks.
+    HostToDevice,
+    /// Device → host (`cuMemcpyDtoHAsync_v2`).
+    DeviceToHost,
+}
+
+impl Direction {
+    /// `h2d` or `d2h`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::HostToDevice => "h2d",
+            Self::DeviceToHost => "d2h",
+        }
+    }
+}
+
+/// The driver's memory type (`CU_MEMORYTYPE_*`) of the byte at `addr`; `None` for memory the
+/// driver does not know (pageable host memory, or no allocation at all).
+fn memory_type(api: &Api, addr: CuDevicePtr) -> Result<Option<c_uint>> {
+    let mut kind: c_uint = 0;
+    // SAFETY: `kind` is a valid out-pointer of the size this attribute writes (a CUmemorytype
+    // enum); the driver only looks `addr` up in its tables, it never dereferences it.
+    let r = unsafe {
+        (api.pointer_get_attribute)(
+            (&mut kind as *mut c_uint).cast(),
+            CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            addr,
+        )
+    };
+    if r == CUDA_ERROR_INVALID_VALUE {
+        return Ok(None);
+    }
+    api.check(r, "cuPointerGetAttribute")?;
+    Ok(Some(kind))
+}
+
+/// `Config` unless the first and the last byte of `addr..addr+len` are memory of type `want`.
+fn require_memory(api: &Api, addr: CuDevicePtr, len: usize, want: c_uint) -> Result<()> {
+    let what = if want == CU_MEMORYTYPE_HOST {
+        "pinned host memory (pin it with ExpertPool.pin or allocate it with pin_memory=True)"
+    } else {
+        "device memory"
+    };
+    for at in [addr, addr + (len as CuDevicePtr - 1)] {
+        if memory_type(api, at)? != Some(want) {
+            return Err(CoreError::Config(format!(
+                "byte {at:#x} of the {len}-byte range at {addr:#x} is not {what}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Seconds of one `len`-byte copy in direction `dir` between device memory at `device` and
+/// pinned host memory at `host`, on a new stream of device `ordinal`: the median (upper middle
+/// for an even count) of `repeats` copies after one untimed warm-up copy, each timed on the
+/// host clock from its issue to the end of `cuEventSynchronize` on an event recorded after it,
+/// which is what a caller of `copy_` plus a synchronize sees.
+///
+/// Errors: `Config` for zero bytes or repeats, a null or overflowing address, a host range the
+/// driver does not know as pinned or a device range that is not device memory;
+/// `DriverUnavailable` without a driver (checked after the arguments, before any copy);
+/// a failed copy as `Device`. After a `DeviceToHost` call the host range holds the device bytes.
+///
+/// # Safety
+/// 1. `host..host+len` is host memory that stays allocated for the whole call; for
+///    `DeviceToHost` nothing else reads or writes it during the call (it is overwritten).
+/// 2. `device..device+len` is device memory of device `ordinal` that stays allocated for the
+///    whole call; for `HostToDevice` nothing else reads or writes it during the call, and for
+///    `DeviceToHost` nothing else writes it.
+pub unsafe fn measure_copy(
+    ordinal: i32,
+    dir: Direction,
+    device: u64,
+    host: usize,
+    len: usize,
+    repeats: u32,
+) -> Result<f64> {
+    if len == 0 || repeats == 0 {
+        return Err(CoreError::Config(format!(
+            "a timed {} copy needs bytes > 0 and repeats > 0, got {len} bytes, {repeats} repeats",
+            dir.name()
+        )));
+    }
+    let fits = |a: u64| a.checked_add(len as u64).is_some();
+    if device == 0 || host == 0 || !fits(device) || !fits(host as u64) {
+        return Err(CoreError::Config(format!(
+            "a timed {} copy needs non-null addresses with room for {len} bytes \
+             (device {device:#x}, host {host:#x})",
+            dir.name()
+        )));
+    }
+    let ctx = PrimaryContext::retain(ordinal)?;
+    let stream = Stream::new(&ctx)?; // also makes the context current on this thread
+    require_memory(ctx.api, host as CuDevicePtr, len, CU_MEMORYTYPE_HOST)?;
+    require_memory(ctx.api, device, len, CU_MEMORYTYPE_DEVICE)?;
+    let mut times = Vec::with_capacity(repeats as usize);
+    for i in 0..=repeats {
+        let t0 = std::time::Instant::now();
+        // SAFETY: the context is current (`Stream::new`); both ranges are live and untouched by
+        // others (points 1-2 of this function's contract); the event below is synchronized before
+        // the next copy is issued and before returning, so every copy completed by then.
+        unsafe { stream.copy(dir, device, host, len) }?;
+        Event::record(&stream)?.synchronize()?;
+        if i > 0 {
+            times.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -389,5 +555,42 @@ mod tests {
             CudaBackend::new(0),
             Err(CoreError::DriverUnavailable(_)) | Err(CoreError::Device { .. })
         ));
+    }
+
+    #[test]
+    fn timed_copy_without_a_driver_is_a_typed_error_not_a_crash() {
+        if available() {
+            return; // a GPU host: tests/gpu covers the real copies
+        }
+        let mut host = vec![0u8; 4096];
+        for dir in [Direction::DeviceToHost, Direction::HostToDevice] {
+            // SAFETY: there is no usable driver (checked above), so the call fails while
+            // loading it, before any copy could touch `host` or the made-up device address.
+            let r = unsafe { measure_copy(0, dir, 1 << 40, host.as_mut_ptr() as usize, 4096, 3) };
+            assert!(
+                matches!(r, Err(CoreError::DriverUnavailable(_))),
+                "{}: {r:?}",
+                dir.name()
+            );
+        }
+        assert!(host.iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn timed_copy_rejects_empty_and_null_ranges_before_loading_the_driver() {
+        let mut host = vec![0u8; 64];
+        let h = host.as_mut_ptr() as usize;
+        for (device, host, len, repeats) in [
+            (1 << 40, h, 0, 3),
+            (1 << 40, h, 64, 0),
+            (0, h, 64, 3),
+            (1 << 40, 0, 64, 3),
+            (u64::MAX - 8, h, 64, 3),
+        ] {
+            // SAFETY: every case fails the argument checks, which run before the driver is
+            // loaded and before any memory is touched.
+            let r = unsafe { measure_copy(0, Direction::DeviceToHost, device, host, len, repeats) };
+            assert!(matches!(r, Err(CoreError::Config(_))), "{r:?}");
+        }
     }
 }
