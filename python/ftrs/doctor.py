@@ -2,7 +2,9 @@
 
 One report (a dict; `format_text` renders it): device and driver, PCIe link (current and max),
 measured copy bandwidth, host RAM, the model's fetch volumes, the recommended strategy, cache
-size and prefill ceiling each with its reason, and the recent crash reports. Without a GPU it
+size and prefill ceiling each with its reason, and the recent crash reports (each with its age;
+those past the loss age window, `--guard-loss-max-age-days`, are marked "expired, ignored": the
+link guard no longer caps for them). Without a GPU it
 says so plainly and still reports the CPU-side figures (host copy bandwidth through the Rust
 host backend, RAM, fetch volumes). `--bundle` also writes a tar.gz (see `guard.bundle`).
 """
@@ -10,6 +12,7 @@ host backend, RAM, fetch volumes). `--bundle` also writes a tar.gz (see `guard.b
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import logging
 from pathlib import Path
@@ -17,7 +20,15 @@ from typing import Any
 
 from ftrs.config import ftrs_home
 from ftrs.guard.link import LinkState, measure_link, probe_link
-from ftrs.guard.policy import DEFAULT_WINDOW_S, decide_prefill_cap, lost_chunk_tokens, report_bdf
+from ftrs.guard.policy import (
+    DEFAULT_LOSS_MAX_AGE_DAYS,
+    DEFAULT_WINDOW_S,
+    decide_prefill_cap,
+    is_expired,
+    lost_chunk_tokens,
+    report_age_days,
+    report_bdf,
+)
 from ftrs.health.crash import host_info
 
 logger = logging.getLogger(__name__)
@@ -63,11 +74,14 @@ def device_section(link: LinkState) -> dict[str, Any]:
     return d
 
 
-def crash_section(home: Path) -> list[dict[str, Any]]:
+def crash_section(home: Path, now: dt.datetime,
+                  max_age_days: float = DEFAULT_LOSS_MAX_AGE_DAYS) -> list[dict[str, Any]]:
+    """The latest reports; `expired`: older than the loss age window, ignored by the guard."""
     from ftrs.guard.startup import load_reports
 
     return [{"file": r.path.name, "created_at": r.created_at, "classification": r.classification,
-             "message": r.message, "bdf": report_bdf(r), "largest_chunk_tokens": lost_chunk_tokens(r)}
+             "message": r.message, "bdf": report_bdf(r), "largest_chunk_tokens": lost_chunk_tokens(r),
+             "age_days": report_age_days(r, now), "expired": is_expired(r, now, max_age_days)}
             for r in load_reports(home)[-RECENT_CRASHES:]]
 
 
@@ -96,7 +110,8 @@ def recommend(fetch: Any, link: LinkState, device: dict[str, Any]) -> dict[str, 
 
 
 def model_section(model: str, device: str, window_s: float, link: LinkState,
-                  dev: dict[str, Any], home: Path, requested: int) -> dict[str, Any]:
+                  dev: dict[str, Any], home: Path, requested: int, now: dt.datetime,
+                  max_age_days: float = DEFAULT_LOSS_MAX_AGE_DAYS) -> dict[str, Any]:
     from ftrs.guard.startup import load_reports, model_fetch
 
     fetch = model_fetch(model, device, "auto")
@@ -107,7 +122,8 @@ def model_section(model: str, device: str, window_s: float, link: LinkState,
     rec = recommend(fetch, link, dev)
     reports = load_reports(home)
     offload = decide_prefill_cap(link, fetch, requested=requested, crash_reports=reports,
-                                 window_s=window_s, strategy="offload")
+                                 window_s=window_s, strategy="offload", now=now,
+                                 max_loss_age_days=max_age_days)
     rec |= {"prefill_ceiling": offload.max_prefill_length if rec["strategy"] == "offload"
             else requested,
             "prefill_reason": "; ".join(offload.reasons) if rec["strategy"] == "offload"
@@ -121,9 +137,13 @@ def model_section(model: str, device: str, window_s: float, link: LinkState,
 
 def build_report(model: str | None = None, *, sysfs_root: str | Path = "/sys",
                  home: Path | None = None, measure: bool = True, backend: str | None = None,
-                 window_s: float = DEFAULT_WINDOW_S, requested: int = 8192) -> dict[str, Any]:
-    """The doctor report as a JSON-ready dict."""
+                 window_s: float = DEFAULT_WINDOW_S, requested: int = 8192,
+                 max_loss_age_days: float = DEFAULT_LOSS_MAX_AGE_DAYS,
+                 now: dt.datetime | None = None) -> dict[str, Any]:
+    """The doctor report as a JSON-ready dict; crash reports are aged at `now` (default: the
+    wall clock)."""
     home = home or ftrs_home()
+    now = now or dt.datetime.now(dt.timezone.utc)
     link = probe_link(sysfs_root=sysfs_root, under_load=False)
     if measure:
         link = measure_link(link, backend, sysfs_root=sysfs_root)
@@ -135,10 +155,12 @@ def build_report(model: str | None = None, *, sysfs_root: str | Path = "/sys",
                    "ram_available_bytes": mem.get("MemAvailable")},
         "bandwidth": {"h2d_gbps": link.measured_h2d_gbps, "h2d_backend": link.measured_backend,
                       "d2h_gbps": link.measured_d2h_gbps, "host_copy_gbps": link.host_copy_gbps},
-        "crash_reports": crash_section(home)}
+        "crash_reports": crash_section(home, now, max_loss_age_days),
+        "crash_report_max_age_days": max_loss_age_days}
     if model is not None:
         report["model"] = {"name": model} | model_section(
-            model, "cuda" if dev["gpu"] else "cpu", window_s, link, dev, home, requested)
+            model, "cuda" if dev["gpu"] else "cpu", window_s, link, dev, home, requested, now,
+            max_loss_age_days)
     return report
 
 
@@ -180,9 +202,15 @@ def format_text(r: dict[str, Any]) -> str:
                   f"prefill ceiling: {rec['prefill_ceiling']} — {rec['prefill_reason']}"]
         for w in rec["prefill_ceiling_if_offload"]["warnings"]:
             lines.append(f"  warning: {w}")
-    lines += ["", f"crash reports: {len(r['crash_reports'])}"]
-    for c in r["crash_reports"]:
-        lines.append(f"  {c['file']}: {c['classification']}: {c['message']}")
+    crashes = r["crash_reports"]
+    expired = sum(1 for c in crashes if c.get("expired"))
+    lines += ["", f"crash reports: {len(crashes)}" + (
+        f" ({expired} older than {r.get('crash_report_max_age_days', 0):g} days: expired, ignored "
+        "by the link guard)" if expired else "")]
+    for c in crashes:
+        age = f" ({c['age_days']:.0f} days old)" if c.get("age_days") is not None else ""
+        lines.append(f"  {c['file']}: {c['classification']}: {c['message']}{age}"
+                     + (" — expired, ignored" if c.get("expired") else ""))
     return "\n".join(lines)
 
 
@@ -193,13 +221,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--no-measure", action="store_true", help="skip bandwidth measurement")
     parser.add_argument("--link-guard-window", type=float, default=DEFAULT_WINDOW_S)
+    parser.add_argument("--guard-loss-max-age-days", type=float, default=DEFAULT_LOSS_MAX_AGE_DAYS,
+                        help="DeviceLost reports older than this no longer cap the prefill "
+                             f"(default {DEFAULT_LOSS_MAX_AGE_DAYS:g})")
 
 
 def run_cli(args: argparse.Namespace) -> int:
     """`ftrs doctor`: print the report; write the bundle when asked."""
     home = ftrs_home()
     report = build_report(args.model, home=home, measure=not args.no_measure,
-                          window_s=args.link_guard_window)
+                          window_s=args.link_guard_window,
+                          max_loss_age_days=args.guard_loss_max_age_days)
     text = format_text(report)
     print(json.dumps(report, indent=2, default=str) if args.json else text)
     if args.bundle:

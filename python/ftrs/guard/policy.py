@@ -1,10 +1,11 @@
 """The link guard: a ceiling on the prefill chunk (`max_prefill_length`) for offload modes.
 
-A pure function of the link, the model's fetch volumes, prior crash reports, the guard window
-and the user's request; it reads no hardware and no clock. The rule, with
-`L` the requested `max_prefill_length`, `W` the guard window (s), `F` the floor (tokens),
-`BW` the link bandwidth (measured H2D over a real link, else the nominal figure of the current
-generation and width) and `bytes(C)` the fetch model's prefill-chunk bytes:
+A pure function of the link, the model's fetch volumes, prior crash reports, the guard window,
+the user's request and the time the caller says it is; it reads no hardware and no clock. The
+rule, with `L` the requested `max_prefill_length`, `W` the guard window (s), `F` the floor
+(tokens), `A` the loss age window (`--guard-loss-max-age-days`, 30 days), `BW` the link
+bandwidth (measured H2D over a real link, else the nominal figure of the current generation and
+width) and `bytes(C)` the fetch model's prefill-chunk bytes:
 
 0. Resident strategy: no cap (no expert crosses the link while serving). `--no-link-guard`
    together with an explicit `--max-prefill-length`: no cap, and a warning that says so.
@@ -15,16 +16,23 @@ generation and width) and `bytes(C)` the fetch model's prefill-chunk bytes:
    expert of every layer after a few dozen tokens), so the guard warns with the numbers and
    leaves `cap = L`.
 2. Down-shift: the link runs below its maximum gen or width → `cap = max(F, cap // 2)`.
-3. Device loss: a DeviceLost crash report exists for this device (or names no device) →
-   `cap = min(cap, max(F, C_lost // 2))`, `C_lost` the smallest largest-prefill-chunk recorded
-   in those reports' flight recorders; `cap = max(F, cap // 2)` when no report recorded one.
-   Each further loss at the new ceiling halves it again: failed attempts bisect the safe size.
+3. Device loss: the DeviceLost crash reports for this device (or naming no device) that are
+   at most `A` old count; older ones are listed in the reasons as "expired, ignored" and cap
+   nothing (a report whose time cannot be read counts; without a `now`, none expires). With
+   `C_lost` the smallest largest-prefill-chunk recorded in the counted reports' flight
+   recorders and `k` the number of counted reports at `C_lost` plus those that recorded no
+   chunk: `cap = min(cap, max(F, C_lost >> k))`, or `cap = max(F, cap >> k)` when none
+   recorded a chunk. One loss halves; a loss at the new ceiling lowers `C_lost` and halves
+   from there (failed attempts bisect the safe size); repeated losses at one size halve once
+   each (several recent losses are stricter than one); and all of it fades as the reports age
+   past `A`.
 4. The guard never raises the request: `cap = min(cap, L)`; it is reported (`cap_tokens`) only
    when below `L`.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_WINDOW_S = 0.5
 DEFAULT_FLOOR = 256
+#: Days after which a DeviceLost report no longer caps (EngineConfig.guard_loss_max_age_days).
+DEFAULT_LOSS_MAX_AGE_DAYS = 30.0
 OFFLOAD_STRATEGIES = ("offload", "auto")
 
 
@@ -98,6 +108,39 @@ def lost_chunk_tokens(report: CrashReport) -> int | None:
     return max(sizes) if sizes else None
 
 
+def report_time(report: CrashReport) -> dt.datetime | None:
+    """When the report was written (UTC): its `created_at`, else the timestamp its file name
+    starts with (`20260922T074501.123Z-...`); None when neither reads."""
+    try:
+        when = dt.datetime.fromisoformat(report.created_at)
+    except ValueError:
+        stamp = report.path.name.split("-", 1)[0].partition("Z")[0]
+        try:
+            when = dt.datetime.strptime(stamp, "%Y%m%dT%H%M%S.%f")
+        except ValueError:
+            return None
+    return when if when.tzinfo is not None else when.replace(tzinfo=dt.timezone.utc)
+
+
+def report_age_days(report: CrashReport, now: dt.datetime) -> float | None:
+    """Days from the report to `now` (None when the report's time cannot be read)."""
+    when = report_time(report)
+    if when is None:
+        return None
+    if now.tzinfo is None:
+        now = now.replace(tzinfo=dt.timezone.utc)
+    return (now - when).total_seconds() / 86400.0
+
+
+def is_expired(report: CrashReport, now: dt.datetime | None, max_age_days: float | None) -> bool:
+    """Older than `max_age_days` at `now` (rule 3). Without a now, a window or a readable time:
+    not expired."""
+    if now is None or max_age_days is None:
+        return False
+    age = report_age_days(report, now)
+    return age is not None and age > max_age_days
+
+
 def device_lost_reports(reports: Sequence[CrashReport], bdf: str | None) -> list[CrashReport]:
     """DeviceLost reports about `bdf`, or about no named device."""
     want = normalize_bdf(bdf) if bdf else None
@@ -115,8 +158,10 @@ def decide_prefill_cap(
     link: LinkState, fetch: FetchModel, *, requested: int, crash_reports: Sequence[CrashReport] = (),
     window_s: float = DEFAULT_WINDOW_S, floor: int = DEFAULT_FLOOR, strategy: str = "offload",
     explicit_request: bool = False, no_link_guard: bool = False, hit_rate: float = 0.0,
+    now: dt.datetime | None = None, max_loss_age_days: float | None = DEFAULT_LOSS_MAX_AGE_DAYS,
 ) -> GuardDecision:
-    """Apply the rule of the module doc. `explicit_request`: `--max-prefill-length` was given."""
+    """Apply the rule of the module doc. `explicit_request`: `--max-prefill-length` was given.
+    `now`: the time the crash reports' ages are measured at (None: no report expires)."""
     reasons: list[str] = []
     warnings: list[str] = []
     numbers: dict[str, Any] = {"requested": requested, "window_s": window_s, "floor": floor,
@@ -166,21 +211,8 @@ def decide_prefill_cap(
                        f"{link.nominal_gbps} of {link.nominal_max_gbps} GB/s): {cap} -> {new}")
         numbers["downshift"] = True
         cap = new
-    lost = device_lost_reports(crash_reports, link.bdf)
-    if lost:
-        chunks = [c for c in (lost_chunk_tokens(r) for r in lost) if c is not None]
-        if chunks:
-            c_lost = min(chunks)
-            new = min(cap, max(floor, c_lost // 2))
-            reasons.append(f"{len(lost)} DeviceLost report(s) for this device, the smallest at a "
-                           f"{c_lost}-token chunk ({lost[-1].path.name}): {cap} -> {new}")
-            numbers["lost_chunk_tokens"] = c_lost
-        else:
-            new = max(floor, cap // 2)
-            reasons.append(f"{len(lost)} DeviceLost report(s) for this device, no chunk size "
-                           f"recorded ({lost[-1].path.name}): {cap} -> {new}")
-        numbers["device_lost_reports"] = [str(r.path) for r in lost]
-        cap = new
+    cap = _loss_cap(cap, device_lost_reports(crash_reports, link.bdf), floor=floor, now=now,
+                    max_age_days=max_loss_age_days, reasons=reasons, numbers=numbers)
     cap = min(cap, requested)
     numbers["cap_tokens"] = cap if cap < requested else None
     if explicit_request and cap < requested:
@@ -188,3 +220,40 @@ def decide_prefill_cap(
                         "--no-link-guard with --max-prefill-length runs it as given")
     return GuardDecision(requested, cap if cap < requested else None, tuple(reasons),
                          tuple(warnings), numbers)
+
+
+def _loss_cap(cap: int, lost: list[CrashReport], *, floor: int, now: dt.datetime | None,
+              max_age_days: float | None, reasons: list[str], numbers: dict[str, Any]) -> int:
+    """Rule 3: the cap after this device's DeviceLost reports; appends reasons and numbers."""
+    flags = [is_expired(r, now, max_age_days) for r in lost]
+    expired = [r for r, old in zip(lost, flags) if old]
+    for r in expired:
+        age = report_age_days(r, now) if now is not None else None
+        reasons.append(f"DeviceLost report {r.path.name} is {age:.0f} days old, over the "
+                       f"{max_age_days:g}-day window: expired, ignored")
+    if expired:
+        numbers["expired_device_lost_reports"] = [str(r.path) for r in expired]
+    recent = [r for r, old in zip(lost, flags) if not old]
+    if not recent:
+        return cap
+    chunks = [lost_chunk_tokens(r) for r in recent]
+    recorded = [c for c in chunks if c is not None]
+    unrecorded = len(chunks) - len(recorded)
+    window = f" in the last {max_age_days:g} days" if now is not None and max_age_days else ""
+    if recorded:
+        c_lost = min(recorded)
+        k = recorded.count(c_lost) + unrecorded
+        new = min(cap, max(floor, c_lost >> k))
+        at = f"{recorded.count(c_lost)} at the smallest recorded chunk, {c_lost} tokens"
+        if unrecorded:
+            at += f", {unrecorded} with no chunk recorded"
+        numbers["lost_chunk_tokens"] = c_lost
+    else:
+        k = unrecorded
+        new = min(cap, max(floor, cap >> k))
+        at = "no chunk size recorded"
+    reasons.append(f"{len(recent)} DeviceLost report(s) for this device{window} ({at}; latest "
+                   f"{recent[-1].path.name}): halved {k} time(s): {cap} -> {new}")
+    numbers["device_lost_reports"] = [str(r.path) for r in recent]
+    numbers["loss_halvings"] = k
+    return new

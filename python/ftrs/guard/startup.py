@@ -5,12 +5,14 @@ server logs the decision, puts `decision.to_dict()` in `/health` and sets
 `ftrs_prefill_cap_tokens` from `config.max_prefill_length`. Only the model's config.json is
 read (no weights), the link is probed through sysfs/NVML, and on a GPU the H2D bandwidth is
 measured once through the copy engine. With `copy_backend=simulated:GBPS` the simulated
-bandwidth is the link's.
+bandwidth is the link's. Crash reports are aged at `now` (the wall clock unless given) against
+`config.guard_loss_max_age_days`: older DeviceLost reports are listed as expired and cap nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import logging
 import socket
 from pathlib import Path
@@ -85,7 +87,7 @@ def resolve_auto(config: EngineConfig, fetch: FetchModel, link: LinkState,
 def apply_link_guard(
     config: EngineConfig, *, explicit_max_prefill: bool, no_link_guard: bool = False,
     window_s: float = DEFAULT_WINDOW_S, home: Path | None = None,
-    sysfs_root: str | Path = "/sys", measure: bool = True,
+    sysfs_root: str | Path = "/sys", measure: bool = True, now: dt.datetime | None = None,
 ) -> tuple[EngineConfig, GuardDecision | None]:
     """(config to serve with, decision). Logs the auto choice and the decision.
 
@@ -111,7 +113,8 @@ def apply_link_guard(
     decision = decide_prefill_cap(
         link, fetch, requested=config.max_prefill_length, crash_reports=load_reports(home),
         window_s=window_s, strategy=config.moe_strategy, explicit_request=explicit_max_prefill,
-        no_link_guard=no_link_guard)
+        no_link_guard=no_link_guard, now=now or dt.datetime.now(dt.timezone.utc),
+        max_loss_age_days=config.guard_loss_max_age_days)
     decision.log(logger)
     if decision.cap_tokens is not None:
         config = dataclasses.replace(config, max_prefill_length=decision.cap_tokens)
