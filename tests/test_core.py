@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -216,6 +217,24 @@ def test_bad_arguments_raise_config_or_capacity_errors() -> None:
     if not _core.cuda_available():
         with pytest.raises(errors.DeviceError, match="CUDA driver"):
             _core.TransferEngine(pool, 2, addr, n, backend="cuda")
+
+
+@pytest.mark.parametrize("measure", [_core.cuda_measure_d2h, _core.cuda_measure_h2d],
+                         ids=["d2h", "h2d"])
+def test_timed_cuda_copies_check_arguments_then_need_the_driver(
+        measure: Callable[..., float]) -> None:
+    host = torch.zeros(4096, dtype=torch.uint8)
+    with pytest.raises(errors.ConfigError, match="bytes > 0"):
+        measure(1 << 40, host.data_ptr(), 0)
+    with pytest.raises(errors.ConfigError, match="non-null"):
+        measure(0, host.data_ptr(), 4096)
+    if _core.cuda_available():
+        return  # a GPU host: tests/gpu times real copies
+    with pytest.raises(errors.DeviceError, match="CUDA driver") as info:
+        measure(1 << 40, host.data_ptr(), 4096, repeats=2)
+    assert type(info.value) is errors.DeviceError  # not a fault of a device: there is none
+    assert info.value.evidence["source"] == "cuda_driver"
+    assert not host.any()
 
 
 def test_simulate_cache_belady_is_never_worse_than_lru_or_lfru() -> None:

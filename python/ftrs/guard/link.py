@@ -5,8 +5,11 @@ The link comes from the health probes: sysfs (`health.sysfs.probe_pci`, any root
 copy engine: a `TransferEngine` over a small expert pool streams every block once into a
 destination buffer (the `cuda` backend into device memory when CUDA is usable, else the `host`
 backend, or whatever backend spec the caller names, e.g. `simulated:12`), and the raw
-`_core.host_copy` gives the host's memcpy bandwidth. D2H is measured with torch on pinned
-memory (the transfer engine only moves host → device).
+`_core.host_copy` gives the host's memcpy bandwidth. D2H goes through the Rust driver layer
+too (`_core.cuda_measure_d2h`) into an `ExpertPool` pinned with `cuMemHostRegister`.
+
+`compare_h2d` / `compare_d2h` put those figures beside torch's pinned `copy_` of the same
+bytes, for bench/gpu_check.py.
 
 Nominal practical bandwidth per generation at x16 (DESIGN.md): Gen3 12 GB/s, Gen4 25, Gen5 50;
 Gen1 3 and Gen2 6 by the same halving; it scales linearly with the lane count.
@@ -16,12 +19,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from ftrs.errors import DeviceError
 from ftrs.health.nvml import NvmlApi, NvmlProbe, NvmlResult
 from ftrs.health.sysfs import PciResult, discover_nvidia_gpus, probe_pci
+
+if TYPE_CHECKING:
+    from ftrs import _core
 
 logger = logging.getLogger(__name__)
 
@@ -162,18 +170,72 @@ def measure_host_copy_gbps(nbytes: int = 64 << 20, reps: int = 5, threads: int =
     return nbytes / statistics.median(times) / 1e9
 
 
-def default_backend() -> str:
-    """`cuda` when the driver and torch both see a GPU, else `host`."""
+def cuda_usable() -> bool:
+    """True when the driver and torch both see a GPU."""
     from ftrs import _core
 
     try:
         import torch
 
-        if _core.cuda_available() and torch.cuda.is_available():
-            return "cuda"
+        return _core.cuda_available() and torch.cuda.is_available()
     except Exception:  # a broken driver must not break the probe
         logger.debug("CUDA check failed", exc_info=True)
-    return "host"
+        return False
+
+
+def default_backend() -> str:
+    """`cuda` when the driver and torch both see a GPU, else `host`."""
+    return "cuda" if cuda_usable() else "host"
+
+
+def pinned_pool(nbytes: int) -> _core.ExpertPool:
+    """A host buffer of at least `nbytes`, page-locked through the pool's `cuMemHostRegister`
+    path; `DeviceError` when the driver cannot pin it."""
+    from ftrs import _core
+
+    pool = _core.ExpertPool(_core.ExpertLayout(1, 1, [-(-nbytes // 4) * 4]), "float32")
+    if not pool.pin():
+        raise DeviceError(f"cannot pin {nbytes} bytes of host memory: no CUDA driver")
+    return pool
+
+
+def _median_s(fn: Callable[[], object], reps: int) -> float:
+    """Median seconds of `fn()` over `reps` calls after one untimed warm-up call."""
+    import statistics
+
+    times = []
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        fn()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def transfer_pass_s(pool: _core.ExpertPool, dst: Any, backend: str,
+                    reps: int = 1) -> tuple[float, int, str]:
+    """(median seconds, bytes, backend name) of a fresh `TransferEngine` streaming every block
+    of a one-layer `pool` once into `dst` (a uint8 tensor with one slot per block), over `reps`
+    passes after an untimed one (which faults the pages in). Engine creation is not timed."""
+    from ftrs import _core
+
+    blocks = pool.layout.num_experts
+    passes: list[tuple[float, int, str]] = []
+    for _ in range(reps + 1):
+        engine = _core.TransferEngine(pool, blocks, dst.data_ptr(), dst.numel(), backend=backend)
+        try:
+            t0 = time.perf_counter()
+            _, ticket = engine.lookup(0, list(range(blocks)))
+            engine.wait(ticket)
+            elapsed = time.perf_counter() - t0
+            engine.release()
+        finally:
+            engine.cancel_prefetches()
+        moved = int(engine.stats()["bytes_h2d"]) or blocks * int(pool.layout.expert_bytes)
+        passes.append((elapsed, moved, str(engine.backend_name)))
+        del engine
+    passes = sorted(passes[1:])
+    return passes[len(passes) // 2]
 
 
 def measure_transfer_gbps(backend: str | None = None, block_bytes: int = 4 << 20,
@@ -190,41 +252,107 @@ def measure_transfer_gbps(backend: str | None = None, block_bytes: int = 4 << 20
     if backend == "cuda":
         pool.pin()
     buf = torch.zeros(blocks * layout.expert_bytes, dtype=torch.uint8, device=device)
-    elapsed, moved, name = 0.0, 0, backend
-    for _ in range(2):  # the first pass faults the pages in; the second is timed
-        engine = _core.TransferEngine(pool, blocks, buf.data_ptr(), buf.numel(), backend=backend)
-        try:
-            t0 = time.perf_counter()
-            _, ticket = engine.lookup(0, list(range(blocks)))
-            engine.wait(ticket)
-            elapsed = time.perf_counter() - t0
-            engine.release()
-        finally:
-            engine.cancel_prefetches()
-        moved = int(engine.stats()["bytes_h2d"]) or blocks * int(layout.expert_bytes)
-        name = str(engine.backend_name)
-        del engine
+    elapsed, moved, name = transfer_pass_s(pool, buf, backend)
     return moved / max(elapsed, 1e-9) / 1e9, name
 
 
-def measure_d2h_gbps(nbytes: int = 64 << 20) -> float | None:
-    """Device → pinned host GB/s with torch; None without CUDA."""
+def measure_d2h_gbps(nbytes: int = 64 << 20, reps: int = 3) -> float | None:
+    """Device → pinned host GB/s through `_core.cuda_measure_d2h`; None without CUDA."""
+    if not cuda_usable():
+        return None
     try:
         import torch
 
-        if not torch.cuda.is_available():
-            return None
+        from ftrs import _core
+
         src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
-        dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        return nbytes / (time.perf_counter() - t0) / 1e9
+        torch.cuda.synchronize()  # the Rust copy runs on its own stream
+        dst = pinned_pool(nbytes)
+        secs = _core.cuda_measure_d2h(src.data_ptr(), dst.address, nbytes, reps,
+                                      torch.cuda.current_device())
+        return nbytes / secs / 1e9
     except Exception:  # a GPU that misbehaves here is reported elsewhere; not fatal
         logger.warning("D2H bandwidth measurement failed", exc_info=True)
         return None
+
+
+class CopyComparison(NamedTuple):
+    """One copy size in one direction through ftrs beside torch, all on pinned host memory."""
+
+    direction: str  # "h2d" or "d2h"
+    nbytes: int
+    #: h2d: the transfer engine's `cuda` backend (blocks of `block_bytes`); d2h: the driver copy.
+    ftrs_gbps: float
+    #: One bare driver copy of all `nbytes` (`_core.cuda_measure_h2d` / `cuda_measure_d2h`).
+    driver_gbps: float
+    #: `Tensor.copy_(non_blocking=True)` plus `torch.cuda.synchronize()`, torch's pinned buffer.
+    torch_gbps: float
+
+    @property
+    def ratio(self) -> float:
+        """ftrs / torch."""
+        return self.ftrs_gbps / self.torch_gbps
+
+
+def _require_cuda() -> None:
+    if not cuda_usable():
+        raise DeviceError("no CUDA device: the CUDA driver or torch sees no GPU")
+
+
+def compare_h2d(nbytes: int, reps: int = 5, block_bytes: int = 4 << 20) -> CopyComparison:
+    """Pinned host → device GB/s of `nbytes` (rounded down to whole blocks of `block_bytes`)
+    through the transfer engine and the bare driver copy, beside torch's `copy_` of the same
+    bytes from its own pinned buffer; each the median of `reps` after a warm-up."""
+    import torch
+
+    from ftrs import _core
+
+    _require_cuda()
+    block = min(block_bytes, nbytes)
+    blocks = max(1, nbytes // block)
+    pool = _core.ExpertPool(_core.ExpertLayout(1, blocks, [block]), "float32")
+    if not pool.pin():
+        raise DeviceError("cannot pin the expert pool: no CUDA driver")
+    host = torch.frombuffer(pool, dtype=torch.uint8)
+    host.copy_(torch.randint(0, 256, (host.numel(),), dtype=torch.uint8))
+    n = host.numel()  # whole pool: blocks x aligned block size
+    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+    engine_s, moved, _ = transfer_pass_s(pool, dst, "cuda", reps)
+    driver_s = _core.cuda_measure_h2d(dst.data_ptr(), pool.address, n, reps,
+                                      torch.cuda.current_device())
+    src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    src.copy_(host)
+
+    def torch_copy() -> None:
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+
+    torch_s = _median_s(torch_copy, reps)
+    return CopyComparison("h2d", n, moved / engine_s / 1e9, n / driver_s / 1e9, n / torch_s / 1e9)
+
+
+def compare_d2h(nbytes: int, reps: int = 5) -> CopyComparison:
+    """Device → pinned host GB/s of `nbytes` through `_core.cuda_measure_d2h` (into a pinned
+    `ExpertPool`) beside torch's `copy_` into its own pinned buffer; medians of `reps`."""
+    import torch
+
+    from ftrs import _core
+
+    _require_cuda()
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()  # the Rust copy runs on its own stream
+    pool = pinned_pool(nbytes)
+    driver_s = _core.cuda_measure_d2h(src.data_ptr(), pool.address, nbytes, reps,
+                                      torch.cuda.current_device())
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def torch_copy() -> None:
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+
+    torch_s = _median_s(torch_copy, reps)
+    gbps = nbytes / driver_s / 1e9
+    return CopyComparison("d2h", nbytes, gbps, gbps, nbytes / torch_s / 1e9)
 
 
 def measure_link(state: LinkState, backend: str | None = None, *,
@@ -238,6 +366,7 @@ def measure_link(state: LinkState, backend: str | None = None, *,
     h2d, used = measure_transfer_gbps(backend)
     if used == "cuda" and state.bdf is not None:
         state = probe_link(state.bdf, sysfs_root=sysfs_root, under_load=True)
+    d2h = measure_d2h_gbps() if used == "cuda" else None
     return replace(state, measured_h2d_gbps=round(h2d, 3), measured_backend=used,
                    host_copy_gbps=round(measure_host_copy_gbps(), 3),
-                   measured_d2h_gbps=measure_d2h_gbps() if used == "cuda" else None)
+                   measured_d2h_gbps=None if d2h is None else round(d2h, 3))
