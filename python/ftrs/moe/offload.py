@@ -10,6 +10,11 @@ state predicts them, and they are issued as prefetches (never evicting a pinned 
 When a layer needs more experts than there are slots, it computes them in waves of at most
 `num_slots` experts, in ascending id, so any capacity from `top_k` upward works. Experts run
 through `layers.moe.combine_experts` in the same order as `resident`: results are bit-identical.
+
+On CUDA the copies run on the engine's own stream, which never waits for torch's: a slot may
+only be overwritten once the kernels reading it are done. Each layer's `tolist()` of its routing
+waits for every earlier kernel before the layer's first lookup; a wave after the first waits
+for the compute stream explicitly.
 """
 
 from __future__ import annotations
@@ -131,6 +136,10 @@ class OffloadStrategy(MoEStrategy):
         out = torch.zeros_like(x)
         for start in range(0, len(needed), self.num_slots):
             wave = needed[start:start + self.num_slots]
+            if start and x.is_cuda:
+                # the last wave's kernels may still read slots this lookup can overwrite: the
+                # copies run on the engine's own stream, which does not wait for torch's
+                torch.cuda.current_stream(x.device).synchronize()
             try:
                 slots = self._lookup(li, wave, prefetch if start == 0 else [])
                 views = {e: self.slot_weights[s] for e, s in zip(wave, slots)}
