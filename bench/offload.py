@@ -26,8 +26,13 @@ router's choice; for each chunk size C the distinct experts per layer are averag
 C-token slice, times layers x expert_bytes, beside the uniform formula E(1 - (1 - k/E)^C).
 Routing is causal, so a slice routes as it would in a chunked prefill (up to float reordering).
 
+`--copy-backend cuda` runs on the GPU over the real link instead: the one "link speed" is the
+transfer engine's measured H2D GB/s (guard.link.measure_transfer_gbps), the bound's `link`.
+`--copy-backend host` does the same on the CPU with the host memcpy as the link.
+
     python bench/offload.py            # links 0.1,0.5,2 GB/s, 32 decode tokens, chunk 512, 4096 routed
     python bench/offload.py --quick    # 12 decode tokens, chunk 128, 512 routed tokens
+    python bench/offload.py --quick --copy-backend cuda    # on a GPU, over its PCIe link
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from typing import Any
 import torch
 
 from ftrs.engine.batch import build_batch
+from ftrs.guard.link import cuda_usable, measure_transfer_gbps
 from ftrs.llm import LLM
 from ftrs.moe.base import MoEStrategy
 from ftrs.moe.offload import OffloadStrategy
@@ -65,6 +71,8 @@ def forward_only(llm: LLM, ids: list[int]) -> float:
         batch = build_batch([Work(seq, len(ids))], eng.pool.page_size, eng.rt.device)
         t0 = time.perf_counter()
         eng.rt.decoder.forward(batch.input_ids, batch.positions, batch.meta, eng.rt.kv)
+        if eng.rt.device.type == "cuda":
+            torch.cuda.synchronize(eng.rt.device)  # kernels run asynchronously
         return time.perf_counter() - t0
     finally:
         for p in seq.pages:
@@ -81,11 +89,12 @@ def decode_run(common: ModuleType, llm: LLM, prompt: list[int], tokens: int) -> 
     return out
 
 
-def offload(llm: LLM, link: float, rate: float, prefetch: bool) -> OffloadStrategy:
+def offload(llm: LLM, link: float, rate: float, prefetch: bool,
+            backend: str = "simulated") -> OffloadStrategy:
     rt = llm.engine.rt
+    spec = f"simulated:{link:g}" if backend == "simulated" else backend
     cfg = dataclasses.replace(llm.config, moe_strategy="offload", moe_cache_rate=rate,
-                              moe_cache_size=None, copy_backend=f"simulated:{link:g}",
-                              moe_prefetch=prefetch)
+                              moe_cache_size=None, copy_backend=spec, moe_prefetch=prefetch)
     assert rt.loaded.experts is not None
     routers = {layer: rt.loaded.dense[f"{layer}.router"] for layer in rt.spec.moe_layers}
     return OffloadStrategy(experts=rt.loaded.experts, device=rt.device, config=cfg,
@@ -158,14 +167,24 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32, help="decode tokens per run")
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk tokens")
     ap.add_argument("--route-tokens", type=int, default=4096, help="tokens routed for chunk bytes")
+    ap.add_argument("--copy-backend", choices=["simulated", "host", "cuda"], default="simulated",
+                    help="simulated: every --links speed on the CPU; cuda: the GPU over its real "
+                         "link; host: the CPU with memcpy as the link (both measured once)")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     if args.quick:
         args.max_tokens, args.chunk, args.route_tokens = 12, 128, 512
     import _common as common
-    links = [float(x) for x in args.links.split(",")]
 
-    llm = LLM(args.model or common.demo_path(), device="cpu", dtype="float32",
+    device = "cuda" if args.copy_backend == "cuda" else "cpu"
+    if device == "cuda" and not cuda_usable():
+        raise SystemExit("offload: --copy-backend cuda needs a CUDA device; none is usable here")
+    if args.copy_backend == "simulated":
+        links = [float(x) for x in args.links.split(",")]
+    else:  # the real link, measured through the same transfer engine
+        links = [round(measure_transfer_gbps(args.copy_backend)[0], 3)]
+
+    llm = LLM(args.model or common.demo_path(), device=device, dtype="float32",
               kv_tokens=max(4096, args.route_tokens + 256),
               max_prefill_length=max(args.chunk, args.route_tokens, 8192))
     rt = llm.engine.rt
@@ -190,7 +209,7 @@ def main() -> None:
             t_compute = 1 / decode_run(common, llm, prompt, args.max_tokens)["tok_per_s"]
             res_chunk.append(t_chunk)
             res_tps.append(1 / t_compute)
-            strat = offload(llm, link, args.cache_rate, prefetch)
+            strat = offload(llm, link, args.cache_rate, prefetch, args.copy_backend)
             common.use_strategy(llm, strat)
             before = strat.stats()
             t_off = forward_only(llm, chunk)
@@ -213,6 +232,9 @@ def main() -> None:
     print(json.dumps({
         "bench": "offload",
         "model": args.model or "demo",
+        "device": device,
+        "copy_backend": args.copy_backend,
+        "links_gbps": links,
         "expert_bytes": eb,
         "experts_total": rt.loaded.experts.num_experts_total,
         "cache_rate": args.cache_rate,

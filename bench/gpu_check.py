@@ -1,0 +1,81 @@
+"""Pinned copy bandwidth through ftrs beside torch, both directions, against the link's bound.
+
+For each size: H2D through the transfer engine's `cuda` backend (blocks of `--block-mib`), one
+bare driver copy (`_core.cuda_measure_h2d`) and torch's `copy_` from its own pinned buffer;
+D2H through `_core.cuda_measure_d2h` into a pool pinned with `cuMemHostRegister` and torch's
+`copy_` into pinned memory (guard.link.compare_h2d / compare_d2h; each figure the median of
+`--reps` copies after a warm-up). `ratio` = ftrs / torch. The link (guard.link.probe_link,
+read right after the copies, while it is trained up) gives the nominal bound of DESIGN.md.
+
+    python bench/gpu_check.py                  # 1..256 MiB, a table
+    python bench/gpu_check.py --json           # the same figures as one JSON object
+
+Without CUDA it prints one line and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from ftrs.guard.link import CopyComparison, compare_d2h, compare_h2d, cuda_usable, probe_link
+
+
+def row(c: CopyComparison, nominal: float | None) -> dict[str, Any]:
+    return {"size_mib": round(c.nbytes / 2**20, 2), "ftrs_gbps": round(c.ftrs_gbps, 2),
+            "driver_gbps": round(c.driver_gbps, 2), "torch_gbps": round(c.torch_gbps, 2),
+            "ratio": round(c.ratio, 3),
+            "vs_nominal": round(c.ftrs_gbps / nominal, 3) if nominal else None}
+
+
+def table(title: str, rows: list[dict[str, Any]], ftrs: str) -> str:
+    cols = [("size_mib", "MiB"), ("ftrs_gbps", ftrs), ("driver_gbps", "driver GB/s"),
+            ("torch_gbps", "torch GB/s"), ("ratio", "ftrs/torch"), ("vs_nominal", "/nominal")]
+    lines = [title, "  ".join(f"{h:>13}" for _, h in cols)]
+    lines += ["  ".join(f"{'-' if r[k] is None else r[k]:>13}" for k, _ in cols) for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64, 256])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--block-mib", type=int, default=4, help="transfer engine block size (H2D)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object, no table")
+    args = ap.parse_args()
+    if not cuda_usable():
+        print("gpu_check: no CUDA device (torch or the CUDA driver sees no GPU): nothing measured")
+        return
+    import torch
+
+    h2d = [compare_h2d(mib << 20, args.reps, args.block_mib << 20) for mib in args.sizes_mib]
+    d2h = [compare_d2h(mib << 20, args.reps) for mib in args.sizes_mib]
+    link = probe_link(under_load=True)  # right after the traffic: the link is trained up
+    nominal = link.nominal_gbps
+    out = {
+        "bench": "gpu_check",
+        "device": torch.cuda.get_device_name(),
+        "link": link.describe(),
+        "link_source": link.link_source,
+        "nominal_gbps": nominal,
+        "nominal_max_gbps": link.nominal_max_gbps,
+        "block_mib": args.block_mib,
+        "reps": args.reps,
+        "h2d": [row(c, nominal) for c in h2d],
+        "d2h": [row(c, nominal) for c in d2h],
+    }
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return
+    bound = f"{nominal:g} GB/s" if nominal else "unknown"
+    print(f"device {out['device']}; link {out['link']} ({link.link_source}); "
+          f"nominal bound {bound}, at max {link.nominal_max_gbps or 'unknown'}")
+    print(table("H2D pinned host -> device (ftrs: transfer engine, cuda backend)", out["h2d"],
+                "engine GB/s"))
+    print(table("D2H device -> pinned host (ftrs: driver copy into a pinned pool)", out["d2h"],
+                "ftrs GB/s"))
+
+
+if __name__ == "__main__":
+    main()
