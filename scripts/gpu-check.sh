@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The one script to run on a lent GPU machine, a few minutes in all (each step has a cap):
+#   1. scripts/bootstrap.sh test
+#   2. pytest -m gpu -v                       (tests/gpu: cuda offload, copies, link probe)
+#   3. bench/gpu_check.py                     (pinned H2D/D2H GB/s, ftrs vs torch, link bound)
+#   4. bench/offload.py --quick --copy-backend cuda   (demo model, or a tiny one offline)
+# Exits non-zero when the GPU tests fail (their pytest status) or any other step fails.
+# Without a GPU it says so, runs only the CPU-safe parts (the gpu tests must all skip, the
+# timed-copy refusals of tests/test_core.py, gpu_check's one line) and exits 0 if they pass.
+# GPU_CHECK_NO_BOOTSTRAP=1 skips step 1 (a rerun on a machine already set up).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+start=$SECONDS
+failed=()
+
+step() {  # step NAME CAP_SECONDS CMD...: run with a time cap, record a failure
+  local name=$1 cap=$2 t0=$SECONDS rc
+  shift 2
+  echo "== $name (cap ${cap}s)"
+  timeout --kill-after=10 "$cap" "$@"
+  rc=$?
+  [ "$rc" -eq 124 ] && echo "!! $name: over ${cap}s, stopped" >&2
+  [ "$rc" -ne 0 ] && failed+=("$name (exit $rc)")
+  echo "== $name: exit $rc, $((SECONDS - t0))s"
+  return "$rc"
+}
+
+if [ "${GPU_CHECK_NO_BOOTSTRAP:-0}" = 1 ]; then
+  echo "== bootstrap skipped (GPU_CHECK_NO_BOOTSTRAP=1)"
+elif ! step bootstrap 150 scripts/bootstrap.sh test; then
+  if "$PY" -c "import ftrs._core" 2>/dev/null; then
+    echo "!! bootstrap failed (offline?): going on with the ftrs already in .venv," \
+         "whose extension may predate this checkout" >&2
+    failed=()
+  else
+    echo "gpu-check: bootstrap failed and no usable ftrs in .venv" >&2
+    exit 1
+  fi
+fi
+
+if ! "$PY" -c "from ftrs.guard.link import cuda_usable; raise SystemExit(not cuda_usable())"; then
+  echo "gpu-check: no GPU here (torch or the CUDA driver sees none): CPU-safe parts only"
+  step "gpu tests skip" 120 "$PY" -m pytest -m gpu -q -rs tests/gpu
+  step "timed-copy refusals" 60 "$PY" -m pytest -q tests/test_core.py -k timed_cuda_copies
+  step "bench/gpu_check.py" 30 "$PY" bench/gpu_check.py
+  [ ${#failed[@]} -eq 0 ] || { echo "gpu-check: FAILED: ${failed[*]}" >&2; exit 1; }
+  echo "gpu-check: no GPU; CPU-safe parts passed in $((SECONDS - start))s"
+  exit 0
+fi
+
+"$PY" -c "import torch; print('gpu-check on', torch.cuda.get_device_name(), 'torch', torch.__version__)"
+step "pytest -m gpu" 180 "$PY" -m pytest -m gpu -v --timeout 120
+tests_rc=$?
+step "bench/gpu_check.py" 60 "$PY" bench/gpu_check.py
+
+model=$(timeout 60 .venv/bin/ftrs models demo 2>/dev/null | tail -n 1)
+if [ -z "$model" ] || [ ! -e "$model" ]; then
+  model=$(mktemp -d)/tiny-mixtral
+  echo "!! the demo model is not available (offline?): offload bench on a tiny random mixtral" >&2
+  .venv/bin/ftrs models make-tiny --arch mixtral --out "$model" >/dev/null
+fi
+step "bench/offload.py --copy-backend cuda" 120 \
+  "$PY" bench/offload.py --quick --copy-backend cuda --model "$model"
+
+echo "gpu-check: $((SECONDS - start))s in all"
+if [ "$tests_rc" -ne 0 ]; then
+  echo "gpu-check: GPU tests FAILED (pytest exit $tests_rc); failed steps: ${failed[*]}" >&2
+  exit "$tests_rc"
+fi
+[ ${#failed[@]} -eq 0 ] || { echo "gpu-check: FAILED: ${failed[*]}" >&2; exit 1; }
+echo "gpu-check: all passed"
