@@ -36,6 +36,12 @@ class AttnMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`cache[slots]`, through `index_select`: on the CPU it moves the same bytes ~2.5x faster
+    than advanced indexing (a decode step of the demo model spends a fifth of its time here)."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+
+
 def paged_attention(
     q: torch.Tensor,  # (tokens, heads, head_dim)
     k: torch.Tensor,  # (tokens, kv_heads, head_dim)
@@ -45,23 +51,23 @@ def paged_attention(
     meta: AttnMetadata,
     scale: float,
 ) -> torch.Tensor:  # (tokens, heads, head_dim)
-    k_cache[meta.slot_mapping] = k
-    v_cache[meta.slot_mapping] = v
+    k_cache.index_copy_(0, meta.slot_mapping, k)
+    v_cache.index_copy_(0, meta.slot_mapping, v)
     gqa = q.shape[1] != k.shape[1]  # grouped-query: each kv head serves several query heads
     out = torch.empty_like(q)
     if meta.decode_rows.numel():
-        qd = q[meta.decode_rows].unsqueeze(2)  # (B, heads, 1, d)
-        kd = k_cache[meta.decode_gather].transpose(1, 2)  # (B, kv_heads, L, d)
-        vd = v_cache[meta.decode_gather].transpose(1, 2)
+        qd = q.index_select(0, meta.decode_rows).unsqueeze(2)  # (B, heads, 1, d)
+        kd = _gather(k_cache, meta.decode_gather).transpose(1, 2)  # (B, kv_heads, L, d)
+        vd = _gather(v_cache, meta.decode_gather).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
                                             enable_gqa=gqa)
-        out[meta.decode_rows] = od.squeeze(2)
+        out.index_copy_(0, meta.decode_rows, od.squeeze(2))
     for span in meta.prefills:
         rows = slice(span.q_start, span.q_start + span.q_len)
         ctx = span.gather.numel()
         qp = q[rows].transpose(0, 1)  # (heads, n, d)
-        kp = k_cache[span.gather].transpose(0, 1)  # (kv_heads, ctx, d)
-        vp = v_cache[span.gather].transpose(0, 1)
+        kp = _gather(k_cache, span.gather).transpose(0, 1)  # (kv_heads, ctx, d)
+        vp = _gather(v_cache, span.gather).transpose(0, 1)
         if ctx == span.q_len:
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
                                                 enable_gqa=gqa)
