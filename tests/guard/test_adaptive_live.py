@@ -189,6 +189,8 @@ def test_injected_replay_growth_shrinks_the_chunk_while_serving(server: Server) 
     cap = gauges["ftrs_prefill_cap_tokens"]
     assert cap < startup, server.log.read_text()
     assert gauges["ftrs_adaptive_guard_events"] >= 1
+    assert gauges["ftrs_adaptive_guard_level"] >= 1
+    assert gauges["ftrs_adaptive_guard_relaxes"] == 0  # the injected replays keep growing
     assert gauges["ftrs_pcie_pacing_bytes_per_second"] > 0  # the copy engine paces now
 
     health = httpx.get(server.url + "/health", timeout=5).json()

@@ -13,7 +13,8 @@ observed by the request handlers, which see the tokens arrive.
   gauges:   slots, queue_depth, inflight_bytes, prefill_cap_tokens
   per step: prefill_fetch_bytes (histogram, observed when the step had prefill tokens)
 `StepStats.guard` (the adaptive guard, `guard.live`) sets ftrs_prefill_cap_tokens to the live
-step budget, ftrs_pcie_pacing_bytes_per_second and ftrs_adaptive_guard_events.
+step budget, ftrs_pcie_pacing_bytes_per_second, ftrs_adaptive_guard_events,
+ftrs_adaptive_guard_level and ftrs_adaptive_guard_relaxes.
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ class ServerMetrics:
         self.prefill_cap = Gauge(p + "prefill_cap_tokens", "Token budget of one step (prefill cap).", registry=r)
         self.pcie_pacing = Gauge(p + "pcie_pacing_bytes_per_second", "Expert-copy pacing rate set by the adaptive guard (0: off).", registry=r)
         self.guard_events = Gauge(p + "adaptive_guard_events", "Times the adaptive guard tightened since the engine started.", registry=r)
+        self.guard_level = Gauge(p + "adaptive_guard_level", "Adaptive guard level (0: the startup ceiling).", registry=r)
+        self.guard_relaxes = Gauge(p + "adaptive_guard_relaxes", "Times the adaptive guard relaxed one level since the engine started.", registry=r)
         self.build_info = Gauge(p + "build_info", "Build of the server.", ["version"], registry=r)
         self.build_info.labels(ftrs_version()).set(1)
         self.set_device_state("unknown", up=False)
@@ -123,10 +126,12 @@ class ServerMetrics:
 
     def observe_guard(self, guard: Mapping[str, object]) -> None:
         """The adaptive guard's live state (`StepStats.guard`): the step budget it set, its
-        pacing and how often it tightened."""
+        pacing, its level and how often it tightened and relaxed."""
         for key, gauge in (("prefill_cap_tokens", self.prefill_cap),
                            ("pcie_pacing_bytes_per_second", self.pcie_pacing),
-                           ("event_count", self.guard_events)):
+                           ("event_count", self.guard_events),
+                           ("level", self.guard_level),
+                           ("relax_count", self.guard_relaxes)):
             value = _number(guard.get(key))
             if value is not None:
                 gauge.set(value)

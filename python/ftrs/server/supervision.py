@@ -88,7 +88,8 @@ class EngineSupervisor:
                              use_nvml=gpu is not None, fast_interval_s=0.1)
         # The adaptive guard (issue 6): monitor samples in, step budget and pacing out.
         self.live_guard = LiveGuard(engine, config.max_prefill_length,
-                                    pacing_gbps=config.pcie_pacing)
+                                    pacing_gbps=config.pcie_pacing,
+                                    relax_after_s=config.guard_relax_after)
         self.monitor = DeviceMonitor(mcfg, on_fault=self._monitor_fault,
                                      on_sample=self.live_guard.on_sample,
                                      has_pending_work=lambda: self._in_step,
