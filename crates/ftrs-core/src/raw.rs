@@ -3,18 +3,21 @@
 //! Two things need it: (1) the host pool is one zeroed allocation aligned to a page (so the CUDA
 //! driver can pin it and DMA from it), owned by [`HostRegion`]; (2) expert copies go between raw
 //! addresses (pool → device-slot buffer owned by Python), done by [`copy_parallel`], which
-//! splits a large block into contiguous chunks, one per scoped thread, each a `memcpy`.
+//! cuts a large block into pieces that the caller and long-lived copy helper threads
+//! claim and `memcpy`.
 //! Everything else in the crate uses the safe, bounds-checked methods here.
 
 #![allow(unsafe_code)]
 
 use std::alloc::{self, Layout};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex, OnceLock};
 
 use crate::error::{CoreError, Result};
 
 /// Below this many bytes per thread, splitting a copy costs more than it saves.
-pub const MIN_BYTES_PER_THREAD: usize = 4 << 20;
+pub const MIN_BYTES_PER_THREAD: usize = 512 << 10;
 
 /// One zeroed, aligned heap allocation, freed on drop.
 #[derive(Debug)]
@@ -102,8 +105,14 @@ impl Drop for HostRegion {
     }
 }
 
-/// Copies `n` bytes from address `src` to address `dst`, split over up to `threads` threads
-/// (0 = all cores) when the copy is large enough to gain from it.
+/// Copies `n` bytes from address `src` to address `dst`, on up to `threads` threads (0 = all
+/// cores) when the copy is large enough to gain from it.
+///
+/// The copy is cut into pieces of [`PIECE_BYTES`] that the calling thread and up to
+/// `threads - 1` long-lived copy helpers ([`helpers`]) claim one at a time. The caller starts at
+/// once; a helper joins when it wakes. Spawning a thread per call, or handing each helper a fixed
+/// half, costs more than copying a megabyte where waking an idle core is slow (virtual machines):
+/// this way a late helper costs nothing and an early one halves the time.
 ///
 /// # Safety
 /// 1. `src..src+n` is readable and `dst..dst+n` is writable host memory for the whole call.
@@ -118,21 +127,115 @@ pub unsafe fn copy_parallel(dst: usize, src: usize, n: usize, threads: usize) {
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, n) };
         return;
     }
-    // Chunks are multiples of 4 KiB so every thread starts on a page boundary of `src`.
-    let chunk = n.div_ceil(threads).next_multiple_of(4096);
-    std::thread::scope(|s| {
-        let mut start = 0;
-        while start < n {
-            let len = chunk.min(n - start);
-            let (d, sr) = (dst + start, src + start);
-            s.spawn(move || {
-                // SAFETY: [start, start+len) is a sub-range of the caller's ranges (points 1-3
-                // hold for it), and the chunks of different threads are disjoint.
-                unsafe { std::ptr::copy_nonoverlapping(sr as *const u8, d as *mut u8, len) };
-            });
-            start += len;
-        }
+    let job = Arc::new(CopyJobShared {
+        dst,
+        src,
+        n,
+        pieces: n.div_ceil(PIECE_BYTES),
+        next: AtomicUsize::new(0),
+        done: Mutex::new(0),
+        all_done: Condvar::new(),
     });
+    let pool = helpers();
+    for i in 0..(threads - 1).min(pool.len()) {
+        pool.send(i, Arc::clone(&job));
+    }
+    job.work();
+    // The caller's ranges must stay valid until every claimed piece has been copied.
+    job.wait();
+}
+
+/// Bytes per claimable piece of a [`copy_parallel`] call (a multiple of the 4 KiB page).
+pub const PIECE_BYTES: usize = 256 << 10;
+
+/// One [`copy_parallel`] call, shared by the caller and the helpers it woke.
+struct CopyJobShared {
+    dst: usize,
+    src: usize,
+    n: usize,
+    pieces: usize,
+    /// Next piece to claim; a claim at or past `pieces` means there is nothing left.
+    next: AtomicUsize,
+    /// Pieces copied.
+    done: Mutex<usize>,
+    all_done: Condvar,
+}
+
+impl CopyJobShared {
+    /// Claims and copies pieces until none is left.
+    fn work(&self) {
+        let mut copied = 0;
+        loop {
+            let i = self.next.fetch_add(1, Ordering::Relaxed);
+            if i >= self.pieces {
+                break;
+            }
+            let off = i * PIECE_BYTES;
+            let len = PIECE_BYTES.min(self.n - off);
+            // SAFETY: piece `i` lies inside the call's ranges, and each piece is claimed by
+            // exactly one thread. The claim succeeded, so the piece is not counted done yet and
+            // the `copy_parallel` call is still blocked in `wait`: the ranges are valid (points
+            // 1-3 of its contract).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (self.src + off) as *const u8,
+                    (self.dst + off) as *mut u8,
+                    len,
+                )
+            };
+            copied += 1;
+        }
+        if copied > 0 {
+            let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
+            *done += copied;
+            if *done == self.pieces {
+                self.all_done.notify_all();
+            }
+        }
+    }
+
+    /// Blocks until every piece has been copied.
+    fn wait(&self) {
+        let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
+        while *done < self.pieces {
+            done = self.all_done.wait(done).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+/// Long-lived copy helper threads, one per core but the caller's, started on first use.
+struct Helpers {
+    queues: Vec<Mutex<mpsc::Sender<Arc<CopyJobShared>>>>,
+}
+
+impl Helpers {
+    fn len(&self) -> usize {
+        self.queues.len()
+    }
+    /// Wakes helper `i` for `job`. A helper that is gone simply does not help: the caller
+    /// claims every piece nobody else does.
+    fn send(&self, i: usize, job: Arc<CopyJobShared>) {
+        if let Some(q) = self.queues.get(i) {
+            let _ = q.lock().unwrap_or_else(|p| p.into_inner()).send(job);
+        }
+    }
+}
+
+fn helpers() -> &'static Helpers {
+    static HELPERS: OnceLock<Helpers> = OnceLock::new();
+    HELPERS.get_or_init(|| {
+        let queues = (1..effective_threads(0))
+            .filter_map(|i| {
+                let (tx, rx) = mpsc::channel::<Arc<CopyJobShared>>();
+                std::thread::Builder::new()
+                    .name(format!("ftrs-copy-{i}"))
+                    .spawn(move || rx.into_iter().for_each(|job| job.work()))
+                    .ok()
+                    .map(|_| Mutex::new(tx))
+            })
+            .collect();
+        Helpers { queues }
+    })
 }
 
 /// Where a destination buffer lives.
@@ -272,12 +375,14 @@ pub fn map_readonly(file: &std::fs::File) -> std::io::Result<memmap2::Mmap> {
     unsafe { memmap2::Mmap::map(file) }
 }
 
-/// `threads`, or the number of cores when 0.
+/// `threads`, or the number of cores when 0 (read once: `available_parallelism` reads the
+/// cgroup files on every call, which costs more than a 1 MiB copy).
 pub fn effective_threads(threads: usize) -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
     if threads > 0 {
         threads
     } else {
-        std::thread::available_parallelism().map_or(1, |n| n.get())
+        *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
     }
 }
 
@@ -307,5 +412,25 @@ mod tests {
         // SAFETY: both vectors are live for the call, distinct, and n bytes long.
         unsafe { copy_parallel(dst.as_mut_ptr() as usize, src.as_ptr() as usize, n, 4) };
         assert!(src == dst);
+    }
+
+    #[test]
+    fn concurrent_parallel_copies_each_get_their_own_bytes() {
+        let n = 5 * MIN_BYTES_PER_THREAD + 777;
+        std::thread::scope(|s| {
+            for t in 0..4u8 {
+                s.spawn(move || {
+                    let src: Vec<u8> = (0..n).map(|i| (i as u8).wrapping_mul(t + 3)).collect();
+                    for _ in 0..20 {
+                        let mut dst = vec![0u8; n];
+                        // SAFETY: both vectors are live for the call, distinct, n bytes long.
+                        unsafe {
+                            copy_parallel(dst.as_mut_ptr() as usize, src.as_ptr() as usize, n, 0)
+                        };
+                        assert!(src == dst);
+                    }
+                });
+            }
+        });
     }
 }
