@@ -75,7 +75,11 @@ class OffloadStrategy(MoEStrategy):
         self.prefetch = config.moe_prefetch
         self.num_slots = cache_slots(config, experts, device)
         eb = experts.expert_bytes
-        self.buffer = torch.empty(self.num_slots * eb, dtype=torch.uint8, device=device)
+        # On the CPU, zeros (not empty) commits the slot memory now: untouched pages would be
+        # faulted in by the first copies into them, billed to the first requests (measured on
+        # the demo: a cold 512-token prefill at 50% capacity took 2.4x its warm time).
+        alloc = torch.zeros if device.type == "cpu" else torch.empty
+        self.buffer = alloc(self.num_slots * eb, dtype=torch.uint8, device=device)
         backend = backend_spec(config, device)
         if device.type == "cuda":
             experts.pool.pin()
