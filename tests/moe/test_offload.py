@@ -214,6 +214,65 @@ def test_full_cache_fetches_each_expert_once(tiny_models: dict[str, Path],
     assert second["bytes_h2d"] == first["bytes_h2d"]
 
 
+class SlowLink:
+    """A stand-in for the transfer engine whose `wait` takes `wait_s` of a fake clock, so a
+    test can make every forward link-bound (or not) without timing anything."""
+
+    def __init__(self, engine: Any, clock: list[float], wait_s: float) -> None:
+        self._engine, self._clock, self.wait_s = engine, clock, wait_s
+
+    def wait(self, ticket: Any) -> None:
+        self._engine.wait(ticket)
+        self._clock[0] += self.wait_s
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+def decode_prefetches(moe: OffloadStrategy, llm: LLM) -> tuple[int, int]:
+    """(prefetches issued by narrow forwards, forwards gated) over one batch-1 greedy run."""
+    issued = 0
+    forward = moe.forward
+
+    def counting(layer: int, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        nonlocal issued
+        before = moe.pred_issued
+        out = forward(layer, x, ids, w)
+        if x.shape[0] == 1:
+            issued += moe.pred_issued - before
+        return out
+
+    moe.forward = counting  # type: ignore[method-assign]
+    try:
+        llm.generate([IDS[:3]], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    finally:
+        del moe.forward
+    return issued, moe.gated_forwards
+
+
+@pytest.mark.parametrize("link_bound", [True, False], ids=["link-bound", "compute-bound"])
+def test_prefetch_is_skipped_on_link_bound_decode_and_results_do_not_change(
+        tiny_models: dict[str, Path], shape: dict[str, tuple[int, int]],
+        reference: dict[str, Run], link_bound: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("ftrs.moe.offload.PRECISE", 1.01)  # no prediction is precise enough
+    _, total = shape["mixtral"]
+    llm = make(tiny_models["mixtral"], moe_strategy="offload", moe_cache_size=total)
+    moe = strategy(llm)
+    clock = [0.0]
+    moe.clock = lambda: clock[0]
+    moe.engine = SlowLink(moe.engine, clock, wait_s=1.0 if link_bound else 0.0)
+    issued, gated = decode_prefetches(moe, llm)
+    if link_bound:
+        # the fake clock moves only in `wait`, so every forward is link-bound: each of the 9
+        # decode forwards follows a link-bound narrow one (the 3-token prefill is narrow too)
+        assert (gated, issued) == (9, 0)
+    else:
+        assert gated == 0 and issued > 0
+    moe.engine = moe.engine._engine
+    assert_same(run(llm), reference["mixtral"])  # the gate changes transfers, never results
+    llm.close()
+
+
 def test_dense_arch_ignores_offload(tiny_models: dict[str, Path]) -> None:
     # llama has no routed experts: moe_strategy="offload" is accepted and has nothing to do
     llm = make(tiny_models["llama"], moe_strategy="offload", moe_cache_size=2)
