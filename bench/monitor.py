@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import sys
 
-# bench/ holds modules named like the stdlib (copy.py): never import from the script's folder.
+# Never import from the script's folder: a bench script must not shadow a library module.
 if sys.path and sys.path[0] == __import__("os").path.dirname(__import__("os").path.abspath(__file__)):
     del sys.path[0]
 

@@ -10,9 +10,11 @@
 #![allow(unsafe_code)]
 
 use std::alloc::{self, Layout};
+use std::collections::VecDeque;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Condvar, Mutex, OnceLock};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use crate::error::{CoreError, Result};
 
@@ -114,6 +116,13 @@ impl Drop for HostRegion {
 /// half, costs more than copying a megabyte where waking an idle core is slow (virtual machines):
 /// this way a late helper costs nothing and an early one halves the time.
 ///
+/// Waking a parked thread is a system call on one side and a scheduler wake-up on the other,
+/// each worth several microseconds, which is as long as copying a cached megabyte. So neither
+/// side parks at once: a helper polls for the next job for [`HELPER_SPIN`] after its last one
+/// (copies come in bursts: the experts of a layer), and is only woken through the kernel when it
+/// has gone to sleep; the caller polls for the helpers' last pieces for up to [`CALLER_SPIN`]
+/// (at most one piece each) before it sleeps on a condition variable.
+///
 /// # Safety
 /// 1. `src..src+n` is readable and `dst..dst+n` is writable host memory for the whole call.
 /// 2. The two ranges do not overlap.
@@ -133,7 +142,8 @@ pub unsafe fn copy_parallel(dst: usize, src: usize, n: usize, threads: usize) {
         n,
         pieces: n.div_ceil(PIECE_BYTES),
         next: AtomicUsize::new(0),
-        done: Mutex::new(0),
+        done: AtomicUsize::new(0),
+        sleeper: Mutex::new(false),
         all_done: Condvar::new(),
     });
     let pool = helpers();
@@ -148,6 +158,12 @@ pub unsafe fn copy_parallel(dst: usize, src: usize, n: usize, threads: usize) {
 /// Bytes per claimable piece of a [`copy_parallel`] call (a multiple of the 4 KiB page).
 pub const PIECE_BYTES: usize = 256 << 10;
 
+/// How long an idle copy helper polls for a new job before it parks.
+pub const HELPER_SPIN: Duration = Duration::from_micros(200);
+
+/// How long a [`copy_parallel`] caller polls for the helpers' last pieces before it parks.
+pub const CALLER_SPIN: Duration = Duration::from_micros(200);
+
 /// One [`copy_parallel`] call, shared by the caller and the helpers it woke.
 struct CopyJobShared {
     dst: usize,
@@ -156,8 +172,10 @@ struct CopyJobShared {
     pieces: usize,
     /// Next piece to claim; a claim at or past `pieces` means there is nothing left.
     next: AtomicUsize,
-    /// Pieces copied.
-    done: Mutex<usize>,
+    /// Pieces copied (released by each thread after its copies).
+    done: AtomicUsize,
+    /// True once the caller sleeps on `all_done`.
+    sleeper: Mutex<bool>,
     all_done: Condvar,
 }
 
@@ -185,38 +203,113 @@ impl CopyJobShared {
             };
             copied += 1;
         }
-        if copied > 0 {
-            let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
-            *done += copied;
-            if *done == self.pieces {
+        if copied > 0 && self.done.fetch_add(copied, Ordering::AcqRel) + copied == self.pieces {
+            // `done` is final before the lock is taken: a caller that has not set `sleeper` yet
+            // will see it when it checks under the lock, one that has is woken here.
+            let sleeper = self.sleeper.lock().unwrap_or_else(|p| p.into_inner());
+            if *sleeper {
                 self.all_done.notify_all();
             }
         }
     }
 
+    fn finished(&self) -> bool {
+        self.done.load(Ordering::Acquire) == self.pieces
+    }
+
     /// Blocks until every piece has been copied.
     fn wait(&self) {
-        let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
-        while *done < self.pieces {
-            done = self.all_done.wait(done).unwrap_or_else(|p| p.into_inner());
+        let start = Instant::now();
+        while !self.finished() {
+            if start.elapsed() >= CALLER_SPIN {
+                let mut sleeper = self.sleeper.lock().unwrap_or_else(|p| p.into_inner());
+                *sleeper = true;
+                while !self.finished() {
+                    sleeper = self
+                        .all_done
+                        .wait(sleeper)
+                        .unwrap_or_else(|p| p.into_inner());
+                }
+                return;
+            }
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// One copy helper's mailbox.
+struct Mailbox {
+    /// Jobs not yet taken.
+    queue: Mutex<VecDeque<Arc<CopyJobShared>>>,
+    /// Length of `queue`, readable without the lock (what a polling helper watches).
+    pending: AtomicUsize,
+    /// False while the helper sleeps on `wake` (changed under the `queue` lock only).
+    awake: AtomicBool,
+    wake: Condvar,
+}
+
+impl Mailbox {
+    fn take(&self) -> Option<Arc<CopyJobShared>> {
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let job = q.pop_front();
+        if job.is_some() {
+            self.pending.fetch_sub(1, Ordering::Release);
+        }
+        job
+    }
+
+    /// The helper's loop: run jobs; when there are none, poll for [`HELPER_SPIN`], then sleep.
+    fn serve(&self) {
+        loop {
+            if let Some(job) = self.take() {
+                job.work();
+                continue;
+            }
+            let idle = Instant::now();
+            while self.pending.load(Ordering::Acquire) == 0 && idle.elapsed() < HELPER_SPIN {
+                std::hint::spin_loop();
+            }
+            if self.pending.load(Ordering::Acquire) > 0 {
+                continue;
+            }
+            let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+            self.awake.store(false, Ordering::SeqCst);
+            while q.is_empty() {
+                q = self.wake.wait(q).unwrap_or_else(|p| p.into_inner());
+            }
+            self.awake.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Hands `job` over, waking the helper through the kernel only if it sleeps. The check
+    /// and the helper's decision to sleep both happen under the queue lock, so no job is
+    /// left behind a sleeping helper.
+    fn post(&self, job: Arc<CopyJobShared>) {
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        q.push_back(job);
+        self.pending.fetch_add(1, Ordering::Release);
+        let asleep = !self.awake.load(Ordering::SeqCst);
+        drop(q);
+        if asleep {
+            self.wake.notify_one();
         }
     }
 }
 
 /// Long-lived copy helper threads, one per core but the caller's, started on first use.
 struct Helpers {
-    queues: Vec<Mutex<mpsc::Sender<Arc<CopyJobShared>>>>,
+    boxes: Vec<Arc<Mailbox>>,
 }
 
 impl Helpers {
     fn len(&self) -> usize {
-        self.queues.len()
+        self.boxes.len()
     }
-    /// Wakes helper `i` for `job`. A helper that is gone simply does not help: the caller
-    /// claims every piece nobody else does.
+    /// Gives helper `i` `job`. A helper that could not be started simply does not help: the
+    /// caller claims every piece nobody else does.
     fn send(&self, i: usize, job: Arc<CopyJobShared>) {
-        if let Some(q) = self.queues.get(i) {
-            let _ = q.lock().unwrap_or_else(|p| p.into_inner()).send(job);
+        if let Some(b) = self.boxes.get(i) {
+            b.post(job);
         }
     }
 }
@@ -224,17 +317,23 @@ impl Helpers {
 fn helpers() -> &'static Helpers {
     static HELPERS: OnceLock<Helpers> = OnceLock::new();
     HELPERS.get_or_init(|| {
-        let queues = (1..effective_threads(0))
+        let boxes = (1..effective_threads(0))
             .filter_map(|i| {
-                let (tx, rx) = mpsc::channel::<Arc<CopyJobShared>>();
+                let mailbox = Arc::new(Mailbox {
+                    queue: Mutex::new(VecDeque::new()),
+                    pending: AtomicUsize::new(0),
+                    awake: AtomicBool::new(true),
+                    wake: Condvar::new(),
+                });
+                let served = Arc::clone(&mailbox);
                 std::thread::Builder::new()
                     .name(format!("ftrs-copy-{i}"))
-                    .spawn(move || rx.into_iter().for_each(|job| job.work()))
+                    .spawn(move || served.serve())
                     .ok()
-                    .map(|_| Mutex::new(tx))
+                    .map(|_| mailbox)
             })
             .collect();
-        Helpers { queues }
+        Helpers { boxes }
     })
 }
 
@@ -412,6 +511,21 @@ mod tests {
         // SAFETY: both vectors are live for the call, distinct, and n bytes long.
         unsafe { copy_parallel(dst.as_mut_ptr() as usize, src.as_ptr() as usize, n, 4) };
         assert!(src == dst);
+    }
+
+    #[test]
+    fn copies_are_whole_whether_helpers_poll_or_sleep() {
+        // Gaps shorter and longer than HELPER_SPIN: the job reaches a polling helper through
+        // its counter and a parked one through the condition variable.
+        let n = 4 * MIN_BYTES_PER_THREAD + 4097;
+        let src: Vec<u8> = (0..n).map(|i| (i * 7 % 253) as u8).collect();
+        for gap_us in [0u64, 50, 1000, 5000, 0, 300] {
+            std::thread::sleep(Duration::from_micros(gap_us));
+            let mut dst = vec![0u8; n];
+            // SAFETY: both vectors are live for the call, distinct, and n bytes long.
+            unsafe { copy_parallel(dst.as_mut_ptr() as usize, src.as_ptr() as usize, n, 0) };
+            assert!(src == dst, "copy after a {gap_us} us gap differs");
+        }
     }
 
     #[test]
