@@ -268,6 +268,9 @@ def test_prefetch_is_skipped_on_link_bound_decode_and_results_do_not_change(
         assert (gated, issued) == (9, 0)
     else:
         assert gated == 0 and issued > 0
+    # the last forward (one decode token, one wave per MoE layer) waited once per MoE layer
+    waited = len(moe.spec.moe_layers) * (1.0 if link_bound else 0.0)
+    assert moe.stats()["transfer_wait_s"] == pytest.approx(waited)
     moe.engine = moe.engine._engine
     assert_same(run(llm), reference["mixtral"])  # the gate changes transfers, never results
     llm.close()

@@ -203,6 +203,9 @@ class OffloadStrategy(MoEStrategy):
               "prefetch_predicted": self.pred_issued, "prefetch_predicted_hits": self.pred_hits,
               "prefetch_needed": self.pred_needed,
               "prefetch_gated_forwards": self.gated_forwards,
+              # seconds this step's forward (so far) waited for transfers: what the overlap
+              # failed to hide
+              "transfer_wait_s": self._wait_s,
               "distinct_experts": list(self.distinct_per_layer)}
         return s
 
