@@ -276,6 +276,35 @@ def test_prefetch_is_skipped_on_link_bound_decode_and_results_do_not_change(
     llm.close()
 
 
+class LimitLog:
+    """A stand-in for the transfer engine that records `set_max_inflight_prefetches` calls."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine, self.limits = engine, []
+
+    def set_max_inflight_prefetches(self, n: int) -> None:
+        self.limits.append(n)
+        self._engine.set_max_inflight_prefetches(n)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+def test_narrow_forwards_keep_one_prefetch_in_flight_wide_ones_no_limit(
+        tiny_models: dict[str, Path], reference: dict[str, Run]) -> None:
+    llm = make(tiny_models["mixtral"], moe_strategy="offload", moe_cache_size=None)
+    moe = strategy(llm)
+    moe.engine = log = LimitLog(moe.engine)
+    assert_same(run(llm), reference["mixtral"])  # the limit changes transfers, never results
+    # the run prefills (wide) then decodes (narrow), maybe more than once: the limit is set on
+    # each change of width, to no limit for wide forwards and one for narrow ones
+    assert log.limits[:2] == [0, 1]
+    assert set(log.limits) == {0, 1}
+    assert all(a != b for a, b in zip(log.limits, log.limits[1:]))
+    moe.engine = log._engine
+    llm.close()
+
+
 def test_dense_arch_ignores_offload(tiny_models: dict[str, Path]) -> None:
     # llama has no routed experts: moe_strategy="offload" is accepted and has nothing to do
     llm = make(tiny_models["llama"], moe_strategy="offload", moe_cache_size=2)

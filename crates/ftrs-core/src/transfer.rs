@@ -9,9 +9,12 @@
 //!   per policy among unpinned slots, and a DEMAND transfer queued). Prefetch keys not resident
 //!   and not in flight get a slot only if one is evictable, and a PREFETCH transfer.
 //!   Every transfer pins its slot until it ends, so a slot with a copy in flight is never a
-//!   victim. The ticket completes when the call's demand transfers have landed.
+//!   victim. The ticket completes when the call's demand transfers have landed. Queued
+//!   prefetches for this layer or an earlier one are cancelled: the forward is past them.
 //! - The worker always takes the demand queue before the prefetch queue. It issues copies while
-//!   `inflight_bytes + bytes <= max_inflight_bytes` (0 = no limit; one copy always fits) and the
+//!   `inflight_bytes + bytes <= max_inflight_bytes` (0 = no limit; one copy always fits), a
+//!   prefetch only while fewer than `max_inflight_prefetches` are in flight (a started copy
+//!   cannot be overtaken, so this bounds how long a new demand waits behind prefetches), and the
 //!   token bucket allows (waiting on the clock; a real clock wait wakes early on new work so a
 //!   demand never waits behind a paced prefetch), and finishes the oldest in-flight copy.
 //! - `cancel_prefetches`: queued prefetches are dropped and their slots freed; a started one is
@@ -44,6 +47,11 @@ pub struct EngineConfig {
     pub policy: Policy,
     /// Byte budget of copies in flight; 0 = unlimited.
     pub max_inflight_bytes: usize,
+    /// Prefetch copies in flight at once; 0 = unlimited. A started copy cannot be overtaken
+    /// (a CUDA stream runs its copies in order; a link carries one at a time), so a demand that
+    /// arrives while prefetches are in flight waits for them all: 1 bounds that wait by one
+    /// expert, at the price of a gap between consecutive prefetches (the worker's turnaround).
+    pub max_inflight_prefetches: usize,
     /// Pacing rate in bytes/s; 0 = off.
     pub pacing_bytes_per_s: f64,
 }
@@ -101,6 +109,8 @@ struct Transfer {
     started: bool,
     /// Cancelled after starting: the result is discarded and the slot freed.
     cancelled: bool,
+    /// Started as a prefetch (counted in `inflight_prefetches` until it ends).
+    started_as_prefetch: bool,
     /// Tickets completed by this transfer.
     waiters: Vec<u64>,
 }
@@ -139,6 +149,10 @@ struct State {
     pinned: Vec<u32>,
     /// Sum of bytes of started transfers.
     inflight_bytes: usize,
+    /// Started transfers that were prefetches when they started.
+    inflight_prefetches: usize,
+    /// Prefetch copies in flight at most; 0 = unlimited (changeable while running).
+    max_inflight_prefetches: usize,
     /// Armed fault drill: (kind, copies to let through first).
     fault: Option<(DeviceFault, u64)>,
     /// Pacing, if on.
@@ -225,6 +239,8 @@ impl TransferEngine {
             next_ticket: 0,
             pinned: Vec::new(),
             inflight_bytes: 0,
+            inflight_prefetches: 0,
+            max_inflight_prefetches: cfg.max_inflight_prefetches,
             fault: None,
             bucket,
             stats: Stats {
@@ -310,6 +326,20 @@ impl TransferEngine {
                     }
                 }
                 None => misses.push(key),
+            }
+        }
+        // Queued prefetches for this layer or an earlier one are stale: the forward has reached
+        // this layer, and those it needs were just moved to the demand queue above.
+        let stale: Vec<u64> = st
+            .prefetch_q
+            .iter()
+            .copied()
+            .filter(|tid| st.transfers.get(tid).is_some_and(|t| t.key.0 <= layer))
+            .collect();
+        if !stale.is_empty() {
+            st.prefetch_q.retain(|tid| !stale.contains(tid));
+            for tid in stale {
+                cancel_queued(st, tid);
             }
         }
         while st.cache.evictable() < misses.len() {
@@ -504,6 +534,13 @@ impl TransferEngine {
         Ok(())
     }
 
+    /// Sets how many prefetch copies may be in flight at once from the next copy on (0 = no
+    /// limit; see [`EngineConfig::max_inflight_prefetches`]).
+    pub fn set_max_inflight_prefetches(&self, n: usize) {
+        lock(&self.inner.state).max_inflight_prefetches = n;
+        self.inner.work.notify_all();
+    }
+
     /// The pacing rate in bytes per second; 0 when pacing is off.
     pub fn pacing_bytes_per_s(&self) -> f64 {
         lock(&self.inner.state)
@@ -520,6 +557,17 @@ impl TransferEngine {
             * self.inner.pool.layout().expert_bytes();
         if bytes != st.inflight_bytes {
             return Err(format!("inflight_bytes {} != {bytes}", st.inflight_bytes));
+        }
+        let prefetches = st
+            .transfers
+            .values()
+            .filter(|t| t.started && t.started_as_prefetch)
+            .count();
+        if prefetches != st.inflight_prefetches {
+            return Err(format!(
+                "inflight_prefetches {} != {prefetches}",
+                st.inflight_prefetches
+            ));
         }
         for (key, tid) in &st.inflight {
             let t = &st.transfers[tid];
@@ -567,6 +615,7 @@ fn queue(st: &mut State, key: Key, slot: u32, prio: Prio, ticket: Option<u64>) {
         used: false,
         started: false,
         cancelled: false,
+        started_as_prefetch: false,
         waiters: ticket.into_iter().collect(),
     };
     st.transfers.insert(tid, t);

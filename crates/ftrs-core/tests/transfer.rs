@@ -65,6 +65,7 @@ fn engine_paced(
         num_slots: slots,
         policy: Policy::Lru,
         max_inflight_bytes: budget,
+        max_inflight_prefetches: 1,
         pacing_bytes_per_s: pace,
     };
     let eng = TransferEngine::new(pool, d, cfg, backend, clock).unwrap();
@@ -224,9 +225,135 @@ fn a_demand_for_an_inflight_prefetch_upgrades_it_instead_of_fetching_twice() {
     eng.wait(t1).unwrap();
     assert_eq!(slot_byte(dst, p, slots[0]), 16 + 2 + 1);
     idle(eng);
-    assert_eq!(gate.order(), vec![(0, 0), (1, 2), (1, 0), (1, 1)]);
+    // The lookup of layer 1 also cancelled the layer's other queued prefetches: stale.
+    assert_eq!(gate.order(), vec![(0, 0), (1, 2)]);
     let s = eng.stats();
     assert_eq!((s.prefetch_used, s.demand_fetches, s.misses), (1, 1, 2));
+    assert_eq!((s.prefetch_cancelled, s.prefetch_wasted), (2, 2));
+    eng.check_invariants().unwrap();
+}
+
+#[test]
+fn queued_prefetches_of_layers_the_lookups_reached_are_cancelled() {
+    let rig = gated(8);
+    let (eng, _dst, _p, gate) = (&rig.0, &*rig.1, &rig.2, &rig.3);
+    // (0,0) blocks at the gate; prefetches for layers 1 and 2 queue behind it.
+    let (_, t0) = eng.lookup(0, &[0], &[(1, 4), (2, 4), (1, 5)]).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    // Layer 1 is reached and needs neither 4 nor 5: both are stale; layer 2's stays.
+    let (_, t1) = eng.lookup(1, &[6], &[]).unwrap();
+    gate.open();
+    eng.wait(t0).unwrap();
+    eng.wait(t1).unwrap();
+    idle(eng);
+    assert_eq!(gate.order(), vec![(0, 0), (1, 6), (2, 4)]);
+    assert_eq!(eng.stats().prefetch_cancelled, 2);
+    assert!(eng
+        .resident()
+        .iter()
+        .all(|&(l, e, _)| (l, e) != (1, 4) && (l, e) != (1, 5)));
+    eng.check_invariants().unwrap();
+}
+
+/// Copies at once on submit (recording the order), but holds every completion until opened:
+/// a link with copies queued on it, like a CUDA stream.
+#[derive(Debug)]
+struct Stream {
+    inner: HostBackend,
+    open: Mutex<bool>,
+    cv: Condvar,
+    order: Mutex<Vec<(u32, u32)>>,
+    pool_addr: usize,
+    eb: usize,
+}
+
+impl CopyBackend for Stream {
+    fn name(&self) -> String {
+        "stream".into()
+    }
+    fn submit(&self, job: &CopyJob) -> ftrs_core::Result<Completion> {
+        let block = (job.src() - self.pool_addr) / self.eb;
+        self.order
+            .lock()
+            .unwrap()
+            .push(((block / EXPERTS) as u32, (block % EXPERTS) as u32));
+        self.inner.submit(job)
+    }
+    fn finish(&self, c: Completion) -> ftrs_core::Result<()> {
+        let mut open = self.open.lock().unwrap();
+        while !*open {
+            open = self.cv.wait(open).unwrap();
+        }
+        self.inner.finish(c)
+    }
+}
+
+/// Order of copies when a demand arrives while three prefetches wait for the link.
+fn submission_order(max_inflight_prefetches: usize) -> Vec<(u32, u32)> {
+    submission_order_set(max_inflight_prefetches, None)
+}
+
+/// [`submission_order`] with the limit changed to `set` before the first lookup.
+fn submission_order_set(max_inflight_prefetches: usize, set: Option<usize>) -> Vec<(u32, u32)> {
+    let p = pool();
+    let stream = Arc::new(Stream {
+        inner: HostBackend { threads: 1 },
+        open: Mutex::new(false),
+        cv: Condvar::new(),
+        order: Mutex::new(Vec::new()),
+        pool_addr: p.address(),
+        eb: p.layout().expert_bytes(),
+    });
+    let mut buf = vec![0u8; 8 * p.layout().expert_bytes()];
+    // SAFETY: `buf` is host memory, disjoint from the pool, that outlives the engine (dropped
+    // at the end of this function, after it), and is never read here.
+    let dst = unsafe { Destination::new(buf.as_mut_ptr() as usize, buf.len(), MemKind::Host) };
+    let cfg = EngineConfig {
+        num_slots: 8,
+        policy: Policy::Lru,
+        max_inflight_bytes: 0,
+        max_inflight_prefetches,
+        pacing_bytes_per_s: 0.0,
+    };
+    let eng = TransferEngine::new(p, dst, cfg, stream.clone(), Arc::new(RealClock::new())).unwrap();
+    if let Some(n) = set {
+        eng.set_max_inflight_prefetches(n);
+    }
+    let (_, t) = eng.lookup(0, &[], &[(1, 0), (1, 1), (1, 2)]).unwrap();
+    eng.wait(t).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let (_, t) = eng.lookup(0, &[5], &[]).unwrap();
+    *stream.open.lock().unwrap() = true;
+    stream.cv.notify_all();
+    eng.wait(t).unwrap();
+    idle(&eng);
+    eng.check_invariants().unwrap();
+    drop(eng);
+    drop(buf);
+    let order = stream.order.lock().unwrap().clone();
+    order
+}
+
+#[test]
+fn a_demand_waits_behind_at_most_the_allowed_prefetches_in_flight() {
+    // One prefetch on the link: the demand overtakes the two still queued.
+    assert_eq!(submission_order(1), vec![(1, 0), (0, 5), (1, 1), (1, 2)]);
+    assert_eq!(submission_order(2), vec![(1, 0), (1, 1), (0, 5), (1, 2)]);
+    // No limit: every prefetch was on the link before the demand came.
+    assert_eq!(submission_order(0), vec![(1, 0), (1, 1), (1, 2), (0, 5)]);
+}
+
+#[test]
+fn the_prefetch_limit_can_change_while_running() {
+    // Configured without a limit, set to one before any copy: the demand overtakes.
+    assert_eq!(
+        submission_order_set(0, Some(1)),
+        vec![(1, 0), (0, 5), (1, 1), (1, 2)]
+    );
+    assert_eq!(
+        submission_order_set(1, Some(0)),
+        vec![(1, 0), (1, 1), (1, 2), (0, 5)]
+    );
 }
 
 #[test]

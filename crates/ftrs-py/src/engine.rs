@@ -27,7 +27,8 @@ pub struct PyTransferEngine {
 impl PyTransferEngine {
     #[new]
     #[pyo3(signature = (pool, num_slots, dst_address, dst_nbytes, backend = "host", policy = "lru",
-                        max_inflight_bytes = 0, pacing_bytes_per_s = 0.0, threads = 0))]
+                        max_inflight_bytes = 0, pacing_bytes_per_s = 0.0, threads = 0,
+                        max_inflight_prefetches = 1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         pool: &PyExpertPool,
@@ -39,6 +40,7 @@ impl PyTransferEngine {
         max_inflight_bytes: usize,
         pacing_bytes_per_s: f64,
         threads: usize,
+        max_inflight_prefetches: usize,
     ) -> PyResult<Self> {
         let policy = Policy::parse(policy).py()?;
         let clock: Arc<dyn Clock> = Arc::new(RealClock::new());
@@ -62,6 +64,7 @@ impl PyTransferEngine {
             num_slots,
             policy,
             max_inflight_bytes,
+            max_inflight_prefetches,
             pacing_bytes_per_s,
         };
         Ok(Self {
@@ -136,6 +139,12 @@ impl PyTransferEngine {
     /// guard calls it while serving.
     fn set_pacing(&self, bytes_per_s: f64) -> PyResult<()> {
         self.inner.set_pacing(bytes_per_s).py()
+    }
+
+    /// Sets how many prefetch copies may be in flight at once (0 = no limit): a started copy
+    /// cannot be overtaken, so this bounds how long a new demand waits behind prefetches.
+    fn set_max_inflight_prefetches(&self, n: usize) {
+        self.inner.set_max_inflight_prefetches(n)
     }
 
     /// The pacing rate in bytes per second; 0 when pacing is off.

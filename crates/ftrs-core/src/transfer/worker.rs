@@ -8,7 +8,7 @@
 
 use std::collections::VecDeque;
 
-use super::{lock, unpin, Inner};
+use super::{lock, unpin, Inner, Prio};
 use crate::backend::Completion;
 use crate::error::{CoreError, Result};
 use crate::raw::CopyJob;
@@ -26,7 +26,13 @@ pub(super) fn worker_loop(inner: &Inner) {
         let step = {
             let mut st = lock(&inner.state);
             loop {
-                let next = st.demand_q.front().or(st.prefetch_q.front()).copied();
+                let prefetch_room = st.max_inflight_prefetches == 0
+                    || st.inflight_prefetches < st.max_inflight_prefetches;
+                let next = st
+                    .demand_q
+                    .front()
+                    .or(st.prefetch_q.front().filter(|_| prefetch_room))
+                    .copied();
                 let fits = inner.max_inflight_bytes == 0
                     || st.inflight_bytes == 0
                     || st.inflight_bytes + eb <= inner.max_inflight_bytes;
@@ -60,7 +66,9 @@ pub(super) fn worker_loop(inner: &Inner) {
                     st.inflight_bytes += eb;
                     let t = st.transfers.get_mut(&tid).expect("queued transfer is live");
                     t.started = true;
+                    t.started_as_prefetch = t.prio == Prio::Prefetch;
                     let (key, slot) = (t.key, t.slot);
+                    st.inflight_prefetches += usize::from(t.started_as_prefetch);
                     let src = inner
                         .pool
                         .layout()
@@ -124,6 +132,7 @@ fn complete(inner: &Inner, tid: u64, r: Result<()>, eb: usize) {
     let st = &mut *st;
     let t = st.transfers.remove(&tid).expect("started transfer is live");
     st.inflight_bytes -= eb;
+    st.inflight_prefetches -= usize::from(t.started_as_prefetch);
     if !t.cancelled {
         st.inflight.remove(&t.key);
     }
