@@ -24,7 +24,7 @@
 
 #![forbid(unsafe_code)]
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
@@ -35,6 +35,7 @@ use crate::error::{CoreError, DeviceFault, Result};
 use crate::pool::ExpertPool;
 use crate::raw::Destination;
 
+mod lookup;
 mod worker;
 use worker::worker_loop;
 
@@ -278,149 +279,6 @@ impl TransferEngine {
     /// The backend's name.
     pub fn backend_name(&self) -> String {
         self.inner.backend.name()
-    }
-
-    /// One call per MoE layer (see module doc). Returns the slots of `demand`, in order, and a
-    /// ticket for [`Self::wait`].
-    pub fn lookup(&self, layer: u32, demand: &[u32], prefetch: &[Key]) -> Result<(Vec<u32>, u64)> {
-        let layout = self.inner.pool.layout();
-        for &e in demand {
-            layout.check(layer as usize, e as usize)?;
-        }
-        for &(l, e) in prefetch {
-            layout.check(l as usize, e as usize)?;
-        }
-        let mut st = lock(&self.inner.state);
-        let st = &mut *st;
-        let mut seen = HashSet::new();
-        let keys: Vec<Key> = demand
-            .iter()
-            .map(|&e| (layer, e))
-            .filter(|k| seen.insert(*k))
-            .collect();
-
-        // Phase 1: pin what is resident or in flight; collect misses.
-        let mut pinned_now = Vec::new();
-        let mut waits_on = Vec::new();
-        let mut misses = Vec::new();
-        for &key in &keys {
-            st.cache.access(key);
-            match st.cache.slot_for(key) {
-                Some(slot) => {
-                    st.cache.pin(slot);
-                    pinned_now.push(slot);
-                    if let Some(&tid) = st.inflight.get(&key) {
-                        waits_on.push(tid);
-                        // Upgrade now, so making room below never cancels what we wait on.
-                        let t = st
-                            .transfers
-                            .get_mut(&tid)
-                            .expect("in-flight map points at a live transfer");
-                        if t.prio == Prio::Prefetch {
-                            t.prio = Prio::Demand;
-                            if !t.started {
-                                st.prefetch_q.retain(|&x| x != tid);
-                                st.demand_q.push_back(tid);
-                            }
-                        }
-                    }
-                }
-                None => misses.push(key),
-            }
-        }
-        // Queued prefetches for this layer or an earlier one are stale: the forward has reached
-        // this layer, and those it needs were just moved to the demand queue above.
-        let stale: Vec<u64> = st
-            .prefetch_q
-            .iter()
-            .copied()
-            .filter(|tid| st.transfers.get(tid).is_some_and(|t| t.key.0 <= layer))
-            .collect();
-        if !stale.is_empty() {
-            st.prefetch_q.retain(|tid| !stale.contains(tid));
-            for tid in stale {
-                cancel_queued(st, tid);
-            }
-        }
-        while st.cache.evictable() < misses.len() {
-            let Some(tid) = st.prefetch_q.pop_back() else {
-                break;
-            };
-            cancel_queued(st, tid);
-        }
-        if st.cache.evictable() < misses.len() {
-            for slot in pinned_now {
-                unpin(st, slot);
-            }
-            return Err(CoreError::Capacity(format!(
-                "layer {layer} needs {} more slots but only {} of {} can be evicted",
-                misses.len(),
-                st.cache.evictable(),
-                st.cache.capacity()
-            )));
-        }
-
-        // Phase 2: commit.
-        let ticket = st.next_ticket;
-        st.next_ticket += 1;
-        let lstats = layer as usize;
-        st.stats.lookups += keys.len() as u64;
-        st.stats.hits += (keys.len() - misses.len() - waits_on.len()) as u64;
-        st.stats.layer_hits[lstats] += (keys.len() - misses.len() - waits_on.len()) as u64;
-        st.stats.misses += (misses.len() + waits_on.len()) as u64;
-        st.stats.layer_misses[lstats] += (misses.len() + waits_on.len()) as u64;
-        for &slot in &pinned_now {
-            if std::mem::take(&mut st.prefetched_unused[slot as usize]) {
-                st.stats.prefetch_used += 1;
-            }
-        }
-        for &tid in &waits_on {
-            let t = st
-                .transfers
-                .get_mut(&tid)
-                .expect("in-flight map points at a live transfer");
-            if t.was_prefetch && !t.used {
-                t.used = true;
-                st.stats.prefetch_used += 1;
-            }
-            t.waiters.push(ticket);
-        }
-        let mut remaining = waits_on.len();
-        for &key in &misses {
-            let slot = allocate(st, key).expect("capacity checked above");
-            st.cache.pin(slot);
-            pinned_now.push(slot);
-            queue(st, key, slot, Prio::Demand, Some(ticket));
-            st.stats.demand_fetches += 1;
-            remaining += 1;
-        }
-        st.tickets.insert(
-            ticket,
-            Ticket {
-                remaining,
-                error: None,
-            },
-        );
-        st.pinned.extend(pinned_now);
-
-        for &key in prefetch {
-            if st.cache.slot_for(key).is_some() || st.cache.evictable() == 0 {
-                continue;
-            }
-            let slot = allocate(st, key).expect("an evictable slot exists");
-            queue(st, key, slot, Prio::Prefetch, None);
-            st.stats.prefetch_issued += 1;
-        }
-        let slots = demand
-            .iter()
-            .map(|&e| {
-                st.cache
-                    .slot_for((layer, e))
-                    .expect("demanded key is resident or in flight")
-            })
-            .collect();
-        self.inner.work.notify_all();
-        Ok((slots, ticket))
     }
 
     /// Blocks until every demand transfer of `ticket` landed; returns the first failure.
