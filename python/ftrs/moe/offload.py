@@ -143,8 +143,13 @@ class OffloadStrategy(MoEStrategy):
         spare = self.num_slots - self.working_set
         if nxt is None or not self.prefetch or spare <= 0 or self._gated:
             return []
-        ids, _ = route(x, self.routers[nxt], self.spec.top_k, False)
-        guess = torch.unique(ids).tolist()[:spare]
+        ids, w = route(x, self.routers[nxt], self.spec.top_k, False)
+        # likeliest first (summed router weight over the batch): the engine keeps few
+        # prefetches in flight and `spare` may cut the list, so the order decides what goes
+        score = torch.zeros(self.spec.num_experts, dtype=torch.float32, device=ids.device)
+        score.index_add_(0, ids.flatten(), w.flatten().float())
+        ranked = torch.argsort(score, descending=True, stable=True)
+        guess = ranked[: int((score > 0).sum())].tolist()[:spare]
         self._predicted[nxt] = set(guess)
         li = self.experts.layer_index[nxt]
         return [(li, e) for e in guess]
