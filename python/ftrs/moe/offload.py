@@ -22,8 +22,8 @@ waits for all of them. Narrow forwards therefore keep at most one prefetch in fl
 wait in the engine's queue, where a demand goes first); wide ones keep no limit: their
 predictions are nearly all needed and back-to-back copies keep the link busy. Prefetches queued
 for a layer the forward has reached are dropped by the engine. Measured on the demo (2-core CPU,
-50% capacity, 0.5 GB/s link, prefetch on): 1.99 tok/s with one prefetch in flight against 1.93
-with no limit.
+50% capacity, prefetch on, two runs each): 1.99 and 1.99 tok/s with one prefetch in flight
+against 1.92 and 1.94 with no limit over a 0.5 GB/s link; within noise of each other at 2 GB/s.
 
 When a layer needs more experts than there are slots, it computes them in waves of at most
 `num_slots` experts, in ascending id, so any capacity from `top_k` upward works. Experts run
