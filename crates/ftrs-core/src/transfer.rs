@@ -11,16 +11,22 @@
 //!   Every transfer pins its slot until it ends, so a slot with a copy in flight is never a
 //!   victim. The ticket completes when the call's demand transfers have landed. Queued
 //!   prefetches for this layer or an earlier one are cancelled: the forward is past them.
-//! - The worker always takes the demand queue before the prefetch queue. It issues copies while
-//!   `inflight_bytes + bytes <= max_inflight_bytes` (0 = no limit; one copy always fits), a
-//!   prefetch only while fewer than `max_inflight_prefetches` are in flight (a started copy
-//!   cannot be overtaken, so this bounds how long a new demand waits behind prefetches), and the
-//!   token bucket allows (waiting on the clock; a real clock wait wakes early on new work so a
-//!   demand never waits behind a paced prefetch), and finishes the oldest in-flight copy.
-//! - `cancel_prefetches`: queued prefetches are dropped and their slots freed; a started one is
-//!   marked cancelled and its key detached at once (the slot is reserved, not published, and
-//!   freed when the copy ends), so a cancelled prefetch never lands.
-//! - Failures (backend errors, injected faults) free the slot and reach `wait(ticket)`.
+//! - The worker always takes the demand queue before the prefetch queue. A demand is copied in
+//!   one piece; a prefetch in chunks of `prefetch_chunk_bytes` (0 = whole), and it stays at the
+//!   head of its queue until its last chunk is issued, so a demand that arrives meanwhile goes
+//!   next: it waits behind the chunks in flight, not behind whole experts. The worker issues a
+//!   copy while `inflight_bytes + bytes <= max_inflight_bytes` (0 = no limit; one copy always
+//!   fits), a prefetch chunk only while fewer than `max_inflight_prefetches` are in flight (a
+//!   started copy cannot be overtaken, so this bounds how long a new demand waits behind
+//!   prefetches), and the token bucket allows (waiting on the clock; a real clock wait wakes
+//!   early on new work so a demand never waits behind a paced prefetch), and finishes the
+//!   oldest in-flight copy. A transfer lands when all its bytes have.
+//! - `cancel_prefetches`: a prefetch with no chunk in flight is dropped and its slot freed; one
+//!   with a chunk in flight is marked cancelled and its key detached at once (the slot is
+//!   reserved, not published, and freed when the chunk ends), so a cancelled prefetch never
+//!   lands. Its chunks not yet issued never are.
+//! - Failures (backend errors, injected faults) stop the transfer's remaining chunks, free the
+//!   slot and reach `wait(ticket)`.
 
 #![forbid(unsafe_code)]
 
@@ -53,6 +59,9 @@ pub struct EngineConfig {
     /// arrives while prefetches are in flight waits for them all: 1 bounds that wait by one
     /// expert, at the price of a gap between consecutive prefetches (the worker's turnaround).
     pub max_inflight_prefetches: usize,
+    /// A prefetch is copied in chunks of this many bytes (0 = the whole expert at once), so a
+    /// demand that arrives while it is on the link waits for one chunk, not for the expert.
+    pub prefetch_chunk_bytes: usize,
     /// Pacing rate in bytes/s; 0 = off.
     pub pacing_bytes_per_s: f64,
 }
@@ -60,7 +69,8 @@ pub struct EngineConfig {
 /// Counters, read in one call (see DESIGN.md "Metrics").
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Stats {
-    /// Bytes landed host → device.
+    /// Bytes landed host → device: every finished copy, a cancelled prefetch's chunks included
+    /// (they crossed the link).
     pub bytes_h2d: u64,
     /// Demanded experts looked up (duplicates in one call count once).
     pub lookups: u64,
@@ -78,9 +88,9 @@ pub struct Stats {
     pub prefetch_wasted: u64,
     /// Prefetches cancelled (queued or started).
     pub prefetch_cancelled: u64,
-    /// Transfers queued, not started (gauge).
+    /// Transfers with bytes not yet issued (gauge).
     pub queue_depth: u64,
-    /// Bytes of started, unfinished copies (gauge).
+    /// Bytes of issued, unfinished copies (gauge).
     pub inflight_bytes: u64,
     /// Hits per layer.
     pub layer_hits: Vec<u64>,
@@ -106,12 +116,19 @@ struct Transfer {
     was_prefetch: bool,
     /// A prefetch that was demanded before landing.
     used: bool,
-    /// Copy started (no longer in a queue).
-    started: bool,
-    /// Cancelled after starting: the result is discarded and the slot freed.
+    /// Bytes issued to the backend so far; in a queue while below `expert_bytes`.
+    issued: usize,
+    /// Bytes landed so far; the transfer lands at `expert_bytes`.
+    landed: usize,
+    /// Bytes issued and not finished (the copies in flight; > 0 for each one).
+    inflight_bytes: usize,
+    /// Copies in flight that were issued as prefetch chunks.
+    inflight_prefetch_chunks: usize,
+    /// Cancelled with a copy in flight: nothing more is issued, the result is discarded and
+    /// the slot freed when the last copy ends.
     cancelled: bool,
-    /// Started as a prefetch (counted in `inflight_prefetches` until it ends).
-    started_as_prefetch: bool,
+    /// The first failed copy: nothing more is issued; reported to the waiters at the end.
+    error: Option<CoreError>,
     /// Tickets completed by this transfer.
     waiters: Vec<u64>,
 }
@@ -132,15 +149,15 @@ struct State {
     ready: Vec<bool>,
     /// `prefetched_unused[s]`: landed by a prefetch and not demanded since.
     prefetched_unused: Vec<bool>,
-    /// Live transfers (queued or started) by id.
+    /// Live transfers (queued or in flight) by id.
     transfers: HashMap<u64, Transfer>,
     /// Key → its live, non-cancelled transfer: never two for one key.
     inflight: HashMap<Key, u64>,
     /// Next transfer id.
     next_transfer: u64,
-    /// Demand transfers not started, FIFO.
+    /// Demand transfers with bytes not yet issued, FIFO.
     demand_q: VecDeque<u64>,
-    /// Prefetch transfers not started, FIFO.
+    /// Prefetch transfers with bytes not yet issued, FIFO (the head may be partly issued).
     prefetch_q: VecDeque<u64>,
     /// Tickets not yet waited on.
     tickets: HashMap<u64, Ticket>,
@@ -148,10 +165,12 @@ struct State {
     next_ticket: u64,
     /// Slots pinned by lookups since the last release (one entry per pin).
     pinned: Vec<u32>,
-    /// Sum of bytes of started transfers.
+    /// Bytes of copies in flight.
     inflight_bytes: usize,
-    /// Started transfers that were prefetches when they started.
+    /// Copies in flight that were issued as prefetch chunks.
     inflight_prefetches: usize,
+    /// Chunk size of prefetch copies; 0 = whole expert.
+    prefetch_chunk_bytes: usize,
     /// Prefetch copies in flight at most; 0 = unlimited (changeable while running).
     max_inflight_prefetches: usize,
     /// Armed fault drill: (kind, copies to let through first).
@@ -242,6 +261,7 @@ impl TransferEngine {
             inflight_bytes: 0,
             inflight_prefetches: 0,
             max_inflight_prefetches: cfg.max_inflight_prefetches,
+            prefetch_chunk_bytes: cfg.prefetch_chunk_bytes,
             fault: None,
             bucket,
             stats: Stats {
@@ -314,23 +334,18 @@ impl TransferEngine {
         let st = &mut *st;
         let mut n = 0;
         while let Some(tid) = st.prefetch_q.pop_front() {
-            cancel_queued(st, tid);
+            drop_prefetch(st, tid);
             n += 1;
         }
-        let started: Vec<u64> = st
+        // Wholly issued, still in flight.
+        let flying: Vec<u64> = st
             .transfers
             .iter()
-            .filter(|(_, t)| t.started && t.prio == Prio::Prefetch && !t.cancelled)
+            .filter(|(_, t)| t.prio == Prio::Prefetch && !t.cancelled)
             .map(|(id, _)| *id)
             .collect();
-        for tid in started {
-            let t = st.transfers.get_mut(&tid).expect("listed above");
-            t.cancelled = true;
-            let (key, slot) = (t.key, t.slot);
-            st.inflight.remove(&key);
-            st.cache.detach(slot);
-            st.stats.prefetch_cancelled += 1;
-            st.stats.prefetch_wasted += 1;
+        for tid in flying {
+            drop_prefetch(st, tid);
             n += 1;
         }
         n
@@ -399,6 +414,12 @@ impl TransferEngine {
         self.inner.work.notify_all();
     }
 
+    /// Sets the chunk size of prefetch copies issued from now on (0 = whole expert; see
+    /// [`EngineConfig::prefetch_chunk_bytes`]).
+    pub fn set_prefetch_chunk_bytes(&self, n: usize) {
+        lock(&self.inner.state).prefetch_chunk_bytes = n;
+    }
+
     /// The pacing rate in bytes per second; 0 when pacing is off.
     pub fn pacing_bytes_per_s(&self) -> f64 {
         lock(&self.inner.state)
@@ -411,16 +432,26 @@ impl TransferEngine {
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         let st = lock(&self.inner.state);
         st.cache.check_invariants()?;
-        let bytes: usize = st.transfers.values().filter(|t| t.started).count()
-            * self.inner.pool.layout().expert_bytes();
+        let eb = self.inner.pool.layout().expert_bytes();
+        let bytes: usize = st.transfers.values().map(|t| t.inflight_bytes).sum();
         if bytes != st.inflight_bytes {
             return Err(format!("inflight_bytes {} != {bytes}", st.inflight_bytes));
         }
-        let prefetches = st
+        for (tid, t) in &st.transfers {
+            let queued = st.demand_q.contains(tid) || st.prefetch_q.contains(tid);
+            let open = t.issued < eb && !t.cancelled && t.error.is_none();
+            if queued != open || t.landed + t.inflight_bytes > t.issued || t.issued > eb {
+                return Err(format!(
+                    "transfer {tid} of {:?}: queued {queued}, issued {}, landed {}, in flight {}",
+                    t.key, t.issued, t.landed, t.inflight_bytes
+                ));
+            }
+        }
+        let prefetches: usize = st
             .transfers
             .values()
-            .filter(|t| t.started && t.started_as_prefetch)
-            .count();
+            .map(|t| t.inflight_prefetch_chunks)
+            .sum();
         if prefetches != st.inflight_prefetches {
             return Err(format!(
                 "inflight_prefetches {} != {prefetches}",
@@ -439,7 +470,7 @@ impl TransferEngine {
 
 impl Drop for TransferEngine {
     fn drop(&mut self) {
-        // Queued prefetches are dropped; demand copies and started ones finish before the join.
+        // Prefetches are dropped; demand copies and copies in flight finish before the join.
         self.cancel_prefetches();
         lock(&self.inner.state).shutdown = true;
         self.inner.work.notify_all();
@@ -471,9 +502,12 @@ fn queue(st: &mut State, key: Key, slot: u32, prio: Prio, ticket: Option<u64>) {
         prio,
         was_prefetch: prio == Prio::Prefetch,
         used: false,
-        started: false,
+        issued: 0,
+        landed: 0,
+        inflight_bytes: 0,
+        inflight_prefetch_chunks: 0,
         cancelled: false,
-        started_as_prefetch: false,
+        error: None,
         waiters: ticket.into_iter().collect(),
     };
     st.transfers.insert(tid, t);
@@ -485,17 +519,29 @@ fn queue(st: &mut State, key: Key, slot: u32, prio: Prio, ticket: Option<u64>) {
     }
 }
 
-/// Drops a queued (not started) prefetch and frees its slot.
-fn cancel_queued(st: &mut State, tid: u64) {
-    let t = st.transfers.remove(&tid).expect("queued transfer is live");
-    debug_assert!(!t.started && t.prio == Prio::Prefetch && t.waiters.is_empty());
-    st.inflight.remove(&t.key);
-    unpin(st, t.slot);
-    if st.cache.pins(t.slot) == 0 && st.cache.id_of_slot(t.slot).is_some() {
-        st.cache.free(t.slot);
-    }
+/// Cancels prefetch `tid`, which the caller took out of the prefetch queue if it was there.
+/// With no copy in flight it is dropped and its slot freed; otherwise its key is detached at
+/// once and the slot, reserved, is freed when its last copy ends.
+fn drop_prefetch(st: &mut State, tid: u64) {
+    let t = st
+        .transfers
+        .get_mut(&tid)
+        .expect("cancelled transfer is live");
+    debug_assert!(t.prio == Prio::Prefetch && !t.cancelled && t.waiters.is_empty());
+    let (key, slot) = (t.key, t.slot);
     st.stats.prefetch_cancelled += 1;
     st.stats.prefetch_wasted += 1;
+    st.inflight.remove(&key);
+    if t.inflight_bytes > 0 {
+        t.cancelled = true;
+        st.cache.detach(slot);
+        return;
+    }
+    st.transfers.remove(&tid);
+    unpin(st, slot);
+    if st.cache.pins(slot) == 0 && st.cache.id_of_slot(slot).is_some() {
+        st.cache.free(slot);
+    }
 }
 
 /// Drops one pin; a reserved slot (detached key) is freed at its last pin.

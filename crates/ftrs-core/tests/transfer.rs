@@ -54,6 +54,18 @@ fn engine_paced(
     budget: usize,
     pace: f64,
 ) -> (TransferEngine, Box<Dst>) {
+    engine_chunked(pool, slots, backend, clock, budget, pace, 0)
+}
+
+fn engine_chunked(
+    pool: Arc<ExpertPool>,
+    slots: usize,
+    backend: Arc<dyn CopyBackend>,
+    clock: Arc<dyn Clock>,
+    budget: usize,
+    pace: f64,
+    chunk: usize,
+) -> (TransferEngine, Box<Dst>) {
     let mut dst = Box::new(Dst {
         buf: vec![0u8; slots * pool.layout().expert_bytes()],
     });
@@ -66,6 +78,7 @@ fn engine_paced(
         policy: Policy::Lru,
         max_inflight_bytes: budget,
         max_inflight_prefetches: 1,
+        prefetch_chunk_bytes: chunk,
         pacing_bytes_per_s: pace,
     };
     let eng = TransferEngine::new(pool, d, cfg, backend, clock).unwrap();
@@ -73,13 +86,20 @@ fn engine_paced(
 }
 
 fn host_engine(slots: usize) -> (TransferEngine, Box<Dst>, Arc<ExpertPool>) {
+    host_engine_chunked(slots, 0)
+}
+
+/// A host engine whose prefetches are copied in chunks of `chunk` bytes.
+fn host_engine_chunked(slots: usize, chunk: usize) -> (TransferEngine, Box<Dst>, Arc<ExpertPool>) {
     let p = pool();
-    let (e, d) = engine_on(
+    let (e, d) = engine_chunked(
         Arc::clone(&p),
         slots,
         Arc::new(HostBackend { threads: 1 }),
         Arc::new(RealClock::new()),
         0,
+        0.0,
+        chunk,
     );
     (e, d, p)
 }
@@ -313,6 +333,7 @@ fn submission_order_set(max_inflight_prefetches: usize, set: Option<usize>) -> V
         policy: Policy::Lru,
         max_inflight_bytes: 0,
         max_inflight_prefetches,
+        prefetch_chunk_bytes: 0,
         pacing_bytes_per_s: 0.0,
     };
     let eng = TransferEngine::new(p, dst, cfg, stream.clone(), Arc::new(RealClock::new())).unwrap();
@@ -508,8 +529,9 @@ proptest! {
              proptest::collection::vec((0u32..LAYERS as u32, 0u32..EXPERTS as u32), 0..4)),
             1..40),
         slots in 4usize..10,
+        chunk in prop_oneof![Just(0usize), 1usize..200],
     ) {
-        let rig = host_engine(slots);
+        let rig = host_engine_chunked(slots, chunk);
     let (eng, dst, p) = (&rig.0, &*rig.1, &rig.2);
         let mut held: Vec<((u32, u32), u32)> = Vec::new();
         for (op, layer, demand, prefetch) in ops {
@@ -541,4 +563,164 @@ proptest! {
             }
         }
     }
+}
+
+/// An engine over a [`Stream`] (completions held until opened) with one prefetch copy in
+/// flight and prefetches copied in chunks of `chunk` bytes.
+fn streamed(chunk: usize) -> (TransferEngine, Box<Dst>, Arc<ExpertPool>, Arc<Stream>) {
+    let p = pool();
+    let stream = Arc::new(Stream {
+        inner: HostBackend { threads: 1 },
+        open: Mutex::new(false),
+        cv: Condvar::new(),
+        order: Mutex::new(Vec::new()),
+        pool_addr: p.address(),
+        eb: p.layout().expert_bytes(),
+    });
+    let (e, d) = engine_chunked(
+        Arc::clone(&p),
+        8,
+        stream.clone(),
+        Arc::new(RealClock::new()),
+        0,
+        0.0,
+        chunk,
+    );
+    (e, d, p, stream)
+}
+
+fn open_stream(s: &Stream) {
+    *s.open.lock().unwrap() = true;
+    s.cv.notify_all();
+}
+
+fn slot_of(eng: &TransferEngine, key: (u32, u32)) -> Option<u32> {
+    eng.resident()
+        .iter()
+        .find(|&&(l, e, _)| (l, e) == key)
+        .map(|r| r.2)
+}
+
+#[test]
+fn a_demand_overtakes_a_chunked_prefetch_between_its_chunks() {
+    let rig = streamed(64);
+    let (eng, dst, p, stream) = (&rig.0, &*rig.1, &rig.2, &rig.3);
+    assert_eq!(
+        p.layout().expert_bytes(),
+        192,
+        "three chunks of 64 bytes per expert"
+    );
+    // The first chunk of (1,0) is on the link; its other two wait (one prefetch copy at a time).
+    eng.lookup(0, &[], &[(1, 0)]).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let (slots, t) = eng.lookup(0, &[5], &[]).unwrap();
+    open_stream(stream);
+    eng.wait(t).unwrap();
+    idle(eng);
+    assert_eq!(
+        stream.order.lock().unwrap().clone(),
+        vec![(1, 0), (0, 5), (1, 0), (1, 0)]
+    );
+    assert_eq!(slot_byte(dst, p, slots[0]), 5 + 1);
+    let s = slot_of(eng, (1, 0)).expect("the prefetch landed whole");
+    assert_eq!(slot_byte(dst, p, s), 16 + 1);
+    assert_eq!(eng.stats().bytes_h2d, 2 * 192);
+    eng.check_invariants().unwrap();
+}
+
+#[test]
+fn a_chunked_prefetch_demanded_midway_ends_as_one_demand_copy() {
+    let rig = streamed(64);
+    let (eng, dst, p, stream) = (&rig.0, &*rig.1, &rig.2, &rig.3);
+    eng.lookup(0, &[], &[(1, 0)]).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    // Demanded with one chunk on the link: the other 128 bytes go as one demand copy, and
+    // the ticket waits for both.
+    let (slots, t) = eng.lookup(1, &[0], &[]).unwrap();
+    open_stream(stream);
+    eng.wait(t).unwrap();
+    assert_eq!(slot_byte(dst, p, slots[0]), 16 + 1);
+    idle(eng);
+    let s = eng.stats();
+    assert_eq!(
+        (s.prefetch_used, s.demand_fetches, s.bytes_h2d),
+        (1, 0, 192)
+    );
+    assert_eq!(stream.order.lock().unwrap().len(), 2);
+    eng.check_invariants().unwrap();
+}
+
+#[test]
+fn a_cancelled_chunked_prefetch_issues_no_more_chunks_and_never_lands() {
+    let rig = streamed(64);
+    let (eng, _dst, _p, stream) = (&rig.0, &*rig.1, &rig.2, &rig.3);
+    eng.lookup(0, &[], &[(2, 1), (2, 2)]).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(eng.cancel_prefetches(), 2);
+    eng.check_invariants().unwrap();
+    open_stream(stream);
+    idle(eng);
+    assert_eq!(stream.order.lock().unwrap().clone(), vec![(2, 1)]);
+    assert!(eng.resident().is_empty(), "{:?}", eng.resident());
+    let s = eng.stats();
+    // the one chunk crossed the link
+    assert_eq!((s.prefetch_cancelled, s.bytes_h2d), (2, 64));
+    eng.check_invariants().unwrap();
+    let (_, t) = eng.lookup(0, &[0, 1, 2, 3, 4, 5, 6, 7], &[]).unwrap();
+    eng.wait(t).unwrap();
+}
+
+#[test]
+fn chunked_prefetches_land_whole_for_any_chunk_size() {
+    for chunk in [1, 50, 64, 191, 192, 1000] {
+        let rig = host_engine_chunked(8, chunk);
+        let (eng, dst, p) = (&rig.0, &*rig.1, &rig.2);
+        eng.lookup(0, &[], &[(1, 2), (2, 7), (1, 5)]).unwrap();
+        idle(eng);
+        let (slots, t) = eng.lookup(1, &[2, 5], &[]).unwrap();
+        eng.wait(t).unwrap();
+        assert_eq!(slot_byte(dst, p, slots[0]), 16 + 2 + 1, "chunk {chunk}");
+        assert_eq!(slot_byte(dst, p, slots[1]), 16 + 5 + 1, "chunk {chunk}");
+        let s = eng.stats();
+        assert_eq!(
+            (s.hits, s.prefetch_used, s.bytes_h2d),
+            (2, 2, 3 * 192),
+            "chunk {chunk}"
+        );
+        eng.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn a_failed_chunk_fails_its_whole_prefetch_and_frees_the_slot() {
+    let rig = host_engine_chunked(4, 64);
+    let (eng, dst, p) = (&rig.0, &*rig.1, &rig.2);
+    eng.inject_fault(DeviceFault::DeviceLost, 1); // the second chunk fails
+    eng.lookup(0, &[], &[(1, 3)]).unwrap();
+    idle(eng);
+    eng.check_invariants().unwrap();
+    assert!(eng.resident().is_empty(), "{:?}", eng.resident());
+    assert_eq!(eng.stats().bytes_h2d, 64);
+    // fetched again, whole, on demand
+    let (slots, t) = eng.lookup(1, &[3], &[]).unwrap();
+    eng.wait(t).unwrap();
+    assert_eq!(slot_byte(dst, p, slots[0]), 16 + 3 + 1);
+    assert_eq!(eng.stats().misses, 1);
+}
+
+#[test]
+fn chunks_keep_a_simulated_link_busy_for_exactly_the_bytes() {
+    let clock = Arc::new(VirtualClock::new());
+    let p = pool();
+    let eb = p.layout().expert_bytes();
+    // 1 byte per ns, no per-copy latency: 50-byte chunks cost the link nothing extra.
+    let link = Arc::new(SimulatedBackend::new(1.0, 0.0, clock.clone(), 1).unwrap());
+    let rig = engine_chunked(Arc::clone(&p), 8, link, clock.clone(), 0, 0.0, 50);
+    let eng = &rig.0;
+    eng.lookup(0, &[], &[(1, 0), (1, 1)]).unwrap();
+    idle(eng);
+    let took = clock.now().as_secs_f64();
+    let expect = 2.0 * eb as f64 * 1e-9;
+    assert!((took - expect).abs() < 1e-12, "{took} vs {expect}");
+    assert_eq!(eng.stats().bytes_h2d, 2 * eb as u64);
 }

@@ -28,7 +28,7 @@ impl PyTransferEngine {
     #[new]
     #[pyo3(signature = (pool, num_slots, dst_address, dst_nbytes, backend = "host", policy = "lru",
                         max_inflight_bytes = 0, pacing_bytes_per_s = 0.0, threads = 0,
-                        max_inflight_prefetches = 1))]
+                        max_inflight_prefetches = 1, prefetch_chunk_bytes = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         pool: &PyExpertPool,
@@ -41,6 +41,7 @@ impl PyTransferEngine {
         pacing_bytes_per_s: f64,
         threads: usize,
         max_inflight_prefetches: usize,
+        prefetch_chunk_bytes: usize,
     ) -> PyResult<Self> {
         let policy = Policy::parse(policy).py()?;
         let clock: Arc<dyn Clock> = Arc::new(RealClock::new());
@@ -65,6 +66,7 @@ impl PyTransferEngine {
             policy,
             max_inflight_bytes,
             max_inflight_prefetches,
+            prefetch_chunk_bytes,
             pacing_bytes_per_s,
         };
         Ok(Self {
@@ -145,6 +147,11 @@ impl PyTransferEngine {
     /// cannot be overtaken, so this bounds how long a new demand waits behind prefetches.
     fn set_max_inflight_prefetches(&self, n: usize) {
         self.inner.set_max_inflight_prefetches(n)
+    }
+
+    /// Sets the chunk size of prefetch copies issued from now on (0 = whole expert).
+    fn set_prefetch_chunk_bytes(&self, n: usize) {
+        self.inner.set_prefetch_chunk_bytes(n)
     }
 
     /// The pacing rate in bytes per second; 0 when pacing is off.

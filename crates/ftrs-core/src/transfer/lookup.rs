@@ -6,7 +6,7 @@
 
 use std::collections::HashSet;
 
-use super::{allocate, cancel_queued, lock, queue, unpin, Prio, Ticket, TransferEngine};
+use super::{allocate, drop_prefetch, lock, queue, unpin, Prio, Ticket, TransferEngine};
 use crate::cache::Key;
 use crate::error::{CoreError, Result};
 
@@ -49,7 +49,8 @@ impl TransferEngine {
                             .expect("in-flight map points at a live transfer");
                         if t.prio == Prio::Prefetch {
                             t.prio = Prio::Demand;
-                            if !t.started {
+                            // its bytes not yet issued go next, in one piece
+                            if st.prefetch_q.contains(&tid) {
                                 st.prefetch_q.retain(|&x| x != tid);
                                 st.demand_q.push_back(tid);
                             }
@@ -70,14 +71,14 @@ impl TransferEngine {
         if !stale.is_empty() {
             st.prefetch_q.retain(|tid| !stale.contains(tid));
             for tid in stale {
-                cancel_queued(st, tid);
+                drop_prefetch(st, tid);
             }
         }
         while st.cache.evictable() < misses.len() {
             let Some(tid) = st.prefetch_q.pop_back() else {
                 break;
             };
-            cancel_queued(st, tid);
+            drop_prefetch(st, tid);
         }
         if st.cache.evictable() < misses.len() {
             for slot in pinned_now {

@@ -1,5 +1,6 @@
-//! The transfer worker: issues copies (demand queue first) within the byte budget and the
-//! pacing bucket, and finishes them oldest first (see the parent module's doc).
+//! The transfer worker: issues copies (demand queue first; a demand whole, a prefetch in
+//! chunks) within the byte budget and the pacing bucket, and finishes them oldest first (see
+//! the parent module's doc).
 //!
 //! Locking: decisions happen under the state lock; `submit` and `finish` on the backend run
 //! without it, so `lookup` never waits for a copy.
@@ -8,20 +9,30 @@
 
 use std::collections::VecDeque;
 
-use super::{lock, unpin, Inner, Prio};
+use super::{lock, unpin, Inner, Prio, State};
 use crate::backend::Completion;
 use crate::error::{CoreError, Result};
 use crate::raw::CopyJob;
 
+/// One copy issued to the backend: a whole transfer or one chunk of it.
+struct Issued {
+    /// The transfer.
+    tid: u64,
+    /// Bytes of this copy.
+    len: usize,
+    /// Issued as a prefetch chunk (counted in `inflight_prefetches` until it ends).
+    prefetch: bool,
+}
+
 enum Step {
-    Submit(u64, CopyJob, Option<CoreError>),
+    Submit(Issued, CopyJob, Option<CoreError>),
     Finish,
     Exit,
 }
 
 pub(super) fn worker_loop(inner: &Inner) {
     let eb = inner.pool.layout().expert_bytes();
-    let mut pending: VecDeque<(u64, Result<Completion>)> = VecDeque::new();
+    let mut pending: VecDeque<(Issued, Result<Completion>)> = VecDeque::new();
     loop {
         let step = {
             let mut st = lock(&inner.state);
@@ -32,16 +43,19 @@ pub(super) fn worker_loop(inner: &Inner) {
                     .demand_q
                     .front()
                     .or(st.prefetch_q.front().filter(|_| prefetch_room))
-                    .copied();
-                let fits = inner.max_inflight_bytes == 0
-                    || st.inflight_bytes == 0
-                    || st.inflight_bytes + eb <= inner.max_inflight_bytes;
-                if let (Some(tid), true) = (next, fits) {
+                    .copied()
+                    .map(|tid| (tid, next_len(&st, tid, eb)));
+                let fits = |len: usize| {
+                    inner.max_inflight_bytes == 0
+                        || st.inflight_bytes == 0
+                        || st.inflight_bytes + len <= inner.max_inflight_bytes
+                };
+                if let Some((tid, len)) = next.filter(|&(_, len)| fits(len)) {
                     let now = inner.clock.now();
                     let delay = st
                         .bucket
                         .as_mut()
-                        .map_or(std::time::Duration::ZERO, |b| b.delay_for(now, eb));
+                        .map_or(std::time::Duration::ZERO, |b| b.delay_for(now, len));
                     if !delay.is_zero() {
                         if !pending.is_empty() {
                             break Step::Finish;
@@ -56,25 +70,30 @@ pub(super) fn worker_loop(inner: &Inner) {
                         continue;
                     }
                     if let Some(b) = st.bucket.as_mut() {
-                        b.consume(now, eb);
+                        b.consume(now, len);
                     }
-                    if st.demand_q.front() == Some(&tid) {
-                        st.demand_q.pop_front();
-                    } else {
-                        st.prefetch_q.pop_front();
-                    }
-                    st.inflight_bytes += eb;
                     let t = st.transfers.get_mut(&tid).expect("queued transfer is live");
-                    t.started = true;
-                    t.started_as_prefetch = t.prio == Prio::Prefetch;
-                    let (key, slot) = (t.key, t.slot);
-                    st.inflight_prefetches += usize::from(t.started_as_prefetch);
+                    let prefetch = t.prio == Prio::Prefetch;
+                    let (key, slot, at) = (t.key, t.slot, t.issued);
+                    t.issued += len;
+                    t.inflight_bytes += len;
+                    t.inflight_prefetch_chunks += usize::from(prefetch);
+                    if t.issued == eb {
+                        if st.demand_q.front() == Some(&tid) {
+                            st.demand_q.pop_front();
+                        } else {
+                            st.prefetch_q.pop_front();
+                        }
+                    }
+                    st.inflight_bytes += len;
+                    st.inflight_prefetches += usize::from(prefetch);
                     let src = inner
                         .pool
                         .layout()
                         .block_offset(key.0 as usize, key.1 as usize);
                     let job = src.and_then(|off| {
-                        CopyJob::new(inner.pool.region(), off, &inner.dst, slot as usize * eb, eb)
+                        let dst_off = slot as usize * eb + at;
+                        CopyJob::new(inner.pool.region(), off + at, &inner.dst, dst_off, len)
                     });
                     let fault = match st.fault {
                         Some((kind, 0)) => {
@@ -92,10 +111,11 @@ pub(super) fn worker_loop(inner: &Inner) {
                         }
                         None => None,
                     };
+                    let issued = Issued { tid, len, prefetch };
                     match job {
-                        Ok(job) => break Step::Submit(tid, job, fault),
+                        Ok(job) => break Step::Submit(issued, job, fault),
                         Err(e) => {
-                            pending.push_back((tid, Err(e)));
+                            pending.push_back((issued, Err(e)));
                             continue;
                         }
                     }
@@ -110,40 +130,77 @@ pub(super) fn worker_loop(inner: &Inner) {
             }
         };
         match step {
-            Step::Submit(tid, job, fault) => {
+            Step::Submit(issued, job, fault) => {
                 let r = match fault {
                     Some(e) => Err(e),
                     None => inner.backend.submit(&job),
                 };
-                pending.push_back((tid, r));
+                pending.push_back((issued, r));
             }
             Step::Finish => {
-                let (tid, c) = pending.pop_front().expect("pending is non-empty");
+                let (issued, c) = pending.pop_front().expect("pending is non-empty");
                 let r = c.and_then(|c| inner.backend.finish(c));
-                complete(inner, tid, r, eb);
+                complete(inner, &issued, r, eb);
             }
             Step::Exit => return,
         }
     }
 }
 
-fn complete(inner: &Inner, tid: u64, r: Result<()>, eb: usize) {
+/// Bytes of the next copy of queued transfer `tid`: a prefetch's next chunk, or all that is left.
+fn next_len(st: &State, tid: u64, eb: usize) -> usize {
+    let t = &st.transfers[&tid];
+    let left = eb - t.issued;
+    match (t.prio, st.prefetch_chunk_bytes) {
+        (Prio::Prefetch, c) if c > 0 => c.min(left),
+        _ => left,
+    }
+}
+
+/// One copy ended (`r`): counts its bytes; the transfer ends once none of its copies is in
+/// flight and it landed whole, failed or was cancelled.
+fn complete(inner: &Inner, c: &Issued, r: Result<()>, eb: usize) {
     let mut st = lock(&inner.state);
     let st = &mut *st;
-    let t = st.transfers.remove(&tid).expect("started transfer is live");
-    st.inflight_bytes -= eb;
-    st.inflight_prefetches -= usize::from(t.started_as_prefetch);
+    st.inflight_bytes -= c.len;
+    st.inflight_prefetches -= usize::from(c.prefetch);
+    let t = st
+        .transfers
+        .get_mut(&c.tid)
+        .expect("issued transfer is live");
+    t.inflight_bytes -= c.len;
+    t.inflight_prefetch_chunks -= usize::from(c.prefetch);
+    match r {
+        Ok(()) => {
+            t.landed += c.len;
+            st.stats.bytes_h2d += c.len as u64;
+        }
+        Err(e) => {
+            if t.error.is_none() {
+                t.error = Some(e);
+            }
+            // nothing more of it is issued
+            if t.issued < eb && !t.cancelled {
+                st.demand_q.retain(|&x| x != c.tid);
+                st.prefetch_q.retain(|&x| x != c.tid);
+            }
+        }
+    }
+    let ended = t.inflight_bytes == 0 && (t.landed == eb || t.cancelled || t.error.is_some());
+    if !ended {
+        return;
+    }
+    let t = st.transfers.remove(&c.tid).expect("present above");
     if !t.cancelled {
         st.inflight.remove(&t.key);
     }
     let s = t.slot as usize;
-    match (&r, t.cancelled) {
-        (Ok(()), false) => {
+    match (&t.error, t.cancelled) {
+        (None, false) => {
             st.ready[s] = true;
             st.prefetched_unused[s] = t.was_prefetch && !t.used;
-            st.stats.bytes_h2d += eb as u64;
         }
-        (Err(_), false) => {
+        (Some(_), false) => {
             st.cache.detach(t.slot);
         }
         (_, true) => {}
@@ -152,7 +209,7 @@ fn complete(inner: &Inner, tid: u64, r: Result<()>, eb: usize) {
     for w in &t.waiters {
         if let Some(tk) = st.tickets.get_mut(w) {
             tk.remaining -= 1;
-            if let (Err(e), None) = (&r, &tk.error) {
+            if let (Some(e), None) = (&t.error, &tk.error) {
                 tk.error = Some(e.clone());
             }
         }
