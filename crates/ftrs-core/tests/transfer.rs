@@ -128,6 +128,17 @@ fn idle(eng: &TransferEngine) {
     panic!("engine never went idle");
 }
 
+/// Runs its closure when dropped. Declared after an engine over a held backend ([`Gate`],
+/// [`Stream`]) it opens the backend first, so a failed assertion unwinds instead of hanging in
+/// the engine's drop, which waits for the copies in flight.
+struct OpenOnDrop<F: Fn()>(F);
+
+impl<F: Fn()> Drop for OpenOnDrop<F> {
+    fn drop(&mut self) {
+        (self.0)()
+    }
+}
+
 /// Records the order of copies (as keys) and blocks every copy until the gate opens.
 #[derive(Debug)]
 struct Gate {
@@ -220,6 +231,7 @@ fn demanded_bytes_land_in_the_returned_slots_and_hit_the_second_time() {
 #[test]
 fn a_demand_never_waits_behind_a_queued_prefetch() {
     let rig = gated(8);
+    let _open = OpenOnDrop(|| rig.3.open());
     let (eng, _dst, _p, gate) = (&rig.0, &*rig.1, &rig.2, &rig.3);
     // (0,0) starts and blocks at the gate; three prefetches queue behind it.
     let (_, t0) = eng.lookup(0, &[0], &[(1, 0), (1, 1), (1, 2)]).unwrap();
@@ -236,6 +248,7 @@ fn a_demand_never_waits_behind_a_queued_prefetch() {
 #[test]
 fn a_demand_for_an_inflight_prefetch_upgrades_it_instead_of_fetching_twice() {
     let rig = gated(8);
+    let _open = OpenOnDrop(|| rig.3.open());
     let (eng, dst, p, gate) = (&rig.0, &*rig.1, &rig.2, &rig.3);
     let (_, t0) = eng.lookup(0, &[0], &[(1, 0), (1, 1), (1, 2)]).unwrap();
     std::thread::sleep(Duration::from_millis(20));
@@ -256,6 +269,7 @@ fn a_demand_for_an_inflight_prefetch_upgrades_it_instead_of_fetching_twice() {
 #[test]
 fn queued_prefetches_of_layers_the_lookups_reached_are_cancelled() {
     let rig = gated(8);
+    let _open = OpenOnDrop(|| rig.3.open());
     let (eng, _dst, _p, gate) = (&rig.0, &*rig.1, &rig.2, &rig.3);
     // (0,0) blocks at the gate; prefetches for layers 1 and 2 queue behind it.
     let (_, t0) = eng.lookup(0, &[0], &[(1, 4), (2, 4), (1, 5)]).unwrap();
@@ -337,6 +351,7 @@ fn submission_order_set(max_inflight_prefetches: usize, set: Option<usize>) -> V
         pacing_bytes_per_s: 0.0,
     };
     let eng = TransferEngine::new(p, dst, cfg, stream.clone(), Arc::new(RealClock::new())).unwrap();
+    let _open = OpenOnDrop(|| open_stream(&stream));
     if let Some(n) = set {
         eng.set_max_inflight_prefetches(n);
     }
@@ -344,8 +359,7 @@ fn submission_order_set(max_inflight_prefetches: usize, set: Option<usize>) -> V
     eng.wait(t).unwrap();
     std::thread::sleep(Duration::from_millis(20));
     let (_, t) = eng.lookup(0, &[5], &[]).unwrap();
-    *stream.open.lock().unwrap() = true;
-    stream.cv.notify_all();
+    open_stream(&stream);
     eng.wait(t).unwrap();
     idle(&eng);
     eng.check_invariants().unwrap();
@@ -380,6 +394,7 @@ fn the_prefetch_limit_can_change_while_running() {
 #[test]
 fn cancelled_prefetches_never_land_queued_or_started() {
     let rig = gated(8);
+    let _open = OpenOnDrop(|| rig.3.open());
     let (eng, _dst, _p, gate) = (&rig.0, &*rig.1, &rig.2, &rig.3);
     // A started prefetch (blocked in the backend) and two queued ones.
     let (_, t) = eng.lookup(0, &[], &[(2, 1), (2, 2), (2, 3)]).unwrap();
@@ -604,6 +619,7 @@ fn slot_of(eng: &TransferEngine, key: (u32, u32)) -> Option<u32> {
 #[test]
 fn a_demand_overtakes_a_chunked_prefetch_between_its_chunks() {
     let rig = streamed(64);
+    let _open = OpenOnDrop(|| open_stream(&rig.3));
     let (eng, dst, p, stream) = (&rig.0, &*rig.1, &rig.2, &rig.3);
     assert_eq!(
         p.layout().expert_bytes(),
@@ -631,6 +647,7 @@ fn a_demand_overtakes_a_chunked_prefetch_between_its_chunks() {
 #[test]
 fn a_chunked_prefetch_demanded_midway_ends_as_one_demand_copy() {
     let rig = streamed(64);
+    let _open = OpenOnDrop(|| open_stream(&rig.3));
     let (eng, dst, p, stream) = (&rig.0, &*rig.1, &rig.2, &rig.3);
     eng.lookup(0, &[], &[(1, 0)]).unwrap();
     std::thread::sleep(Duration::from_millis(20));
@@ -653,6 +670,7 @@ fn a_chunked_prefetch_demanded_midway_ends_as_one_demand_copy() {
 #[test]
 fn a_cancelled_chunked_prefetch_issues_no_more_chunks_and_never_lands() {
     let rig = streamed(64);
+    let _open = OpenOnDrop(|| open_stream(&rig.3));
     let (eng, _dst, _p, stream) = (&rig.0, &*rig.1, &rig.2, &rig.3);
     eng.lookup(0, &[], &[(2, 1), (2, 2)]).unwrap();
     std::thread::sleep(Duration::from_millis(20));
