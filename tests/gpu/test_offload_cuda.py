@@ -60,18 +60,23 @@ def shape(tiny_models: dict[str, Path]) -> dict[str, tuple[int, int]]:
     return out
 
 
-@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no-prefetch"])
+@pytest.mark.parametrize("prefetch", [True, "chunked", False],
+                         ids=["prefetch", "prefetch-chunked", "no-prefetch"])
 @pytest.mark.parametrize("capacity", ["top_k", "half", "all"])
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_cuda_offload_equals_resident_bit_for_bit(tiny_models: dict[str, Path],
                                                   reference: dict[str, Run],
                                                   shape: dict[str, tuple[int, int]],
                                                   arch: str, capacity: str,
-                                                  prefetch: bool) -> None:
+                                                  prefetch: bool | str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     top_k, total = shape[arch]
     slots = slots_for(capacity, top_k, total)
+    if prefetch == "chunked":  # decode prefetches as 3 async copies per (tiny) expert
+        monkeypatch.setattr("ftrs.moe.offload.CHUNK_ALIGN", 64)
+        monkeypatch.setattr("ftrs.moe.offload.NARROW_PREFETCH_CHUNKS", 3)
     llm = make_cuda(tiny_models[arch], moe_strategy="offload", moe_cache_size=slots,
-                    moe_prefetch=prefetch, copy_backend="cuda")
+                    moe_prefetch=bool(prefetch), copy_backend="cuda")
     moe = strategy(llm)
     assert moe.num_slots == slots
     assert moe.backend == moe.engine.backend_name == "cuda"
