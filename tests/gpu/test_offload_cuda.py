@@ -74,6 +74,7 @@ def test_cuda_offload_equals_resident_bit_for_bit(tiny_models: dict[str, Path],
     slots = slots_for(capacity, top_k, total)
     if prefetch == "chunked":  # decode prefetches as 3 async copies per (tiny) expert
         monkeypatch.setattr("ftrs.moe.offload.CHUNK_ALIGN", 64)
+        monkeypatch.setattr("ftrs.moe.offload.MIN_CHUNK_BYTES", 64)
         monkeypatch.setattr("ftrs.moe.offload.NARROW_PREFETCH_CHUNKS", 3)
     llm = make_cuda(tiny_models[arch], moe_strategy="offload", moe_cache_size=slots,
                     moe_prefetch=bool(prefetch), copy_backend="cuda")

@@ -8,13 +8,15 @@ computes, layer l+1's experts are already on the way: its router applied to laye
 state predicts them, and they are issued as prefetches (never evicting a pinned slot).
 
 A copy on the link cannot be overtaken, so a demand that arrives while prefetches are in flight
-waits for them. Narrow forwards (decode-like) therefore keep one prefetch copy in flight and
-copy each prefetch in `NARROW_PREFETCH_CHUNKS` chunks: the rest waits in the engine's queue,
-where a demand goes first, so a demand waits for one chunk on the link, never for a whole
-expert. Wide forwards (each layer needs most experts) keep no limit and copy whole experts:
-their predictions are nearly all needed and back-to-back copies keep the link busy. Prefetches
-for a layer the forward has reached are dropped by the engine, the chunks not yet issued with
-them, so a wrong guess costs at most the link time between the guess and the layer's lookup.
+waits for them. Narrow forwards (decode-like) therefore copy each prefetch in chunks (a
+sixteenth of an expert, at least `MIN_CHUNK_BYTES`) and keep two chunks in flight: the rest
+waits in the engine's queue, where a demand goes first, so a demand waits for at most two
+chunks, never for a whole expert, and the link does not idle while the transfer worker turns
+from one chunk to the next. Wide forwards (each layer needs most experts) keep no limit and
+copy whole experts: their predictions are nearly all needed and back-to-back copies keep the
+link busy. Prefetches for a layer the forward has reached are dropped by the engine, the
+chunks not yet issued with them, so a wrong guess costs at most the link time between the
+guess and the layer's lookup.
 
 Prefetch still costs an eviction and link bytes when it guesses wrong. When a forward spent more
 than `LINK_BOUND_SHARE` of its time waiting on transfers (link-bound), the next forward of the
@@ -28,12 +30,15 @@ rounds, variants interleaved in one process):
 | 0.5 GB/s | 2.12 tok/s | 2.06 | 2.20 | 2.07 | 2.16 |
 
 ("whole": whole-expert prefetches, the previous design; "skip < 0.95": skipped on link-bound
-forwards unless at least 0.95 precise; the chunked variants keep one chunk in flight.)
-
+forwards unless at least 0.95 precise; these chunked variants keep one chunk in flight.)
 Whole experts without the skip: 5.98 tok/s at 2 GB/s (262 MB moved per token against 184 MB
 without prefetch): the skip was needed while a wrong guess held the link for a whole expert.
 With chunks it no longer pays at the demo's precision (0.7-0.86), so only a predictor worse
-than even odds is skipped.
+than even odds is skipped. Two chunks of a sixteenth in flight against one of an eighth: 6.59
+against 6.09 tok/s at 2 GB/s (5 rounds), 2.15 against 2.19 at 0.5 GB/s; a later run at 2 GB/s
+on a busier host gave 5.79 against 5.74. The two are within the host's noise on the demo; two
+in flight is kept for real links, where a chunk takes tens of microseconds and one in flight
+would leave the link idle for each of the worker's turnarounds.
 
 When a layer needs more experts than there are slots, it computes them in waves of at most
 `num_slots` experts, in ascending id, so any capacity from `top_k` upward works. Experts run
@@ -67,11 +72,15 @@ CPU_SLOT_BUDGET = 4 << 30  # bytes of device slots by default on the CPU device
 LINK_BOUND_SHARE = 0.5
 #: Predictions at least this precise are prefetched even on a link-bound forward.
 PRECISE = 0.5
-#: Prefetch copies in flight at most in a narrow forward (wide ones: no limit).
-NARROW_PREFETCHES_IN_FLIGHT = 1
-#: A narrow forward copies each prefetch in this many chunks (wide ones: whole experts).
-NARROW_PREFETCH_CHUNKS = 8
-#: Chunks are rounded up to this many bytes (DMA-friendly sizes; a tiny expert is one chunk).
+#: Prefetch copies (chunks) in flight at most in a narrow forward (wide ones: no limit). Two:
+#: the next chunk is on the link while the worker learns that the last one ended.
+NARROW_PREFETCHES_IN_FLIGHT = 2
+#: A narrow forward copies each prefetch in this many chunks (wide ones: whole experts)...
+NARROW_PREFETCH_CHUNKS = 16
+#: ...of at least this many bytes (about 40-80 us on a PCIe 4.0 or 3.0 x16 link: the worker's
+#: turnaround stays well below a chunk's time on the link) ...
+MIN_CHUNK_BYTES = 1 << 20
+#: ...rounded up to this many bytes (DMA-friendly sizes; a tiny expert is one chunk).
 CHUNK_ALIGN = 64 << 10
 CAPACITY_RETRY_S = 5.0  # how long a lookup may wait for in-flight prefetches to land
 
@@ -121,7 +130,7 @@ class OffloadStrategy(MoEStrategy):
         backend = backend_spec(config, device)
         if device.type == "cuda":
             experts.pool.pin()
-        per_chunk = -(-eb // NARROW_PREFETCH_CHUNKS)
+        per_chunk = max(-(-eb // NARROW_PREFETCH_CHUNKS), min(MIN_CHUNK_BYTES, eb))
         self.narrow_chunk = -(-per_chunk // CHUNK_ALIGN) * CHUNK_ALIGN
         self.engine = _core.TransferEngine(
             experts.pool, self.num_slots, self.buffer.data_ptr(), self.buffer.numel(),
