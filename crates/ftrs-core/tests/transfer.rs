@@ -534,6 +534,32 @@ fn pacing_can_be_turned_on_and_off_while_running() {
     );
 }
 
+/// Copies on submit, but each copy ends 0-160 us later (a fixed pseudo-random pattern), so
+/// lookups and cancellations meet copies and chunks in flight.
+#[derive(Debug, Default)]
+struct Lagging {
+    copies: std::sync::atomic::AtomicU64,
+}
+
+impl CopyBackend for Lagging {
+    fn name(&self) -> String {
+        "lagging".into()
+    }
+    fn submit(&self, job: &CopyJob) -> ftrs_core::Result<Completion> {
+        job.run_host(1)?;
+        let n = self
+            .copies
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Completion::At(Duration::from_micros(n * 7919 % 5 * 40)))
+    }
+    fn finish(&self, c: Completion) -> ftrs_core::Result<()> {
+        if let Completion::At(lag) = c {
+            std::thread::sleep(lag);
+        }
+        Ok(())
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
@@ -545,8 +571,17 @@ proptest! {
             1..40),
         slots in 4usize..10,
         chunk in prop_oneof![Just(0usize), 1usize..200],
+        lagging in any::<bool>(),
     ) {
-        let rig = host_engine_chunked(slots, chunk);
+        let p = pool();
+        let backend: Arc<dyn CopyBackend> = if lagging {
+            Arc::new(Lagging::default())
+        } else {
+            Arc::new(HostBackend { threads: 1 })
+        };
+        let (e, d) =
+            engine_chunked(Arc::clone(&p), slots, backend, Arc::new(RealClock::new()), 0, 0.0, chunk);
+        let rig = (e, d, p);
     let (eng, dst, p) = (&rig.0, &*rig.1, &rig.2);
         let mut held: Vec<((u32, u32), u32)> = Vec::new();
         for (op, layer, demand, prefetch) in ops {
