@@ -52,7 +52,7 @@ def shape(tiny_models: dict[str, Path]) -> dict[str, tuple[int, int]]:
     """(top_k, experts of all MoE layers) per architecture."""
     out = {}
     for arch in MOE_ARCHS:
-        llm = make_cuda(tiny_models[arch], moe_strategy="offload", moe_cache_size=2,
+        llm = make_cuda(tiny_models[arch], moe_strategy="offload", moe_cache_size=None,
                         copy_backend="cuda")
         moe = strategy(llm)
         out[arch] = (moe.spec.top_k, moe.experts.num_experts_total)

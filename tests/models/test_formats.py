@@ -29,7 +29,7 @@ def test_both_config_spellings_give_the_same_spec() -> None:
     b["rope_theta"] = b.pop("rope_parameters")["rope_theta"]
     assert arch_from_config(a) == arch_from_config(b)
     spec = arch_from_config(a)
-    assert spec.num_experts == 8 and spec.top_k == 2 and spec.moe_layers == (0, 2)
+    assert spec.num_experts == 8 and spec.top_k == 4 and spec.moe_layers == (0, 2)
     assert spec.rope_theta == 1e6
 
 

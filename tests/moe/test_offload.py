@@ -122,7 +122,7 @@ def shape(tiny_models: dict[str, Path]) -> dict[str, tuple[int, int]]:
     """(top_k, experts of all MoE layers) per architecture."""
     out = {}
     for arch in MOE_ARCHS:
-        llm = make(tiny_models[arch], moe_strategy="offload", moe_cache_size=2)
+        llm = make(tiny_models[arch], moe_strategy="offload", moe_cache_size=None)
         moe = strategy(llm)
         out[arch] = (moe.spec.top_k, moe.experts.num_experts_total)
         llm.close()
@@ -198,7 +198,7 @@ def test_offload_equals_resident_bit_for_bit(tiny_models: dict[str, Path],
 def test_links_and_policies_give_the_same_logits(tiny_models: dict[str, Path],
                                                  reference: dict[str, Run], arch: str,
                                                  options: dict[str, Any]) -> None:
-    size = {} if "moe_cache_rate" in options else {"moe_cache_size": 3}
+    size = {} if "moe_cache_rate" in options else {"moe_cache_size": 4}  # = qwen3_moe top_k
     llm = make(tiny_models[arch], moe_strategy="offload", **size, **options)
     moe = strategy(llm)
     if options.get("copy_backend", "host").startswith("simulated"):

@@ -43,7 +43,7 @@ def tiny_config(arch: str) -> dict[str, Any]:
     if arch == "mixtral":
         cfg |= {"num_local_experts": 8, "num_experts_per_tok": 2}
     if arch == "qwen3_moe":
-        cfg |= {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+        cfg |= {"num_experts": 8, "num_experts_per_tok": 4, "moe_intermediate_size": 48,
                 "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [1]}
     return cfg
 
