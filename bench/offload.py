@@ -19,6 +19,8 @@ layer l+1 then used), and the bound of DESIGN.md:
     without prefetch: tok/s <= 1 / (t_compute + M / link)
 `bound_all_bytes` is the same with M = every byte moved per token (prefetches included), the
 bound the link really imposes when prefetches are wasted. `link_bound` says M / link > t_compute.
+The bound without prefetch is serial; a forward computes a layer's experts already in their
+slots while its missing ones are on the link, so that row may pass it by that overlap.
 
 Prefill (one chunk of `--chunk` tokens of real text, forward only, empty cache), `--prefill-reps`
 times, each offload forward right after a resident one (a shared host's speed drifts by tens of

@@ -317,6 +317,16 @@ impl TransferEngine {
         }
     }
 
+    /// Whether each of `slots` holds the landed bytes of its expert now: a forward computes
+    /// those while the rest of its lookup is on the link. A slot out of range is `false`.
+    pub fn ready(&self, slots: &[u32]) -> Vec<bool> {
+        let st = lock(&self.inner.state);
+        slots
+            .iter()
+            .map(|&s| st.ready.get(s as usize).copied().unwrap_or(false))
+            .collect()
+    }
+
     /// Unpins everything pinned by lookups since the last release.
     pub fn release(&self) {
         let mut st = lock(&self.inner.state);

@@ -777,3 +777,24 @@ fn chunks_keep_a_simulated_link_busy_for_exactly_the_bytes() {
     assert!((took - expect).abs() < 1e-12, "{took} vs {expect}");
     assert_eq!(eng.stats().bytes_h2d, 2 * eb as u64);
 }
+
+#[test]
+fn ready_tells_landed_slots_from_those_still_on_the_link() {
+    let rig = streamed(0);
+    let _open = OpenOnDrop(|| open_stream(&rig.3));
+    let (eng, stream) = (&rig.0, &rig.3);
+    let (first, t) = eng.lookup(0, &[1], &[]).unwrap();
+    open_stream(stream);
+    eng.wait(t).unwrap();
+    eng.release();
+    *stream.open.lock().unwrap() = false;
+    // (0,1) is resident; (0,2) is copied but its completion is held
+    let (slots, t) = eng.lookup(0, &[1, 2], &[]).unwrap();
+    assert_eq!(slots[0], first[0]);
+    assert_eq!(eng.ready(&slots), vec![true, false]);
+    assert_eq!(eng.ready(&[99]), vec![false]);
+    open_stream(stream);
+    eng.wait(t).unwrap();
+    assert_eq!(eng.ready(&slots), vec![true, true]);
+    eng.check_invariants().unwrap();
+}

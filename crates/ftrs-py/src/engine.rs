@@ -149,6 +149,11 @@ impl PyTransferEngine {
         self.inner.set_max_inflight_prefetches(n)
     }
 
+    /// Whether each slot holds its expert's landed bytes now.
+    fn ready(&self, slots: Vec<u32>) -> Vec<bool> {
+        self.inner.ready(&slots)
+    }
+
     /// Sets the chunk size of prefetch copies issued from now on (0 = whole expert).
     fn set_prefetch_chunk_bytes(&self, n: usize) {
         self.inner.set_prefetch_chunk_bytes(n)

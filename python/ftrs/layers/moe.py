@@ -4,8 +4,10 @@ Routing follows the reference: router logits, softmax in fp32 over all experts, 
 (when the architecture says so) renormalisation of the k weights to sum to one.
 
 `combine_experts` runs the selected experts in ascending expert id and accumulates with
-`index_add_`. Every strategy calls it in that order, whatever memory the weights come from,
-which is why offload equals resident bit for bit.
+`index_add_`. Every strategy accumulates in that order, whatever memory the weights come from,
+which is why offload equals resident bit for bit. Each expert's contribution depends on no
+other expert, so a strategy may compute them in any order (`expert_contribution`) as long as it
+adds them in ascending id (`accumulate`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,32 @@ def expert_mlp(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
 
 
+Contribution = tuple[torch.Tensor, torch.Tensor]  # (token rows, their weighted expert output)
+
+
+def expert_contribution(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e: int,
+                        w: ExpertWeights) -> Contribution | None:
+    """Expert `e`'s weighted output for the tokens routed to it; None when there are none.
+    Independent of every other expert: a strategy may compute these in any order."""
+    tok, pos = torch.where(ids == e)
+    if tok.numel() == 0:
+        return None
+    return tok, expert_mlp(x.index_select(0, tok), w) * weights[tok, pos, None]
+
+
+def accumulate(out: torch.Tensor, part: Contribution | None) -> None:
+    """Adds one expert's contribution into `out`; call in ascending expert id."""
+    if part is None:
+        return
+    tok, y = part
+    # A token meets each expert at most once, so both forms add exactly once per element;
+    # for a handful of rows a read-add-write beats index_add_ on the CPU.
+    if tok.numel() <= SMALL_ROWS:
+        out.index_copy_(0, tok, out.index_select(0, tok) + y)
+    else:
+        out.index_add_(0, tok, y)
+
+
 def combine_experts(
     x: torch.Tensor,  # (tokens, hidden)
     ids: torch.Tensor,  # (tokens, k)
@@ -45,13 +73,4 @@ def combine_experts(
     out: torch.Tensor,  # (tokens, hidden), accumulated in place
 ) -> None:
     for e in experts:
-        tok, pos = torch.where(ids == e)
-        if tok.numel() == 0:
-            continue
-        y = expert_mlp(x.index_select(0, tok), weights_of(e)) * weights[tok, pos, None]
-        # A token meets each expert at most once, so both forms add exactly once per element;
-        # for a handful of rows a read-add-write beats index_add_ on the CPU.
-        if tok.numel() <= SMALL_ROWS:
-            out.index_copy_(0, tok, out.index_select(0, tok) + y)
-        else:
-            out.index_add_(0, tok, y)
+        accumulate(out, expert_contribution(x, ids, weights, e, weights_of(e)))

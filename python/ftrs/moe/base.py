@@ -4,8 +4,10 @@ A strategy computes the routed experts of one MoE layer from the router's choice
 routes (`layers.moe.route`) and hands over ids and weights; the strategy decides where expert
 weights come from (resident on the device, streamed from the host pool, ...).
 
-Invariant every strategy keeps: the result is `layers.moe.combine_experts` over the selected
-experts in ascending id, so all strategies agree bit for bit with `resident`.
+Invariant every strategy keeps: the result is the selected experts' contributions
+(`layers.moe.expert_contribution`, computed in any order) added up in ascending id
+(`layers.moe.accumulate`), as `combine_experts` does, so all strategies agree bit for bit with
+`resident`.
 """
 
 from __future__ import annotations

@@ -41,8 +41,13 @@ in flight is kept for real links, where a chunk takes tens of microseconds and o
 would leave the link idle for each of the worker's turnarounds.
 
 When a layer needs more experts than there are slots, it computes them in waves of at most
-`num_slots` experts, in ascending id, so any capacity from `top_k` upward works. Experts run
-through `layers.moe.combine_experts` in the same order as `resident`: results are bit-identical.
+`num_slots` experts, in ascending id, so any capacity from `top_k` upward works. Within a wave
+the experts already in their slots are computed first, while the missing ones are on the link;
+each expert's output is independent of the others, and all are added up in ascending id, as
+`resident` adds them (`layers.moe.accumulate`): results are bit-identical. Measured on the demo
+(50% capacity, 24 decode tokens, pairs interleaved, median of the per-pair ratios): 1.029x the
+tokens/s of waiting first at 2 GB/s without prefetch (6 pairs), 1.031x at 0.5 GB/s (4), 1.04x
+at 2 GB/s with prefetch (4).
 
 On CUDA the copies run on the engine's own stream, which never waits for torch's: a slot may
 only be overwritten once the kernels reading it are done. Each layer's `tolist()` of its routing
@@ -62,7 +67,13 @@ import torch
 from ftrs import _core
 from ftrs.config import EngineConfig
 from ftrs.errors import CapacityError, ConfigError
-from ftrs.layers.moe import ExpertWeights, combine_experts, route
+from ftrs.layers.moe import (
+    Contribution,
+    ExpertWeights,
+    accumulate,
+    expert_contribution,
+    route,
+)
 from ftrs.models.experts import HostExperts
 from ftrs.moe.base import MoEStrategy, register
 
@@ -82,6 +93,8 @@ NARROW_PREFETCH_CHUNKS = 16
 MIN_CHUNK_BYTES = 1 << 20
 #: ...rounded up to this many bytes (DMA-friendly sizes; a tiny expert is one chunk).
 CHUNK_ALIGN = 64 << 10
+#: Compute the experts already in their slots before waiting for the rest of the layer's.
+COMPUTE_LANDED_FIRST = True
 CAPACITY_RETRY_S = 5.0  # how long a lookup may wait for in-flight prefetches to land
 
 
@@ -180,15 +193,13 @@ class OffloadStrategy(MoEStrategy):
         li = self.experts.layer_index[nxt]
         return [(li, e) for e in guess]
 
-    def _lookup(self, li: int, wave: list[int], prefetch: list[tuple[int, int]]) -> list[int]:
+    def _lookup(self, li: int, wave: list[int],
+                prefetch: list[tuple[int, int]]) -> tuple[list[int], int]:
         deadline = time.monotonic() + CAPACITY_RETRY_S
         while True:
             try:
                 slots, ticket = self.engine.lookup(li, wave, prefetch)
-                t0 = self.clock()
-                self.engine.wait(ticket)
-                self._wait_s += self.clock() - t0
-                return list(slots)
+                return list(slots), ticket
             except CapacityError:
                 # slots held by prefetches already on the wire: they land within microseconds
                 if time.monotonic() > deadline:
@@ -218,13 +229,30 @@ class OffloadStrategy(MoEStrategy):
                 # copies run on the engine's own stream, which does not wait for torch's
                 torch.cuda.current_stream(x.device).synchronize()
             try:
-                slots = self._lookup(li, wave, prefetch if start == 0 else [])
-                views = {e: self.slot_weights[s] for e, s in zip(wave, slots)}
-                combine_experts(x, ids, weights, wave, views.__getitem__, out)
+                slots, ticket = self._lookup(li, wave, prefetch if start == 0 else [])
+                self._combine(x, ids, weights, wave, slots, ticket, out)
             finally:
                 self.engine.release()  # a failed wave must not leave its slots pinned
         self._t_end = self.clock()
         return out
+
+    def _combine(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 wave: list[int], slots: list[int], ticket: int, out: torch.Tensor) -> None:
+        """The wave's experts whose bytes have landed run while the rest are on the link; the
+        others after `ticket`; all are added to `out` in ascending id, as `resident` adds."""
+        landed = self.engine.ready(slots) if COMPUTE_LANDED_FIRST else [False] * len(slots)
+        parts: dict[int, Contribution | None] = {}
+        for e, s, now in zip(wave, slots, landed):
+            if now:
+                parts[e] = expert_contribution(x, ids, weights, e, self.slot_weights[s])
+        t0 = self.clock()
+        self.engine.wait(ticket)
+        self._wait_s += self.clock() - t0
+        for e, s, now in zip(wave, slots, landed):
+            if not now:
+                parts[e] = expert_contribution(x, ids, weights, e, self.slot_weights[s])
+        for e in wave:  # ascending
+            accumulate(out, parts[e])
 
     def begin_forward(self, num_tokens: int) -> None:
         self.distinct_per_layer = []
