@@ -135,6 +135,10 @@ impl TransferEngine {
         );
         st.pinned.extend(pinned_now);
 
+        // A prefetch takes (and may evict) its slot here, not when the worker issues its first
+        // chunk: on CUDA the caller's compute is synchronized right before a lookup (the routing
+        // ids are read back, or the stream is synchronized between waves), so only here is a
+        // slot the last layer released known to be read by no kernel any more.
         for &key in prefetch {
             if st.cache.slot_for(key).is_some() || st.cache.evictable() == 0 {
                 continue;
