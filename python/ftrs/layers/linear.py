@@ -1,0 +1,18 @@
+"""The one dense projection of the decoder: `linear(x, w, bias)`, whatever `w` is.
+
+A plain tensor goes to `F.linear`; a `QuantTensor` (a weight kept in its file's block format)
+goes to `ftrs.quant.matmul`: the Rust CPU kernel, or dequantize-then-matmul on a GPU and in the
+reference path. Every projection of attention, the dense MLPs, the routed experts and the LM
+head goes through here, so a quantized checkpoint needs no other change in the model code.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ftrs.quant.matmul import Weight, matmul
+
+
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x`: (..., in); `w`: (out, in). Returns (..., out) in x's dtype."""
+    return matmul(x, w, bias)

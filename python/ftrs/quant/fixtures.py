@@ -1,0 +1,37 @@
+"""Random quantized blocks for tests and tiny checkpoints.
+
+Any bytes form a valid GGUF block once its fp16 scale fields hold finite numbers: the quants
+are plain bit fields. The scale fields get random values of a magnitude that puts the weights
+in about [-0.3, 0.3], the range of the tiny random models.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ftrs.quant.formats import block_format
+
+#: Byte offsets of each type's fp16 fields, and a typical magnitude for them.
+_F16_FIELDS: dict[str, tuple[tuple[int, ...], float]] = {
+    "Q8_0": ((0,), 2e-3), "Q4_0": ((0,), 3e-2), "Q4_1": ((0, 2), 3e-2),
+    "Q5_0": ((0,), 1.5e-2), "Q5_1": ((0, 2), 1.5e-2), "Q2_K": ((80, 82), 5e-3),
+    "Q3_K": ((108,), 2.5e-3), "Q4_K": ((0, 2), 3e-4), "Q5_K": ((0, 2), 1.5e-4),
+    "Q6_K": ((208,), 7e-5),
+}
+RANDOM_TYPES = tuple(_F16_FIELDS)
+
+
+def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """(rows, row_bytes) uint8: random quants, finite random fp16 scales."""
+    f = block_format(qtype)
+    if cols % f.block_elems:
+        raise ValueError(f"{qtype}: {cols} columns is not a whole number of blocks")
+    nblocks = rows * cols // f.block_elems
+    raw = rng.integers(0, 256, size=(nblocks, f.block_bytes), dtype=np.uint8)
+    offsets, scale = _F16_FIELDS[qtype]
+    for off in offsets:
+        val = rng.uniform(0.2, 1.0, size=nblocks) * scale
+        if len(offsets) == 2 and off == offsets[1] and qtype in ("Q4_1", "Q5_1"):
+            val = -rng.uniform(0.5, 1.0, size=nblocks) * scale * (8 if qtype == "Q4_1" else 16)
+        raw[:, off:off + 2] = val.astype(np.float16).view(np.uint8).reshape(nblocks, 2)
+    return raw.reshape(rows, -1)

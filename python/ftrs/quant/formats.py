@@ -1,0 +1,113 @@
+"""Block formats of quantized weights: GGUF's row/block encodings and FP8 with block scales.
+
+A GGUF quantized matrix of shape (rows, cols) is stored row-major, each row cut into blocks of
+`block_elems` consecutive values encoded in `block_bytes` bytes, so a row is
+`cols / block_elems * block_bytes` bytes and whole rows can be permuted, sliced and copied as
+bytes. Every block carries its own scales: no tensor-wide side data.
+
+`FP8_BLOCK` (FP8 safetensors, `quant_method == "fp8"`) differs: one `float8_e4m3fn` byte per
+weight, plus one fp32 scale per (br x bc) tile of the matrix. A `QuantTensor` of this type keeps
+both in one byte buffer: the rows*cols weight bytes, then the scales as fp32, row-major over the
+tile grid, so the expert pool and the link carry them together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+
+class BlockFormat(NamedTuple):
+    name: str
+    block_elems: int  # values per block
+    block_bytes: int  # bytes per block
+
+
+#: GGUF types ftrs keeps in the file's format (sizes as ggml defines them).
+GGUF_FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
+    BlockFormat("F32", 1, 4),
+    BlockFormat("F16", 1, 2),
+    BlockFormat("BF16", 1, 2),
+    BlockFormat("Q8_0", 32, 34),
+    BlockFormat("Q4_0", 32, 18),
+    BlockFormat("Q4_1", 32, 20),
+    BlockFormat("Q5_0", 32, 22),
+    BlockFormat("Q5_1", 32, 24),
+    BlockFormat("Q2_K", 256, 84),
+    BlockFormat("Q3_K", 256, 110),
+    BlockFormat("Q4_K", 256, 144),
+    BlockFormat("Q5_K", 256, 176),
+    BlockFormat("Q6_K", 256, 210),
+)}
+#: Types whose bytes are a plain float array: they load as ordinary tensors.
+FLOAT_TYPES = ("F32", "F16", "BF16")
+FP8_BLOCK = "FP8_BLOCK"
+
+
+def block_format(qtype: str) -> BlockFormat:
+    try:
+        return GGUF_FORMATS[qtype]
+    except KeyError:
+        raise ValueError(f"unknown quantization type {qtype!r}") from None
+
+
+def row_bytes(qtype: str, cols: int) -> int:
+    """Bytes of one row of `cols` values; `cols` must be a whole number of blocks."""
+    f = block_format(qtype)
+    if cols % f.block_elems:
+        raise ValueError(f"{qtype}: row of {cols} values is not a whole number of "
+                         f"{f.block_elems}-value blocks")
+    return cols // f.block_elems * f.block_bytes
+
+
+def fp8_scale_grid(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
+    return -(-rows // block[0]), -(-cols // block[1])
+
+
+def tensor_bytes(qtype: str, rows: int, cols: int,
+                 fp8_block: tuple[int, int] | None = None) -> int:
+    """Bytes of a (rows, cols) matrix in `qtype`, every side buffer included."""
+    if qtype == FP8_BLOCK:
+        if fp8_block is None:
+            raise ValueError("FP8_BLOCK needs its block shape")
+        gr, gc = fp8_scale_grid(rows, cols, fp8_block)
+        return rows * cols + 4 * gr * gc
+    return rows * row_bytes(qtype, cols)
+
+
+@dataclass(frozen=True, eq=False)
+class QuantTensor:
+    """A (rows, cols) weight kept in its file's encoding: `data` is a 1-D uint8 tensor of exactly
+    `tensor_bytes(qtype, rows, cols)` bytes (a view into the pool, a device slot, or its own
+    memory). No fp32 copy exists; `ftrs.quant.matmul` computes from the bytes."""
+
+    qtype: str
+    shape: tuple[int, int]
+    data: torch.Tensor  # (nbytes,) uint8
+    fp8_block: tuple[int, int] | None = None  # FP8_BLOCK only: the scale tile (br, bc)
+
+    def __post_init__(self) -> None:
+        want = tensor_bytes(self.qtype, *self.shape, fp8_block=self.fp8_block)
+        if self.data.dtype != torch.uint8 or self.data.dim() != 1 or self.data.numel() != want:
+            raise ValueError(f"{self.qtype} {list(self.shape)} needs {want} bytes as a 1-D uint8 "
+                             f"tensor, got {self.data.dtype} {list(self.data.shape)}")
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.numel())
+
+    def to(self, device: torch.device) -> QuantTensor:
+        return QuantTensor(self.qtype, self.shape, self.data.to(device), self.fp8_block)
+
+    def rows_view(self) -> torch.Tensor:
+        """(rows, row_bytes) uint8 view (GGUF types only)."""
+        return self.data.view(self.shape[0], -1)
+
+    def __repr__(self) -> str:
+        return f"QuantTensor({self.qtype}, {list(self.shape)}, {self.nbytes} bytes, {self.device})"

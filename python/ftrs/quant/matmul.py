@@ -1,0 +1,85 @@
+"""`matmul(x, w)`: y = x @ w.T for a plain or a quantized weight, on the CPU or a GPU.
+
+- `torch.Tensor` weight: `F.linear`.
+- `QuantTensor` on the CPU: the Rust kernel (`ftrs._core.quant_matmul`, computing from the
+  blocks, GIL released) when the extension has one for the type; otherwise the reference path:
+  dequantize to fp32 with the torch dequantizers, then `F.linear`.
+- `QuantTensor` on a GPU: dequantize into a temporary of the compute dtype on the device (the
+  caching allocator hands the same memory back layer after layer: a scratch buffer), then
+  `F.linear`. The link and the device slots still hold the quantized bytes.
+
+`use_kernels(False)` forces the reference path (tests compare the two).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any, Union
+
+import torch
+import torch.nn.functional as F
+
+from ftrs.quant.dequant import dequantize
+from ftrs.quant.formats import QuantTensor
+
+Weight = Union[torch.Tensor, QuantTensor]  # noqa: UP007 (a runtime alias, used in isinstance)
+_state = {"kernels": True}
+
+
+def _core_module() -> Any:
+    """The extension, typed loosely: its quantized kernels may postdate the stub."""
+    from ftrs import _core
+
+    return _core
+
+
+@functools.cache
+def kernel_types() -> frozenset[str]:
+    """The quantization types the Rust extension has CPU kernels for (empty without any)."""
+    core = _core_module()
+    if not hasattr(core, "quant_matmul") or not hasattr(core, "quant_block_info"):
+        return frozenset()
+    from ftrs.quant.formats import FP8_BLOCK, GGUF_FORMATS
+
+    out = set()
+    for name in (*GGUF_FORMATS, FP8_BLOCK):
+        try:
+            core.quant_block_info(name)
+        except Exception:  # the extension says which types it knows by refusing the others
+            continue
+        out.add(name)
+    return frozenset(out)
+
+
+@contextlib.contextmanager
+def use_kernels(enabled: bool) -> Iterator[None]:
+    """Within the block, quantized CPU matmuls use the Rust kernels (True) or the reference."""
+    old = _state["kernels"]
+    _state["kernels"] = enabled
+    try:
+        yield
+    finally:
+        _state["kernels"] = old
+
+
+def _kernel_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    rows, cols = w.shape
+    x32 = x.reshape(-1, cols).to(torch.float32).contiguous()
+    out = torch.empty(x32.shape[0], rows, dtype=torch.float32)
+    _core_module().quant_matmul(w.qtype, w.data.numpy(), x32.numpy(), out.numpy(), rows, cols)
+    return out.view(*x.shape[:-1], rows).to(x.dtype)
+
+
+def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x`: (..., cols); `w`: (rows, cols). Returns (..., rows) in x's dtype."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    if w.shape[1] != x.shape[-1]:
+        raise ValueError(f"matmul: x has {x.shape[-1]} columns, weight is {list(w.shape)}")
+    if (w.device.type == "cpu" and _state["kernels"] and w.qtype in kernel_types()
+            and x.numel() > 0):
+        y = _kernel_matmul(x, w)
+        return y if bias is None else y + bias
+    return F.linear(x, dequantize(w, x.dtype), bias)

@@ -1,0 +1,103 @@
+"""Quantized blocks: the torch dequantizers against the `gguf` package's numpy reference, the
+FP8 block dequantizer against the definition, and `matmul`'s dispatch against dequantize+linear."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ftrs.quant import (
+    FP8_BLOCK,
+    QuantTensor,
+    dequantize,
+    dequantize_numpy,
+    kernel_types,
+    matmul,
+    tensor_bytes,
+    use_kernels,
+)
+from ftrs.quant.fixtures import RANDOM_TYPES, random_blocks
+
+
+def _qt(qtype: str, rows: int, cols: int, seed: int = 0) -> QuantTensor:
+    raw = random_blocks(qtype, rows, cols, np.random.default_rng(seed))
+    return QuantTensor(qtype, (rows, cols), torch.from_numpy(raw.reshape(-1).copy()))
+
+
+def _cols(qtype: str) -> int:
+    return 768 if qtype.endswith("_K") else 96  # three blocks per row
+
+
+@pytest.mark.parametrize("qtype", RANDOM_TYPES)
+def test_torch_dequantizer_equals_gguf_reference(qtype: str) -> None:
+    w = _qt(qtype, 7, _cols(qtype))  # odd row count
+    ours = dequantize(w)
+    ref = dequantize_numpy(w)
+    assert ours.shape == ref.shape == (7, _cols(qtype))
+    assert torch.isfinite(ref).all()
+    assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_gguf_quantized_values_roundtrip(qtype: str) -> None:
+    import gguf
+
+    x = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(x, gguf.GGMLQuantizationType[qtype])
+    w = QuantTensor(qtype, (3, 64), torch.from_numpy(raw.reshape(-1).copy()))
+    back = dequantize(w)
+    # the reference round trip, and a sanity bound: at most one quantization step per value
+    assert torch.equal(back, torch.from_numpy(
+        gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])))
+    assert (back - torch.from_numpy(x)).abs().max().item() < 0.5
+
+
+def test_quant_tensor_checks_its_byte_count() -> None:
+    with pytest.raises(ValueError, match="needs 68 bytes"):
+        QuantTensor("Q8_0", (2, 32), torch.zeros(67, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="whole number"):
+        tensor_bytes("Q4_K", 2, 100)
+
+
+def _fp8(rows: int, cols: int, block: tuple[int, int], seed: int = 0
+         ) -> tuple[QuantTensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w8 = (torch.randn(rows, cols, generator=g) * 2).to(torch.float8_e4m3fn)
+    gr, gc = -(-rows // block[0]), -(-cols // block[1])
+    s = torch.rand(gr, gc, generator=g) * 0.1 + 0.01
+    data = torch.cat([w8.view(torch.uint8).reshape(-1), s.view(torch.uint8).reshape(-1)])
+    return QuantTensor(FP8_BLOCK, (rows, cols), data, block), w8, s
+
+
+def test_fp8_block_dequantizer_scales_each_tile() -> None:
+    w, w8, s = _fp8(10, 12, (4, 8))  # partial tiles at both edges
+    ours = dequantize(w)
+    ref = torch.empty(10, 12)
+    for r in range(10):
+        for c in range(12):
+            ref[r, c] = w8[r, c].float() * s[r // 4, c // 8]
+    assert torch.equal(ours, ref)
+
+
+@pytest.mark.parametrize("qtype", [*RANDOM_TYPES, FP8_BLOCK])
+def test_reference_matmul_is_dequantize_then_linear(qtype: str) -> None:
+    w = _fp8(9, 256, (4, 128))[0] if qtype == FP8_BLOCK else _qt(qtype, 9, _cols(qtype))
+    x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(2))
+    with use_kernels(False):
+        y = matmul(x, w)
+    assert torch.equal(y, x @ dequantize(w).T)
+
+
+@pytest.mark.parametrize("qtype", RANDOM_TYPES)
+def test_kernel_matmul_matches_reference(qtype: str) -> None:
+    if qtype not in kernel_types():
+        pytest.skip(f"no CPU kernel for {qtype} in this build")
+    w = _qt(qtype, 33, _cols(qtype), seed=3)
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(4))
+    ref = x.double() @ dequantize(w).double().T
+    y = matmul(x, w)
+    # fp32 accumulation over `cols` products (the kernel may also round x to 8 bits per block,
+    # as ggml's dot products do): relative to the sum of |products|, 1% covers both
+    bound = (x.abs().double() @ dequantize(w).abs().double().T) * 1e-2
+    assert ((y.double() - ref).abs() <= bound + 1e-6).all()
