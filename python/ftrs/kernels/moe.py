@@ -1,0 +1,266 @@
+# mypy: allow-untyped-defs
+# (Triton reads the annotations of @triton.jit functions itself: its kernels carry none but tl.constexpr.)
+"""Fused MoE over cache slots: one sort of the (token, expert) pairs, two grouped GEMMs, one sum.
+
+The experts of a layer are computed from weights that sit in device slots, named by a table
+`slot_of[expert]` (-1: not in a slot now, skipped: the offload strategy computes a layer in
+waves this way, adding wave after wave into the same `out`). Per call:
+1. the T*k (token, expert) pairs are sorted by expert once (`argsort` + counts by
+   `scatter_add_`, all on the device, nothing read back), and each expert's run of pairs is
+   padded to a multiple of BLOCK_M, so every block of rows belongs to one expert;
+2. a grouped GEMM per block computes gate and up together and stores SiLU(gate)·up;
+3. a second grouped GEMM computes the down projection times the routing weight, one row per pair;
+4. each token adds its k rows in ascending expert id, onto `out`.
+
+Exactness. The kernels round to the model dtype wherever the reference (`layers/moe.py`:
+`F.linear`, `silu`, `*`, the weight product, the accumulation) rounds, and step 4 adds in
+the reference's order, so the only differences left are inside the dot products (another
+summation order) and SiLU's `exp`: fp32 agrees to ~1e-5 relative, bf16/fp16 to a few ulps of
+a row's largest value (tests: `tests/kernels/test_moe.py`).
+
+Weights: `SlotWeights` holds the three stacked tensors (slots, rows, cols) in a float dtype, or
+for `qtype="Q8_0"` the GGUF bytes (slots, rows, cols/32*34) uint8: each 32-value block is an
+fp16 scale and 32 int8 values, dequantized inside the kernel to the activations' dtype (the
+reference dequantizes to fp32 and casts, the same rounding). Any slot and row stride works,
+so the views can point straight into the offload strategy's slot buffer.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ftrs.kernels._triton import dot_precision, interpreting, triton_importable
+
+QTYPES = ("none", "Q8_0")
+_Q8_BLOCK, _Q8_BYTES = 32, 34
+
+
+class SlotWeights(NamedTuple):
+    """Expert weights of every slot: gate (S, I, H), up (S, I, H), down (S, H, I), or their
+    quantized bytes (S, rows, row_bytes) uint8 with `qtype` naming the encoding."""
+
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    qtype: str = "none"
+
+
+def dequant_q8_0(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(rows, cols/32*34) uint8 GGUF Q8_0 -> (rows, cols): fp16 scale times int8, in fp32, cast."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, _Q8_BYTES)
+    d = b[..., :2].contiguous().view(torch.float16).float()  # (rows, blocks, 1)
+    q = b[..., 2:].contiguous().view(torch.int8).float()  # (rows, blocks, 32)
+    return (d * q).reshape(rows, -1).to(dtype)
+
+
+def _matrix(w: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:
+    return dequant_q8_0(w, dtype) if qtype == "Q8_0" else w
+
+
+def fused_moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                  slot_of: torch.Tensor, w: SlotWeights,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """The plain torch computation the kernel reproduces: experts in ascending id, each
+    `down(silu(gate x) * up x) * weight` added onto `out` (zeros when None) at its tokens.
+    `x`: (T, H); `ids`, `weights`: (T, k); `slot_of`: (num_experts,) int, -1 = skip."""
+    out = torch.zeros_like(x) if out is None else out
+    weights = weights.to(x.dtype)
+    table = slot_of.tolist()
+    for e in torch.unique(ids).tolist():  # ascending
+        s = table[e]
+        if s < 0:
+            continue
+        tok, pos = torch.where(ids == e)
+        gate = _matrix(w.gate[s], w.qtype, x.dtype)
+        up = _matrix(w.up[s], w.qtype, x.dtype)
+        down = _matrix(w.down[s], w.qtype, x.dtype)
+        xs = x.index_select(0, tok)
+        y = F.linear(F.silu(F.linear(xs, gate)) * F.linear(xs, up), down) * weights[tok, pos, None]
+        out.index_copy_(0, tok, out.index_select(0, tok) + y)
+    return out
+
+
+if triton_importable():
+    import triton
+    import triton.language as tl
+
+    from ftrs.kernels._triton import round_to
+
+    @triton.jit
+    def _w_tile(w_ptr, ws_ptr, slot, n, k, n_rows, n_cols, stride_s, stride_r, sc_stride_s,
+                sc_stride_r, QUANT: tl.constexpr, DT: tl.constexpr):
+        """(BK, BN) tile of W^T for W (n_rows, n_cols) of `slot`: rows `n`, columns `k`."""
+        mask = (n < n_rows)[None, :] & (k < n_cols)[:, None]
+        if QUANT == 1:  # Q8_0: byte k//32*34 holds the fp16 scale, the int8 values follow it
+            blk = k // 32
+            base = w_ptr + slot * stride_s + n[None, :] * stride_r
+            q = tl.load(base + (blk * 34 + 2 + k % 32)[:, None], mask=mask, other=0)
+            sbase = ws_ptr + slot * sc_stride_s + n[None, :] * sc_stride_r
+            d = tl.load(sbase + (blk * 17)[:, None], mask=mask, other=0.0)
+            return round_to(d.to(tl.float32) * q.to(tl.float32), DT)
+        else:
+            return tl.load(w_ptr + slot * stride_s + n[None, :] * stride_r + k[:, None],
+                           mask=mask, other=0.0)
+
+    @triton.jit
+    def _mm(acc, a, b, UPCAST: tl.constexpr, PREC: tl.constexpr):
+        if UPCAST:  # the interpreter's dot has no bf16
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            return tl.dot(a, b, acc, input_precision=PREC)
+
+    @triton.jit
+    def _moe_gate_up_kernel(x_ptr, pair_ptr, bslot_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, act_ptr,
+                            n_pairs, top_k, hidden, inter, stride_xt, stride_s, stride_r, sc_stride_s,
+                            sc_stride_r, stride_act, QUANT: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                            PREC: tl.constexpr):
+        blk = tl.program_id(0)
+        slot = tl.load(bslot_ptr + blk).to(tl.int64)
+        if slot < 0:
+            return
+        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pair_ptr + rows).to(tl.int64)
+        valid = pair < n_pairs
+        tok = pair // top_k
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        DT: tl.constexpr = act_ptr.dtype.element_ty
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            xa = tl.load(x_ptr + tok[:, None] * stride_xt + k[None, :],
+                         mask=valid[:, None] & (k < hidden)[None, :], other=0.0)
+            wg = _w_tile(g_ptr, gs_ptr, slot, n, k, inter, hidden, stride_s, stride_r, sc_stride_s,
+                         sc_stride_r, QUANT, DT)
+            acc_g = _mm(acc_g, xa, wg, UPCAST, PREC)
+            wu = _w_tile(u_ptr, us_ptr, slot, n, k, inter, hidden, stride_s, stride_r, sc_stride_s,
+                         sc_stride_r, QUANT, DT)
+            acc_u = _mm(acc_u, xa, wu, UPCAST, PREC)
+        g = round_to(acc_g, DT).to(tl.float32)
+        u = round_to(acc_u, DT).to(tl.float32)
+        s = round_to(g / (1.0 + tl.exp(-g)), DT).to(tl.float32)
+        a = round_to(s * u, DT)
+        tl.store(act_ptr + pair[:, None] * stride_act + n[None, :], a,
+                 mask=valid[:, None] & (n < inter)[None, :])
+
+    @triton.jit
+    def _moe_down_kernel(act_ptr, pair_ptr, bslot_ptr, d_ptr, ds_ptr, rw_ptr, y_ptr, n_pairs, hidden, inter,
+                         stride_act, stride_s, stride_r, sc_stride_s, sc_stride_r, stride_y,
+                         QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+        blk = tl.program_id(0)
+        slot = tl.load(bslot_ptr + blk).to(tl.int64)
+        if slot < 0:
+            return
+        rows = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(pair_ptr + rows).to(tl.int64)
+        valid = pair < n_pairs
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        DT: tl.constexpr = y_ptr.dtype.element_ty
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            a = tl.load(act_ptr + pair[:, None] * stride_act + k[None, :],
+                        mask=valid[:, None] & (k < inter)[None, :], other=0.0)
+            wd = _w_tile(d_ptr, ds_ptr, slot, n, k, hidden, inter, stride_s, stride_r, sc_stride_s,
+                         sc_stride_r, QUANT, DT)
+            acc = _mm(acc, a, wd, UPCAST, PREC)
+        y = round_to(acc, DT).to(tl.float32)
+        rw = tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        tl.store(y_ptr + pair[:, None] * stride_y + n[None, :], round_to(y * rw[:, None], DT),
+                 mask=valid[:, None] & (n < hidden)[None, :])
+
+
+class _Sorted(NamedTuple):
+    pair_of_row: torch.Tensor  # (blocks*BLOCK_M,) pair index per padded row, n_pairs = padding
+    block_slot: torch.Tensor  # (blocks,) slot of each block's expert, -1 = nothing to compute
+
+
+def sort_pairs(ids: torch.Tensor, slot_of: torch.Tensor, block_m: int) -> _Sorted:
+    """Group the (token, expert) pairs by expert, each expert's run padded to `block_m` rows.
+    Device ops only, sized from shapes known on the host: no synchronisation."""
+    num_experts = slot_of.numel()
+    flat = ids.reshape(-1).long()  # pair p = token * k + j
+    n = flat.numel()
+    dev = flat.device
+    order = torch.argsort(flat, stable=True)  # pairs in ascending expert id
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    run_start = torch.cumsum(counts, 0) - counts
+    sorted_e = flat[order]
+    dest = pad_end[sorted_e] - padded[sorted_e] + torch.arange(n, device=dev) - run_start[sorted_e]
+    num_blocks = -(-(n + min(num_experts, n) * (block_m - 1)) // block_m)
+    pair_of_row = torch.full((num_blocks * block_m,), n, dtype=torch.int32, device=dev)
+    pair_of_row[dest] = order.to(torch.int32)
+    starts = torch.arange(num_blocks, device=dev) * block_m
+    block_expert = torch.searchsorted(pad_end, starts, right=True)  # num_experts past the end
+    slot_ext = torch.cat((slot_of.to(device=dev, dtype=torch.int32),
+                          torch.full((1,), -1, dtype=torch.int32, device=dev)))
+    return _Sorted(pair_of_row, slot_ext[block_expert])
+
+
+def _weight_args(w: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int]:
+    """(pointer tensor, scale pointer tensor, slot stride, row stride, and the same for scales)."""
+    if w.stride(-1) != 1:
+        raise ValueError("fused_moe: expert weights need a unit last stride")
+    if qtype == "Q8_0":
+        if w.dtype != torch.uint8 or w.shape[-1] % _Q8_BYTES or w.stride(0) % 2 or w.stride(1) % 2:
+            raise ValueError("fused_moe: Q8_0 weights are uint8 rows of 34-byte blocks at even strides")
+        return (w.view(torch.int8), w.view(torch.float16), w.stride(0), w.stride(1),
+                w.stride(0) // 2, w.stride(1) // 2)
+    return w, w, w.stride(0), w.stride(1), 0, 0
+
+
+def _cols(w: torch.Tensor, qtype: str) -> int:
+    return w.shape[-1] // _Q8_BYTES * _Q8_BLOCK if qtype == "Q8_0" else w.shape[-1]
+
+
+def fused_moe_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                     slot_of: torch.Tensor, w: SlotWeights,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernels behind `fused_moe_ref`'s signature (see the module doc)."""
+    if w.qtype not in QTYPES:
+        raise ValueError(f"fused_moe: weight type {w.qtype!r} has no kernel (known: {QTYPES})")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    inter = w.gate.shape[1]
+    if _cols(w.gate, w.qtype) != hidden or _cols(w.down, w.qtype) != inter:
+        raise ValueError("fused_moe: weight shapes do not match the hidden/intermediate sizes")
+    out = torch.zeros_like(x) if out is None else out
+    n = tokens * top_k
+    if n == 0:
+        return out
+    block_m = 16 if n < 64 * slot_of.numel() else 64
+    srt = sort_pairs(ids, slot_of, block_m)
+    num_blocks = srt.block_slot.numel()
+    act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
+    y = torch.zeros(n, hidden, dtype=x.dtype, device=x.device)  # skipped pairs add zero
+    rw = weights.to(x.dtype).reshape(-1).contiguous()
+    consts = dict(QUANT=1 if w.qtype == "Q8_0" else 0, BLOCK_M=block_m, BLOCK_N=64,
+                  BLOCK_K=64, UPCAST=interpreting(), PREC=dot_precision(x.dtype))
+    g, gs, ss, sr, scs, scr = _weight_args(w.gate, w.qtype)
+    u, us, uss, usr, _, _ = _weight_args(w.up, w.qtype)
+    if (uss, usr) != (ss, sr):
+        raise ValueError("fused_moe: gate and up need the same strides")
+    _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter, 64))](
+        x, srt.pair_of_row, srt.block_slot, g, gs, u, us, act, n, top_k, hidden, inter,
+        x.stride(0), ss, sr, scs, scr, act.stride(0), **consts)
+    d, ds, dss, dsr, dscs, dscr = _weight_args(w.down, w.qtype)
+    _moe_down_kernel[(num_blocks, triton.cdiv(hidden, 64))](
+        act, srt.pair_of_row, srt.block_slot, d, ds, rw, y, n, hidden, inter, act.stride(0),
+        dss, dsr, dscs, dscr, y.stride(0), **consts)
+    # each token's k rows, added in ascending expert id as the reference adds them
+    by_id = ids.argsort(dim=1).to(x.device)  # (T, k)
+    rows = torch.arange(tokens, device=x.device)[:, None] * top_k + by_id
+    for j in range(top_k):
+        out += y.index_select(0, rows[:, j])
+    return out

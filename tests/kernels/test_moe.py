@@ -1,0 +1,153 @@
+"""Fused MoE over cache slots against its torch reference, and the reference against layers.moe."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ftrs.kernels.moe import SlotWeights, dequant_q8_0, fused_moe_ref, fused_moe_triton
+
+H, INTER, E = 40, 24, 5  # hidden and intermediate sizes that no block size divides
+
+
+def _case(dtype: torch.dtype, tokens: int = 7, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Expert 0 gets no token, expert 1 one token, expert 2 every token; k = 2."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, H, generator=g).to(dtype)
+    other = torch.tensor([3, 4])[torch.arange(tokens) % 2]
+    other[tokens // 2] = 1
+    ids = torch.stack((torch.full((tokens,), 2), other), dim=1)
+    ids[::3] = ids[::3].flip(1)  # the pair order within a token must not matter
+    w = torch.rand(tokens, 2, generator=g)
+    w = (w / w.sum(1, keepdim=True)).to(dtype)
+    return x, ids, w
+
+
+def _weights(dtype: torch.dtype, slots: int = 6, seed: int = 1) -> SlotWeights:
+    g = torch.Generator().manual_seed(seed)
+    return SlotWeights((torch.randn(slots, INTER, H, generator=g) / H**0.5).to(dtype),
+                       (torch.randn(slots, INTER, H, generator=g) / H**0.5).to(dtype),
+                       (torch.randn(slots, H, INTER, generator=g) / INTER**0.5).to(dtype))
+
+
+SLOT_OF = torch.tensor([5, 0, 3, 1, 4])  # experts live in scattered slots
+
+
+def _to(device: str, *ts: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(device) for t in ts]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """fp32: dot products summed in another order (1e-5); bf16/fp16: a few roundings of the
+    intermediate activations, bounded by 2 ulps of the largest output magnitude."""
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+    else:
+        bound = 2 * torch.finfo(dtype).eps * float(want.float().abs().max())
+        assert float((got.cpu().float() - want.float()).abs().max()) <= bound
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_moe_matches_reference(device: str, dtype: torch.dtype) -> None:
+    x, ids, rw = _case(dtype)
+    w = _weights(dtype)
+    want = fused_moe_ref(x, ids, rw, SLOT_OF, w)
+    got = fused_moe_triton(*_to(device, x, ids, rw, SLOT_OF), SlotWeights(*_to(device, *w[:3])))
+    _close(got, want, dtype)
+    assert want.abs().min(dim=1).values.gt(0).all()  # every token got a contribution
+
+
+def test_fused_moe_all_tokens_one_expert_over_several_blocks(device: str) -> None:
+    tokens = 37  # > 2 blocks of 16 rows for the one expert every token shares
+    x, ids, rw = _case(torch.float32, tokens=tokens, seed=4)
+    w = _weights(torch.float32)
+    want = fused_moe_ref(x, ids, rw, SLOT_OF, w)
+    got = fused_moe_triton(*_to(device, x, ids, rw, SLOT_OF), SlotWeights(*_to(device, *w[:3])))
+    _close(got, want, torch.float32)
+
+
+def test_fused_moe_one_token(device: str) -> None:
+    x, ids, rw = _case(torch.bfloat16, tokens=1, seed=2)
+    w = _weights(torch.bfloat16)
+    want = fused_moe_ref(x, ids, rw, SLOT_OF, w)
+    got = fused_moe_triton(*_to(device, x, ids, rw, SLOT_OF), SlotWeights(*_to(device, *w[:3])))
+    _close(got, want, torch.bfloat16)
+
+
+def test_fused_moe_waves_add_up_to_one_call_bit_for_bit(device: str) -> None:
+    """Experts absent from the slot table are skipped; two waves (low ids, then high ids) onto
+    the same `out` add in the same order as one call with every expert."""
+    x, ids, rw = _to(device, *_case(torch.bfloat16, seed=3))
+    w = SlotWeights(*_to(device, *_weights(torch.bfloat16)[:3]))
+    slot_of = SLOT_OF.to(device)
+    whole = fused_moe_triton(x, ids, rw, slot_of, w)
+    low = torch.where(torch.arange(E, device=device) <= 2, slot_of, -1)
+    high = torch.where(torch.arange(E, device=device) > 2, slot_of, -1)
+    out = fused_moe_triton(x, ids, rw, low, w)
+    partial = out.clone()
+    fused_moe_triton(x, ids, rw, high, w, out=out)
+    assert torch.equal(out, whole)
+    assert not torch.equal(partial, whole)
+    ref_low = fused_moe_ref(x.cpu(), ids.cpu(), rw.cpu(), low.cpu(),
+                            SlotWeights(*(t.cpu() for t in w[:3])))
+    _close(partial, ref_low, torch.bfloat16)
+
+
+def test_fused_moe_no_tokens(device: str) -> None:
+    w = SlotWeights(*_to(device, *_weights(torch.float32)[:3]))
+    x = torch.zeros(0, H, device=device)
+    ids = torch.zeros(0, 2, dtype=torch.long, device=device)
+    out = fused_moe_triton(x, ids, torch.zeros(0, 2, device=device), SLOT_OF.to(device), w)
+    assert out.shape == (0, H)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_is_combine_experts(dtype: torch.dtype) -> None:
+    """The kernel's reference computes exactly what every MoE strategy computes."""
+    from ftrs.layers.moe import combine_experts
+
+    x, ids, rw = _case(dtype)
+    w = _weights(dtype)
+    want = torch.zeros_like(x)
+    present = [e for e in torch.unique(ids).tolist() if int(SLOT_OF[e]) >= 0]
+    combine_experts(x, ids, rw, present,
+                    lambda e: (w.gate[SLOT_OF[e]], w.up[SLOT_OF[e]], w.down[SLOT_OF[e]]), want)
+    assert torch.equal(fused_moe_ref(x, ids, rw, SLOT_OF, w), want)
+
+
+def _q8_0_bytes(m: torch.Tensor) -> torch.Tensor:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    raw = quantize(m.float().numpy(), GGMLQuantizationType.Q8_0)
+    return torch.from_numpy(np.ascontiguousarray(raw)).view(torch.uint8)
+
+
+def test_dequant_q8_0_matches_gguf() -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    m = torch.randn(3, 64)
+    raw = _q8_0_bytes(m)
+    want = dequantize(raw.numpy(), GGMLQuantizationType.Q8_0)
+    assert torch.equal(dequant_q8_0(raw, torch.float32), torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_q8_0_dequantizes_in_kernel(device: str, dtype: torch.dtype) -> None:
+    h, i = 64, 32  # whole 32-value blocks
+    g = torch.Generator().manual_seed(9)
+    slots = 4
+    gate = torch.stack([_q8_0_bytes(torch.randn(i, h, generator=g) / 8) for _ in range(slots)])
+    up = torch.stack([_q8_0_bytes(torch.randn(i, h, generator=g) / 8) for _ in range(slots)])
+    down = torch.stack([_q8_0_bytes(torch.randn(h, i, generator=g) / 6) for _ in range(slots)])
+    w = SlotWeights(gate, up, down, "Q8_0")
+    x = torch.randn(5, h, generator=g).to(dtype)
+    ids = torch.tensor([[0, 2], [2, 3], [3, 0], [2, 0], [1, 2]])
+    rw = torch.full((5, 2), 0.5).to(dtype)
+    slot_of = torch.tensor([3, -1, 0, 2])
+    want = fused_moe_ref(x, ids, rw, slot_of, w)
+    got = fused_moe_triton(*_to(device, x, ids, rw, slot_of),
+                           SlotWeights(*_to(device, gate, up, down), "Q8_0"))
+    _close(got, want, dtype)
