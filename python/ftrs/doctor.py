@@ -4,7 +4,8 @@ One report (a dict; `format_text` renders it): device and driver, PCIe link (cur
 measured copy bandwidth, host RAM, the model's fetch volumes, the recommended strategy, cache
 size and prefill ceiling each with its reason, and the recent crash reports (each with its age;
 those past the loss age window, `--guard-loss-max-age-days`, are marked "expired, ignored": the
-link guard no longer caps for them). Without a GPU it
+link guard no longer caps for them); the reports of fault drills (`--fault-inject`) are listed
+apart, as drills: they are no device faults and the guard ignores them. Without a GPU it
 says so plainly and still reports the CPU-side figures (host copy bandwidth through the Rust
 host backend, RAM, fetch volumes). `--bundle` also writes a tar.gz (see `guard.bundle`).
 """
@@ -74,15 +75,17 @@ def device_section(link: LinkState) -> dict[str, Any]:
     return d
 
 
-def crash_section(home: Path, now: dt.datetime,
-                  max_age_days: float = DEFAULT_LOSS_MAX_AGE_DAYS) -> list[dict[str, Any]]:
-    """The latest reports; `expired`: older than the loss age window, ignored by the guard."""
+def crash_section(home: Path, now: dt.datetime, max_age_days: float = DEFAULT_LOSS_MAX_AGE_DAYS,
+                  *, drills: bool = False) -> list[dict[str, Any]]:
+    """The latest real reports (with `drills`: the latest fault-drill reports); `expired`:
+    older than the loss age window, ignored by the guard."""
     from ftrs.guard.startup import load_reports
 
     return [{"file": r.path.name, "created_at": r.created_at, "classification": r.classification,
              "message": r.message, "bdf": report_bdf(r), "largest_chunk_tokens": lost_chunk_tokens(r),
-             "age_days": report_age_days(r, now), "expired": is_expired(r, now, max_age_days)}
-            for r in load_reports(home)[-RECENT_CRASHES:]]
+             "age_days": report_age_days(r, now), "expired": is_expired(r, now, max_age_days),
+             "drill": r.drill}
+            for r in [r for r in load_reports(home) if r.drill == drills][-RECENT_CRASHES:]]
 
 
 def recommend(fetch: Any, link: LinkState, device: dict[str, Any]) -> dict[str, Any]:
@@ -156,6 +159,7 @@ def build_report(model: str | None = None, *, sysfs_root: str | Path = "/sys",
         "bandwidth": {"h2d_gbps": link.measured_h2d_gbps, "h2d_backend": link.measured_backend,
                       "d2h_gbps": link.measured_d2h_gbps, "host_copy_gbps": link.host_copy_gbps},
         "crash_reports": crash_section(home, now, max_loss_age_days),
+        "drill_reports": crash_section(home, now, max_loss_age_days, drills=True),
         "crash_report_max_age_days": max_loss_age_days}
     if model is not None:
         report["model"] = {"name": model} | model_section(
@@ -211,6 +215,11 @@ def format_text(r: dict[str, Any]) -> str:
         age = f" ({c['age_days']:.0f} days old)" if c.get("age_days") is not None else ""
         lines.append(f"  {c['file']}: {c['classification']}: {c['message']}{age}"
                      + (" — expired, ignored" if c.get("expired") else ""))
+    drills = r.get("drill_reports") or []
+    if drills:
+        lines += ["", f"fault drills: {len(drills)} (--fault-inject; no device faults, ignored "
+                  "by the link guard)"]
+        lines += [f"  {c['file']}: {c['classification']} drill: {c['message']}" for c in drills]
     return "\n".join(lines)
 
 

@@ -33,6 +33,20 @@ def test_doctor_without_gpu_says_so_and_reports_cpu_figures(empty_sysfs: Path,
     json.dumps(r, default=str)
 
 
+def test_doctor_lists_drills_apart_from_losses(empty_sysfs: Path, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    write_crash_report(home, DeviceLost("device_lost (injected at step 4)", evidence={
+        "bdf": GPU, "injected": True, "fault_inject": "device_lost@step=4"}))
+    write_crash_report(home, DeviceLost("GPU fell off the bus", evidence={"bdf": GPU}))
+    r = build_report(None, sysfs_root=empty_sysfs, home=home, measure=False)
+    assert [c["message"] for c in r["crash_reports"]] == ["GPU fell off the bus"]
+    assert [c["message"] for c in r["drill_reports"]] == ["device_lost (injected at step 4)"]
+    text = format_text(r)
+    losses, _, drills = text.partition("fault drills: 1")
+    assert "crash reports: 1" in losses and "injected" not in losses
+    assert "DeviceLost drill: device_lost (injected at step 4)" in drills
+
+
 SECRET_KEY = "sk-test-DoNotLeak0123456789"
 ENV_SECRET = "env-secret-value-0xC0FFEE"
 

@@ -89,6 +89,20 @@ def test_loss_on_another_device_does_not_count(tmp_path: Path) -> None:
                               crash_reports=reports(tmp_path)).cap_tokens is None
 
 
+def test_a_drill_is_no_loss(tmp_path: Path) -> None:
+    """A `--fault-inject device_lost` drill writes a DeviceLost report marked as a drill: it
+    caps nothing, and is named in the reasons; a real loss after it still halves."""
+    write_crash_report(tmp_path, DeviceLost("device_lost (injected at step 4)", evidence={
+        "bdf": GPU, "injected": True, "fault_inject": "device_lost@step=4"}),
+        flight_recorder=[{"chunk_tokens": 8192}])
+    d = decide_prefill_cap(GEN3_X16, DEMO, requested=8192, crash_reports=reports(tmp_path))
+    assert d.cap_tokens is None and "device_lost_reports" not in d.numbers
+    assert len(d.numbers["drill_reports"]) == 1 and any("drill, ignored" in r for r in d.reasons)
+    lost_report(tmp_path, 8192)
+    d = decide_prefill_cap(GEN3_X16, DEMO, requested=8192, crash_reports=reports(tmp_path))
+    assert d.cap_tokens == 4096 and d.numbers["loss_halvings"] == 1
+
+
 @pytest.mark.parametrize(("state", "gbps"), [(GEN3_X16, 12.0), (GEN4_X16, 25.0)])
 def test_window_caps_a_chunk_whose_fetch_exceeds_it(state: LinkState, gbps: float) -> None:
     d = decide_prefill_cap(state, WIDE, requested=8192)

@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from ftrs.errors import (
     DeviceLost,
     DeviceOutOfMemory,
@@ -10,7 +12,17 @@ from ftrs.errors import (
     KernelFault,
 )
 from ftrs.health.child import probe_child
-from ftrs.health.classify import HINT_LOST, Probes, classify, make_hang
+from ftrs.health.classify import (
+    HINT_FAULT,
+    HINT_HANG,
+    HINT_LOST,
+    HINT_OOM,
+    HINT_UNCHECKED,
+    HINT_UNHEALTHY,
+    Probes,
+    classify,
+    make_hang,
+)
 from ftrs.health.kmsg import probe_kernel_log
 from ftrs.health.nvml import NvmlProbe
 from ftrs.health.result import not_applicable
@@ -155,3 +167,28 @@ def test_hang_stays_a_hang_on_a_live_device_and_becomes_loss_on_a_dead_one(
     sysfs.gpu.set_vendor(0xFFFF)
     lost = classify(hang, Probes(pci=probe_pci(GPU_BDF, root=sysfs.root)))
     assert isinstance(lost, DeviceLost) and "EngineHang" in lost.message
+
+
+@pytest.mark.parametrize(("cls", "hint"), [
+    (KernelFault, HINT_FAULT), (EngineHang, HINT_HANG), (DeviceOutOfMemory, HINT_OOM),
+    (DeviceUnhealthy, HINT_UNHEALTHY), (DeviceLost, HINT_LOST)])
+def test_a_device_error_without_a_hint_gets_the_hint_of_its_own_class(
+    sysfs: FakeSysfs, cls: type, hint: str,
+) -> None:
+    """A drill raises the class itself with no hint; the device still answers."""
+    drill = cls(f"{cls.__name__} (injected at step 3)", evidence={"injected": True})
+    err = classify(drill, Probes(pci=probe_pci(GPU_BDF, root=sysfs.root)))
+    assert type(err) is cls and err.evidence["hint"] == hint
+    assert err.evidence["device_answers"] == ["pci"] and err.evidence["injected"] is True
+
+
+def test_a_fault_no_probe_saw_answering_says_loss_was_not_checked() -> None:
+    for cls in (KernelFault, EngineHang):
+        err = classify(cls("x"), Probes())
+        assert err is not None and err.evidence["hint"] == HINT_UNCHECKED
+
+
+def test_a_hint_the_error_carries_is_kept(sysfs: FakeSysfs) -> None:
+    err = classify(KernelFault("x", evidence={"hint": "mine"}),
+                   Probes(pci=probe_pci(GPU_BDF, root=sysfs.root)))
+    assert err is not None and err.evidence["hint"] == "mine"

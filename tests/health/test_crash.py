@@ -89,3 +89,57 @@ def test_failed_write_leaves_no_temp_file(tmp_path: Path, monkeypatch: pytest.Mo
     with pytest.raises(OSError):
         write_crash_report(tmp_path, KernelFault("x"))
     assert list((tmp_path / "crash").iterdir()) == []
+
+
+def _strict(text: str) -> object:
+    """Parse as strict JSON: NaN and Infinity are not JSON."""
+    def refuse(name: str) -> object:
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_drill_report_says_drill_and_a_real_one_does_not(tmp_path: Path) -> None:
+    drill = write_crash_report(tmp_path, KernelFault("kernel_fault (injected at step 3)", evidence={
+        "injected": True, "fault_inject": "kernel_fault@step=3"}))
+    real = write_crash_report(tmp_path, KernelFault("CUDA error 719"))
+    assert _strict(drill.read_text())["drill"] is True  # type: ignore[index]
+    assert _strict(real.read_text())["drill"] is False  # type: ignore[index]
+    assert load_crash_report(drill).drill and not load_crash_report(real).drill
+
+
+def test_a_loss_the_probes_were_made_to_see_is_a_drill(tmp_path: Path, sysfs: FakeSysfs) -> None:
+    from ftrs.health.inject import FaultInjector
+
+    injector = FaultInjector()
+    injector.inject("device_lost")
+    probes = Probes(pci=injector.apply_pci(probe_pci(GPU_BDF, root=sysfs.root)))
+    err = classify(None, probes) or DeviceLost("lost (drill)")
+    path = write_crash_report(tmp_path, err, probes=probes)
+    assert load_crash_report(path).drill
+
+
+def test_reports_written_before_the_drill_flag_are_read_by_their_evidence(tmp_path: Path) -> None:
+    path = write_crash_report(tmp_path, DeviceLost("lost", evidence={"injected": True}))
+    data = json.loads(path.read_text())
+    del data["drill"]
+    path.write_text(json.dumps(data))
+    assert load_crash_report(path).drill
+    data["evidence"] = {}
+    path.write_text(json.dumps(data))
+    assert not load_crash_report(path).drill
+
+
+def test_unsampled_recorder_fields_are_null_not_nan(tmp_path: Path) -> None:
+    from ftrs import _core
+
+    rec = _core.FlightRecorder(capacity=4)
+    rec.record(1, time=1.5, kind="decode", tokens=1)  # no power, no temperature: NaN inside
+    steps = rec.dump()
+    assert any(isinstance(v, float) and v != v for v in steps[0].values())  # the NaN is real
+    err = KernelFault("x", evidence={"ratio": float("inf"), "nested": [{"w": float("nan")}]})
+    path = write_crash_report(tmp_path, err, flight_recorder=steps)
+    data = _strict(path.read_text())
+    assert isinstance(data, dict)
+    step = data["flight_recorder"][0]
+    assert step["power_w"] is None and step["temperature_c"] is None and step["time"] == 1.5
+    assert data["evidence"]["ratio"] is None and data["evidence"]["nested"] == [{"w": None}]

@@ -132,3 +132,57 @@ def test_the_server_monitor_watches_the_engines_gpu(monkeypatch: pytest.MonkeyPa
     assert cuda_bdf(gpu) == "0000:04:00.0"  # the field report's RTX 3090
     cpu = types.SimpleNamespace(rt=types.SimpleNamespace(device=torch.device("cpu")))
     assert cuda_bdf(cpu) is None and cuda_bdf(object()) is None
+
+
+class _Idle:
+    """An engine whose steps do nothing (no copy engine: the drill raises the class)."""
+
+    def step(self) -> tuple[list[Any], Any]:
+        from ftrs.engine.protocol import StepStats
+
+        return [], StepStats(1, 0.0, 0.0, "decode", 1, 0, 0, 1, 0.1)
+
+    def num_requests(self) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("kind", ["device_lost", "kernel_fault"])
+def test_a_drill_writes_a_drill_report_the_guard_ignores(
+        kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drill's whole path in-process: the supervisor classifies the injected fault and
+    writes the crash report; it is strict JSON marked as a drill, with its class's own hint,
+    and the link guard caps nothing for it."""
+    import json
+
+    from ftrs.config import EngineConfig
+    from ftrs.errors import KernelFault
+    from ftrs.guard.fetch import FetchModel
+    from ftrs.guard.link import LinkState
+    from ftrs.guard.policy import decide_prefill_cap
+    from ftrs.guard.startup import load_reports
+    from ftrs.health.classify import HINT_FAULT, HINT_LOST
+    from ftrs.server.supervision import EngineSupervisor
+
+    monkeypatch.setenv("FTRS_HOME", str(tmp_path))
+    sup = EngineSupervisor(EngineConfig.from_kwargs(model="x", fault_inject=f"{kind}@step=2"),
+                           _Idle())
+    try:
+        sup.step()  # recorded: no power or temperature sampled
+        with pytest.raises(DeviceLost if kind == "device_lost" else KernelFault):
+            sup.step()
+    finally:
+        sup.close()
+    assert sup.crash_report is not None
+
+    def refuse(name: str) -> object:
+        raise ValueError(name)
+
+    data = json.loads(sup.crash_report.read_text(), parse_constant=refuse)  # no NaN
+    assert data["drill"] is True
+    assert data["hint"] == (HINT_LOST if kind == "device_lost" else HINT_FAULT)
+    assert data["flight_recorder"] and data["flight_recorder"][-1]["power_w"] is None
+    link = LinkState(device="cuda", bdf=None, gen_current=3, gen_max=3, width_current=16,
+                     width_max=16, link_source="test")
+    demo = FetchModel("demo", 3 * 1536 * 576 * 2, 30, 8, 2)
+    d = decide_prefill_cap(link, demo, requested=8192, crash_reports=load_reports(tmp_path))
+    assert d.cap_tokens is None

@@ -17,7 +17,8 @@ width) and `bytes(C)` the fetch model's prefill-chunk bytes:
    leaves `cap = L`.
 2. Down-shift: the link runs below its maximum gen or width → `cap = max(F, cap // 2)`.
 3. Device loss: the DeviceLost crash reports for this device (or naming no device) that are
-   at most `A` old count; older ones are listed in the reasons as "expired, ignored" and cap
+   at most `A` old count; fault drills (`--fault-inject`: the report says `"drill": true`) are
+   no losses and never count (they are listed in the reasons as "drill, ignored"); older ones are listed in the reasons as "expired, ignored" and cap
    nothing (a report whose time cannot be read counts; without a `now`, none expires). With
    `C_lost` the smallest largest-prefill-chunk recorded in the counted reports' flight
    recorders and `k` the number of counted reports at `C_lost` plus those that recorded no
@@ -141,12 +142,14 @@ def is_expired(report: CrashReport, now: dt.datetime | None, max_age_days: float
     return age is not None and age > max_age_days
 
 
-def device_lost_reports(reports: Sequence[CrashReport], bdf: str | None) -> list[CrashReport]:
-    """DeviceLost reports about `bdf`, or about no named device."""
+def device_lost_reports(reports: Sequence[CrashReport], bdf: str | None, *,
+                        drills: bool = False) -> list[CrashReport]:
+    """DeviceLost reports about `bdf`, or about no named device: the real losses, or with
+    `drills` only the fault drills (which are no losses)."""
     want = normalize_bdf(bdf) if bdf else None
     out = []
     for r in reports:
-        if r.classification != "DeviceLost":
+        if r.classification != "DeviceLost" or r.drill != drills:
             continue
         named = report_bdf(r)
         if named is None or want is None or named == want:
@@ -211,6 +214,11 @@ def decide_prefill_cap(
                        f"{link.nominal_gbps} of {link.nominal_max_gbps} GB/s): {cap} -> {new}")
         numbers["downshift"] = True
         cap = new
+    drills = device_lost_reports(crash_reports, link.bdf, drills=True)
+    if drills:
+        reasons.append(f"{len(drills)} DeviceLost report(s) of fault drills (latest "
+                       f"{drills[-1].path.name}): drill, ignored")
+        numbers["drill_reports"] = [str(r.path) for r in drills]
     cap = _loss_cap(cap, device_lost_reports(crash_reports, link.bdf), floor=floor, now=now,
                     max_age_days=max_loss_age_days, reasons=reasons, numbers=numbers)
     cap = min(cap, requested)

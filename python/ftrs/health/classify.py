@@ -162,9 +162,9 @@ def classify(
                                           "hint": HINT_LOST})
     if isinstance(error, DeviceError):
         answered = _answered(probes)
-        hint = HINT_HANG if answered else HINT_UNCHECKED
+        hint = error.evidence.get("hint") or class_hint(error, answered)
         return type(error)(error.message, evidence={**error.evidence, **base,
-                           "device_answers": answered, "hint": error.evidence.get("hint", hint)})
+                           "device_answers": answered, "hint": hint})
     if cuda is not None and cuda.is_oom:
         return DeviceOutOfMemory(f"device out of memory: {cuda.text}",
                                  evidence={**base, "decided_by": ["cuda_out_of_memory"],
@@ -187,6 +187,20 @@ def classify(
                                evidence={**base, **evidence, "decided_by": decided,
                                          "hint": HINT_UNHEALTHY})
     return None
+
+
+def class_hint(error: DeviceError, answered: list[str]) -> str:
+    """The hint for a device error of `error`'s class that no probe found lost. A kernel
+    fault or a hang that no probe saw answering may still be a loss: say it was not checked."""
+    if isinstance(error, DeviceLost):
+        return HINT_LOST
+    if isinstance(error, DeviceOutOfMemory):
+        return HINT_OOM
+    if isinstance(error, DeviceUnhealthy):
+        return HINT_UNHEALTHY
+    if not answered:
+        return HINT_UNCHECKED
+    return HINT_HANG if isinstance(error, EngineHang) else HINT_FAULT
 
 
 def _answered(probes: Probes) -> list[str]:

@@ -6,6 +6,11 @@ reader never sees half a report. Contents: the classification with its message a
 every probe result, the kernel log tail, the last flight-recorder steps, and host facts
 (hostname, kernel, python, torch and driver versions). Deliberately no environment variables
 and no command line: those carry tokens and paths users do not mean to share.
+
+A report of a fault drill (`--fault-inject`: the error's evidence, or a probe's, says
+`"injected": true`) carries a top-level `"drill": true`; the link guard does not count drills as
+device losses and `ftrs doctor` lists them apart. Reports are strict JSON: a non-finite float
+(the flight recorder's NaN for "not sampled") is written as null.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import math
 import os
 import platform
 import socket
@@ -72,6 +78,34 @@ class CrashReport:
     evidence: dict[str, Any]
     data: dict[str, Any]
 
+    @property
+    def drill(self) -> bool:
+        """A fault drill, not a real fault: its top-level `drill` flag, or (reports written
+        before the flag existed) `"injected": true` in its evidence or a probe's."""
+        if "drill" in self.data:
+            return self.data["drill"] is True
+        return _injected(self.evidence, self.data.get("probes"))
+
+
+def _injected(evidence: dict[str, Any], probes: Any) -> bool:
+    """`"injected": true` in the error's evidence or in any probe's evidence."""
+    if evidence.get("injected") is True:
+        return True
+    found = probes.values() if isinstance(probes, dict) else ()
+    return any(isinstance(p, dict) and isinstance(p.get("evidence"), dict)
+               and p["evidence"].get("injected") is True for p in found)
+
+
+def _finite(value: Any) -> Any:
+    """`value` with every non-finite float (NaN, ±inf) replaced by None, for strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
 
 def build_crash_report(
     error: BaseException, *, probes: Probes | None = None,
@@ -86,21 +120,24 @@ def build_crash_report(
             probes.kernel_log, KernelLogResult):
         kernel_log_tail = probes.kernel_log.tail
     recorded = list(flight_recorder or [])[-steps:] if steps > 0 else []
-    return {
+    probed = probes.to_dict() if probes is not None else {}
+    report = {
         "schema_version": SCHEMA_VERSION,
         "created_at": now.isoformat(),
+        "drill": _injected(evidence, probed),
         "classification": type(error).__name__,
         "code": getattr(error, "code", None),
         "exit_code": getattr(error, "exit_code", None),
         "message": getattr(error, "message", None) or str(error),
         "hint": evidence.get("hint"),
         "evidence": evidence,
-        "probes": probes.to_dict() if probes is not None else {},
+        "probes": probed,
         "kernel_log_tail": list(kernel_log_tail or []),
         "flight_recorder": recorded,
         "ftrs_version": ftrs_version(),
         "host": host_info(),
     }
+    return dict(_finite(report))
 
 
 def write_crash_report(
@@ -120,7 +157,7 @@ def write_crash_report(
     fd, tmp = tempfile.mkstemp(prefix=".", suffix=".json.tmp", dir=directory)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2, sort_keys=True, default=str)
+            json.dump(report, f, indent=2, sort_keys=True, default=str, allow_nan=False)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
