@@ -31,6 +31,7 @@ class EngineConfig:
     model: str = "demo"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    kernels: str = "auto"  # auto | torch | triton: Triton kernels on CUDA (auto), or force one side
     moe_strategy: str = "resident"  # resident | offload
     moe_cache_size: int | None = None  # device expert slots (offload)
     moe_cache_rate: float | None = None  # fraction of all experts (offload)
@@ -67,6 +68,8 @@ class EngineConfig:
             raise ConfigError(f"moe_strategy: unknown strategy {self.moe_strategy!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype: unknown dtype {self.dtype!r}")
+        if self.kernels not in ("auto", "torch", "triton"):
+            raise ConfigError(f"kernels: expected auto, torch or triton, got {self.kernels!r}")
         if self.moe_cache_size is not None and self.moe_cache_size < 1:
             raise ConfigError(f"moe_cache_size: must be >= 1, got {self.moe_cache_size}")
         if self.moe_cache_rate is not None and not 0.0 < self.moe_cache_rate <= 1.0:

@@ -21,7 +21,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 if INTERPRET:
-    for name in [m for m in sys.modules if m.startswith("ftrs.kernels.")]:
+    for name in sorted(m for m in sys.modules if m.startswith("ftrs.kernels.")):  # _triton first
         importlib.reload(sys.modules[name])
 
 
