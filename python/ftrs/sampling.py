@@ -1,7 +1,17 @@
 """Sampling parameters of one request, validated once at the edge.
 
 The OpenAI fields map one to one; `validate()` raises `InvalidRequest` with the field name,
-never an assert, so the server can answer 400 and keep serving.
+never an assert, so the server can answer 400 and keep serving. The ranges are chosen so that
+the sampler's arithmetic stays finite for any finite fp32 logit:
+
+- `seed` in [-2**63, 2**64 - 1], what `torch.Generator.manual_seed` accepts.
+- `temperature` in [0, 2] (OpenAI's range). Below `GREEDY_TEMPERATURE` the request is greedy:
+  `logits / T` would overflow fp32 for T near 1e-38, and for T < 1e-5 the softmax already puts
+  all but exp(-gap / T) of the mass on the argmax for any logit gap above 1e-3.
+- `repetition_penalty` in [0.01, 100]: a seen token's logit is scaled by at most 100 either
+  way, which keeps it finite for any logit below 3.4e36 and is far past the point where the
+  penalty decides the draw.
+- `presence_penalty`, `frequency_penalty` in [-2, 2] (OpenAI's range).
 """
 
 from __future__ import annotations
@@ -11,10 +21,15 @@ from dataclasses import dataclass, field
 
 from ftrs.errors import InvalidRequest
 
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+TEMPERATURE_MAX = 2.0
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this are sampled as argmax
+REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.01, 100.0
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens for one request. `temperature == 0` means greedy."""
+    """How to pick tokens for one request. `temperature < GREEDY_TEMPERATURE` means greedy."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -33,7 +48,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self, vocab_size: int | None = None) -> SamplingParams:
         """Raise `InvalidRequest` naming the first bad field; return self when all are good."""
@@ -48,8 +63,10 @@ class SamplingParams:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise bad(name, f"must be a finite number, got {v!r}")
-        if self.temperature < 0:
-            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature <= TEMPERATURE_MAX:
+            raise bad("temperature", f"must be in [0, {TEMPERATURE_MAX:g}], got {self.temperature}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", f"must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
@@ -60,8 +77,9 @@ class SamplingParams:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if not REPETITION_PENALTY_MIN <= self.repetition_penalty <= REPETITION_PENALTY_MAX:
+            raise bad("repetition_penalty", f"must be in [{REPETITION_PENALTY_MIN:g}, "
+                      f"{REPETITION_PENALTY_MAX:g}], got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
@@ -75,4 +93,4 @@ class SamplingParams:
         return self
 
 
-__all__ = ["SamplingParams"]
+__all__ = ["GREEDY_TEMPERATURE", "SamplingParams"]

@@ -8,7 +8,8 @@ step). The output is a fixed text with multi-byte characters, read from an offse
 the prompt (greedy), from the seed, or at random (temperature > 0 without a seed). Prompts
 that end in "EOS" emit EOS after 3 tokens; "__refuse__" makes `add_request` raise
 CapacityError (503); a prompt containing "__die__" makes the engine
-process exit with code 86 (as a lost device would) after its first token. KV usage is the
+process exit with code 86 (as a lost device would) after its first token; a text containing
+"__slow_tokenize__" makes the tokenizer (in the API process) take `SLOW_TOKENIZE_S` seconds. KV usage is the
 token count of running requests over a 4096-token pool; page-aligned prompt prefixes seen
 before are reported as cached tokens.
 """
@@ -33,6 +34,7 @@ KV_TOKENS = 4096
 PAGE = 16
 TEXT = "Hello wörld, ünïcödé 你好世界 🙂 the quick brown fox jumps. ".encode()
 STEP_SLEEP_S = 0.002
+SLOW_TOKENIZE_S = 3.0
 
 
 class ByteTokenizer:
@@ -40,6 +42,8 @@ class ByteTokenizer:
     vocab_size = VOCAB
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        if "__slow_tokenize__" in text:
+            time.sleep(SLOW_TOKENIZE_S)  # holds whatever thread tokenizes, as a 10 MB prompt would
         ids = list(text.encode())
         return [BOS, *ids] if add_special_tokens else ids
 

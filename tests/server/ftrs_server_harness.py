@@ -14,6 +14,7 @@ import serverproc
 
 HERE = Path(__file__).resolve().parent
 API_KEY = "test-key"
+FAKE_DEFAULT_MAX_TOKENS = 40  # `--default-max-tokens` of the session's fake server
 
 
 class ServerProcess(serverproc.ServerProcess):

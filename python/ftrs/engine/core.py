@@ -40,6 +40,7 @@ class EngineCore:
                                    config.max_running_requests)
         self._seqs: dict[str, Sequence] = {}
         self._step = 0
+        self._step_ids: list[str] | None = None  # the requests of the step running (or last run)
         self._seed_gen = torch.Generator().manual_seed(config.seed)
         eos = set(self.spec.eos_token_ids)
         if self.tokenizer is not None:
@@ -101,9 +102,16 @@ class EngineCore:
 
     # --- the step ---------------------------------------------------------------------------
 
+    def step_request_ids(self) -> list[str] | None:
+        """The ids of the requests the current (or last) step carried; None when a step failed
+        before it knew them. A step that raises fails exactly these (`server.engine_process`)."""
+        return None if self._step_ids is None else list(self._step_ids)
+
     def step(self) -> tuple[list[TokenEvent], StepStats]:
         t0 = time.perf_counter()
+        self._step_ids = None
         work = self.scheduler.schedule()
+        self._step_ids = [w.seq.request_id for w in work]
         self._step += 1
         if not work:
             return [], self._stats(t0, "idle", 0, 0)

@@ -3,7 +3,13 @@
 `create_app(settings)` builds the app; its lifespan spawns the engine process (`EngineClient`)
 without waiting for it, so `/health` answers 503 "loading" while the model loads. Every error,
 including FastAPI's own validation errors and unknown routes, leaves in the OpenAI error shape
-`{"error": {"message", "type", "param", "code"}}` with the status of its `FtrsError` class.
+`{"error": {"message", "type", "param", "code"}}` with the status of its `FtrsError` class;
+the OpenAPI document says so (400, not FastAPI's 422). Bodies over `max_request_bytes` are
+refused with 413 before they are parsed (`limits.BodyLimit`); tokenization and chat-template
+rendering run in a worker thread, so a large prompt never stalls `/health` or another stream;
+a request whose client disconnects is aborted in the engine at once, streamed or not.
+With an API key set, everything but `/health` and `/metrics` needs it, `/openapi.json` and
+`/docs` included; `/health` shows a failure's class and message, never its evidence.
 """
 
 from __future__ import annotations
@@ -12,19 +18,21 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ftrs.config import EngineConfig
 from ftrs.engine.protocol import StepStats
 from ftrs.errors import DeviceLost, DeviceUnhealthy, FtrsError, InvalidRequest
+from ftrs.server.cli import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
 from ftrs.server.engine_client import (
     DEFAULT_BACKEND,
     Classifier,
@@ -32,7 +40,16 @@ from ftrs.server.engine_client import (
     classify_engine_exit,
 )
 from ftrs.server.engine_process import EngineReady
-from ftrs.server.errors import Unauthorized, error_body, error_response
+from ftrs.server.errors import (
+    ModelNotFound,
+    Unauthorized,
+    error_body,
+    error_response,
+    param_name,
+    public_error,
+    scrub_paths,
+)
+from ftrs.server.limits import BodyLimit
 from ftrs.server.metrics import CONTENT_TYPE, ServerMetrics
 from ftrs.server.protocol import (
     ChatChoice,
@@ -45,6 +62,7 @@ from ftrs.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     Usage,
@@ -63,6 +81,16 @@ from ftrs.server.serving import (
 logger = logging.getLogger(__name__)
 
 
+# Documented answers of the /v1 endpoints besides 200, all in the OpenAI error shape.
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "Invalid request (the `param` names the field)"},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
+    404: {"model": ErrorResponse, "description": "Unknown model"},
+    413: {"model": ErrorResponse, "description": "Request body over --max-request-bytes"},
+    503: {"model": ErrorResponse, "description": "Engine loading, failed or overloaded"},
+}
+
+
 @dataclass(frozen=True)
 class ServeSettings:
     """Everything `ftrs serve` needs beyond the engine's own options."""
@@ -74,6 +102,8 @@ class ServeSettings:
     served_model_name: str | None = None
     backend: str = DEFAULT_BACKEND  # module with load() and load_tokenizer(); see backend.py
     link_guard: dict[str, Any] | None = None  # the startup guard's decision, shown on /health
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # chat requests without max_tokens
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -94,6 +124,7 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
     metrics.prefill_cap.set(settings.engine.max_prefill_length)
 
     def on_failure(err: FtrsError) -> None:
+        metrics.engine_gone()  # its gauges read 0 until the next engine reports
         if isinstance(err, DeviceLost):
             metrics.device_lost.inc()
         state = "lost" if isinstance(err, DeviceLost) else "degraded" if isinstance(err, DeviceUnhealthy) else "unknown"
@@ -114,7 +145,8 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
             adaptive_guard.update(stats.guard)
 
     client = EngineClient(settings.engine, settings.backend, classifier, on_stats=on_stats,
-                          on_failure=on_failure, on_ready=on_ready)
+                          on_failure=on_failure, on_ready=on_ready,
+                          on_restart=metrics.engine_restarts.inc)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -124,10 +156,11 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
         finally:
             await asyncio.to_thread(client.shutdown)
 
-    app = FastAPI(title="ftrs", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="ftrs", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = client
     app.state.metrics = metrics
     app.state.settings = settings
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     _install_error_handlers(app, metrics)
 
     async def authorize(request: Request) -> None:
@@ -143,9 +176,20 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
             raise client.unavailable()
         return client
 
+    @app.get("/openapi.json", dependencies=[Depends(authorize)], include_in_schema=False)
+    async def openapi_document() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", dependencies=[Depends(authorize)], include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return HTMLResponse(_swagger_page(app.openapi()))
+
     @app.get("/health")
     async def health() -> JSONResponse:
         status, body = client.health()
+        if client.failure is not None:  # class and message only: evidence may hold a traceback
+            body = {**body, "reason": scrub_paths(client.failure.message),
+                    "error": public_error(client.failure)}
         if settings.link_guard is not None:
             body = {**body, "link_guard": settings.link_guard}
         if adaptive_guard:
@@ -156,23 +200,35 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
-    async def models() -> ModelList:
+    def model_card() -> ModelCard:
         max_len = client.info.max_model_len if client.info else None
-        return ModelList(data=[ModelCard(id=settings.model_names[0], max_model_len=max_len)])
+        return ModelCard(id=settings.model_names[0], max_model_len=max_len)
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)], response_model=None)
+    @app.get("/v1/models", dependencies=[Depends(authorize)], responses=_pick(401))
+    async def models() -> ModelList:
+        return ModelList(data=[model_card()])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)], responses=_pick(401, 404))
+    async def model(model_id: str) -> ModelCard:
+        if model_id not in settings.model_names:
+            raise ModelNotFound(f"The model `{model_id}` does not exist; this server serves "
+                                f"{', '.join(settings.model_names)}", evidence={"param": "model"})
+        return model_card()
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)], response_model=None,
+              responses={200: {"model": CompletionResponse}, **_ERRORS})
     async def completions(req: CompletionRequest, request: Request) -> Response:
         check_model(req, settings.model_names)
         eng = ready_engine()
         assert eng.info is not None
-        prepared = prepare_completion(req, eng.tokenizer, eng.info.vocab_size, eng.info.max_model_len)
+        prepared = await asyncio.to_thread(prepare_completion, req, eng.tokenizer, eng.info.vocab_size,
+                                           eng.info.max_model_len)
         gen = Generation(eng, metrics, new_id("cmpl"), prepared)
         model = req.model
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-            deltas = await _primed(gen.run())
+            deltas = await _primed(gen.run(_disconnect_waiter(request)))
 
             async def events() -> AsyncIterator[str]:
                 offset = 0
@@ -189,7 +245,7 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
 
             return _stream(events(), metrics)
         text, lps = [], []
-        async for d in gen.run(request.is_disconnected):
+        async for d in gen.run(_disconnect_waiter(request)):
             text.append(d.text)
             lps.extend(d.logprobs)
         lp = completion_logprobs(eng.tokenizer, lps, 0) if req.logprobs is not None else None
@@ -197,18 +253,20 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
                                   token_ids=gen.token_ids if req.return_token_ids else None)
         return _json(CompletionResponse(id=gen.request_id, model=model, choices=[choice], usage=_usage(gen)))
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)], response_model=None)
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)], response_model=None,
+              responses={200: {"model": ChatCompletionResponse}, **_ERRORS})
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         check_model(req, settings.model_names)
         eng = ready_engine()
         assert eng.info is not None
-        prepared = prepare_chat(req, eng.tokenizer, eng.info.vocab_size, eng.info.max_model_len)
+        prepared = await asyncio.to_thread(prepare_chat, req, eng.tokenizer, eng.info.vocab_size,
+                                           eng.info.max_model_len, settings.default_max_tokens)
         gen = Generation(eng, metrics, new_id("chatcmpl"), prepared)
         model = req.model
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-            deltas = await _primed(gen.run())
+            deltas = await _primed(gen.run(_disconnect_waiter(request)))
 
             async def events() -> AsyncIterator[str]:
                 first = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
@@ -224,7 +282,7 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
 
             return _stream(events(), metrics)
         text, lps = [], []
-        async for d in gen.run(request.is_disconnected):
+        async for d in gen.run(_disconnect_waiter(request)):
             text.append(d.text)
             lps.extend(d.logprobs)
         choice = ChatChoice(
@@ -235,7 +293,58 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
         )
         return _json(ChatCompletionResponse(id=gen.request_id, model=model, choices=[choice], usage=_usage(gen)))
 
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _pick(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {s: _ERRORS[s] for s in statuses}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document, with validation errors documented as the 400 they really are."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for op in path.values():
+                responses = op.get("responses", {})
+                if responses.pop("422", None) is not None and "400" not in responses:
+                    responses["400"] = {
+                        "description": "Invalid request (the `param` names the field)",
+                        "content": {"application/json": {
+                            "schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+                    }
+        components = schema.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _swagger_page(spec: dict[str, Any]) -> str:
+    """Swagger UI with the document inlined, so the page needs no second authorized fetch."""
+    inline = json.dumps(spec).replace("</", "<\\/")
+    return f"""<!doctype html><html><head><title>ftrs API</title>
+<link rel="stylesheet" href="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui.css"></head>
+<body><div id="swagger-ui"></div>
+<script src="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"></script>
+<script>SwaggerUIBundle({{spec: {inline}, dom_id: "#swagger-ui"}});</script></body></html>"""
+
+
+def _disconnect_waiter(request: Request) -> Callable[[], Awaitable[None]]:
+    """A coroutine function that returns once the client of `request` has disconnected.
+
+    The body was read before the handler ran, so the next ASGI message of this connection is
+    `http.disconnect`; it arrives the moment the server sees the socket close."""
+
+    async def wait() -> None:
+        while True:
+            message = await request.receive()
+            if message.get("type") == "http.disconnect":
+                return
+            await asyncio.sleep(0.05)  # not expected after the body; do not spin
+
+    return wait
 
 
 def _usage(gen: Generation) -> Usage:
@@ -298,8 +407,9 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         first = errors[0] if errors else {}
         if first.get("type") == "json_invalid":
             return answer(request, InvalidRequest(f"invalid JSON body: {first.get('msg', '')}"))
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
+        # Of a union's alternatives, the deepest error says most (`messages[0].content[0].text`).
+        first = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else first
+        param = param_name(first.get("loc", ()), exc.body, missing=first.get("type") == "missing")
         msg = first.get("msg", "invalid request")
         if first.get("type") == "missing":
             msg = "field required"
@@ -310,7 +420,8 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = FtrsError(str(exc.detail))
         err.http_status = exc.status_code
-        err.code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        err.code = {400: "invalid_request", 404: "not_found",
+                    405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return error_response(err)
 
     @app.exception_handler(Exception)

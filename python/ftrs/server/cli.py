@@ -5,6 +5,9 @@ field (`moe_cache_size` -> `--moe-cache-size`), typed from the field's annotatio
 out keep the dataclass default. `run_serve(args)` starts uvicorn in this process (the API
 process), which spawns the engine process; it logs loading progress and one line with the URL
 when the engine is ready, and returns the process exit code.
+
+The API key comes from `--api-key`, else `--api-key-file` (first line), else `$FTRS_API_KEY`
+(read through `ftrs.config.env_flag`, the one place environment variables are read).
 """
 
 from __future__ import annotations
@@ -14,15 +17,20 @@ import asyncio
 import contextlib
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ftrs.config import add_engine_arguments, engine_config_from_args
-from ftrs.errors import FtrsError
+from ftrs.config import add_engine_arguments, engine_config_from_args, env_flag
+from ftrs.errors import ConfigError, FtrsError
 
 if TYPE_CHECKING:
     from ftrs.server.engine_client import Classifier, EngineClient
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # larger request bodies get 413
+DEFAULT_MAX_TOKENS = 1024  # of a chat request without max_tokens (OpenAI: the context's rest)
+
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `ftrs serve`: server options, then one per EngineConfig field."""
@@ -30,7 +38,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer KEY` (all endpoints but /health and /metrics)")
+                        help="require `Authorization: Bearer KEY` (all endpoints but /health and "
+                             "/metrics); also --api-key-file or $FTRS_API_KEY")
+    parser.add_argument("--api-key-file", default=None, type=Path,
+                        help="read the API key from the first line of this file")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help=f"larger request bodies get 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
+    parser.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                        help="max_tokens of a chat request that sets none, or what is left of the "
+                             f"context if less (default {DEFAULT_MAX_TOKENS})")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients use (default: the --model value)")
     parser.add_argument("--engine-backend", default=None, help=argparse.SUPPRESS)
@@ -62,13 +78,16 @@ def run_serve(args: argparse.Namespace, classifier: Classifier | None = None) ->
             engine, explicit_max_prefill=getattr(args, "max_prefill_length", None) is not None,
             no_link_guard=getattr(args, "no_link_guard", False),
             window_s=getattr(args, "link_guard_window", 0.5))
+        api_key = resolve_api_key(args)
+        limits = serve_limits(args)
     except FtrsError as err:
         logger.error("ftrs serve: %s", err.message)
         return err.exit_code
-    settings = ServeSettings(engine=engine, host=args.host, port=args.port, api_key=args.api_key,
+    settings = ServeSettings(engine=engine, host=args.host, port=args.port, api_key=api_key,
                              served_model_name=args.served_model_name,
                              backend=args.engine_backend or DEFAULT_BACKEND,
-                             link_guard=link_guard.to_dict() if link_guard is not None else None)
+                             link_guard=link_guard.to_dict() if link_guard is not None else None,
+                             **limits)
     app = create_app(settings, classifier or classify_engine_exit)
     client: EngineClient = app.state.engine
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
@@ -94,6 +113,36 @@ def run_serve(args: argparse.Namespace, classifier: Classifier | None = None) ->
     return 0 if server.started else 1
 
 
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """`--api-key`, else the first line of `--api-key-file`, else `$FTRS_API_KEY`, else None."""
+    key: str | None = getattr(args, "api_key", None)
+    path: Path | None = getattr(args, "api_key_file", None)
+    if key is None and path is not None:
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"api_key_file: cannot read {path}: {exc}") from exc
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ConfigError(f"api_key_file: {path} is empty")
+    if key is None:
+        key = env_flag("FTRS_API_KEY") or None
+    if key is not None and (not key.strip() or not key.isprintable()):
+        raise ConfigError("api_key: must be a non-empty printable string")
+    return key
+
+
+def serve_limits(args: argparse.Namespace) -> dict[str, int]:
+    """`max_request_bytes` and `default_max_tokens` of ServeSettings, checked."""
+    max_bytes = getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)
+    default_max = getattr(args, "default_max_tokens", DEFAULT_MAX_TOKENS)
+    if max_bytes < 1024:
+        raise ConfigError(f"max_request_bytes: must be >= 1024, got {max_bytes}")
+    if default_max < 1:
+        raise ConfigError(f"default_max_tokens: must be >= 1, got {default_max}")
+    return {"max_request_bytes": max_bytes, "default_max_tokens": default_max}
+
+
 async def _report_loading(client: EngineClient, model: str) -> None:
     """Log elapsed time (and engine progress) every few seconds until the engine is up or fails."""
     start = time.monotonic()
@@ -116,4 +165,5 @@ def main(argv: list[str] | None = None) -> int:
     return run_serve(parser.parse_args(argv))
 
 
-__all__ = ["add_serve_arguments", "engine_config_from_args", "main", "run_serve"]
+__all__ = ["add_serve_arguments", "engine_config_from_args", "main", "resolve_api_key", "run_serve",
+           "serve_limits"]

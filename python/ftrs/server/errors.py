@@ -3,10 +3,16 @@
 Status and `code` come from the error class (DESIGN.md "Errors"); nothing here re-decides them.
 Errors that cross the process pipe travel as `FtrsError.to_dict()` plus "http_status" and
 "code"; `error_from_dict` rebuilds the original class when `ftrs.errors` knows it.
+
+Every message that leaves the server is valid UTF-8 (a lone surrogate a client sent cannot
+break the JSON encoder), names a request field in one spelling (`messages[0].content`,
+`param_name`), and, on `/health`, carries no traceback and no absolute path (`public_error`).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -28,6 +34,13 @@ class Unauthorized(FtrsError):
 
     http_status = 401
     code = "invalid_api_key"
+
+
+class RequestTooLarge(InvalidRequest):
+    """The request body is larger than `--max-request-bytes`."""
+
+    http_status = 413
+    code = "request_too_large"
 
 
 class EngineUnavailable(FtrsError):
@@ -61,17 +74,57 @@ def error_type(status: int) -> str:
     return "server_error"
 
 
+def _utf8(text: str) -> str:
+    """`text` with any lone surrogate written as `\\udXXX`, so it encodes as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(err: FtrsError) -> dict[str, Any]:
     """`{"error": {"message", "type", "param", "code"}}` for one typed error."""
     param = err.evidence.get("param")
     return {
         "error": {
-            "message": err.message,
+            "message": _utf8(err.message),
             "type": error_type(err.http_status),
-            "param": str(param) if param is not None else None,
+            "param": _utf8(str(param)) if param is not None else None,
             "code": err.code,
         }
     }
+
+
+def param_name(loc: Sequence[Any], body: Any, missing: bool = False) -> str | None:
+    """A pydantic error location as the field's name in the request: `messages[0].content`.
+
+    `loc` may hold names of union members (`str`, `list[ContentPart]`) between the keys; they
+    are dropped by walking `body` along the location, keeping only the keys it really has (and,
+    when `missing`, the last key, which names the missing field)."""
+    parts: list[str] = []
+    node = body
+    items = list(loc[1:]) if loc and loc[0] == "body" else list(loc)
+    for i, key in enumerate(items):
+        last = i == len(items) - 1
+        if isinstance(key, int) and isinstance(node, list) and 0 <= key < len(node):
+            parts.append(f"[{key}]")
+            node = node[key]
+        elif isinstance(key, str) and isinstance(node, dict) and key in node:
+            parts.append(f".{key}" if parts else key)
+            node = node[key]
+        elif missing and last and isinstance(key, str) and isinstance(node, dict):
+            parts.append(f".{key}" if parts else key)  # a required field that is missing
+    return "".join(parts) or None
+
+
+_ABS_PATH = re.compile(r"(?<![\w.:/~-])(?:/[^\s/:'\"(),]+)+/([^\s/:'\"(),]+)")
+
+
+def public_error(err: FtrsError) -> dict[str, str]:
+    """What `/health` may show anyone about an error: its class and message, without traceback
+    (evidence stays in the logs) and with absolute paths cut to their last component."""
+    return {"type": type(err).__name__, "message": scrub_paths(_utf8(err.message))}
+
+
+def scrub_paths(text: str) -> str:
+    return _ABS_PATH.sub(r"\1", text)
 
 
 def error_response(err: FtrsError) -> JSONResponse:
@@ -82,9 +135,13 @@ def error_response(err: FtrsError) -> JSONResponse:
 __all__ = [
     "EngineUnavailable",
     "ModelNotFound",
+    "RequestTooLarge",
     "Unauthorized",
     "error_body",
     "error_from_dict",
     "error_response",
     "error_to_wire",
+    "param_name",
+    "public_error",
+    "scrub_paths",
 ]

@@ -1,19 +1,32 @@
 """Pydantic models of the OpenAI HTTP protocol, the subset ftrs serves.
 
-Requests validate types only; value checks (max_tokens >= 1, temperature >= 0, ...) live in
-`SamplingParams.validate` so the server and `ftrs.LLM` refuse the same things with the same
-words. Unknown request fields are ignored, as the OpenAI API does for forward compatibility.
-Responses are plain models; `token_ids` on a choice is an ftrs extension, filled only when
-the request sets `return_token_ids`.
+Requests validate types strictly: `"stream": "yes"`, `"max_tokens": true` or a prompt of
+`[true, false]` are 400s, not coerced. Every string a request carries must be valid Unicode
+(`Text`): a lone surrogate such as `"a\\udc80b"` is refused with the field's name instead of
+failing later in the tokenizer or the JSON encoder. Value checks (max_tokens >= 1, temperature
+in [0, 2], ...) live in `SamplingParams.validate` so the server and `ftrs.LLM` refuse the same
+things with the same words. Fields the server does not act on yet but that would change the
+output (`tools`, `response_format`, `logit_bias`, ...) are declared loosely here and refused in
+`serving.py` with their name; unknown fields are ignored, as the OpenAI API does for forward
+compatibility. Responses are plain models; `token_ids` on a choice is an ftrs extension, filled
+only when the request sets `return_token_ids`.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    model_validator,
+)
 
 
 def new_id(prefix: str) -> str:
@@ -25,51 +38,81 @@ def now() -> int:
     return int(time.time())
 
 
+def _valid_unicode(value: str) -> str:
+    """Refuse lone surrogates (U+D800..U+DFFF), which JSON escapes can carry but UTF-8 cannot."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"invalid Unicode: a lone surrogate at character {exc.start}") from None
+    return value
+
+
+Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
+TokenIds = list[StrictInt]
+Role = Literal["system", "user", "assistant", "tool", "developer"]
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class _SamplingFields(_Request):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
-    model: str
+    model: Text
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = 1
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    user: str | None = None
+    logit_bias: dict[str, Any] | None = None  # refused unless empty
+    user: Text | None = None
     # Extensions understood by vLLM-style clients.
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
+    stop_token_ids: TokenIds | None = None
+    ignore_eos: bool | None = False
     # ftrs extension: return the generated token ids on each choice.
-    return_token_ids: bool = False
+    return_token_ids: bool | None = False
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Text | list[Text] | TokenIds | list[TokenIds]
     logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
+    echo: bool | None = False
+    suffix: Text | None = None
     best_of: int | None = None
 
 
+class ContentPart(_Request):
+    """One part of a message's content; only `{"type": "text", "text": ...}` is served."""
+
+    type: Text
+    text: Text | None = None
+
+    @model_validator(mode="after")
+    def _text_part_has_text(self) -> ContentPart:
+        if self.type == "text" and self.text is None:
+            raise ValueError("a text part needs a `text` string")
+        return self
+
+
 class ChatMessage(_Request):
-    role: str
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    role: Role
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
+    tool_calls: list[Any] | None = None  # refused unless empty: tools are not served
+    tool_call_id: Text | None = None
 
     def text(self) -> str:
         """The message content as one string; non-text parts are refused by the caller."""
@@ -77,19 +120,25 @@ class ChatMessage(_Request):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
+        return "".join(p.text or "" for p in self.content if p.type == "text")
 
     def has_non_text_parts(self) -> bool:
-        return isinstance(self.content, list) and any(
-            p.get("type") != "text" for p in self.content
-        )
+        return isinstance(self.content, list) and any(p.type != "text" for p in self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
+    # Declared so they are refused by name (serving.py) rather than silently ignored.
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    audio: Any = None
+    modalities: list[Text] | None = None
 
 
 # ---------------------------------------------------------------------------------- responses
@@ -232,6 +281,7 @@ __all__ = [
     "CompletionLogprobs",
     "CompletionRequest",
     "CompletionResponse",
+    "ContentPart",
     "ErrorBody",
     "ErrorResponse",
     "ModelCard",

@@ -1,10 +1,13 @@
 """From an OpenAI request to engine tokens and back.
 
 `prepare_*` turn a validated request into prompt ids and `SamplingParams` (raising typed errors
-for what the protocol allows but ftrs refuses). `Generation` runs one request: it submits it,
-feeds each `TokenEvent` through the incremental detokenizer and the stop-string checker, and
-yields `Delta`s; it aborts the request in the engine when a stop string matches or when its
-consumer goes away (client disconnect), and records the request's metrics exactly once.
+for what the protocol allows but ftrs refuses, each naming its field as `messages[0].content`).
+They tokenize and render the chat template, so the app runs them in a worker thread, never on
+the event loop. `Generation` runs one request: it submits it, feeds each `TokenEvent` through
+the incremental detokenizer and the stop-string checker, and yields `Delta`s; it aborts the
+request in the engine when a stop string matches, when its consumer goes away, or as soon as
+`wait_disconnect` returns (the client closed the connection: the abort reaches the engine
+before its next step), and records the request's metrics exactly once.
 """
 
 from __future__ import annotations
@@ -65,10 +68,33 @@ def check_model(req: _SamplingFields, served: tuple[str, ...]) -> None:
 
 
 def _common_checks(req: _SamplingFields) -> None:
-    if req.n != 1:
+    if req.n not in (None, 1):
         raise _bad("n", f"only n=1 is supported, got {req.n}")
     if req.stream_options is not None and not req.stream:
         raise _bad("stream_options", "only allowed when stream is true")
+    if req.logit_bias:
+        raise _bad("logit_bias", "logit_bias is not supported")
+
+
+def _unsupported_chat_fields(req: ChatCompletionRequest) -> None:
+    """Fields that would change the output but are not served yet: a 400 naming the field."""
+    if req.tools:
+        raise _bad("tools", "tool calling is not supported")
+    if req.tool_choice not in (None, "none"):
+        raise _bad("tool_choice", 'only "none" is supported')
+    if req.functions:
+        raise _bad("functions", "function calling is not supported")
+    if req.function_call not in (None, "none"):
+        raise _bad("function_call", 'only "none" is supported')
+    if req.response_format is not None and req.response_format != {"type": "text"}:
+        raise _bad("response_format", 'only {"type": "text"} is supported')
+    if req.audio is not None:
+        raise _bad("audio", "audio output is not supported")
+    if req.modalities not in (None, [], ["text"]):
+        raise _bad("modalities", 'only ["text"] is supported')
+    for i, m in enumerate(req.messages):
+        if m.tool_calls:
+            raise _bad(f"messages[{i}].tool_calls", "tool calls are not supported")
 
 
 def _params(req: _SamplingFields, max_tokens: int, logprobs: int | None, vocab: int) -> SamplingParams:
@@ -82,7 +108,7 @@ def _params(req: _SamplingFields, max_tokens: int, logprobs: int | None, vocab: 
         seed=req.seed,
         stop=stop,
         stop_token_ids=tuple(req.stop_token_ids or ()),
-        ignore_eos=req.ignore_eos,
+        ignore_eos=bool(req.ignore_eos),
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -110,6 +136,7 @@ def _check_context(prompt_len: int, max_tokens: int, max_model_len: int, prompt_
 
 
 def prepare_completion(req: CompletionRequest, tokenizer: Any, vocab: int, max_model_len: int) -> Prepared:
+    """Prompt ids and params of a /v1/completions request; `max_tokens` defaults to 16 (OpenAI)."""
     _common_checks(req)
     if req.echo:
         raise _bad("echo", "echo is not supported")
@@ -118,16 +145,17 @@ def prepare_completion(req: CompletionRequest, tokenizer: Any, vocab: int, max_m
     if req.best_of not in (None, 1):
         raise _bad("best_of", "only best_of=1 is supported")
     prompt: Any = req.prompt
+    param = "prompt"
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise _bad("prompt", f"one prompt per request is supported, got {len(prompt)}")
-        prompt = prompt[0]
+        prompt, param = prompt[0], "prompt[0]"
     if isinstance(prompt, str):
-        ids = list(_require_tokenizer(tokenizer, "prompt").encode(prompt, add_special_tokens=True))
+        ids = list(_require_tokenizer(tokenizer, param).encode(prompt, add_special_tokens=True))
     else:
         ids = [int(t) for t in prompt]
         if any(not 0 <= t < vocab for t in ids):
-            raise _bad("prompt", f"token ids must be in [0, {vocab})")
+            raise _bad(param, f"token ids must be in [0, {vocab})")
     max_tokens = 16 if req.max_tokens is None else req.max_tokens
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise _bad("logprobs", f"must be in [0, 20], got {req.logprobs}")
@@ -136,14 +164,20 @@ def prepare_completion(req: CompletionRequest, tokenizer: Any, vocab: int, max_m
     return Prepared(ids, params)
 
 
-def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, vocab: int, max_model_len: int) -> Prepared:
+def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, vocab: int, max_model_len: int,
+                 default_max_tokens: int) -> Prepared:
+    """Prompt ids and params of a chat request. Without `max_tokens`/`max_completion_tokens`
+    the request may generate `default_max_tokens`, or what is left of the context if less."""
     _common_checks(req)
+    _unsupported_chat_fields(req)
     _require_tokenizer(tokenizer, "messages")
     messages: list[dict[str, Any]] = []
     for i, m in enumerate(req.messages):
         if m.has_non_text_parts():
             raise _bad(f"messages[{i}].content", "only text content parts are supported")
-        messages.append({"role": m.role, "content": m.text()})
+        # `developer` is OpenAI's newer name for `system`; chat templates know only the latter.
+        role = "system" if m.role == "developer" else m.role
+        messages.append({"role": role, "content": m.text()})
     try:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except FtrsError:
@@ -153,15 +187,23 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, vocab: int, max_mod
     ids = list(tokenizer.encode(text, add_special_tokens=False))
     if req.top_logprobs is not None and not req.logprobs:
         raise _bad("top_logprobs", "requires logprobs to be true")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
+        raise _bad("top_logprobs", f"must be in [0, 20], got {req.top_logprobs}")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = requested if requested is not None else max(max_model_len - len(ids), 1)
+    if requested is None:
+        max_tokens = max(min(default_max_tokens, max_model_len - len(ids)), 1)
+    else:
+        max_tokens = requested
     params = _params(req, max_tokens, logprobs, vocab)
     _check_context(len(ids), max_tokens, max_model_len, "messages")
     return Prepared(ids, params)
 
 
 # ------------------------------------------------------------------------------------ running
+
+
+_GONE = object()  # put on a request's queue when its client disconnects
 
 
 @dataclass(slots=True)
@@ -190,19 +232,24 @@ class Generation:
     def num_completion_tokens(self) -> int:
         return len(self.token_ids)
 
-    async def run(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> AsyncGenerator[Delta, None]:
-        """Yield deltas until the request finishes. Raises the request's `FtrsError`."""
+    async def run(self, wait_disconnect: Callable[[], Awaitable[None]] | None = None) -> AsyncGenerator[Delta, None]:
+        """Yield deltas until the request finishes. Raises the request's `FtrsError`.
+
+        `wait_disconnect` returns when the client has gone; the request is then aborted at once
+        (the engine drops it before its next step) and the generator ends without a finish."""
         params = self.prepared.params
         detok = IncrementalDetokenizer(self.client.tokenizer or _NoText())
         stop = StopChecker(params.stop)
         self.num_prompt_tokens = len(self.prepared.prompt_ids)
         queue = self.client.submit(GenerateRequest(self.request_id, self.prepared.prompt_ids, params))
+        watcher = None if wait_disconnect is None else asyncio.ensure_future(
+            self._watch(wait_disconnect, queue))
         status: str | None = "aborted"
         last = self._arrival
         try:
             while True:
-                item = await self._next(queue, is_disconnected)
-                if item is None:  # client went away (non-streaming)
+                item = await queue.get()
+                if item is _GONE:  # the client went away
                     return
                 if isinstance(item, FtrsError):
                     raise item
@@ -241,6 +288,8 @@ class Generation:
             status = None  # counted where the error is answered (HTTP error or SSE event)
             raise
         finally:
+            if watcher is not None:
+                watcher.cancel()
             if self.finish_reason is None:
                 self.client.abort(self.request_id)
             else:
@@ -248,15 +297,10 @@ class Generation:
             self.metrics.request_done(status, self.num_prompt_tokens, len(self.token_ids),
                                       time.monotonic() - self._arrival if status == "success" else None)
 
-    async def _next(self, queue: asyncio.Queue[Any], is_disconnected: Callable[[], Awaitable[bool]] | None) -> Any:
-        if is_disconnected is None:
-            return await queue.get()
-        while True:
-            try:
-                return await asyncio.wait_for(queue.get(), timeout=1.0)
-            except asyncio.TimeoutError:
-                if await is_disconnected():
-                    return None
+    async def _watch(self, wait_disconnect: Callable[[], Awaitable[None]], queue: asyncio.Queue[Any]) -> None:
+        await wait_disconnect()
+        self.client.abort(self.request_id)  # now, not when the consumer next wakes
+        queue.put_nowait(_GONE)
 
 
 # ---------------------------------------------------------------------------------- logprobs
