@@ -34,7 +34,8 @@ class EngineCore:
         self.tokenizer = self.rt.loaded.tokenizer
         self.model_name = config.model
         self.vocab_size = self.spec.vocab_size
-        self.max_model_len = self.rt.max_model_len
+        # What one request can use: the model's context, capped by the KV pool.
+        self.max_model_len = min(self.rt.max_model_len, self.rt.num_pages * config.page_size)
         self.pool = PagePool(self.rt.num_pages, config.page_size)
         self.scheduler = Scheduler(self.pool, config.max_prefill_length,
                                    config.max_running_requests)
