@@ -47,6 +47,9 @@ class EngineConfig:
     seed: int = 0
     hang_timeout: float = 120.0  # s: work pending and no step finished -> EngineHang
     on_device_lost: str = "exit"  # exit | restart | cpu: what the server does on a device error
+    step_fault_limit: int = 3  # failed steps in a row (not the device's) that restart the engine
+    engine_restarts: int = 3  # engine restarts within engine_restart_window; one more: exit 89
+    engine_restart_window: float = 600.0  # s
     fault_inject: str | None = None  # drills: KIND@step=N or KIND@after=Ts (ftrs.engine.faults)
     guard_relax_after: float = 600.0  # s of a quiet link before the adaptive guard steps back; 0 = never
     guard_loss_max_age_days: float = 30.0  # older DeviceLost crash reports no longer cap the prefill
@@ -56,6 +59,13 @@ class EngineConfig:
             raise ConfigError(f"hang_timeout: must be > 0, got {self.hang_timeout}")
         if self.on_device_lost not in ("exit", "restart", "cpu"):
             raise ConfigError(f"on_device_lost: expected exit, restart or cpu, got {self.on_device_lost!r}")
+        if self.step_fault_limit < 1:
+            raise ConfigError(f"step_fault_limit: must be >= 1, got {self.step_fault_limit}")
+        if self.engine_restarts < 0:
+            raise ConfigError(f"engine_restarts: must be >= 0 (0: exit on the first engine "
+                              f"death), got {self.engine_restarts}")
+        if self.engine_restart_window <= 0:
+            raise ConfigError(f"engine_restart_window: must be > 0, got {self.engine_restart_window}")
         if self.guard_relax_after < 0:
             raise ConfigError(f"guard_relax_after: must be >= 0 (0: never relax), got {self.guard_relax_after}")
         if self.guard_loss_max_age_days <= 0:

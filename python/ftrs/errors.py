@@ -111,6 +111,24 @@ class EngineHang(DeviceError):
     exit_code = 88
 
 
+class EngineStepError(FtrsError):
+    """An engine step raised an error that is not the device's (a bug, an input that slipped
+    past validation): the requests of that step fail with it and the engine goes on. Failed
+    steps `--step-fault-limit` in a row end the engine process, which is then restarted."""
+
+    code = "engine_fault"
+
+
+class EngineRestarted(FtrsError):
+    """The engine process died (any exit, kill -9 included) or kept failing, and is being
+    restarted: the requests it held are lost. Past `--engine-restarts` restarts within
+    `--engine-restart-window` seconds, `ftrs serve` exits with this code instead."""
+
+    http_status = 503
+    code = "engine_restarted"
+    exit_code = 89
+
+
 __all__ = [
     "CapacityError",
     "ConfigError",
@@ -120,6 +138,8 @@ __all__ = [
     "DeviceOutOfMemory",
     "DeviceUnhealthy",
     "EngineHang",
+    "EngineRestarted",
+    "EngineStepError",
     "FtrsError",
     "InvalidRequest",
     "KernelFault",

@@ -7,9 +7,15 @@ Messages on the pipes, all picklable:
 
 Invariants: the loop blocks on the pipe only when the engine has no work; every step's events
 and stats go out in one message, so the API side sees a request's tokens in step order. A
-request the engine refuses in `add_request` gets one `TokenEvent(finish_reason="error")`. A
-fatal `FtrsError` from `step()` is reported and the process exits with the error's exit code,
-so a supervisor that only sees the exit code still knows what happened.
+request the engine refuses in `add_request` gets one `TokenEvent(finish_reason="error")`.
+
+A step that raises fails only the requests of that step, unless the error is the device's
+(`StepRunner`): they get one `TokenEvent(finish_reason="error")` with `EngineStepError` (class
+and message of the exception, no traceback; the traceback is logged here once), their KV
+pages are freed, and the engine goes on. `step_fault_limit` failed steps in a row, or a
+`DeviceError` (the device policy: `server.supervision`), end the loop: the typed error is
+reported and the process exits with the error's exit code, so a supervisor that only sees
+the exit code still knows what happened. The API side then restarts the engine or exits.
 
 The engine is built by a *backend*: a module with `load(config) -> LoadedEngine`. The default,
 `ftrs.server.backend`, builds `ftrs.engine.core.EngineCore`; tests pass a fake one.
@@ -21,13 +27,14 @@ import importlib
 import logging
 import os
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple, Protocol
 
 from ftrs.config import EngineConfig
 from ftrs.engine.protocol import AbortRequest, GenerateRequest, StepStats, TokenEvent
-from ftrs.errors import FtrsError, ModelLoadError
+from ftrs.errors import DeviceError, EngineStepError, FtrsError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +100,17 @@ def error_to_wire(err: FtrsError) -> dict[str, Any]:
 
 
 def _as_ftrs_error(exc: BaseException, during: str) -> FtrsError:
+    """The typed error that crosses the pipe: class and message only; the traceback stays in
+    this process's log (clients and /health never see one)."""
     if isinstance(exc, FtrsError):
         return exc
-    tb = traceback.format_exception(type(exc), exc, exc.__traceback__)
+    logger.error("engine %s failed:\n%s", during,
+                 "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
+    evidence = {"exception": type(exc).__name__}
     if during == "load":
-        return ModelLoadError("engine", f"{type(exc).__name__}: {exc}", evidence={"traceback": tb[-5:]})
-    return FtrsError(f"engine step failed: {type(exc).__name__}: {exc}", evidence={"traceback": tb[-5:]})
+        return ModelLoadError("engine", f"{type(exc).__name__}: {exc}", evidence=evidence)
+    what = "engine step failed" if during == "step" else "the engine could not take the request"
+    return EngineStepError(f"{what}: {type(exc).__name__}: {exc}", evidence=evidence)
 
 
 def load_backend(backend: str) -> Any:
@@ -139,7 +151,8 @@ def _run(config: EngineConfig, backend: str, inbox: Connection, outbox: Connecti
     )
     supervisor = _supervise(config, engine, outbox)
     try:
-        return _loop(engine, inbox, outbox, supervisor)
+        step = engine.step if supervisor is None else supervisor.step
+        return _loop(engine, inbox, outbox, StepRunner(engine, step, config.step_fault_limit))
     except BaseException as exc:
         err = _as_ftrs_error(exc, "step")
         logger.error("engine step failed: %s", err.message)
@@ -177,7 +190,79 @@ def _supervise(config: EngineConfig, engine: Engine, outbox: Connection) -> Any:
     return EngineSupervisor(config, engine, on_fatal=on_fatal)
 
 
-def _loop(engine: Engine, inbox: Connection, outbox: Connection, supervisor: Any = None) -> int:
+class StepRunner:
+    """Runs the engine's steps so that no single bad step ends the engine.
+
+    `live` holds the ids of the requests the engine holds, as far as the messages tell (added
+    by `add`, dropped on abort and on a finishing event). A step that raises anything but a
+    `DeviceError` fails the requests it carried (the engine's `step_request_ids()` when it has
+    one and knows them, else every live request): each is aborted (its KV pages freed) and gets
+    an error event. `fault_limit` failed steps in a row raise `EngineStepError` instead: an
+    engine that fails every step is broken, and only a fresh process helps.
+    """
+
+    def __init__(self, engine: Engine, step: Callable[[], tuple[list[TokenEvent], StepStats | None]],
+                 fault_limit: int = 3) -> None:
+        self.engine = engine
+        self._step = step
+        self.fault_limit = fault_limit
+        self.live: set[str] = set()
+        self.failed_in_a_row = 0
+
+    def add(self, req: GenerateRequest) -> TokenEvent | None:
+        """Hand `req` to the engine; an error event when the engine refuses it."""
+        try:
+            self.engine.add_request(req)
+        except Exception as exc:  # refused request (or a validation gap): not a fatal error
+            err = exc if isinstance(exc, FtrsError) else _as_ftrs_error(exc, "add_request")
+            return TokenEvent(req.request_id, [], finish_reason="error", error=error_to_wire(err))
+        self.live.add(req.request_id)
+        return None
+
+    def abort(self, request_id: str) -> None:
+        self.live.discard(request_id)
+        try:
+            self.engine.abort(request_id)
+        except Exception as exc:  # the request is gone for the API side either way
+            logger.error("abort of %s failed: %s: %s", request_id, type(exc).__name__, exc)
+
+    def step(self) -> tuple[list[TokenEvent], StepStats | None]:
+        try:
+            events, stats = self._step()
+        except DeviceError:
+            raise  # the device policy decides (crash report, exit code, restart)
+        except Exception as exc:
+            self.failed_in_a_row += 1
+            err = _as_ftrs_error(exc, "step")  # logs the traceback of an untyped error
+            if isinstance(exc, FtrsError):
+                logger.error("engine step failed: %s", err.message, exc_info=exc)
+            if self.failed_in_a_row >= self.fault_limit:
+                raise EngineStepError(
+                    f"{self.failed_in_a_row} engine steps failed in a row; the last: {err.message}",
+                    evidence={**err.evidence, "failed_in_a_row": self.failed_in_a_row}) from exc
+            events, stats = self._fail_step(err), None
+        else:
+            self.failed_in_a_row = 0
+        for ev in events:
+            if ev.finish_reason is not None:
+                self.live.discard(ev.request_id)
+        return events, stats
+
+    def _fail_step(self, err: FtrsError) -> list[TokenEvent]:
+        ids_of = getattr(self.engine, "step_request_ids", None)
+        ids = ids_of() if callable(ids_of) else None
+        failed = sorted(self.live) if ids is None else [i for i in ids if i in self.live]
+        wire = error_to_wire(err)
+        events = []
+        for rid in failed:
+            self.abort(rid)
+            events.append(TokenEvent(rid, [], finish_reason="error", error=wire))
+        logger.error("failed %d request(s) of the failed step (%d in a row)", len(events),
+                     self.failed_in_a_row)
+        return events
+
+
+def _loop(engine: Engine, inbox: Connection, outbox: Connection, runner: StepRunner) -> int:
     while True:
         if not engine.has_work():
             try:
@@ -193,17 +278,15 @@ def _loop(engine: Engine, inbox: Connection, outbox: Connection, supervisor: Any
             if isinstance(msg, Shutdown):
                 return 0
             if isinstance(msg, AbortRequest):
-                engine.abort(msg.request_id)
+                runner.abort(msg.request_id)
                 aborted = True
             elif isinstance(msg, GenerateRequest):
-                try:
-                    engine.add_request(msg)
-                except FtrsError as err:  # refused request, not a fatal error
-                    ev = TokenEvent(msg.request_id, [], finish_reason="error", error=error_to_wire(err))
-                    outbox.send(StepOutput([ev], None))
+                refused = runner.add(msg)
+                if refused is not None:
+                    outbox.send(StepOutput([refused], None))
         if engine.has_work() or aborted:
             # One step after an abort with nothing else to do reports the freed KV pages.
-            events, stats = engine.step() if supervisor is None else supervisor.step()
+            events, stats = runner.step()
             outbox.send(StepOutput(events, stats))
 
 
@@ -215,6 +298,7 @@ __all__ = [
     "LoadedEngine",
     "Shutdown",
     "StepOutput",
+    "StepRunner",
     "engine_main",
     "error_to_wire",
 ]

@@ -17,11 +17,21 @@ Engine side, `EngineSupervisor` (runs in the engine process, wraps every `step()
 With `--fault-inject` the monitor watches a fake sysfs tree (engine.faults) and the fault is
 injected at the copy backend, so the real detection path runs on a CPU-only host.
 
+A step that raises anything else (an engine bug, an input validation missed) is not fatal:
+`step()` re-raises it and the engine process fails that step's requests and goes on
+(`engine_process.StepRunner`). A CUDA error torch raises untyped counts as the device's; a
+CUDA out-of-memory fails only the step's requests, like DeviceOutOfMemory.
+
 API side, `install_policy(client, server, policy)`: what `ftrs serve` does once the engine
-died of a device error. `exit`: stop serving (in-flight clients already have their typed
-error) and exit with the error's code (86/87/88). `cpu`: restart the engine with
+died. Of a device error, per `policy`: `exit`: stop serving (in-flight clients already have
+their typed error) and exit with the error's code (86/87/88). `cpu`: restart the engine with
 device="cpu" and keep serving; /health then says `"degraded": true`. `restart`: restart on the
 same device only when a fresh probe says the device answers; otherwise behave as `exit`.
+Of anything else, once the engine had served (any exit, kill -9, `--step-fault-limit` failed
+steps in a row, a restarted engine that fails to load): restart it on the same config after a
+backoff, the requests in flight told `engine_restarted`. Every restart, of either kind, takes
+one from `RestartBudget` (`--engine-restarts` within `--engine-restart-window` s); with none
+left a device error exits with its own code and anything else with `EngineRestarted`'s, 89.
 """
 
 from __future__ import annotations
@@ -40,7 +50,7 @@ from typing import Any
 from ftrs.config import EngineConfig, ftrs_home
 from ftrs.engine.faults import FAKE_BDF, StepFaults, make_fake_sysfs, parse_fault_spec
 from ftrs.engine.protocol import StepStats, TokenEvent
-from ftrs.errors import DeviceError, DeviceOutOfMemory, EngineHang, FtrsError
+from ftrs.errors import DeviceError, DeviceOutOfMemory, EngineHang, EngineRestarted, FtrsError
 from ftrs.guard.live import LiveGuard
 
 logger = logging.getLogger(__name__)
@@ -113,11 +123,17 @@ class EngineSupervisor:
             events, stats = self.engine.step()
             if self.faults is not None:
                 self.faults.after_step(n)
-        except DeviceOutOfMemory as err:
+        except Exception as exc:
             self._in_step = False
-            self._last_step_end = time.monotonic()
-            self.recorder.record(n, time=time.time(), kind="unknown")
-            return self._fail_requests(err), None
+            oom = _out_of_memory(exc, self.engine)
+            if oom is None and not _device_related(exc):
+                self._last_step_end = time.monotonic()
+                raise  # not the device's: the engine process fails this step's requests
+            if oom is not None:
+                self._last_step_end = time.monotonic()
+                self.recorder.record(n, time=time.time(), kind="unknown")
+                return self._fail_requests(oom), None
+            raise self.fatal_from(exc) from exc
         except BaseException as exc:
             self._in_step = False
             raise self.fatal_from(exc) from exc
@@ -178,7 +194,7 @@ class EngineSupervisor:
     def fatal_from(self, exc: BaseException) -> FtrsError:
         """Classify a step's exception; for a device error write the crash report. When the
         monitor thread already owns the exit, block: it ends the process."""
-        if not isinstance(exc, DeviceError) and self.faults is None:
+        if not _device_related(exc) and self.faults is None:
             return exc if isinstance(exc, FtrsError) else FtrsError(
                 f"engine step failed: {type(exc).__name__}: {exc}")
         if not self._claim():
@@ -240,6 +256,34 @@ def cuda_bdf(engine: Any) -> str | None:
         return None
 
 
+def _device_related(exc: BaseException) -> bool:
+    """A DeviceError, or an untyped error that says CUDA (torch raises CUDA errors as
+    RuntimeError): the device policy's. Anything else fails only the step's requests."""
+    if isinstance(exc, DeviceError):
+        return True
+    from ftrs.health.cuda import parse_cuda_error
+
+    return parse_cuda_error(exc).is_cuda
+
+
+def _out_of_memory(exc: BaseException, engine: Any) -> DeviceOutOfMemory | None:
+    """`exc` as DeviceOutOfMemory when it is one (typed, or CUDA's own out-of-memory error,
+    then with the failed step's requests from the engine), else None."""
+    if isinstance(exc, DeviceOutOfMemory):
+        return exc
+    if isinstance(exc, DeviceError):
+        return None
+    from ftrs.health.cuda import parse_cuda_error
+
+    info = parse_cuda_error(exc)
+    if not info.is_oom:
+        return None
+    ids_of = getattr(engine, "step_request_ids", None)
+    ids = ids_of() if callable(ids_of) else None
+    return DeviceOutOfMemory(f"device out of memory: {info.text}",
+                             evidence={"failed_step": {"request_ids": ids}})
+
+
 def _raised_at(exc: BaseException) -> str | None:
     """The innermost Python frame of `exc` and its line: where the step saw the error (a
     copy's `wait`, a kernel launch), which a sticky CUDA error alone does not say."""
@@ -258,23 +302,61 @@ def _raised_at(exc: BaseException) -> str | None:
 # -------------------------------------------------------------------------------- API side
 
 
-def install_policy(client: Any, server: Any, policy: str, grace_s: float = 1.0) -> None:
-    """Chain onto `client.on_failure`: act on a device error per `policy` (exit|restart|cpu).
+BACKOFF_FIRST_S = 0.5  # the first restart's delay; doubled per restart in the window
+BACKOFF_MAX_S = 8.0
 
-    `server` is the uvicorn.Server; `exit` sets `server.should_exit` after `grace_s`, so the
+
+class RestartBudget:
+    """At most `limit` restarts within any `window_s` seconds; `take()` claims one."""
+
+    def __init__(self, limit: int, window_s: float) -> None:
+        self.limit = limit
+        self.window_s = window_s
+        self._times: list[float] = []
+
+    def take(self, now: float | None = None) -> int | None:
+        """Claim a restart: its number within the window (1-based), or None when none is left."""
+        now = time.monotonic() if now is None else now
+        self._times = [t for t in self._times if now - t < self.window_s]
+        if len(self._times) >= self.limit:
+            return None
+        self._times.append(now)
+        return len(self._times)
+
+
+def backoff_s(attempt: int) -> float:
+    """Delay before restart number `attempt` of the window: 0.5 s, 1 s, 2 s, ... at most 8 s."""
+    return float(min(BACKOFF_FIRST_S * 2 ** (attempt - 1), BACKOFF_MAX_S))
+
+
+def install_policy(client: Any, server: Any, policy: str, grace_s: float = 1.0) -> None:
+    """Chain onto `client.on_failure`: act on a device error per `policy` (exit|restart|cpu),
+    restart the engine after any other death of an engine that had served, both within the
+    restart budget of `client.config`.
+
+    `server` is the uvicorn.Server; an exit sets `server.should_exit` after `grace_s`, so the
     clients in flight receive their typed errors first.
     """
     previous = client.on_failure
+    config = client.config
+    budget = RestartBudget(getattr(config, "engine_restarts", 3),
+                           getattr(config, "engine_restart_window", 600.0))
 
     def on_failure(err: FtrsError) -> None:
         if previous is not None:
             previous(err)
         if not isinstance(err, DeviceError):
+            if getattr(client, "ever_ready", False) and client.state == "failed":
+                _restart_or_exit(client, server, budget, err, grace_s)
             return
         loop = asyncio.get_running_loop()
         action = policy
         if action == "restart" and not _device_answers(client.config):
             logger.error("on-device-lost restart: the device does not answer; exiting")
+            action = "exit"
+        if action != "exit" and budget.take() is None:
+            logger.error("on-device-lost %s: %d restarts within %.0f s already; exiting", action,
+                         budget.limit, budget.window_s)
             action = "exit"
         if action == "exit":
             logger.error("ftrs serve: %s (%s); exiting with code %d", err.message, err.code,
@@ -292,6 +374,31 @@ def install_policy(client: Any, server: Any, policy: str, grace_s: float = 1.0) 
                                          "mode": action, "device": config.device})
 
     client.on_failure = on_failure
+
+
+def _restart_or_exit(client: Any, server: Any, budget: RestartBudget, err: FtrsError,
+                     grace_s: float) -> None:
+    """The engine died of something not the device's: restart it after a backoff, or, with
+    no restart left, exit 89 (`EngineRestarted`) so a service manager starts a fresh server."""
+    cause = {"type": type(err).__name__, "message": err.message, "code": err.code}
+    attempt = budget.take()
+    if attempt is None:
+        final = EngineRestarted(
+            f"the engine failed ({type(err).__name__}: {err.message}) after {budget.limit} "
+            f"restart(s) within {budget.window_s:g} s (--engine-restarts); the server exits",
+            evidence={"cause": cause, "restarts": budget.limit})
+        logger.error("ftrs serve: %s; exiting with code %d", final.message, final.exit_code)
+        client.give_up(final)
+        asyncio.get_running_loop().call_later(grace_s, _stop, server)
+        return
+    delay = backoff_s(attempt)
+    told = EngineRestarted(
+        f"the engine failed ({type(err).__name__}: {err.message}); restarting it "
+        f"(restart {attempt} of at most {budget.limit} within {budget.window_s:g} s)",
+        evidence={"cause": cause, "attempt": attempt, "limit": budget.limit})
+    logger.error("engine failed: %s; restarting it in %.1f s (restart %d of at most %d)",
+                 err.message, delay, attempt, budget.limit)
+    client.schedule_restart(told, delay)
 
 
 def _stop(server: Any) -> None:
@@ -317,4 +424,5 @@ def exit_code_for(client: Any) -> int | None:
     return None if failure is None else int(failure.exit_code)
 
 
-__all__ = ["EngineSupervisor", "cuda_bdf", "exit_code_for", "install_policy"]
+__all__ = ["EngineSupervisor", "RestartBudget", "backoff_s", "cuda_bdf", "exit_code_for",
+           "install_policy"]
