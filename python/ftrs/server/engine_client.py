@@ -6,6 +6,11 @@ that receives everything the engine sends. Token events are routed, on the event
 without one), every in-flight request receives the same typed error, `/health` reports it,
 and new requests are refused with it.
 
+When the engine dies after it served, the restart policy (`server.supervision.install_policy`)
+may call `schedule_restart`: the requests in flight are then told `EngineRestarted` (503,
+`engine_restarted`), state is "restarting" (/health 503, new requests 503 at once) through the
+backoff and the new engine's load, and "ready" again once it is up.
+
 What the error *is* comes from a classifier, `(exit_code, last_error) -> FtrsError`. The default
 trusts the error the engine reported, else maps the exit code through the table of DESIGN.md
 "Errors" (86 DeviceLost, 87 KernelFault, 88 EngineHang). The device supervisor plugs a better
@@ -25,7 +30,14 @@ from typing import Any
 
 from ftrs.config import EngineConfig
 from ftrs.engine.protocol import AbortRequest, GenerateRequest, StepStats, TokenEvent
-from ftrs.errors import DeviceLost, EngineHang, FtrsError, KernelFault, ModelLoadError
+from ftrs.errors import (
+    DeviceLost,
+    EngineHang,
+    EngineRestarted,
+    FtrsError,
+    KernelFault,
+    ModelLoadError,
+)
 from ftrs.server.engine_process import (
     EngineFailed,
     EngineProgress,
@@ -60,7 +72,8 @@ class EngineClient:
     """Spawns and supervises the engine process; must be started from a running event loop.
 
     States: "starting" -> "loading" -> "ready"; any -> "failed" (engine gone, `failure` says why);
-    "stopped" after `shutdown()`. Only "ready" accepts requests.
+    "failed" -> "restarting" -> "ready" when the restart policy restarts it (`restarting` says
+    why); "stopped" after `shutdown()`. Only "ready" accepts requests.
     """
 
     def __init__(
@@ -71,6 +84,7 @@ class EngineClient:
         on_stats: Callable[[StepStats], None] | None = None,
         on_failure: Callable[[FtrsError], None] | None = None,
         on_ready: Callable[[EngineReady], None] | None = None,
+        on_restart: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.backend = backend
@@ -78,6 +92,7 @@ class EngineClient:
         self.on_stats = on_stats
         self.on_failure = on_failure
         self.on_ready = on_ready
+        self.on_restart = on_restart  # called each time a new engine process is spawned
         self.state = "starting"
         self.info: EngineReady | None = None
         self.tokenizer: Any = None
@@ -94,6 +109,9 @@ class EngineClient:
         self._outbox: Any = None  # API -> engine
         self._generation = 0  # bumped by restart(); messages of older engines are ignored
         self.degraded: dict[str, Any] | None = None  # set by restart(): why and how degraded
+        self.restarting: EngineRestarted | None = None  # while state is "restarting": why
+        self.restarts = 0  # engine processes spawned after the first
+        self.ever_ready = False  # an engine of this client served (a later death may restart)
 
     # ------------------------------------------------------------------------------ lifecycle
 
@@ -111,17 +129,23 @@ class EngineClient:
         to_engine_r.close()
         from_engine_w.close()  # so the reader sees EOF when the engine dies
         self._inbox, self._outbox = from_engine_r, to_engine_w
-        self.state = "loading"
+        self.state = "restarting" if self.restarting is not None else "loading"
         threading.Thread(target=self._read_loop, args=(self._generation, self._inbox, self._proc),
                          name="ftrs-engine-reader", daemon=True).start()
 
     def restart(self, config: EngineConfig, degraded: dict[str, Any] | None = None) -> None:
         """Spawn a fresh engine with `config` after a failure (the device supervisor's
-        `--on-device-lost cpu|restart`); `/health` reports `degraded` once it is ready."""
+        `--on-device-lost cpu|restart`, or a `schedule_restart`); `/health` reports `degraded`
+        once it is ready. The old engine process, if still alive, is killed first."""
         for conn in (self._inbox, self._outbox):
             with contextlib.suppress(OSError, AttributeError):
                 conn.close()
+        if self._proc is not None and self._proc.is_alive():
+            self._proc.kill()  # two engines must never share the device; its reader joins it
         self._generation += 1
+        self.restarts += 1
+        if self.on_restart is not None:
+            self.on_restart()
         self.config = config
         self.degraded = degraded
         self.failure = None
@@ -130,6 +154,29 @@ class EngineClient:
         self.started_at = time.monotonic()
         self._ready = asyncio.Event()
         self.start()
+
+    def schedule_restart(self, err: EngineRestarted, delay_s: float) -> None:
+        """Restart the engine with the same config in `delay_s` seconds (the policy's backoff).
+        Until the new engine is ready, state is "restarting" and `err` is what requests in
+        flight (those of the dead engine) and new requests are told."""
+        assert self._loop is not None
+        self._generation += 1  # late messages of the dead engine no longer count
+        self.restarting = err
+        self.failure = None
+        self.state = "restarting"
+        self._ready = asyncio.Event()
+
+        def go() -> None:
+            if self.state == "restarting":  # not shut down during the backoff
+                self.restart(self.config, self.degraded)
+
+        self._loop.call_later(delay_s, go)
+
+    def give_up(self, err: FtrsError) -> None:
+        """No more restarts: `err` is the failure (its exit code is the server's)."""
+        self.restarting = None
+        self.failure = err
+        self.state = "failed"
 
     async def wait_ready(self, timeout: float | None = None) -> bool:
         with contextlib.suppress(asyncio.TimeoutError):
@@ -187,6 +234,8 @@ class EngineClient:
     def unavailable(self) -> FtrsError:
         if self.failure is not None:
             return self.failure
+        if self.restarting is not None:
+            return self.restarting
         if self.state == "stopped":
             return EngineUnavailable("server is shutting down")
         return EngineUnavailable(f"the engine is still loading {self.config.model}")
@@ -204,6 +253,10 @@ class EngineClient:
         if self.failure is not None:
             body.update(reason=self.failure.message, code=self.failure.code,
                         classification=type(self.failure).__name__, error=self.failure.to_dict())
+        elif self.state == "restarting" and self.restarting is not None:
+            body.update(reason=self.restarting.message, code=self.restarting.code,
+                        restarts=self.restarts, cause=self.restarting.evidence.get("cause"),
+                        elapsed_s=round(time.monotonic() - self.started_at, 1))
         elif self.state in ("starting", "loading"):
             body.update(reason=f"loading {self.config.model}",
                         elapsed_s=round(time.monotonic() - self.started_at, 1))
@@ -273,8 +326,10 @@ class EngineClient:
             self._send(Shutdown())
             return
         self.info = msg
-        if self.state == "loading":
+        if self.state in ("loading", "restarting"):
             self.state = "ready"
+            self.restarting = None
+            self.ever_ready = True
             logger.debug("engine ready: %s (pid %d)", msg.model_name, msg.pid)
             if self.on_ready is not None:
                 self.on_ready(msg)
@@ -283,21 +338,27 @@ class EngineClient:
     def _on_exit(self, exit_code: int | None, last_error: dict[str, Any] | None, gen: int = 0) -> None:
         if self.state == "stopped" or gen != self._generation:
             return
+        err = self.failure or self.classifier(exit_code, last_error)
+        logger.error("engine process exited with code %s: %s", exit_code, err.message)
         if self.failure is None:
-            self._fail(self.classifier(exit_code, last_error))
-        logger.error("engine process exited with code %s: %s", exit_code,
-                     self.failure.message if self.failure else "")
+            self._fail(err)
 
     def _fail(self, err: FtrsError) -> None:
+        """The engine is gone (or never came up). `on_failure` (the policy) runs before the
+        requests in flight are told, so they hear `engine_restarted` when it restarts."""
         if self.failure is not None:
             return
         self.failure = err
+        self.restarting = None
         if self.state != "stopped":
             self.state = "failed"
-        self._fail_all(err)
+        streams, self._streams = self._streams, {}
         self._ready.set()
         if self.on_failure is not None:
             self.on_failure(err)
+        told = self.failure or self.restarting or err
+        for queue in streams.values():
+            queue.put_nowait(told)
 
     def _fail_all(self, err: FtrsError) -> None:
         streams, self._streams = self._streams, {}

@@ -15,6 +15,11 @@ observed by the request handlers, which see the tokens arrive.
 `StepStats.guard` (the adaptive guard, `guard.live`) sets ftrs_prefill_cap_tokens to the live
 step budget, ftrs_pcie_pacing_bytes_per_second, ftrs_adaptive_guard_events,
 ftrs_adaptive_guard_level and ftrs_adaptive_guard_relaxes.
+
+When the engine process dies, `engine_gone()` sets every gauge the dead engine reported
+(requests running and waiting, KV usage, expert slots, transfer queue and bytes in flight) to
+0 until the next engine reports, and forgets its cumulative counters, so the new engine's are
+added whole; counters never go down. `ftrs_engine_restarts_total` counts new engine processes.
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ class ServerMetrics:
         self.device_up = Gauge(p + "device_up", "1 while the engine and its device serve.", registry=r)
         self.device_state = Gauge(p + "device_state", "1 for the current device state.", ["state"], registry=r)
         self.device_lost = Counter(p + "device_lost", "Times the device was declared lost.", registry=r)
+        self.engine_restarts = Counter(p + "engine_restarts", "Engine processes started after the first (any cause).", registry=r)
         self.gpu_power = Gauge(p + "gpu_power_watts", "GPU power draw.", registry=r)
         self.gpu_temperature = Gauge(p + "gpu_temperature_celsius", "GPU temperature.", registry=r)
         self.link_gen = Gauge(p + "pcie_link_gen", "PCIe link generation.", ["kind"], registry=r)
@@ -123,6 +129,13 @@ class ServerMetrics:
         self.observe_experts(stats.experts, had_prefill=stats.prefill_tokens > 0)
         if stats.guard:
             self.observe_guard(stats.guard)
+
+    def engine_gone(self) -> None:
+        """The engine process died: what it reported is no longer true."""
+        for gauge in (self.running, self.waiting, self.kv_usage, self.expert_slots,
+                      self.queue_depth, self.inflight_bytes):
+            gauge.set(0)
+        self._last_counters.clear()
 
     def observe_guard(self, guard: Mapping[str, object]) -> None:
         """The adaptive guard's live state (`StepStats.guard`): the step budget it set, its

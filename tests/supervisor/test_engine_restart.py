@@ -1,0 +1,146 @@
+"""The engine never dies of one bad step, and a dead engine is restarted or the server exits 89.
+
+Real `ftrs serve` processes over the fake engine of `faulty_backend.py` (no model), each with
+its own FTRS_HOME. The figures the issue asks for (how fast a streaming client hears of a
+kill -9, how long until the server serves again) are printed, not asserted: wall-clock
+bounds belong to benches; the assertions bound them only loosely, as "not hanging".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from serverproc import ServerProcess
+
+HERE = Path(__file__).resolve().parent
+
+
+class Server(ServerProcess):
+    def __init__(self, home: Path, *args: str) -> None:
+        super().__init__(["--model", "fake", "--engine-backend", "faulty_backend", *args],
+                         log=home / "server.log", home=home,
+                         pythonpath=[HERE, HERE.parent / "server"])
+
+    def post(self, prompt: str, **body: Any) -> httpx.Response:
+        return httpx.post(self.url + "/v1/completions", timeout=30,
+                          json={"model": "fake", "prompt": prompt, "max_tokens": 5, **body})
+
+    def health(self) -> httpx.Response:
+        return httpx.get(self.url + "/health", timeout=5)
+
+    def engine_pid(self) -> int:
+        return int(self.health().json()["engine_pid"])
+
+    def metric(self, name: str) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(self.url + "/metrics", timeout=5).text
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == name and not s.labels:
+                    return float(s.value)
+        raise KeyError(name)
+
+
+def _data(lines: Any, n: int) -> list[str]:
+    """The next `n` SSE data lines."""
+    out: list[str] = []
+    for line in lines:
+        if line.startswith("data: "):
+            out.append(line)
+            if len(out) == n:
+                break
+    return out
+
+
+def test_a_step_that_raises_fails_its_request_and_the_engine_serves_on(tmp_path: Path) -> None:
+    server = Server(tmp_path)
+    try:
+        server.wait_ok()
+        pid = server.engine_pid()
+        stream = {"model": "fake", "prompt": "__slow__", "max_tokens": 40, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=stream, timeout=30) as r:
+            lines = r.iter_lines()
+            assert len(_data(lines, 3)) == 3  # streaming: the other request's step will raise
+            bad = server.post("__raise__")
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert bad.status_code == 500, bad.text
+        error = bad.json()["error"]
+        assert error["code"] == "engine_fault"
+        assert error["message"] == "engine step failed: ValueError: row overflowed"
+        assert "Traceback" not in bad.text
+        # the stream that was not in the failed step ran to its end
+        assert rest[-1] == "data: [DONE]"
+        last = json.loads(rest[-2].removeprefix("data: "))
+        assert "error" not in last and last["choices"][0]["finish_reason"] == "length"
+        assert server.post("fine").status_code == 200
+        assert server.engine_pid() == pid and server.metric("ftrs_engine_restarts_total") == 0
+    finally:
+        server.stop()
+
+
+def test_steps_failing_in_a_row_restart_the_engine(tmp_path: Path) -> None:
+    server = Server(tmp_path, "--step-fault-limit", "2")
+    try:
+        server.wait_ok()
+        pid = server.engine_pid()
+        first = server.post("__poison__")  # every step from now on raises
+        assert first.status_code == 500 and first.json()["error"]["code"] == "engine_fault"
+        assert "RuntimeError: engine state is corrupt" in first.json()["error"]["message"]
+        second = server.post("innocent")  # the second failed step in a row: restart
+        assert second.status_code == 503, second.text
+        assert second.json()["error"]["code"] == "engine_restarted"
+        server.wait_ok(timeout=60)
+        assert server.engine_pid() != pid
+        assert server.post("after the restart").status_code == 200
+        assert server.metric("ftrs_engine_restarts_total") == 1
+    finally:
+        server.stop()
+
+
+def test_kill_9_of_the_engine_restarts_it_then_past_the_bound_exits_89(tmp_path: Path) -> None:
+    server = Server(tmp_path, "--engine-restarts", "1")
+    try:
+        server.wait_ok()
+        pid = server.engine_pid()
+        stream = {"model": "fake", "prompt": "__slow__", "max_tokens": 400, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=stream, timeout=30) as r:
+            lines = r.iter_lines()
+            assert len(_data(lines, 5)) == 5
+            assert server.metric("ftrs_requests_running") == 1
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            told = told_s = None
+            for line in lines:
+                if line.startswith("data: ") and '"error"' in line:
+                    told, told_s = json.loads(line.removeprefix("data: ")), time.monotonic() - killed
+                    break
+        assert told is not None and told_s is not None, "the stream ended without an error"
+        print(f"\nkill -9 of the engine: the streaming client was told in {told_s * 1000:.1f} ms")
+        assert told["error"]["code"] == "engine_restarted"
+        assert told_s < 10  # not hanging; the figure is the print above
+        health = server.health()  # the restart waits 0.5 s before it spawns the engine
+        assert health.status_code == 503 and health.json()["status"] == "restarting", health.text
+        refused = server.post("while restarting")
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_restarted"
+        server.wait_ok(timeout=60)
+        print(f"kill -9 of the engine: serving again {time.monotonic() - killed:.2f} s after it")
+        new_pid = server.engine_pid()
+        assert new_pid != pid
+        # the dead engine's gauges read their true values; counters only grew
+        assert server.metric("ftrs_requests_running") == 0
+        assert server.metric("ftrs_engine_restarts_total") == 1
+        assert server.post("after the restart").status_code == 200
+        # the bound: one restart allowed, so the second death ends the server with code 89
+        os.kill(new_pid, signal.SIGKILL)
+        assert server.exit_code(timeout=30) == 89
+        assert "--engine-restarts" in server.log.read_text()
+    finally:
+        server.stop()
