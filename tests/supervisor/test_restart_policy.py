@@ -7,8 +7,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from ftrs.config import EngineConfig
-from ftrs.errors import DeviceLost, InvalidRequest
-from ftrs.server.supervision import install_policy
+from ftrs.errors import DeviceLost, EngineRestarted, FtrsError, InvalidRequest, ModelLoadError
+from ftrs.server.errors import EngineUnavailable
+from ftrs.server.supervision import RestartBudget, backoff_s, install_policy
 
 
 class FakeClient:
@@ -54,3 +55,87 @@ def test_request_errors_do_not_trigger_the_policy() -> None:
     install_policy(client, server, "restart", grace_s=0.01)
     _fail(client, server, InvalidRequest("bad"))
     assert not server.should_exit and client.restarts == []
+
+
+# -- restarts after deaths that are not the device's (issue 13) --------------------------------
+
+
+class RestartingClient(FakeClient):
+    """What install_policy needs of EngineClient for its restarts, recorded."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.ever_ready = True
+        self.state = "failed"
+        self.scheduled: list[tuple[EngineRestarted, float]] = []
+        self.final: FtrsError | None = None
+
+    def schedule_restart(self, err: EngineRestarted, delay_s: float) -> None:
+        self.scheduled.append((err, delay_s))
+
+    def give_up(self, err: FtrsError) -> None:
+        self.final = err
+
+
+def test_restart_budget_counts_within_a_sliding_window() -> None:
+    budget = RestartBudget(2, window_s=10.0)
+    assert [budget.take(0.0), budget.take(1.0), budget.take(2.0)] == [1, 2, None]
+    assert budget.take(10.5) == 2  # the restart at 0 s left the window; the one at 1 s did not
+    assert budget.take(10.9) is None
+
+
+def test_backoff_doubles_from_half_a_second_up_to_eight() -> None:
+    assert [backoff_s(n) for n in range(1, 8)] == [0.5, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+
+
+def test_an_engine_death_restarts_with_backoff_then_past_the_bound_exits_89() -> None:
+    client = RestartingClient(EngineConfig(device="cpu", engine_restarts=2))
+    server = SimpleNamespace(should_exit=False)
+    install_policy(client, server, "exit", grace_s=0.01)
+    death = EngineUnavailable("engine process exited with code -9")
+    for _ in range(3):
+        _fail(client, server, death)
+    (first, d1), (_, d2) = client.scheduled
+    assert (d1, d2) == (0.5, 1.0)
+    assert first.code == "engine_restarted" and first.http_status == 503
+    assert first.evidence["cause"]["type"] == "EngineUnavailable" and first.evidence["attempt"] == 1
+    assert client.final is not None and client.final.exit_code == 89 and server.should_exit
+
+
+def test_a_first_load_failure_is_not_restarted() -> None:
+    client = RestartingClient(EngineConfig(device="cpu"))
+    client.ever_ready = False  # the engine never served: a restart would fail the same way
+    server = SimpleNamespace(should_exit=False)
+    install_policy(client, server, "exit", grace_s=0.01)
+    _fail(client, server, ModelLoadError("m", "no such file"))
+    assert client.scheduled == [] and client.final is None and not server.should_exit
+
+
+def test_device_restarts_share_the_budget() -> None:
+    client = RestartingClient(EngineConfig(device="cpu", engine_restarts=1))
+    server = SimpleNamespace(should_exit=False)
+    install_policy(client, server, "restart", grace_s=0.01)
+    _fail(client, server, DeviceLost("gone"))
+    assert len(client.restarts) == 1 and not server.should_exit
+    _fail(client, server, DeviceLost("gone again"))  # no restart left: exit with its code, 86
+    assert len(client.restarts) == 1 and server.should_exit
+
+
+def test_metrics_forget_the_dead_engine() -> None:
+    from ftrs.engine.protocol import StepStats
+    from ftrs.server.metrics import ServerMetrics
+
+    m = ServerMetrics()
+
+    def step(h2d: int, running: int) -> StepStats:
+        return StepStats(1, 0.0, 0.0, "decode", running, 2, 0, 1, 0.5,
+                         experts={"h2d_bytes": h2d, "slots": 8})
+
+    m.observe_step(step(1000, 3))
+    m.engine_gone()
+    value = {"running": m.running, "waiting": m.waiting, "kv": m.kv_usage,
+             "slots": m.expert_slots}
+    assert {k: g._value.get() for k, g in value.items()} == dict.fromkeys(value, 0.0)
+    m.observe_step(step(3000, 1))  # the new engine's counter counts from its own start
+    assert m.pcie_bytes.labels("h2d")._value.get() == 4000.0
+    assert m.running._value.get() == 1.0
