@@ -26,8 +26,9 @@ def test_rms_norm_matches_reference(device: str, dtype: torch.dtype, rows: int, 
     got, res = rms_norm_triton(x, w, 1e-6)
     want, _ = rms_norm_ref(x, w, 1e-6)
     assert res is None and got.dtype == want.dtype and got.shape == want.shape
-    # the mean of squares sums in another order: fp32 to ~1e-6, half types within one ulp
-    assert _ulps(got, want) <= (8 if dtype == torch.float32 else 1.01)
+    # the mean of squares sums in another order (and rsqrt may be approximate on a GPU): fp32 to
+    # a few ulps; half types round twice (normed, then times w), so two ulps
+    assert _ulps(got, want) <= (8 if dtype == torch.float32 else 2.01)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -41,7 +42,7 @@ def test_rms_norm_with_residual_returns_the_exact_sum(device: str, dtype: torch.
     assert new_res is not None and torch.equal(new_res, r + x)
     assert want_res is not None and torch.equal(want_res, r + x)
     assert got.shape == (4, 3, 24)
-    assert _ulps(got, want) <= (8 if dtype == torch.float32 else 1.01)
+    assert _ulps(got, want) <= (8 if dtype == torch.float32 else 2.01)
 
 
 def test_rms_norm_reference_is_the_layer_math() -> None:
