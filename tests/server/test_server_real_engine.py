@@ -116,3 +116,53 @@ def test_disconnect_mid_stream_returns_kv_usage_to_idle(real_server: ServerProce
     m = scrape(url)
     assert m["ftrs_requests_running"] == 0
     assert m["ftrs_kv_cache_usage_ratio"] <= idle
+
+
+def test_out_of_range_sampling_is_a_400_and_the_engine_serves_on(real_server: ServerProcess) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=real_server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+    msgs = [{"role": "user", "content": "Hello"}]
+    bad: list[dict[str, Any]] = [
+        {"seed": -(2**63) - 1}, {"seed": 2**64},  # torch.Generator.manual_seed's range
+        {"repetition_penalty": 1e-300}, {"repetition_penalty": 1e300},  # logits * p overflows
+        {"temperature": 1e308}, {"temperature": 3.0},
+    ]
+    for kw in bad:
+        args = {k: v for k, v in kw.items() if k in ("seed", "temperature")}
+        extra = {k: v for k, v in kw.items() if k not in args}
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4,  # type: ignore[call-overload]
+                                           **({"temperature": 1.0} | args), extra_body=extra)
+        assert e.value.body["param"] == next(iter(kw)), kw  # type: ignore[index]
+        ok = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, temperature=1.0,
+                                            seed=2**64 - 1)  # the top of the seed range is fine
+        assert ok.usage is not None and ok.usage.completion_tokens == 4, kw
+
+
+def test_a_tiny_temperature_samples_the_argmax(real_server: ServerProcess) -> None:
+    prompt = _prompts(1, seed=11)[0]
+    greedy = _complete(real_server, prompt, temperature=0)["choices"][0]["token_ids"]
+    for t in (1e-40, 1e-300, 5e-324):  # logits / T would overflow float32 to inf, then NaN
+        tiny = _complete(real_server, prompt, temperature=t, seed=3)["choices"][0]["token_ids"]
+        assert tiny == greedy, t  # softmax(logits / T) tends to the argmax as T -> 0
+
+
+def test_max_model_len_is_capped_by_the_kv_pool(tiny_model: Path) -> None:
+    from ftrs.config import EngineConfig
+    from ftrs.engine.core import EngineCore
+    from ftrs.engine.protocol import GenerateRequest
+    from ftrs.errors import ContextLengthExceeded
+    from ftrs.sampling import SamplingParams
+
+    engine = EngineCore(EngineConfig(model=str(tiny_model), device="cpu", dtype="float32",
+                                     kv_tokens=64, page_size=16), progress=False)
+    try:
+        assert engine.max_model_len == 64  # 4 pages of 16 tokens; the model's context is longer
+        engine.add_request(GenerateRequest("fits", [5] * 60, SamplingParams(max_tokens=4)))
+        with pytest.raises(ContextLengthExceeded):
+            engine.add_request(GenerateRequest("over", [5] * 61, SamplingParams(max_tokens=4)))
+    finally:
+        close = getattr(engine, "close", None)
+        if callable(close):
+            close()
