@@ -4,9 +4,12 @@
 #   2. pytest -m gpu -v                       (tests/gpu: cuda offload, copies, link probe)
 #   3. bench/gpu_check.py                     (pinned H2D/D2H GB/s, ftrs vs torch, link bound)
 #   4. bench/offload.py --quick --copy-backend cuda   (demo model, or a tiny one offline)
+#   5. TRITON_INTERPRET=0 pytest tests/kernels (the Triton kernels compiled, on the GPU)
+#   6. bench/kernels.py                       (each kernel vs its torch reference, JSON)
 # Exits non-zero when the GPU tests fail (their pytest status) or any other step fails.
 # Without a GPU it says so, runs only the CPU-safe parts (the gpu tests must all skip, the
-# timed-copy refusals of tests/test_core.py, gpu_check's one line) and exits 0 if they pass.
+# timed-copy refusals of tests/test_core.py, gpu_check's one line, the kernel tests under
+# Triton's interpreter, bench/kernels.py timing the references) and exits 0 if they pass.
 # GPU_CHECK_NO_BOOTSTRAP=1 skips step 1 (a rerun on a machine already set up).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -44,6 +47,8 @@ if ! "$PY" -c "from ftrs.guard.link import cuda_usable; raise SystemExit(not cud
   step "gpu tests skip" 120 "$PY" -m pytest -m gpu -q -rs tests/gpu
   step "timed-copy refusals" 60 "$PY" -m pytest -q tests/test_core.py -k timed_cuda_copies
   step "bench/gpu_check.py" 30 "$PY" bench/gpu_check.py
+  step "kernel tests (interpreter)" 180 env TRITON_INTERPRET=1 "$PY" -m pytest -q tests/kernels
+  step "bench/kernels.py" 120 "$PY" bench/kernels.py
   [ ${#failed[@]} -eq 0 ] || { echo "gpu-check: FAILED: ${failed[*]}" >&2; exit 1; }
   echo "gpu-check: no GPU; CPU-safe parts passed in $((SECONDS - start))s"
   exit 0
@@ -62,6 +67,10 @@ if [ -z "$model" ] || [ ! -e "$model" ]; then
 fi
 step "bench/offload.py --copy-backend cuda" 120 \
   "$PY" bench/offload.py --quick --copy-backend cuda --model "$model"
+step "kernel tests (compiled)" 300 env TRITON_INTERPRET=0 "$PY" -m pytest -v tests/kernels --timeout 240
+kernels_rc=$?
+[ "$tests_rc" -eq 0 ] && tests_rc=$kernels_rc
+step "bench/kernels.py" 120 "$PY" bench/kernels.py
 
 echo "gpu-check: $((SECONDS - start))s in all"
 if [ "$tests_rc" -ne 0 ]; then
