@@ -151,3 +151,44 @@ def test_fused_moe_q8_0_dequantizes_in_kernel(device: str, dtype: torch.dtype) -
     got = fused_moe_triton(*_to(device, x, ids, rw, slot_of),
                            SlotWeights(*_to(device, gate, up, down), "Q8_0"))
     _close(got, want, dtype)
+
+
+def test_pairs_filled_in_two_calls_combine_bit_for_bit(device: str) -> None:
+    """Experts that landed first, then the rest, into one pair buffer: the same sum as one call."""
+    from ftrs.kernels.moe import combine_pairs, moe_pairs_triton
+
+    x, ids, rw = _to(device, *_case(torch.float32, seed=6))
+    w = SlotWeights(*_to(device, *_weights(torch.float32)[:3]))
+    slot_of = SLOT_OF.to(device)
+    landed = torch.where(torch.tensor([0, 1, 0, 1, 1], device=device).bool(), slot_of, -1)
+    rest = torch.where(landed < 0, slot_of, -1)
+    y = moe_pairs_triton(x, ids, rw, landed, w)
+    moe_pairs_triton(x, ids, rw, rest, w, y=y)
+    got = combine_pairs(y, ids, torch.zeros_like(x))
+    assert torch.equal(got, fused_moe_triton(x, ids, rw, slot_of, w))
+
+
+def test_slot_views_over_a_region_read_each_block() -> None:
+    """Views over a byte region with padded blocks see exactly the bytes of each slot's tensors."""
+    from ftrs.kernels.moe import SlotWeights as SW
+
+    slots, h, inter = 3, 8, 4
+    sizes = [inter * h * 2, inter * h * 2, h * inter * 2]  # bf16
+    offsets = [0, 128, 256]
+    slot_bytes = 384
+    region = torch.zeros(slots * slot_bytes, dtype=torch.uint8)
+    want = []
+    for s in range(slots):
+        mats = [torch.randn(inter, h).bfloat16(), torch.randn(inter, h).bfloat16(),
+                torch.randn(h, inter).bfloat16()]
+        for m, off, n in zip(mats, offsets, sizes, strict=True):
+            region[s * slot_bytes + off:s * slot_bytes + off + n] = m.view(-1).view(torch.uint8)
+        want.append(mats)
+    w = SW.from_region(region, slots, slot_bytes, offsets, [(inter, h), (inter, h), (h, inter)],
+                       torch.bfloat16)
+    for s in range(slots):
+        assert torch.equal(w.gate[s], want[s][0]) and torch.equal(w.up[s], want[s][1])
+        assert torch.equal(w.down[s], want[s][2])
+    with pytest.raises(ValueError, match="overrun"):
+        SW.from_region(region, slots + 1, slot_bytes, offsets, [(inter, h)] * 2 + [(h, inter)],
+                       torch.bfloat16)

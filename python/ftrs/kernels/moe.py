@@ -27,6 +27,7 @@ so the views can point straight into the offload strategy's slot buffer.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -46,6 +47,30 @@ class SlotWeights(NamedTuple):
     up: torch.Tensor
     down: torch.Tensor
     qtype: str = "none"
+
+    @classmethod
+    def from_region(cls, region: torch.Tensor, num_slots: int, slot_bytes: int,
+                    tensor_offsets: Sequence[int], shapes: Sequence[tuple[int, int]],
+                    dtype: torch.dtype, qtype: str = "none") -> SlotWeights:
+        """Strided views, no copy, of the gate/up/down of every slot of a uint8 `region` cut
+        into `num_slots` blocks of `slot_bytes` (the expert pool or the offload slot buffer):
+        tensor t at byte `tensor_offsets[t]` of a block, shape `shapes[t]` in `dtype` (for a
+        quantized `qtype`: uint8, shape (rows, row_bytes))."""
+        elt = torch.empty((), dtype=dtype).element_size()
+        if region.dtype != torch.uint8 or region.dim() != 1:
+            raise ValueError("slot weights: the region is a 1-D uint8 tensor")
+        if slot_bytes % elt or any(o % elt for o in tensor_offsets) or region.numel() % elt:
+            raise ValueError(f"slot weights: offsets and sizes must be multiples of {elt} bytes")
+        typed = region.view(dtype)
+        views = []
+        for off, (rows, cols) in zip(tensor_offsets, shapes, strict=True):
+            end = (num_slots - 1) * slot_bytes + off + rows * cols * elt
+            if num_slots < 1 or end > region.numel():
+                raise ValueError(f"slot weights: {num_slots} slots of {slot_bytes} bytes "
+                                 f"overrun a region of {region.numel()}")
+            views.append(typed.as_strided((num_slots, rows, cols), (slot_bytes // elt, cols, 1),
+                                          typed.storage_offset() + off // elt))
+        return cls(views[0], views[1], views[2], qtype)
 
 
 def dequant_q8_0(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -222,10 +247,13 @@ def _cols(w: torch.Tensor, qtype: str) -> int:
     return w.shape[-1] // _Q8_BYTES * _Q8_BLOCK if qtype == "Q8_0" else w.shape[-1]
 
 
-def fused_moe_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+def moe_pairs_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                      slot_of: torch.Tensor, w: SlotWeights,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernels behind `fused_moe_ref`'s signature (see the module doc)."""
+                     y: torch.Tensor | None = None) -> torch.Tensor:
+    """Steps 1-3: each (token, expert) pair's weighted expert output, as rows `token*k + j` of
+    `y` (T*k, H) in x's dtype. Only the rows of experts with a slot are written, so calls with
+    disjoint slot tables may fill one `y` in any order (experts that landed first, then the
+    rest) before `combine_pairs` adds it up. A new `y` starts at zeros."""
     if w.qtype not in QTYPES:
         raise ValueError(f"fused_moe: weight type {w.qtype!r} has no kernel (known: {QTYPES})")
     if x.stride(-1) != 1:
@@ -235,15 +263,14 @@ def fused_moe_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     inter = w.gate.shape[1]
     if _cols(w.gate, w.qtype) != hidden or _cols(w.down, w.qtype) != inter:
         raise ValueError("fused_moe: weight shapes do not match the hidden/intermediate sizes")
-    out = torch.zeros_like(x) if out is None else out
     n = tokens * top_k
+    y = torch.zeros(n, hidden, dtype=x.dtype, device=x.device) if y is None else y
     if n == 0:
-        return out
+        return y
     block_m = 16 if n < 64 * slot_of.numel() else 64
     srt = sort_pairs(ids, slot_of, block_m)
     num_blocks = srt.block_slot.numel()
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
-    y = torch.zeros(n, hidden, dtype=x.dtype, device=x.device)  # skipped pairs add zero
     rw = weights.to(x.dtype).reshape(-1).contiguous()
     consts = dict(QUANT=1 if w.qtype == "Q8_0" else 0, BLOCK_M=block_m, BLOCK_N=64,
                   BLOCK_K=64, UPCAST=interpreting(), PREC=dot_precision(x.dtype))
@@ -258,9 +285,23 @@ def fused_moe_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     _moe_down_kernel[(num_blocks, triton.cdiv(hidden, 64))](
         act, srt.pair_of_row, srt.block_slot, d, ds, rw, y, n, hidden, inter, act.stride(0),
         dss, dsr, dscs, dscr, y.stride(0), **consts)
-    # each token's k rows, added in ascending expert id as the reference adds them
-    by_id = ids.argsort(dim=1).to(x.device)  # (T, k)
-    rows = torch.arange(tokens, device=x.device)[:, None] * top_k + by_id
+    return y
+
+
+def combine_pairs(y: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Step 4: adds each token's k rows of `y` onto `out` in ascending expert id, the order
+    the reference adds experts in (a row left at zero adds nothing)."""
+    tokens, top_k = ids.shape
+    by_id = ids.argsort(dim=1).to(out.device)  # (T, k)
+    rows = torch.arange(tokens, device=out.device)[:, None] * top_k + by_id
     for j in range(top_k):
         out += y.index_select(0, rows[:, j])
     return out
+
+
+def fused_moe_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                     slot_of: torch.Tensor, w: SlotWeights,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernels behind `fused_moe_ref`'s signature (see the module doc)."""
+    y = moe_pairs_triton(x, ids, weights, slot_of, w)
+    return combine_pairs(y, ids, torch.zeros_like(x) if out is None else out)
