@@ -111,6 +111,15 @@ def test_a_first_load_failure_is_not_restarted() -> None:
     assert client.scheduled == [] and client.final is None and not server.should_exit
 
 
+def test_an_engine_killed_during_its_first_load_is_restarted() -> None:
+    client = RestartingClient(EngineConfig(device="cpu"))
+    client.ever_ready = False
+    server = SimpleNamespace(should_exit=False)
+    install_policy(client, server, "exit", grace_s=0.01)
+    _fail(client, server, EngineUnavailable("engine process exited with code -9"))
+    assert len(client.scheduled) == 1 and client.final is None
+
+
 def test_device_restarts_share_the_budget() -> None:
     client = RestartingClient(EngineConfig(device="cpu", engine_restarts=1))
     server = SimpleNamespace(should_exit=False)

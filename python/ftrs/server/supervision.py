@@ -28,7 +28,8 @@ their typed error) and exit with the error's code (86/87/88). `cpu`: restart the
 device="cpu" and keep serving; /health then says `"degraded": true`. `restart`: restart on the
 same device only when a fresh probe says the device answers; otherwise behave as `exit`.
 Of anything else, once the engine had served (any exit, kill -9, `--step-fault-limit` failed
-steps in a row, a restarted engine that fails to load): restart it on the same config after a
+steps in a row, a restarted engine that fails to load), or of an exit without a report while
+it first loads (not a load error it reported: that would fail again): restart it on the same config after a
 backoff, the requests in flight told `engine_restarted`. Every restart, of either kind, takes
 one from `RestartBudget` (`--engine-restarts` within `--engine-restart-window` s); with none
 left a device error exits with its own code and anything else with `EngineRestarted`'s, 89.
@@ -52,6 +53,7 @@ from ftrs.engine.faults import FAKE_BDF, StepFaults, make_fake_sysfs, parse_faul
 from ftrs.engine.protocol import StepStats, TokenEvent
 from ftrs.errors import DeviceError, DeviceOutOfMemory, EngineHang, EngineRestarted, FtrsError
 from ftrs.guard.live import LiveGuard
+from ftrs.server.errors import EngineUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -346,7 +348,11 @@ def install_policy(client: Any, server: Any, policy: str, grace_s: float = 1.0) 
         if previous is not None:
             previous(err)
         if not isinstance(err, DeviceError):
-            if getattr(client, "ever_ready", False) and client.state == "failed":
+            # A load that failed with a report fails the same way again: /health says why.
+            # A process that vanished mid-load (the OOM killer) is worth another try.
+            served = getattr(client, "ever_ready", False)
+            if getattr(client, "state", None) == "failed" and (
+                    served or isinstance(err, EngineUnavailable)):
                 _restart_or_exit(client, server, budget, err, grace_s)
             return
         loop = asyncio.get_running_loop()
