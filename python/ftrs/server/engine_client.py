@@ -354,11 +354,13 @@ class EngineClient:
             self.state = "failed"
         streams, self._streams = self._streams, {}
         self._ready.set()
-        if self.on_failure is not None:
-            self.on_failure(err)
-        told = self.failure or self.restarting or err
-        for queue in streams.values():
-            queue.put_nowait(told)
+        try:
+            if self.on_failure is not None:
+                self.on_failure(err)
+        finally:  # whatever the policy did, no request in flight is left waiting
+            told = self.failure or self.restarting or err
+            for queue in streams.values():
+                queue.put_nowait(told)
 
     def _fail_all(self, err: FtrsError) -> None:
         streams, self._streams = self._streams, {}
