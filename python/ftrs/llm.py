@@ -14,14 +14,11 @@ from typing import Any
 import torch
 
 from ftrs.config import EngineConfig
-from ftrs.engine.batch import build_batch
 from ftrs.engine.core import EngineCore
 from ftrs.engine.protocol import GenerateRequest, TokenLogprob
 from ftrs.errors import InvalidRequest
 from ftrs.models.tokenizer import Tokenizer
 from ftrs.sampling import SamplingParams
-from ftrs.scheduler.scheduler import Work
-from ftrs.scheduler.sequence import Sequence
 
 
 @dataclass
@@ -107,24 +104,10 @@ class LLM:
         text = tok.decode(c.token_ids)
         return any(s in text for s in params.stop)
 
-    @torch.inference_mode()
     def logits(self, token_ids: Seq[int]) -> torch.Tensor:
-        """Logits of every position of one prompt: (len, vocab) fp32, on the CPU."""
-        ids = [int(t) for t in token_ids]
-        if not ids:
-            raise InvalidRequest("logits: need at least one token")
-        eng = self.engine
-        seq = Sequence("logits", ids, len(ids), SamplingParams(max_tokens=1), None, 0.0)
-        seq.pages = eng.pool.alloc(-(-len(ids) // eng.pool.page_size)) or []
-        if not seq.pages:
-            raise InvalidRequest("logits: not enough free KV pages for this prompt")
-        try:
-            batch = build_batch([Work(seq, len(ids))], eng.pool.page_size, eng.rt.device)
-            hidden = eng.rt.decoder.forward(batch.input_ids, batch.positions, batch.meta, eng.rt.kv)
-            return eng.rt.decoder.logits(hidden).cpu()
-        finally:
-            for p in seq.pages:
-                eng.pool.unref(p)
+        """Logits of every position of one prompt: (len, vocab) fp32, on the CPU. The prompt
+        runs through the scheduler like any request (`EngineCore.logits`)."""
+        return self.engine.logits(int(t) for t in token_ids)
 
     def close(self) -> None:
         self.engine.close()

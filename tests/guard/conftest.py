@@ -4,11 +4,28 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 GPU = "0000:04:00.0"
 PORT = "0000:00:03.0"
+
+
+class FakeEngine:
+    """What the adaptive guard uses of `EngineCore`: the step budget and the copy engine."""
+
+    def __init__(self, budget: int, copier: Any = None, config: Any = None) -> None:
+        self.budget = budget
+        self.copier = copier
+        if config is not None:
+            self.config = config
+
+    def set_step_budget(self, tokens: int) -> None:
+        self.budget = tokens
+
+    def transfer_engine(self) -> Any:
+        return self.copier
 
 
 def add_function(root: Path, parent: Path, bdf: str, vendor: int, klass: int) -> Path:

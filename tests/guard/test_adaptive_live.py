@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -24,6 +23,8 @@ from ftrs.errors import ConfigError
 from ftrs.guard.live import LiveGuard
 from ftrs.health.state import DeviceState
 from serverproc import ServerProcess
+
+from .conftest import FakeEngine
 
 # ------------------------------------------------------------------------------ unit level
 
@@ -90,17 +91,16 @@ def _state(replays: int, gen: int = 3, width: int = 16) -> DeviceState:
 
 def test_live_guard_applies_between_steps() -> None:
     copier = FakeCopier()
-    engine = SimpleNamespace(scheduler=SimpleNamespace(budget=2048),
-                             rt=SimpleNamespace(moe=SimpleNamespace(engine=copier)))
+    engine = FakeEngine(2048, copier)
     live = LiveGuard(engine, 2048, floor=256)
     live.on_sample(_state(0))
     live.before_step()
-    assert engine.scheduler.budget == 2048 and copier.rates == []
+    assert engine.budget == 2048 and copier.rates == []
     assert live.stats()["event_count"] == 0 and live.stats()["pacing"] == "off"
     live.on_sample(_state(5))  # AER correctable rose: halve, pace at half of Gen3 x16
-    assert engine.scheduler.budget == 2048  # the monitor thread never touches the scheduler
+    assert engine.budget == 2048  # the monitor thread never touches the engine
     live.before_step()
-    assert engine.scheduler.budget == 1024
+    assert engine.budget == 1024
     assert copier.rates == [6.0e9]
     stats = live.stats()
     assert stats["prefill_cap_tokens"] == 1024 and stats["startup_cap_tokens"] == 2048
@@ -109,17 +109,17 @@ def test_live_guard_applies_between_steps() -> None:
     for n in range(6, 12):
         live.on_sample(_state(n))
         live.before_step()
-    assert engine.scheduler.budget == 256  # down to the floor, never below
+    assert engine.budget == 256  # down to the floor, never below
     assert copier.rates == [6.0e9]  # the same rate is not set twice
 
 
 def test_live_guard_without_a_copy_engine_records_pacing_as_requested() -> None:
-    engine = SimpleNamespace(scheduler=SimpleNamespace(budget=1024))
+    engine = FakeEngine(1024)
     live = LiveGuard(engine, 1024, floor=256)
     live.on_sample(_state(0))
     live.on_sample(_state(0, gen=3, width=8))  # width dropped: down-shift
     live.before_step()
-    assert engine.scheduler.budget == 512
+    assert engine.budget == 512
     stats = live.stats()
     assert stats["pacing"] == "requested" and stats["pcie_pacing_bytes_per_second"] == 0.0
     assert stats["pacing_gbps"] == 3.0

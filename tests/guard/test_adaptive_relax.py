@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-from types import SimpleNamespace
 
 import pytest
 
@@ -17,6 +16,8 @@ from ftrs.errors import ConfigError
 from ftrs.guard.adaptive import AdaptiveGuard, top_level
 from ftrs.guard.live import LiveGuard
 from ftrs.health.state import DeviceState
+
+from .conftest import FakeEngine
 
 R = 600.0  # the relax period of these tests (s)
 
@@ -214,21 +215,20 @@ class FakeCopier:
 
 def test_live_guard_applies_each_relax_step_between_steps() -> None:
     copier = FakeCopier()
-    engine = SimpleNamespace(scheduler=SimpleNamespace(budget=2048),
-                             rt=SimpleNamespace(moe=SimpleNamespace(engine=copier)))
+    engine = FakeEngine(2048, copier)
     live = LiveGuard(engine, 2048, floor=256, relax_after_s=R)
     live.on_sample(sample(0), now=0.0)
     live.on_sample(sample(1), now=0.0)
     live.on_sample(sample(2), now=0.0)
     live.before_step()
-    assert engine.scheduler.budget == 512 and copier.rates == [6.0e9]
+    assert engine.budget == 512 and copier.rates == [6.0e9]
     assert live.stats()["level"] == 2 and live.stats()["max_level"] == 3
 
     live.on_sample(sample(2), now=R)
-    assert engine.scheduler.budget == 512  # the monitor thread never touches the scheduler
+    assert engine.budget == 512  # the monitor thread never touches the engine
     live.before_step()
     stats = live.stats()
-    assert engine.scheduler.budget == 1024 and copier.rates == [6.0e9]  # still paced
+    assert engine.budget == 1024 and copier.rates == [6.0e9]  # still paced
     assert stats["level"] == 1 and stats["relax_count"] == 1 and stats["event_count"] == 2
     assert stats["pacing"] == "on" and stats["pcie_pacing_bytes_per_second"] == 6.0e9
     assert stats["events"][-1]["kind"] == "relax" and stats["events"][-1]["cap_tokens"] == 1024
@@ -236,7 +236,7 @@ def test_live_guard_applies_each_relax_step_between_steps() -> None:
     live.on_sample(sample(2), now=2 * R)
     live.before_step()
     stats = live.stats()
-    assert engine.scheduler.budget == 2048 and copier.rates == [6.0e9, 0.0]  # pacing off
+    assert engine.budget == 2048 and copier.rates == [6.0e9, 0.0]  # pacing off
     assert stats["prefill_cap_tokens"] == 2048 == stats["startup_cap_tokens"]
     assert stats["level"] == 0 and stats["relax_count"] == 2
     assert stats["pacing"] == "off" and stats["pcie_pacing_bytes_per_second"] == 0.0
@@ -244,15 +244,14 @@ def test_live_guard_applies_each_relax_step_between_steps() -> None:
 
 
 def test_live_guard_takes_the_relax_period_from_the_engine_config() -> None:
-    engine = SimpleNamespace(scheduler=SimpleNamespace(budget=1024),
-                             config=EngineConfig(guard_relax_after=45.0))
+    engine = FakeEngine(1024, config=EngineConfig(guard_relax_after=45.0))
     live = LiveGuard(engine, 1024, floor=256)
     assert live.guard.relax_after_s == 45.0
     live.on_sample(sample(0), now=0.0)
     live.on_sample(sample(1), now=0.0)
     live.on_sample(sample(1), now=45.0)
     live.before_step()
-    assert engine.scheduler.budget == 1024 and live.stats()["pacing"] == "off"
+    assert engine.budget == 1024 and live.stats()["pacing"] == "off"
 
 
 def test_guard_options_are_engine_flags() -> None:

@@ -85,7 +85,7 @@ def test_oom_fails_only_the_requests_of_the_failed_step(tiny_models: dict[str, P
     core.add_request(GenerateRequest("a", [5, 6, 7], params))
     core.add_request(GenerateRequest("b", [8, 9, 10], params))
     core.step()  # a's prefill
-    core.rt.moe.engine.inject_fault("oom", 0)
+    core.transfer_engine().inject_fault("oom", 0)
     with pytest.raises(DeviceOutOfMemory) as info:
         core.step()
     failed = info.value.evidence["failed_step"]
@@ -109,7 +109,7 @@ def test_device_lost_in_a_copy_names_the_failed_step(tiny_models: dict[str, Path
     core: Any = llm.engine
     core.add_request(GenerateRequest("a", list(range(5, 17)), SamplingParams(max_tokens=4)))
     core.step()
-    core.rt.moe.engine.inject_fault("device_lost", 0)
+    core.transfer_engine().inject_fault("device_lost", 0)
     with pytest.raises(DeviceLost) as info:
         core.step()  # the second 4-token chunk of a 12-token prompt
     ev = info.value.evidence
@@ -128,9 +128,9 @@ def test_the_server_monitor_watches_the_engines_gpu(monkeypatch: pytest.MonkeyPa
 
     props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=4, pci_device_id=0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
-    gpu = types.SimpleNamespace(rt=types.SimpleNamespace(device=torch.device("cuda", 0)))
+    gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
     assert cuda_bdf(gpu) == "0000:04:00.0"  # the field report's RTX 3090
-    cpu = types.SimpleNamespace(rt=types.SimpleNamespace(device=torch.device("cpu")))
+    cpu = types.SimpleNamespace(device=torch.device("cpu"))
     assert cuda_bdf(cpu) is None and cuda_bdf(object()) is None
 
 

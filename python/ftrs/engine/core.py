@@ -18,9 +18,10 @@ from ftrs.engine.batch import build_batch
 from ftrs.engine.protocol import GenerateRequest, StepStats, TokenEvent
 from ftrs.engine.runtime import Runtime
 from ftrs.engine.sampler import sample
-from ftrs.errors import ContextLengthExceeded, DeviceError, InvalidRequest
+from ftrs.errors import ConfigError, ContextLengthExceeded, DeviceError, FtrsError, InvalidRequest
 from ftrs.kvcache.pages import PagePool
-from ftrs.scheduler.scheduler import Scheduler
+from ftrs.sampling import SamplingParams
+from ftrs.scheduler.scheduler import Scheduler, Work
 from ftrs.scheduler.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.pool, config.max_prefill_length,
                                    config.max_running_requests)
         self._seqs: dict[str, Sequence] = {}
+        self._prompt_logits: dict[str, dict[int, torch.Tensor]] = {}  # see `logits`
         self._step = 0
         self._step_ids: list[str] | None = None  # the requests of the step running (or last run)
         self._seed_gen = torch.Generator().manual_seed(config.seed)
@@ -120,6 +122,8 @@ class EngineCore:
         try:
             hidden = self.rt.decoder.forward(batch.input_ids, batch.positions, batch.meta,
                                              self.rt.kv)
+            if self._prompt_logits:
+                self._keep_prompt_logits(work, hidden)
             logits = self.rt.decoder.logits(hidden[batch.sample_rows]).cpu()
         except DeviceError as err:  # say what the failed step carried (crash report, OOM)
             err.evidence.setdefault("failed_step", {
@@ -164,3 +168,80 @@ class EngineCore:
 
     def close(self) -> None:
         self.rt.close()
+
+    # --- what the guard, the drills, the benches and `LLM` use (never `.rt`) ------------------
+
+    @property
+    def device(self) -> torch.device:
+        """The compute device."""
+        return self.rt.device
+
+    def set_step_budget(self, tokens: int) -> None:
+        """Tokens one step may compute (prefill chunks and decodes together): the adaptive
+        guard's live prefill ceiling. Applies from the next step; call it from the thread that
+        runs the steps."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise ConfigError(f"step budget: must be an integer >= 1, got {tokens!r}")
+        self.scheduler.budget = tokens
+
+    def step_budget(self) -> int:
+        return self.scheduler.budget
+
+    def transfer_engine(self) -> Any:
+        """The offload strategy's Rust `TransferEngine` (copy pacing, fault drills), or None
+        when no expert crosses a link (resident strategy, dense model)."""
+        return getattr(self.rt.decoder.moe, "engine", None)
+
+    def expert_stats(self) -> dict[str, Any]:
+        """The MoE strategy's counters (what `StepStats.experts` carries); {} for dense models."""
+        moe = self.rt.decoder.moe
+        return moe.stats() if moe is not None else {}
+
+    @torch.inference_mode()
+    def logits(self, prompt_ids: Iterable[int]) -> torch.Tensor:
+        """Logits at every position of one prompt: (len, vocab) fp32, on the CPU.
+
+        The prompt runs as a request through the scheduler like any other (chunked by the step
+        budget, KV pages from the pool or evicted from the prefix cache, cached when done), but
+        in full: it takes no prefix from the cache, since every position's logits need its
+        hidden state. Steps run until it is done, so the engine must hold no other request
+        (their events would be lost): InvalidRequest otherwise, and for a bad prompt."""
+        ids = list(prompt_ids)
+        if not ids:
+            raise InvalidRequest("logits: need at least one token", evidence={"param": "prompt"})
+        if self._seqs:
+            raise InvalidRequest("logits: the engine is serving other requests")
+        rid = f"logits-{self._step}"
+        self.add_request(GenerateRequest(rid, ids, SamplingParams(max_tokens=1, temperature=0.0,
+                                                                  ignore_eos=True)))
+        self._seqs[rid].prompt_logits = True
+        chunks = self._prompt_logits[rid] = {}
+        try:
+            while rid in self._seqs:
+                self.step()
+        finally:
+            self._prompt_logits.pop(rid, None)
+            self.abort(rid)  # a step that raised leaves it in the scheduler
+        out, at = [], 0
+        for start in sorted(chunks):
+            if start != at:
+                break
+            out.append(chunks[start])
+            at += chunks[start].shape[0]
+        if at != len(ids):  # cannot happen while the scheduler computes every position once
+            raise FtrsError(f"logits: computed {at} of {len(ids)} positions")
+        return torch.cat(out)
+
+    def _keep_prompt_logits(self, work: list[Work], hidden: torch.Tensor) -> None:
+        """Keep the logits of every prompt row of the requests `logits` runs. `hidden` holds the
+        rows of `work` in order (`build_batch`); a chunk recomputed after a preemption
+        replaces the one computed before."""
+        row = 0
+        for seq, n in work:
+            chunks = self._prompt_logits.get(seq.request_id)
+            if chunks is not None:
+                end = min(seq.num_computed + n, seq.num_prompt)
+                if end > seq.num_computed:
+                    rows = hidden[row:row + end - seq.num_computed]  # (tokens, hidden)
+                    chunks[seq.num_computed] = self.rt.decoder.logits(rows).float().cpu()
+            row += n

@@ -120,9 +120,10 @@ def set_fake_vendor(root: Path, vendor: int, bdf: str = FAKE_BDF) -> None:
 
 
 def copy_engine(engine: Any) -> Any:
-    """The offload strategy's TransferEngine, or None (resident strategy, fake engine)."""
-    moe = getattr(getattr(engine, "rt", None), "moe", None)
-    eng = getattr(moe, "engine", None)
+    """The offload strategy's TransferEngine (`EngineCore.transfer_engine()`), or None
+    (resident strategy, an engine without one)."""
+    get = getattr(engine, "transfer_engine", None)
+    eng = get() if callable(get) else None
     return eng if eng is not None and hasattr(eng, "inject_fault") else None
 
 

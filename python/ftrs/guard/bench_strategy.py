@@ -124,8 +124,7 @@ def engine_runner(model: str, *, prompt_tokens: int, decode_tokens: int, copy_ba
 
 
 def _h2d(eng: Any) -> int:
-    moe = eng.rt.moe
-    return int(moe.stats().get("bytes_h2d", 0)) if moe is not None else 0
+    return int(eng.expert_stats().get("bytes_h2d", 0))
 
 
 def _drive(eng: Any, req: Any) -> tuple[float, float]:

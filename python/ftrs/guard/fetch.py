@@ -144,15 +144,19 @@ def measure_distinct_experts(llm: LLM, chunks: Sequence[int], seed: int = 0
     read the router's distinct-expert counts per MoE layer from the strategy's stats."""
     import torch
 
-    moe = llm.engine.rt.moe
-    if moe is None or "distinct_experts" not in moe.stats():
+    if "distinct_experts" not in llm.engine.expert_stats():
         raise ValueError("measure_distinct_experts needs an LLM with moe_strategy='offload'")
     gen = torch.Generator().manual_seed(seed)
     out: list[tuple[int, float]] = []
+    budget = llm.engine.step_budget()
     for c in chunks:
         ids = torch.randint(0, llm.engine.vocab_size, (int(c),), generator=gen).tolist()
-        llm.logits(ids)
-        counts = moe.stats()["distinct_experts"]
+        llm.engine.set_step_budget(max(budget, int(c)))  # the chunk in one forward
+        try:
+            llm.logits(ids)
+        finally:
+            llm.engine.set_step_budget(budget)
+        counts = llm.engine.expert_stats()["distinct_experts"]
         if counts:
             out.append((int(c), sum(counts) / len(counts)))
             logger.debug("chunk %d: %.2f distinct experts per MoE layer", c, out[-1][1])

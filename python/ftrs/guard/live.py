@@ -8,8 +8,9 @@ ceiling and asks for pacing; once the link has been quiet for `relax_after_s`
 `guard.adaptive`). The step loop applies each change before the next step (`before_step`), so
 the scheduler is only ever touched from the thread that runs it:
 
-- the scheduler's step token budget (`EngineCore.scheduler.budget`) becomes the new ceiling;
-- the offload strategy's copy engine (`TransferEngine.set_pacing(bytes_per_s)`) paces expert
+- the engine's step token budget (`EngineCore.set_step_budget`) becomes the new ceiling;
+- the offload strategy's copy engine (`EngineCore.transfer_engine()`, its
+  `TransferEngine.set_pacing(bytes_per_s)`) paces expert
   copies at the guard's rate, and back at the startup rate (0: off) when fully relaxed. Without
   a copy engine (resident strategy) or without the setter, pacing is recorded as "requested"
   and not applied.
@@ -39,13 +40,13 @@ RECENT_EVENTS = 5
 
 
 def _copy_engine(engine: Any) -> Any:
-    moe = getattr(getattr(engine, "rt", None), "moe", None)
-    return getattr(moe, "engine", None)
+    get = getattr(engine, "transfer_engine", None)
+    return get() if callable(get) else None
 
 
 class LiveGuard:
     """Feeds monitor samples to an `AdaptiveGuard` and applies its ceiling and pacing to the
-    engine between steps. `engine` needs `scheduler.budget` (EngineCore); without it the
+    engine between steps. `engine` needs `set_step_budget` (EngineCore); without it the
     guard still decides and reports, and applies nothing. `relax_after_s` defaults to the
     engine's `config.guard_relax_after` when it has one."""
 
@@ -79,9 +80,9 @@ class LiveGuard:
                 return
             self._pending = False
         cap, pacing, level = self.guard.snapshot()
-        scheduler = getattr(self.engine, "scheduler", None)
-        if scheduler is not None and hasattr(scheduler, "budget"):
-            scheduler.budget = cap
+        set_budget = getattr(self.engine, "set_step_budget", None)
+        if callable(set_budget):
+            set_budget(cap)
         looser, self.applied_level = level < self.applied_level, level
         self.applied_cap = cap
         if pacing is not None and pacing != self.applied_pacing_gbps:

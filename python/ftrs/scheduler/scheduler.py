@@ -115,7 +115,7 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            if self.radix is not None:
+            if self.radix is not None and not seq.prompt_logits:
                 max_pages = (len(seq.tokens) - 1) // self.pool.page_size  # compute >= 1 token
                 seq.pages = self.radix.match(seq.tokens, max_pages)
                 seq.num_computed = len(seq.pages) * self.pool.page_size

@@ -32,6 +32,9 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_preemptions: int = 0
+    #: `EngineCore.logits`: every prompt position's logits are wanted, so the prompt is
+    #: computed in full, never taken from the prefix cache.
+    prompt_logits: bool = False
 
     @property
     def num_output(self) -> int:

@@ -175,7 +175,7 @@ def _run(config: EngineConfig, backend: str, inbox: Connection, outbox: Connecti
 def _supervise(config: EngineConfig, engine: Engine, outbox: Connection) -> Any:
     """The device supervisor (flight recorder, monitor, watchdog, fault injection); None for
     engines that are not EngineCore-like (the tests' fake backend) unless a fault is injected."""
-    if not hasattr(engine, "rt") and config.fault_inject is None:
+    if not hasattr(engine, "transfer_engine") and config.fault_inject is None:
         return None
     from ftrs.server.supervision import EngineSupervisor
 

@@ -244,7 +244,7 @@ class EngineSupervisor:
 def cuda_bdf(engine: Any) -> str | None:
     """The PCI address of the engine's CUDA device, for the monitor to watch; None when the
     engine runs elsewhere or the address cannot be told (then only the watchdog runs)."""
-    device: Any = getattr(getattr(engine, "rt", None), "device", None)
+    device: Any = getattr(engine, "device", None)
     if getattr(device, "type", None) != "cuda":
         return None
     try:
