@@ -39,10 +39,11 @@ def _to(device: str, *ts: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    """fp32: dot products summed in another order (1e-5); bf16/fp16: a few roundings of the
-    intermediate activations, bounded by 2 ulps of the largest output magnitude."""
+    """fp32: dot products summed in another order (1e-5 of the largest output); bf16/fp16: a few
+    roundings of the intermediate activations, bounded by 2 ulps of the largest output."""
     if dtype == torch.float32:
-        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+        scale = max(1.0, float(want.abs().max()))
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5 * scale)
     else:
         bound = 2 * torch.finfo(dtype).eps * float(want.float().abs().max())
         assert float((got.cpu().float() - want.float()).abs().max()) <= bound
@@ -192,3 +193,75 @@ def test_slot_views_over_a_region_read_each_block() -> None:
     with pytest.raises(ValueError, match="overrun"):
         SW.from_region(region, slots + 1, slot_bytes, offsets, [(inter, h)] * 2 + [(h, inter)],
                        torch.bfloat16)
+
+
+def _q4_k_bytes(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    """Random Q4_K rows: any bytes are valid except d/dmin, set to small finite halves."""
+    raw = torch.randint(0, 256, (rows, cols // 256, 144), generator=g, dtype=torch.uint8)
+    halves = (torch.rand(rows, cols // 256, 2, generator=g) * 0.02).half()
+    raw[..., 0:4] = halves.view(torch.uint8).view(rows, cols // 256, 4)
+    return raw.reshape(rows, -1)
+
+
+def test_dequant_q4_k_matches_gguf() -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from ftrs.kernels.moe import dequant_q4_k
+
+    raw = _q4_k_bytes(3, 512, torch.Generator().manual_seed(0))
+    want = dequantize(raw.numpy(), GGMLQuantizationType.Q4_K)
+    assert torch.equal(dequant_q4_k(raw, torch.float32), torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow),
+                                   torch.bfloat16])
+def test_fused_moe_q4_k_dequantizes_in_kernel(device: str, dtype: torch.dtype) -> None:
+    h, i, slots = 256, 256, 2  # one super-block per row: the smallest Q4_K matrices
+    g = torch.Generator().manual_seed(11)
+    gate, up, down = (torch.stack([_q4_k_bytes(r, c, g) for _ in range(slots)])
+                      for r, c in ((i, h), (i, h), (h, i)))
+    x = (torch.randn(2, h, generator=g) / 4).to(dtype)
+    ids = torch.tensor([[0, 1], [1, 0]])
+    rw = torch.tensor([[0.75, 0.25], [0.5, 0.5]]).to(dtype)
+    slot_of = torch.tensor([1, 0])
+    want = fused_moe_ref(x, ids, rw, slot_of, SlotWeights(gate, up, down, "Q4_K"))
+    got = fused_moe_triton(*_to(device, x, ids, rw, slot_of),
+                           SlotWeights(*_to(device, gate, up, down), "Q4_K"))
+    # compiled, (d*sc)*q - dmin*m may become one multiply-add: a rounding less than the reference
+    _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_fp8_block_dequantizes_in_kernel(device: str, dtype: torch.dtype) -> None:
+    h, i, slots, block = 64, 40, 3, (16, 32)  # the last row tile is partial
+    g = torch.Generator().manual_seed(12)
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # no NaN
+
+    def fp8(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w = codes[torch.randint(0, codes.numel(), (rows, cols), generator=g)].view(torch.float8_e4m3fn)
+        sc = torch.rand(-(-rows // block[0]), -(-cols // block[1]), generator=g) / 448 / cols**0.5
+        return w, sc
+
+    mats = [[fp8(r, c) for _ in range(slots)] for r, c in ((i, h), (i, h), (h, i))]
+    ws = [torch.stack([m[0] for m in per]) for per in mats]
+    scs = [torch.stack([m[1] for m in per]) for per in mats]
+    assert set(torch.cat([w.view(torch.uint8).flatten() for w in ws]).tolist()) == set(codes.tolist())
+    x = torch.randn(5, h, generator=g).to(dtype)
+    ids = torch.tensor([[0, 2], [2, 1], [1, 0], [2, 0], [0, 1]])
+    rw = torch.full((5, 2), 0.5).to(dtype)
+    slot_of = torch.tensor([1, 2, 0])
+    want = fused_moe_ref(x, ids, rw, slot_of, SlotWeights(*ws, "FP8_BLOCK", (scs[0], scs[1], scs[2]), block))
+    dw, ds = _to(device, *ws), _to(device, *scs)
+    got = fused_moe_triton(*_to(device, x, ids, rw, slot_of),
+                           SlotWeights(*dw, "FP8_BLOCK", (ds[0], ds[1], ds[2]), block))
+    _close(got, want, dtype)
+
+
+def test_dequant_fp8_block_scales_each_tile() -> None:
+    from ftrs.kernels.moe import dequant_fp8_block
+
+    w = torch.ones(3, 5).to(torch.float8_e4m3fn)
+    sc = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    want = torch.tensor([[1, 1, 2, 2, 3], [1, 1, 2, 2, 3], [4, 4, 5, 5, 6]], dtype=torch.float32)
+    assert torch.equal(dequant_fp8_block(w, sc, (2, 2), torch.float32), want)

@@ -19,10 +19,18 @@ summation order) and SiLU's `exp`: fp32 agrees to ~1e-5 relative, bf16/fp16 to a
 a row's largest value (tests: `tests/kernels/test_moe.py`).
 
 Weights: `SlotWeights` holds the three stacked tensors (slots, rows, cols) in a float dtype, or
-for `qtype="Q8_0"` the GGUF bytes (slots, rows, cols/32*34) uint8: each 32-value block is an
-fp16 scale and 32 int8 values, dequantized inside the kernel to the activations' dtype (the
-reference dequantizes to fp32 and casts, the same rounding). Any slot and row stride works,
-so the views can point straight into the offload strategy's slot buffer.
+quantized, dequantized inside the kernel to the activations' dtype (the reference dequantizes
+to fp32 and casts, the same rounding), so no scratch copy exists:
+- `Q8_0` (GGUF): uint8 (slots, rows, cols/32*34); a 32-value block is an fp16 scale d and 32
+  int8 q: d*q.
+- `Q4_K` (GGUF): uint8 (slots, rows, cols/256*144); a 256-value super-block is fp16 d and dmin,
+  12 bytes of packed 6-bit scales and mins of its eight 32-value sub-blocks, 128 bytes of
+  nibbles: (d*sc)*q - dmin*m. Compiled, the compiler may fuse that into one multiply-add
+  (one fp32 rounding less than the reference).
+- `FP8_BLOCK`: float8_e4m3fn (slots, rows, cols) with fp32 `scales` (slots, rows/br, cols/bc)
+  per (br, bc) tile (`fp8_block`), the layout of `ftrs.quant`: w*scale.
+Any slot and row stride works, so the views can point straight into the offload strategy's
+slot buffer (`SlotWeights.from_region`).
 """
 
 from __future__ import annotations
@@ -35,18 +43,21 @@ import torch.nn.functional as F
 
 from ftrs.kernels._triton import dot_precision, interpreting, triton_importable
 
-QTYPES = ("none", "Q8_0")
-_Q8_BLOCK, _Q8_BYTES = 32, 34
+QTYPES = ("none", "Q8_0", "Q4_K", "FP8_BLOCK")
+_QUANT_CODE = {"none": 0, "Q8_0": 1, "FP8_BLOCK": 2, "Q4_K": 3}
+_BLOCK = {"Q8_0": (32, 34), "Q4_K": (256, 144)}  # GGUF: values and bytes per block
 
 
 class SlotWeights(NamedTuple):
     """Expert weights of every slot: gate (S, I, H), up (S, I, H), down (S, H, I), or their
-    quantized bytes (S, rows, row_bytes) uint8 with `qtype` naming the encoding."""
+    quantized form with `qtype` naming the encoding (see the module doc)."""
 
     gate: torch.Tensor
     up: torch.Tensor
     down: torch.Tensor
     qtype: str = "none"
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # FP8_BLOCK only
+    fp8_block: tuple[int, int] | None = None  # FP8_BLOCK only: the scale tile (br, bc)
 
     @classmethod
     def from_region(cls, region: torch.Tensor, num_slots: int, slot_bytes: int,
@@ -76,14 +87,46 @@ class SlotWeights(NamedTuple):
 def dequant_q8_0(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(rows, cols/32*34) uint8 GGUF Q8_0 -> (rows, cols): fp16 scale times int8, in fp32, cast."""
     rows = raw.shape[0]
-    b = raw.reshape(rows, -1, _Q8_BYTES)
+    b = raw.reshape(rows, -1, 34)
     d = b[..., :2].contiguous().view(torch.float16).float()  # (rows, blocks, 1)
     q = b[..., 2:].contiguous().view(torch.int8).float()  # (rows, blocks, 32)
     return (d * q).reshape(rows, -1).to(dtype)
 
 
-def _matrix(w: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:
-    return dequant_q8_0(w, dtype) if qtype == "Q8_0" else w
+def dequant_q4_k(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(rows, cols/256*144) uint8 GGUF Q4_K -> (rows, cols), in fp32 as ggml computes it, cast."""
+    rows = raw.shape[0]
+    b = raw.reshape(rows, -1, 144)
+    d = b[..., 0:2].contiguous().view(torch.float16).float()  # (rows, sb, 1)
+    dmin = b[..., 2:4].contiguous().view(torch.float16).float()
+    s = b[..., 4:16].long()  # (rows, sb, 12)
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.cat((lo & 63, (hi & 15) | ((lo >> 6) << 4)), dim=-1).float()  # (rows, sb, 8)
+    mn = torch.cat((mid & 63, (hi >> 4) | ((mid >> 6) << 4)), dim=-1).float()
+    qs = b[..., 16:].long().reshape(rows, -1, 4, 1, 32)  # 4 chunks of 32 bytes, 2 sub-blocks each
+    q = torch.cat((qs & 15, qs >> 4), dim=3).reshape(rows, -1, 8, 32).float()
+    out = (d * sc)[..., None] * q - (dmin * mn)[..., None]
+    return out.reshape(rows, -1).to(dtype)
+
+
+def dequant_fp8_block(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                      dtype: torch.dtype) -> torch.Tensor:
+    """(rows, cols) float8_e4m3fn times its (br, bc)-tile fp32 scales, in fp32, cast."""
+    rows, cols = w.shape
+    s = scale.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :cols]
+    return (w.float() * s).to(dtype)
+
+
+def _matrix(w: SlotWeights, which: int, slot: int, dtype: torch.dtype) -> torch.Tensor:
+    m = (w.gate, w.up, w.down)[which][slot]
+    if w.qtype == "Q8_0":
+        return dequant_q8_0(m, dtype)
+    if w.qtype == "Q4_K":
+        return dequant_q4_k(m, dtype)
+    if w.qtype == "FP8_BLOCK":
+        assert w.scales is not None and w.fp8_block is not None
+        return dequant_fp8_block(m, w.scales[which][slot], w.fp8_block, dtype)
+    return m
 
 
 def fused_moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -100,9 +143,7 @@ def fused_moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         if s < 0:
             continue
         tok, pos = torch.where(ids == e)
-        gate = _matrix(w.gate[s], w.qtype, x.dtype)
-        up = _matrix(w.up[s], w.qtype, x.dtype)
-        down = _matrix(w.down[s], w.qtype, x.dtype)
+        gate, up, down = (_matrix(w, i, s, x.dtype) for i in range(3))
         xs = x.index_select(0, tok)
         y = F.linear(F.silu(F.linear(xs, gate)) * F.linear(xs, up), down) * weights[tok, pos, None]
         out.index_copy_(0, tok, out.index_select(0, tok) + y)
@@ -116,20 +157,53 @@ if triton_importable():
     from ftrs.kernels._triton import round_to
 
     @triton.jit
+    def _fp8_e4m3(b):
+        """uint8 bits of float8_e4m3fn -> fp32, exactly (through the fp32 bits)."""
+        b = b.to(tl.uint32)
+        e = (b >> 3) & 15
+        m = b & 7
+        normal = ((b >> 7) << 31) | ((e + 120) << 23) | (m << 20)
+        sub = m.to(tl.float32) * 0.001953125  # 2^-9: e == 0
+        sub = tl.where((b >> 7) == 1, -sub, sub)
+        return tl.where(e == 0, sub, normal.to(tl.float32, bitcast=True))
+
+    @triton.jit
     def _w_tile(w_ptr, ws_ptr, slot, n, k, n_rows, n_cols, stride_s, stride_r, sc_stride_s,
-                sc_stride_r, QUANT: tl.constexpr, DT: tl.constexpr):
+                sc_stride_r, QUANT: tl.constexpr, DT: tl.constexpr, BR: tl.constexpr,
+                BC: tl.constexpr):
         """(BK, BN) tile of W^T for W (n_rows, n_cols) of `slot`: rows `n`, columns `k`."""
         mask = (n < n_rows)[None, :] & (k < n_cols)[:, None]
+        base = w_ptr + slot * stride_s + n[None, :] * stride_r
+        sbase = ws_ptr + slot * sc_stride_s + n[None, :] * sc_stride_r
         if QUANT == 1:  # Q8_0: byte k//32*34 holds the fp16 scale, the int8 values follow it
             blk = k // 32
-            base = w_ptr + slot * stride_s + n[None, :] * stride_r
             q = tl.load(base + (blk * 34 + 2 + k % 32)[:, None], mask=mask, other=0)
-            sbase = ws_ptr + slot * sc_stride_s + n[None, :] * sc_stride_r
             d = tl.load(sbase + (blk * 17)[:, None], mask=mask, other=0.0)
             return round_to(d.to(tl.float32) * q.to(tl.float32), DT)
+        elif QUANT == 2:  # FP8_BLOCK: one byte per value, one fp32 scale per (BR, BC) tile
+            bits = tl.load(base + k[:, None], mask=mask, other=0)
+            sc = tl.load(ws_ptr + slot * sc_stride_s + (n // BR)[None, :] * sc_stride_r
+                         + (k // BC)[:, None], mask=mask, other=0.0)
+            return round_to(_fp8_e4m3(bits) * sc, DT)
+        elif QUANT == 3:  # Q4_K: 144-byte super-blocks of 256 values (see the module doc)
+            sb = k // 256
+            j = (k % 256) // 32  # sub-block
+            blk = base + (sb * 144)[:, None]
+            byte = tl.load(blk + (16 + 32 * (j // 2) + k % 32)[:, None], mask=mask, other=0)
+            q = tl.where((j % 2 == 0)[:, None], byte & 15, byte >> 4).to(tl.float32)
+            lo = (j < 4)[:, None]
+            sa = tl.load(blk + (4 + j)[:, None], mask=mask, other=0).to(tl.int32)
+            sb4 = tl.load(blk + (8 + j)[:, None], mask=mask, other=0).to(tl.int32)
+            sc4 = tl.load(blk + (4 + tl.where(j < 4, 0, j - 4))[:, None], mask=mask,
+                          other=0).to(tl.int32)
+            sc = tl.where(lo, sa & 63, (sb4 & 15) | ((sc4 >> 6) << 4)).to(tl.float32)
+            mn = tl.where(lo, sb4 & 63, (sb4 >> 4) | ((sa >> 6) << 4)).to(tl.float32)
+            hbase = sbase + (sb * 72)[:, None]
+            d = tl.load(hbase, mask=mask, other=0.0).to(tl.float32)
+            dmin = tl.load(hbase + 1, mask=mask, other=0.0).to(tl.float32)
+            return round_to((d * sc) * q - dmin * mn, DT)
         else:
-            return tl.load(w_ptr + slot * stride_s + n[None, :] * stride_r + k[:, None],
-                           mask=mask, other=0.0)
+            return tl.load(base + k[:, None], mask=mask, other=0.0)
 
     @triton.jit
     def _mm(acc, a, b, UPCAST: tl.constexpr, PREC: tl.constexpr):
@@ -141,7 +215,8 @@ if triton_importable():
     @triton.jit
     def _moe_gate_up_kernel(x_ptr, pair_ptr, bslot_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, act_ptr,
                             n_pairs, top_k, hidden, inter, stride_xt, stride_s, stride_r, sc_stride_s,
-                            sc_stride_r, stride_act, QUANT: tl.constexpr, BLOCK_M: tl.constexpr,
+                            sc_stride_r, stride_act, QUANT: tl.constexpr, BR: tl.constexpr,
+                            BC: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
                             PREC: tl.constexpr):
         blk = tl.program_id(0)
@@ -161,10 +236,10 @@ if triton_importable():
             xa = tl.load(x_ptr + tok[:, None] * stride_xt + k[None, :],
                          mask=valid[:, None] & (k < hidden)[None, :], other=0.0)
             wg = _w_tile(g_ptr, gs_ptr, slot, n, k, inter, hidden, stride_s, stride_r, sc_stride_s,
-                         sc_stride_r, QUANT, DT)
+                         sc_stride_r, QUANT, DT, BR, BC)
             acc_g = _mm(acc_g, xa, wg, UPCAST, PREC)
             wu = _w_tile(u_ptr, us_ptr, slot, n, k, inter, hidden, stride_s, stride_r, sc_stride_s,
-                         sc_stride_r, QUANT, DT)
+                         sc_stride_r, QUANT, DT, BR, BC)
             acc_u = _mm(acc_u, xa, wu, UPCAST, PREC)
         g = round_to(acc_g, DT).to(tl.float32)
         u = round_to(acc_u, DT).to(tl.float32)
@@ -176,7 +251,8 @@ if triton_importable():
     @triton.jit
     def _moe_down_kernel(act_ptr, pair_ptr, bslot_ptr, d_ptr, ds_ptr, rw_ptr, y_ptr, n_pairs, hidden, inter,
                          stride_act, stride_s, stride_r, sc_stride_s, sc_stride_r, stride_y,
-                         QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         QUANT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
         blk = tl.program_id(0)
         slot = tl.load(bslot_ptr + blk).to(tl.int64)
@@ -193,7 +269,7 @@ if triton_importable():
             a = tl.load(act_ptr + pair[:, None] * stride_act + k[None, :],
                         mask=valid[:, None] & (k < inter)[None, :], other=0.0)
             wd = _w_tile(d_ptr, ds_ptr, slot, n, k, hidden, inter, stride_s, stride_r, sc_stride_s,
-                         sc_stride_r, QUANT, DT)
+                         sc_stride_r, QUANT, DT, BR, BC)
             acc = _mm(acc, a, wd, UPCAST, PREC)
         y = round_to(acc, DT).to(tl.float32)
         rw = tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)
@@ -231,20 +307,33 @@ def sort_pairs(ids: torch.Tensor, slot_of: torch.Tensor, block_m: int) -> _Sorte
     return _Sorted(pair_of_row, slot_ext[block_expert])
 
 
-def _weight_args(w: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int]:
+def _weight_args(w: SlotWeights, which: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int]:
     """(pointer tensor, scale pointer tensor, slot stride, row stride, and the same for scales)."""
-    if w.stride(-1) != 1:
+    m = (w.gate, w.up, w.down)[which]
+    if m.stride(-1) != 1:
         raise ValueError("fused_moe: expert weights need a unit last stride")
-    if qtype == "Q8_0":
-        if w.dtype != torch.uint8 or w.shape[-1] % _Q8_BYTES or w.stride(0) % 2 or w.stride(1) % 2:
-            raise ValueError("fused_moe: Q8_0 weights are uint8 rows of 34-byte blocks at even strides")
-        return (w.view(torch.int8), w.view(torch.float16), w.stride(0), w.stride(1),
-                w.stride(0) // 2, w.stride(1) // 2)
-    return w, w, w.stride(0), w.stride(1), 0, 0
+    if w.qtype in _BLOCK:  # the fp16 fields are read through a half view of the same bytes
+        nbytes = _BLOCK[w.qtype][1]
+        if m.dtype != torch.uint8 or m.shape[-1] % nbytes or m.stride(0) % 2 or m.stride(1) % 2:
+            raise ValueError(f"fused_moe: {w.qtype} weights are uint8 rows of {nbytes}-byte "
+                             "blocks at even strides")
+        return (m.view(torch.int8) if w.qtype == "Q8_0" else m, m.view(torch.float16),
+                m.stride(0), m.stride(1), m.stride(0) // 2, m.stride(1) // 2)
+    if w.qtype == "FP8_BLOCK":
+        if w.scales is None or w.fp8_block is None or m.dtype != torch.float8_e4m3fn:
+            raise ValueError("fused_moe: FP8_BLOCK needs float8_e4m3fn weights, scales and the block")
+        sc = w.scales[which]
+        if sc.dtype != torch.float32 or sc.stride(-1) != 1:
+            raise ValueError("fused_moe: FP8_BLOCK scales are fp32 with a unit last stride")
+        return m.view(torch.uint8), sc, m.stride(0), m.stride(1), sc.stride(0), sc.stride(1)
+    return m, m, m.stride(0), m.stride(1), 0, 0
 
 
-def _cols(w: torch.Tensor, qtype: str) -> int:
-    return w.shape[-1] // _Q8_BYTES * _Q8_BLOCK if qtype == "Q8_0" else w.shape[-1]
+def _cols(m: torch.Tensor, qtype: str) -> int:
+    if qtype in _BLOCK:
+        elems, nbytes = _BLOCK[qtype]
+        return m.shape[-1] // nbytes * elems
+    return m.shape[-1]
 
 
 def moe_pairs_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -272,16 +361,17 @@ def moe_pairs_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     num_blocks = srt.block_slot.numel()
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     rw = weights.to(x.dtype).reshape(-1).contiguous()
-    consts = dict(QUANT=1 if w.qtype == "Q8_0" else 0, BLOCK_M=block_m, BLOCK_N=64,
+    br, bc = w.fp8_block or (1, 1)
+    consts = dict(QUANT=_QUANT_CODE[w.qtype], BR=br, BC=bc, BLOCK_M=block_m, BLOCK_N=64,
                   BLOCK_K=64, UPCAST=interpreting(), PREC=dot_precision(x.dtype))
-    g, gs, ss, sr, scs, scr = _weight_args(w.gate, w.qtype)
-    u, us, uss, usr, _, _ = _weight_args(w.up, w.qtype)
-    if (uss, usr) != (ss, sr):
+    g, gs, ss, sr, scs, scr = _weight_args(w, 0)
+    u, us, uss, usr, uscs, uscr = _weight_args(w, 1)
+    if (uss, usr, uscs, uscr) != (ss, sr, scs, scr):
         raise ValueError("fused_moe: gate and up need the same strides")
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter, 64))](
         x, srt.pair_of_row, srt.block_slot, g, gs, u, us, act, n, top_k, hidden, inter,
         x.stride(0), ss, sr, scs, scr, act.stride(0), **consts)
-    d, ds, dss, dsr, dscs, dscr = _weight_args(w.down, w.qtype)
+    d, ds, dss, dsr, dscs, dscr = _weight_args(w, 2)
     _moe_down_kernel[(num_blocks, triton.cdiv(hidden, 64))](
         act, srt.pair_of_row, srt.block_slot, d, ds, rw, y, n, hidden, inter, act.stride(0),
         dss, dsr, dscs, dscr, y.stride(0), **consts)
