@@ -7,10 +7,11 @@
 //! - [`backend`] / [`cuda`]: how bytes move (host memcpy, simulated link, CUDA driver).
 //! - [`clock`]: real and virtual time, token bucket.
 //! - [`recorder`]: the lock-free flight recorder.
+//! - [`quant`]: quantized CPU matmul over GGUF blocks (SIMD in `quant::simd`), multi-threaded.
 //! - [`raw`]: the only module with raw-pointer code besides the CUDA FFI.
 //!
-//! Unsafe code is denied crate-wide and allowed only in `raw` and `cuda`; every other module
-//! forbids it.
+//! Unsafe code is denied crate-wide and allowed only in `raw`, `cuda` and `quant::simd`; every
+//! other module forbids it.
 
 #![deny(unsafe_code)]
 
@@ -21,6 +22,7 @@ pub mod cuda;
 pub mod error;
 pub mod layout;
 pub mod pool;
+pub mod quant;
 pub mod raw;
 pub mod recorder;
 pub mod transfer;

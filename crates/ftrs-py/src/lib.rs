@@ -3,8 +3,9 @@
 //! Wrappers are newtypes over core types (`pool.rs`, `engine.rs`); every core error becomes
 //! its `ftrs.errors` class in one function (`errors.rs`). Calls that block or copy a lot
 //! (`wait`, `fill_from_safetensors`, `pin`, `simulate_cache`, `host_copy`, the timed CUDA copies
-//! of `cuda.rs`) release the GIL. Unsafe code is denied except the buffer export, the
-//! destination wrapper, `host_copy` and the timed CUDA copies, each with its contract.
+//! of `cuda.rs`, the quantized kernels of `quant.rs`) release the GIL. Unsafe code is denied
+//! except the buffer export, the destination wrapper, `host_copy`, the timed CUDA copies and the
+//! borrowed buffer slices of `quant.rs`, each with its contract.
 
 #![deny(unsafe_code)]
 
@@ -12,6 +13,7 @@ mod cuda;
 mod engine;
 mod errors;
 mod pool;
+mod quant;
 
 use pyo3::prelude::*;
 
@@ -27,5 +29,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cuda::cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_measure_h2d, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_measure_d2h, m)?)?;
+    quant::register(m)?;
     Ok(())
 }

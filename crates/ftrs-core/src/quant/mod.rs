@@ -1,0 +1,184 @@
+//! Quantized CPU matmul: `out[i, r] = sum_c x[i, c] * W[r, c]` with `W` kept in its GGUF block
+//! encoding and `x` in fp32.
+//!
+//! - [`blocks`]: the block layouts and scalar decoders (the portable path, and the oracle of the
+//!   SIMD path in the unit tests).
+//! - [`kernel`]: one weight row against up to [`kernel::MAX_NX`] rows of `x` at a time, so each
+//!   block is decoded once per group of activation rows (prefill amortises the decode).
+//!   Compiled twice: portable, and for AVX2/FMA/F16C (LLVM vectorises the same safe code).
+//! - [`simd`]: hand-written AVX2/FMA kernels for the hot types (Q4_K, Q6_K, Q8_0, ...), which
+//!   decode in registers; the only module here with `unsafe`.
+//! - [`threads`]: the persistent worker pools (rayon; idle workers sleep), one per thread count.
+//!
+//! The instruction set is chosen once at run time ([`Isa::detect`]). Weights are never copied
+//! to fp32 as a whole: each block is decoded into registers or a stack buffer of at most
+//! [`blocks::QK_K`] floats right before its products. Accumulation is fp32, in 8 lanes.
+
+pub mod blocks;
+pub mod kernel;
+pub mod simd;
+pub mod threads;
+
+pub use blocks::QType;
+
+use crate::error::{CoreError, Result};
+
+/// Which kernel family runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Isa {
+    /// Safe Rust, compiled for the baseline target.
+    Portable,
+    /// AVX2 + FMA + F16C (x86-64 only).
+    Avx2,
+}
+
+impl Isa {
+    /// The best family this CPU runs, detected once.
+    pub fn detect() -> Isa {
+        static DETECTED: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            if simd::avx2_available() {
+                Isa::Avx2
+            } else {
+                Isa::Portable
+            }
+        })
+    }
+
+    /// Parses `"auto"`, `"portable"` or `"avx2"`; `avx2` on a CPU without it is a `Config` error.
+    pub fn parse(name: &str) -> Result<Isa> {
+        match name {
+            "auto" => Ok(Isa::detect()),
+            "portable" => Ok(Isa::Portable),
+            "avx2" if simd::avx2_available() => Ok(Isa::Avx2),
+            "avx2" => Err(CoreError::Config(
+                "kernel \"avx2\" requested but this CPU lacks AVX2/FMA/F16C".into(),
+            )),
+            other => Err(CoreError::Config(format!(
+                "unknown kernel {other:?}: expected auto, portable or avx2"
+            ))),
+        }
+    }
+
+    /// The name [`Isa::parse`] reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+        }
+    }
+}
+
+/// Bytes of one encoded row of `cols` weights; `cols` must be a positive multiple of the block.
+pub fn row_bytes(t: QType, cols: usize) -> Result<usize> {
+    let (be, bb) = t.block_info();
+    if cols == 0 || !cols.is_multiple_of(be) {
+        return Err(CoreError::Config(format!(
+            "{}: cols = {cols} must be a positive multiple of the block size {be}",
+            t.name()
+        )));
+    }
+    Ok(cols / be * bb)
+}
+
+/// Checks the weight bytes against `rows x cols` of type `t`; returns bytes per row.
+fn check_weight(t: QType, weight: &[u8], rows: usize, cols: usize) -> Result<usize> {
+    let rb = row_bytes(t, cols)?;
+    if rows == 0 {
+        return Err(CoreError::Config(format!(
+            "{}: rows must be positive",
+            t.name()
+        )));
+    }
+    let want = rows
+        .checked_mul(rb)
+        .ok_or_else(|| CoreError::Config(format!("{}: {rows} x {cols} overflows", t.name())))?;
+    if weight.len() != want {
+        let (be, bb) = t.block_info();
+        return Err(CoreError::Config(format!(
+            "{} weight of {rows} x {cols}: expected {want} bytes ({rows} rows x {} blocks x {bb} B \
+             per {be}-element block), got {}",
+            t.name(),
+            cols / be,
+            weight.len()
+        )));
+    }
+    Ok(rb)
+}
+
+/// `out[i * rows + r] = sum_c x[i * cols + c] * W[r, c]` for `n = x.len() / cols` rows of `x`.
+///
+/// `weight` holds `rows` rows of `cols` weights of type `t`, each as GGUF stores it. `threads`
+/// = 0 uses [`threads::default_threads`]. Sizes are checked first: a mismatch is a `Config`
+/// error saying what was expected, and nothing is written.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    t: QType,
+    weight: &[u8],
+    x: &[f32],
+    out: &mut [f32],
+    rows: usize,
+    cols: usize,
+    threads: usize,
+    isa: Isa,
+) -> Result<()> {
+    let rb = check_weight(t, weight, rows, cols)?;
+    if x.is_empty() || !x.len().is_multiple_of(cols) {
+        return Err(CoreError::Config(format!(
+            "x has {} floats: expected n x {cols} with n >= 1",
+            x.len()
+        )));
+    }
+    let n = x.len() / cols;
+    if out.len() != n * rows {
+        return Err(CoreError::Config(format!(
+            "out has {} floats: expected n x rows = {n} x {rows} = {}",
+            out.len(),
+            n * rows
+        )));
+    }
+    let work = weight.len().saturating_mul(n.min(kernel::MAX_NX));
+    let tasks = threads::plan(rows, work, threads);
+    let run = |w: &[u8], o: &mut [f32]| kernel::rows(t, isa, w, x, n, cols, o);
+    if n == 1 {
+        threads::for_row_chunks(tasks, rows, threads, weight, rb, out, 1, run);
+    } else {
+        // The kernel writes one row's n results together ([row][i]); out is [i][row].
+        let mut tmp = vec![0f32; rows * n];
+        threads::for_row_chunks(tasks, rows, threads, weight, rb, &mut tmp, n, run);
+        for (r, vals) in tmp.chunks_exact(n).enumerate() {
+            for (i, &v) in vals.iter().enumerate() {
+                out[i * rows + r] = v;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Decodes `rows x cols` weights of type `t` into `out` (fp32, row-major), bit-equal to the
+/// GGUF reference dequantizer. Sizes are checked as in [`matmul`].
+pub fn dequantize(
+    t: QType,
+    weight: &[u8],
+    out: &mut [f32],
+    rows: usize,
+    cols: usize,
+    threads: usize,
+) -> Result<()> {
+    let rb = check_weight(t, weight, rows, cols)?;
+    if out.len() != rows * cols {
+        return Err(CoreError::Config(format!(
+            "out has {} floats: expected rows x cols = {rows} x {cols} = {}",
+            out.len(),
+            rows * cols
+        )));
+    }
+    let tasks = threads::plan(rows, weight.len(), threads);
+    threads::for_row_chunks(tasks, rows, threads, weight, rb, out, cols, |w, o| {
+        kernel::decode_span(t, w, o)
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,296 @@
+//! Unit tests of the block decoders and kernels.
+//!
+//! Decoders: blocks packed by hand from known quants and scales (an encoder written here from
+//! the ggml block structs) decode to `d * q - m` computed directly. Kernels: every type, both
+//! kernel families, n = 1..=10 activation rows, against a float64 dot of the decoded weights,
+//! within the fp32 accumulation bound `cols * eps * sum |x| (|w| + 2 |offset|)`.
+
+use half::{bf16, f16};
+
+use super::blocks::{decode_block, scale_min_k4, scales_q3k, QType};
+use super::{dequantize, matmul, simd, Isa};
+use crate::error::CoreError;
+
+/// Deterministic xorshift stream.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// Offsets of the fp16 scale fields inside one block of `t`.
+fn scale_fields(t: QType) -> &'static [usize] {
+    match t {
+        QType::Q8_0 | QType::Q4_0 | QType::Q5_0 => &[0],
+        QType::Q4_1 | QType::Q5_1 | QType::Q4K | QType::Q5K => &[0, 2],
+        QType::Q2K => &[80, 82],
+        QType::Q3K => &[108],
+        QType::Q6K => &[208],
+        QType::F32 | QType::F16 | QType::BF16 => &[],
+    }
+}
+
+/// `rows x cols` random weights of type `t`: random bytes with finite fp16 scales.
+fn random_weights(t: QType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
+    let (be, bb) = t.block_info();
+    let blocks = rows * cols / be;
+    let mut w = Vec::with_capacity(blocks * bb);
+    for _ in 0..blocks {
+        match t {
+            QType::F32 => w.extend_from_slice(&rng.unit().to_le_bytes()),
+            QType::F16 => w.extend_from_slice(&f16::from_f32(rng.unit()).to_le_bytes()),
+            QType::BF16 => w.extend_from_slice(&bf16::from_f32(rng.unit()).to_le_bytes()),
+            _ => {
+                let mut b: Vec<u8> = (0..bb).map(|_| rng.next() as u8).collect();
+                for &off in scale_fields(t) {
+                    let s = f16::from_f32(rng.unit() * 0.1).to_le_bytes();
+                    b[off..off + 2].copy_from_slice(&s);
+                }
+                w.extend_from_slice(&b);
+            }
+        }
+    }
+    w
+}
+
+fn decode_all(t: QType, w: &[u8], rows: usize, cols: usize) -> Vec<f32> {
+    let mut out = vec![0f32; rows * cols];
+    dequantize(t, w, &mut out, rows, cols, 1).unwrap();
+    out
+}
+
+/// The weights with their quant bits zeroed, decoded: the per-element offset term.
+fn offsets(t: QType, w: &[u8], rows: usize, cols: usize) -> Vec<f32> {
+    let (_, bb) = t.block_info();
+    // (start, end) byte ranges of scales and mins, kept; the quant bits are zeroed.
+    let keep: &[(usize, usize)] = match t {
+        QType::Q4_1 | QType::Q5_1 => &[(0, 4)],
+        QType::Q4K | QType::Q5K => &[(0, 16)],
+        QType::Q2K => &[(0, 16), (80, 84)],
+        _ => return vec![0.0; rows * cols],
+    };
+    let mut z = vec![0u8; w.len()];
+    for (zb, wb) in z.chunks_exact_mut(bb).zip(w.chunks_exact(bb)) {
+        for &(a, b) in keep {
+            zb[a..b].copy_from_slice(&wb[a..b]);
+        }
+    }
+    decode_all(t, &z, rows, cols)
+}
+
+fn check_kernel(t: QType, isa: Isa, rows: usize, cols: usize, n: usize, seed: u64) {
+    let mut rng = Rng(seed);
+    let w = random_weights(t, rows, cols, &mut rng);
+    let x: Vec<f32> = (0..n * cols).map(|_| rng.unit()).collect();
+    let mut out = vec![f32::NAN; n * rows];
+    matmul(t, &w, &x, &mut out, rows, cols, 2, isa).unwrap();
+    let wf = decode_all(t, &w, rows, cols);
+    let off = offsets(t, &w, rows, cols);
+    let eps = f32::EPSILON as f64;
+    for i in 0..n {
+        for r in 0..rows {
+            let (mut exact, mut mag) = (0f64, 0f64);
+            for c in 0..cols {
+                let (xv, wv) = (x[i * cols + c] as f64, wf[r * cols + c] as f64);
+                exact += xv * wv;
+                mag += xv.abs() * (wv.abs() + 2.0 * (off[r * cols + c] as f64).abs());
+            }
+            let got = out[i * rows + r] as f64;
+            let tol = (cols as f64 + 4.0) * eps * mag + 1e-30;
+            assert!(
+                (got - exact).abs() <= tol,
+                "{} {:?} rows={rows} cols={cols} n={n} [{i},{r}]: {got} vs {exact} (tol {tol})",
+                t.name(),
+                isa
+            );
+        }
+    }
+}
+
+#[test]
+fn kernels_match_float64_dot_of_decoded_weights() {
+    let mut isas = vec![Isa::Portable];
+    if simd::avx2_available() {
+        isas.push(Isa::Avx2);
+    }
+    for t in QType::ALL {
+        let (be, _) = t.block_info();
+        let cols = if be == 1 {
+            77
+        } else {
+            2 * be.max(32) * if be == 32 { 3 } else { 1 }
+        };
+        for &isa in &isas {
+            for n in 1..=10 {
+                check_kernel(t, isa, 7, cols, n, 1 + n as u64);
+            }
+        }
+    }
+}
+
+#[test]
+fn large_matrix_splits_across_threads_with_the_same_result() {
+    let mut rng = Rng(9);
+    let (rows, cols) = (301, 1024);
+    let w = random_weights(QType::Q4K, rows, cols, &mut rng);
+    let x: Vec<f32> = (0..3 * cols).map(|_| rng.unit()).collect();
+    let (mut one, mut many) = (vec![0f32; 3 * rows], vec![0f32; 3 * rows]);
+    matmul(QType::Q4K, &w, &x, &mut one, rows, cols, 1, Isa::detect()).unwrap();
+    matmul(QType::Q4K, &w, &x, &mut many, rows, cols, 3, Isa::detect()).unwrap();
+    assert_eq!(
+        one, many,
+        "rows are independent: the split must not change any bit"
+    );
+}
+
+/// Packs 32 nibbles the Q4_0 way: element l in the low nibble of byte l, l + 16 in the high.
+fn pack_nibbles32(q: &[u8; 32]) -> [u8; 16] {
+    std::array::from_fn(|l| q[l] | (q[l + 16] << 4))
+}
+
+#[test]
+fn q8_0_and_q4_0_decode_hand_packed_blocks() {
+    let mut b = vec![0u8; 34];
+    b[0..2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
+    for l in 0..32 {
+        b[2 + l] = (l as i8 - 16) as u8;
+    }
+    let mut out = [0f32; 32];
+    decode_block(QType::Q8_0, &b, &mut out);
+    for (l, &o) in out.iter().enumerate() {
+        assert_eq!(o, 0.5 * (l as f32 - 16.0));
+    }
+    let q: [u8; 32] = std::array::from_fn(|l| (l * 7 % 16) as u8);
+    let mut b = vec![0u8; 18];
+    b[0..2].copy_from_slice(&f16::from_f32(-2.0).to_le_bytes());
+    b[2..18].copy_from_slice(&pack_nibbles32(&q));
+    decode_block(QType::Q4_0, &b, &mut out);
+    for l in 0..32 {
+        assert_eq!(out[l], -2.0 * (q[l] as f32 - 8.0));
+    }
+}
+
+/// Packs eight 6-bit (scale, min) pairs the way ggml's `get_scale_min_k4` unpacks them.
+fn pack_scales_k4(sc: &[u8; 8], m: &[u8; 8]) -> [u8; 12] {
+    let mut s = [0u8; 12];
+    for j in 0..4 {
+        s[j] = sc[j] | ((sc[j + 4] >> 4) << 6);
+        s[j + 4] = m[j] | ((m[j + 4] >> 4) << 6);
+        s[j + 8] = (sc[j + 4] & 15) | ((m[j + 4] & 15) << 4);
+    }
+    s
+}
+
+#[test]
+fn q4_k_decodes_hand_packed_block() {
+    let sc: [u8; 8] = [1, 17, 33, 63, 2, 31, 47, 60];
+    let m: [u8; 8] = [0, 5, 62, 13, 63, 20, 1, 44];
+    let scales = pack_scales_k4(&sc, &m);
+    for j in 0..8 {
+        assert_eq!(scale_min_k4(&scales, j), (sc[j], m[j]));
+    }
+    let q: Vec<u8> = (0..256).map(|e| ((e * 5 + e / 32) % 16) as u8).collect();
+    let (d, dmin) = (0.25f32, 0.125f32);
+    let mut b = vec![0u8; 144];
+    b[0..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+    b[2..4].copy_from_slice(&f16::from_f32(dmin).to_le_bytes());
+    b[4..16].copy_from_slice(&scales);
+    for c in 0..4 {
+        for l in 0..32 {
+            b[16 + 32 * c + l] = q[64 * c + l] | (q[64 * c + 32 + l] << 4);
+        }
+    }
+    let mut out = [0f32; 256];
+    decode_block(QType::Q4K, &b, &mut out);
+    for e in 0..256 {
+        let sb = e / 32;
+        let want = d * sc[sb] as f32 * q[e] as f32 - dmin * m[sb] as f32;
+        assert_eq!(out[e], want, "element {e}");
+    }
+}
+
+#[test]
+fn q6_k_decodes_hand_packed_block() {
+    let q: Vec<u8> = (0..256).map(|e| ((e * 11 + 3) % 64) as u8).collect();
+    let sc: Vec<i8> = (0..16).map(|j| (j as i8 - 8) * 9).collect();
+    let d = 0.5f32;
+    let mut b = vec![0u8; 210];
+    for h in 0..2 {
+        for l in 0..32 {
+            let e = |s: usize| q[128 * h + 32 * s + l];
+            b[64 * h + l] = (e(0) & 15) | ((e(2) & 15) << 4);
+            b[64 * h + 32 + l] = (e(1) & 15) | ((e(3) & 15) << 4);
+            b[128 + 32 * h + l] =
+                (e(0) >> 4) | ((e(1) >> 4) << 2) | ((e(2) >> 4) << 4) | ((e(3) >> 4) << 6);
+        }
+    }
+    for j in 0..16 {
+        b[192 + j] = sc[j] as u8;
+    }
+    b[208..210].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+    let mut out = [0f32; 256];
+    decode_block(QType::Q6K, &b, &mut out);
+    for e in 0..256 {
+        let want = d * sc[e / 16] as f32 * (q[e] as i32 - 32) as f32;
+        assert_eq!(out[e], want, "element {e}");
+    }
+}
+
+#[test]
+fn q3_k_scales_unpack_six_bits_minus_32() {
+    let want: [u8; 16] = std::array::from_fn(|j| ((j * 13 + 5) % 64) as u8);
+    let mut s = [0u8; 12];
+    for j in 0..16 {
+        s[j % 8] |= (want[j] & 15) << (4 * (j / 8));
+        s[8 + j % 4] |= (want[j] >> 4) << (2 * (j / 4));
+    }
+    let got = scales_q3k(&s);
+    for j in 0..16 {
+        assert_eq!(got[j], want[j] as i8 - 32);
+    }
+}
+
+#[test]
+fn sizes_are_checked_before_any_write() {
+    let w = vec![0u8; 144 * 3];
+    let x = vec![1f32; 256];
+    let mut out = vec![7f32; 3];
+    let e = matmul(
+        QType::Q4K,
+        &w[..143 * 3],
+        &x,
+        &mut out,
+        3,
+        256,
+        1,
+        Isa::Portable,
+    );
+    assert!(matches!(e, Err(CoreError::Config(m)) if m.contains("expected 432 bytes")));
+    let e = matmul(QType::Q4K, &w, &x, &mut out, 3, 250, 1, Isa::Portable);
+    assert!(matches!(e, Err(CoreError::Config(m)) if m.contains("multiple of the block size 256")));
+    let e = matmul(
+        QType::Q4K,
+        &w,
+        &x[..255],
+        &mut out,
+        3,
+        256,
+        1,
+        Isa::Portable,
+    );
+    assert!(matches!(e, Err(CoreError::Config(m)) if m.contains("x has 255 floats")));
+    let e = matmul(QType::Q4K, &w, &x, &mut out[..2], 3, 256, 1, Isa::Portable);
+    assert!(matches!(e, Err(CoreError::Config(m)) if m.contains("out has 2 floats")));
+    assert_eq!(out, vec![7f32; 3]);
+    assert!(matches!(QType::parse("IQ2_XXS"), Err(CoreError::Config(m)) if m.contains("IQ2_XXS")));
+    assert_eq!(QType::parse("q4_k").unwrap(), QType::Q4K);
+}

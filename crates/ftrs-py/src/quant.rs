@@ -1,0 +1,200 @@
+//! The quantized CPU kernels of `ftrs_core::quant` for Python: `quant_matmul`,
+//! `quant_dequantize`, `quant_block_info` and the thread setting.
+//!
+//! Buffers are borrowed, never copied: the weight is any C-contiguous buffer (read as bytes),
+//! `x` and `out` C-contiguous float32 buffers (numpy arrays, `torch_tensor.numpy()`, memoryviews
+//! of the expert pool). The kernels run with the GIL released; the Python objects stay
+//! referenced (and their buffers exported, so they cannot be resized) until the call returns.
+//! `out` must not overlap the weight or `x`. As with numpy's own GIL-free loops, another
+//! Python thread writing these buffers during the call is the caller's bug.
+
+use ftrs_core::quant::{self, threads, Isa, QType};
+use ftrs_core::CoreError;
+use pyo3::buffer::{Element, PyBuffer};
+use pyo3::prelude::*;
+
+use crate::errors::{to_py, CoreResultExt};
+
+/// A `Config` error as the Python `ConfigError`.
+fn config(msg: String) -> PyErr {
+    to_py(CoreError::Config(msg))
+}
+
+/// Exports `obj` as C-contiguous elements of `T`, read-only or writable; `what` names the
+/// argument in errors.
+fn buffer<T: Element>(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    kind: &str,
+    writable: bool,
+) -> PyResult<PyBuffer<T>> {
+    let buf = PyBuffer::<T>::get(obj)
+        .map_err(|e| config(format!("{what} must be a C-contiguous {kind} buffer: {e}")))?;
+    if !buf.is_c_contiguous() {
+        return Err(config(format!("{what} must be C-contiguous")));
+    }
+    if writable && buf.readonly() {
+        return Err(config(format!("{what} must be writable")));
+    }
+    Ok(buf)
+}
+
+/// The weight as bytes, whatever its element type (`memoryview(obj).cast("B")`).
+fn weight_bytes(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<PyBuffer<u8>> {
+    let view = py
+        .import("builtins")?
+        .getattr("memoryview")?
+        .call1((obj,))
+        .and_then(|v| v.call_method1("cast", ("B",)))
+        .map_err(|e| config(format!("weight must be a C-contiguous buffer: {e}")))?;
+    buffer::<u8>(&view, "weight", "byte", false)
+}
+
+/// `(address, length in bytes)` of a buffer.
+fn span<T: Element>(b: &PyBuffer<T>) -> (usize, usize) {
+    (b.buf_ptr() as usize, b.len_bytes())
+}
+
+/// Rejects `out` overlapping any of `inputs`.
+fn check_disjoint(out: (usize, usize), inputs: &[(usize, usize, &str)]) -> PyResult<()> {
+    for &(a, n, name) in inputs {
+        if n > 0 && out.1 > 0 && a < out.0 + out.1 && out.0 < a + n {
+            return Err(config(format!("out overlaps {name}")));
+        }
+    }
+    Ok(())
+}
+
+/// Read-only slice over an exported buffer.
+///
+/// # Safety
+/// 1. `(addr, len)` is the span of a buffer exported (and so kept alive and unresized) for the
+///    whole lifetime `'a`, aligned for `T` (PyBuffer::get checked it) with `len` a multiple of
+///    `size_of::<T>()`.
+/// 2. Nothing writes the span during `'a` (no `&mut` made by [`slice_mut`] overlaps it).
+#[allow(unsafe_code)]
+unsafe fn slice<'a, T>(addr: usize, len: usize) -> &'a [T] {
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: points 1-2 of this function's contract.
+    unsafe { std::slice::from_raw_parts(addr as *const T, len / std::mem::size_of::<T>()) }
+}
+
+/// Writable slice over an exported, writable buffer.
+///
+/// # Safety
+/// As [`slice`], and no other slice of the span exists during `'a`.
+#[allow(unsafe_code)]
+unsafe fn slice_mut<'a, T>(addr: usize, len: usize) -> &'a mut [T] {
+    if len == 0 {
+        return &mut [];
+    }
+    // SAFETY: this function's contract.
+    unsafe { std::slice::from_raw_parts_mut(addr as *mut T, len / std::mem::size_of::<T>()) }
+}
+
+/// `out[i, r] = sum_c x[i, c] * W[r, c]` with W `rows x cols` of GGUF type `qtype`.
+#[pyfunction]
+#[pyo3(signature = (qtype, weight, x, out, rows, cols, threads = 0, kernel = "auto"))]
+#[allow(clippy::too_many_arguments)]
+pub fn quant_matmul(
+    py: Python<'_>,
+    qtype: &str,
+    weight: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    rows: usize,
+    cols: usize,
+    threads: usize,
+    kernel: &str,
+) -> PyResult<()> {
+    let t = QType::parse(qtype).py()?;
+    let isa = Isa::parse(kernel).py()?;
+    let wb = weight_bytes(py, weight)?;
+    let xb = buffer::<f32>(x, "x", "float32", false)?;
+    let ob = buffer::<f32>(out, "out", "float32", true)?;
+    let (w, xs, o) = (span(&wb), span(&xb), span(&ob));
+    check_disjoint(o, &[(w.0, w.1, "weight"), (xs.0, xs.1, "x")])?;
+    py.detach(|| {
+        #[allow(unsafe_code)]
+        // SAFETY: the three buffers stay exported until this function returns (wb, xb, ob live
+        // past the closure); out was checked writable and disjoint from weight and x; x and
+        // out are f32 buffers PyBuffer::get checked for format and alignment.
+        let (w, xs, o) = unsafe {
+            (
+                slice::<u8>(w.0, w.1),
+                slice::<f32>(xs.0, xs.1),
+                slice_mut::<f32>(o.0, o.1),
+            )
+        };
+        quant::matmul(t, w, xs, o, rows, cols, threads, isa)
+    })
+    .py()?;
+    drop((wb, xb, ob));
+    Ok(())
+}
+
+/// Decodes W (`rows x cols` of type `qtype`) into the float32 buffer `out`.
+#[pyfunction]
+#[pyo3(signature = (qtype, weight, out, rows, cols, threads = 0))]
+pub fn quant_dequantize(
+    py: Python<'_>,
+    qtype: &str,
+    weight: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    rows: usize,
+    cols: usize,
+    threads: usize,
+) -> PyResult<()> {
+    let t = QType::parse(qtype).py()?;
+    let wb = weight_bytes(py, weight)?;
+    let ob = buffer::<f32>(out, "out", "float32", true)?;
+    let (w, o) = (span(&wb), span(&ob));
+    check_disjoint(o, &[(w.0, w.1, "weight")])?;
+    py.detach(|| {
+        #[allow(unsafe_code)]
+        // SAFETY: as in quant_matmul: both buffers stay exported for the call, out is
+        // writable, f32-aligned and disjoint from the weight.
+        let (w, o) = unsafe { (slice::<u8>(w.0, w.1), slice_mut::<f32>(o.0, o.1)) };
+        quant::dequantize(t, w, o, rows, cols, threads)
+    })
+    .py()?;
+    drop((wb, ob));
+    Ok(())
+}
+
+/// `(elements per block, bytes per block)` of a GGUF type.
+#[pyfunction]
+pub fn quant_block_info(qtype: &str) -> PyResult<(usize, usize)> {
+    Ok(QType::parse(qtype).py()?.block_info())
+}
+
+/// The thread count the kernels use when a call passes 0.
+#[pyfunction]
+pub fn quant_threads() -> usize {
+    threads::default_threads()
+}
+
+/// Sets the thread count the kernels use when a call passes 0 (>= 1).
+#[pyfunction]
+pub fn quant_set_threads(n: usize) -> PyResult<()> {
+    threads::set_default_threads(n).py()
+}
+
+/// The kernel family `kernel="auto"` picks on this CPU: `"avx2"` or `"portable"`.
+#[pyfunction]
+pub fn quant_kernel() -> &'static str {
+    Isa::detect().name()
+}
+
+/// Adds this module's functions to `ftrs._core`.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(quant_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_block_info, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_set_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_kernel, m)?)?;
+    Ok(())
+}
