@@ -204,7 +204,7 @@ def main() -> int:
                                            if s not in ("ok", "not_applicable"))
                        for w in watched)
     out = {
-        "model": args.model, "device": str(engine.rt.device), "moe_strategy": args.moe_strategy,
+        "model": args.model, "device": str(engine.device), "moe_strategy": args.moe_strategy,
         "minutes": round(wall / 60, 2), "clients": args.clients,
         "fast_interval_s": args.fast_interval, "real_nvidia_gpus": gpus,
         "steps": driver.steps, "step_seconds": round(driver.step_s, 3),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ftrs.guard.fetch import FetchModel, expert_block_bytes, fetch_model_from_spec
@@ -30,3 +32,24 @@ def test_measured_counts_interpolate_and_never_exceed_experts() -> None:
     assert fm.distinct_experts(64) == pytest.approx(max(6.0, 8 * (1 - 0.75**64)))
     assert fm.distinct_experts(10**6) <= 8.0
     assert fm.largest_chunk_within(fm.prefill_chunk_bytes(40), 8192) >= 40
+
+
+def test_measured_chunks_run_in_one_forward_whatever_the_step_budget(
+        tiny_models: dict[str, Path]) -> None:
+    """`measure_distinct_experts` counts the experts of one forward of each chunk: an engine
+    whose step budget is below the chunk gives what one with room for it gives, and keeps its
+    budget."""
+    from ftrs.guard.fetch import measure_distinct_experts
+    from ftrs.llm import LLM
+
+    def measure(budget: int) -> tuple[list[tuple[int, float]], int]:
+        llm = LLM(str(tiny_models["mixtral"]), kv_tokens=256, dtype="float32",
+                  moe_strategy="offload", moe_prefetch=False, max_prefill_length=budget)
+        try:
+            return measure_distinct_experts(llm, [1, 24, 64]), llm.engine.step_budget()
+        finally:
+            llm.close()
+
+    narrow, kept = measure(4)
+    wide, _ = measure(128)
+    assert kept == 4 and narrow == wide and [c for c, _ in narrow] == [1, 24, 64]
