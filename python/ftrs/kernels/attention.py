@@ -178,5 +178,5 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale, group, head_dim, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         out.stride(0), out.stride(1), meta.block_table.stride(0), PAGE=meta.page_size, GP=gp,
         BLOCK_Q=block_q, BLOCK_N=32, BLOCK_D=max(16, next_pow2(head_dim)), UPCAST=interpreting(),
-        PREC=dot_precision(q.dtype))
+        PREC=dot_precision(q.dtype), enable_fp_fusion=False)
     return out

@@ -25,8 +25,7 @@ to fp32 and casts, the same rounding), so no scratch copy exists:
   int8 q: d*q.
 - `Q4_K` (GGUF): uint8 (slots, rows, cols/256*144); a 256-value super-block is fp16 d and dmin,
   12 bytes of packed 6-bit scales and mins of its eight 32-value sub-blocks, 128 bytes of
-  nibbles: (d*sc)*q - dmin*m. Compiled, the compiler may fuse that into one multiply-add
-  (one fp32 rounding less than the reference).
+  nibbles: (d*sc)*q - dmin*m, in that order (fp fusion is off, as in every kernel here).
 - `FP8_BLOCK`: float8_e4m3fn (slots, rows, cols) with fp32 `scales` (slots, rows/br, cols/bc)
   per (br, bc) tile (`fp8_block`), the layout of `ftrs.quant`: w*scale.
 Any slot and row stride works, so the views can point straight into the offload strategy's
@@ -363,7 +362,8 @@ def moe_pairs_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     rw = weights.to(x.dtype).reshape(-1).contiguous()
     br, bc = w.fp8_block or (1, 1)
     consts = dict(QUANT=_QUANT_CODE[w.qtype], BR=br, BC=bc, BLOCK_M=block_m, BLOCK_N=64,
-                  BLOCK_K=64, UPCAST=interpreting(), PREC=dot_precision(x.dtype))
+                  BLOCK_K=64, UPCAST=interpreting(), PREC=dot_precision(x.dtype),
+                  enable_fp_fusion=False)
     g, gs, ss, sr, scs, scr = _weight_args(w, 0)
     u, us, uss, usr, uscs, uscr = _weight_args(w, 1)
     if (uss, usr, uscs, uscr) != (ss, sr, scs, scr):

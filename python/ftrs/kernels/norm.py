@@ -8,9 +8,9 @@ differs:
 - RMSNorm: the mean of squares is a reduction whose order differs from torch's; fp32 agrees to
   ~1e-6 relative, bf16 within one rounding of the output (one ulp). The residual add itself is
   exact.
-- Rotary: no reduction, so the interpreter matches bit for bit in every dtype. Compiled for a
-  GPU, the fp32 `x*cos + r*sin` may become one fused multiply-add (one ulp); bf16/fp16 round
-  after each op as the reference does, which leaves the compiler nothing to fuse.
+- Rotary: no reduction, so it matches bit for bit in every dtype. Every kernel of this package
+  is launched with `enable_fp_fusion=False`: `x*cos + r*sin` stays a multiply and an add, as
+  torch computes it, instead of one fused multiply-add.
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if n_rows:
         _rms_norm_kernel[(n_rows,)](
             x2, r2, weight, out2, ro2, n_cols, eps, x2.stride(0), r2.stride(0), out2.stride(0),
-            ro2.stride(0), HAS_RES=residual is not None, BLOCK=next_pow2(n_cols))
+            ro2.stride(0), HAS_RES=residual is not None, BLOCK=next_pow2(n_cols),
+            enable_fp_fusion=False)
     return out, res_out
 
 
@@ -138,4 +139,4 @@ def rotary_triton_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
         return
     _rotary_kernel[(tokens, hq + hk)](
         q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos.stride(0), hq, HALF=d // 2, BLOCK=next_pow2(d // 2))
+        cos.stride(0), hq, HALF=d // 2, BLOCK=next_pow2(d // 2), enable_fp_fusion=False)

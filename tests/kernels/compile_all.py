@@ -1,0 +1,83 @@
+"""Compile every Triton kernel for NVIDIA targets on the CPU (no GPU needed: Triton lowers to
+PTX in process and assembles with the ptxas it ships). Run as a script without
+TRITON_INTERPRET; prints one line per kernel variant and exits non-zero on the first failure.
+
+    python tests/kernels/compile_all.py [--quick] [ARCH ...]    # default: 80 90
+    (--quick: the bf16 norm, rotary, attention and unquantized/Q8_0 MoE kernels only)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ftrs.kernels import attention, moe, norm
+
+FLOATS = ("eps", "scale")
+
+
+def signature(fn: Any, ptrs: dict[str, str], constexprs: dict[str, Any]) -> dict[str, str]:
+    sig = {}
+    for p in fn.params:
+        if p.is_constexpr:
+            sig[p.name] = "constexpr"
+        elif p.name.endswith("_ptr"):
+            sig[p.name] = ptrs.get(p.name, ptrs["*"])
+        else:
+            sig[p.name] = "fp32" if p.name in FLOATS else "i32"
+    missing = {p.name for p in fn.params if p.is_constexpr} - set(constexprs)
+    assert not missing, f"{fn.__name__}: constexprs {missing} not given"
+    return sig
+
+
+def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
+    out: list[tuple[str, Any, dict[str, str], dict[str, Any]]] = []
+    for dt in ("bf16", "fp16", "fp32"):
+        out.append((f"rms_norm {dt}", norm._rms_norm_kernel, {"*": f"*{dt}"},
+                    {"HAS_RES": True, "BLOCK": 1024}))
+        out.append((f"rotary {dt}", norm._rotary_kernel,
+                    {"*": f"*{dt}", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64"},
+                    {"HALF": 64, "BLOCK": 64}))
+        prec = "ieee" if dt == "fp32" else "tf32"
+        out.append((f"paged_attention {dt}", attention._paged_attn_kernel,
+                    {"*": f"*{dt}", "table_ptr": "*i32", "q_start_ptr": "*i32",
+                     "q_len_ptr": "*i32", "ctx_len_ptr": "*i32"},
+                    {"PAGE": 16, "GP": 4, "BLOCK_Q": 4, "BLOCK_N": 32, "BLOCK_D": 64,
+                     "UPCAST": False, "PREC": prec}))
+    weights = {"none": ("*bf16", "*bf16"), "Q8_0": ("*i8", "*fp16"), "FP8_BLOCK": ("*u8", "*fp32"),
+               "Q4_K": ("*u8", "*fp16")}
+    for qtype, (wt, st) in weights.items():
+        for dt in ("bf16", "fp32") if qtype == "none" else ("bf16",):
+            w = f"*{dt}" if qtype == "none" else wt
+            consts = {"QUANT": moe._QUANT_CODE[qtype], "BR": 128, "BC": 128, "BLOCK_M": 16,
+                      "BLOCK_N": 64, "BLOCK_K": 64, "UPCAST": False,
+                      "PREC": "ieee" if dt == "fp32" else "tf32"}
+            ptrs = {"*": f"*{dt}", "pair_ptr": "*i32", "bslot_ptr": "*i32", "g_ptr": w, "u_ptr": w,
+                    "d_ptr": w, "gs_ptr": st, "us_ptr": st, "ds_ptr": st}
+            out.append((f"moe gate_up {qtype} {dt}", moe._moe_gate_up_kernel, ptrs, consts))
+            out.append((f"moe down {qtype} {dt}", moe._moe_down_kernel, ptrs, consts))
+    return out
+
+
+def main() -> int:
+    quick = "--quick" in sys.argv[1:]
+    archs = [int(a) for a in sys.argv[1:] if a != "--quick"] or [80, 90]
+    chosen = [v for v in variants()
+              if not quick or (v[0].endswith("bf16") and "FP8" not in v[0] and "Q4_K" not in v[0])]
+    for arch in archs:
+        for name, fn, ptrs, consts in chosen:
+            t0 = time.perf_counter()
+            src = ASTSource(fn, signature(fn, ptrs, consts), constexprs=consts)
+            triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                           options={"enable_fp_fusion": False})
+            print(f"sm_{arch} {name}: ok ({time.perf_counter() - t0:.1f}s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
