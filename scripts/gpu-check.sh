@@ -4,7 +4,7 @@
 #   2. pytest -m gpu -v                       (tests/gpu: cuda offload, copies, link probe)
 #   3. bench/gpu_check.py                     (pinned H2D/D2H GB/s, ftrs vs torch, link bound)
 #   4. bench/offload.py --quick --copy-backend cuda   (demo model, or a tiny one offline)
-#   5. TRITON_INTERPRET=0 pytest tests/kernels (the Triton kernels compiled, on the GPU)
+#   5. TRITON_INTERPRET=0 pytest -m "" tests/kernels (the Triton kernels compiled, on the GPU; no syncs)
 #   6. bench/kernels.py                       (each kernel vs its torch reference, JSON)
 # Exits non-zero when the GPU tests fail (their pytest status) or any other step fails.
 # Without a GPU it says so, runs only the CPU-safe parts (the gpu tests must all skip, the
@@ -67,7 +67,7 @@ if [ -z "$model" ] || [ ! -e "$model" ]; then
 fi
 step "bench/offload.py --copy-backend cuda" 120 \
   "$PY" bench/offload.py --quick --copy-backend cuda --model "$model"
-step "kernel tests (compiled)" 300 env TRITON_INTERPRET=0 "$PY" -m pytest -v tests/kernels --timeout 240
+step "kernel tests (compiled)" 300 env TRITON_INTERPRET=0 "$PY" -m pytest -v -m "" tests/kernels --timeout 240
 kernels_rc=$?
 [ "$tests_rc" -eq 0 ] && tests_rc=$kernels_rc
 step "bench/kernels.py" 120 "$PY" bench/kernels.py
