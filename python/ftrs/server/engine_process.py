@@ -10,9 +10,9 @@ and stats go out in one message, so the API side sees a request's tokens in step
 request the engine refuses in `add_request` gets one `TokenEvent(finish_reason="error")`.
 
 A step that raises fails only the requests of that step, unless the error is the device's
-(`StepRunner`): they get one `TokenEvent(finish_reason="error")` with `EngineStepError` (class
-and message of the exception, no traceback; the traceback is logged here once), their KV
-pages are freed, and the engine goes on. `step_fault_limit` failed steps in a row, or a
+(`StepRunner`): they get one `TokenEvent(finish_reason="error")` with the error (an untyped
+exception becomes `EngineStepError`: its class and message, no traceback; the traceback is
+logged here once), their KV pages are freed, and the engine goes on. `step_fault_limit` failed steps in a row, or a
 `DeviceError` (the device policy: `server.supervision`), end the loop: the typed error is
 reported and the process exits with the error's exit code, so a supervisor that only sees
 the exit code still knows what happened. The API side then restarts the engine or exits.
@@ -40,7 +40,9 @@ logger = logging.getLogger(__name__)
 
 
 class Engine(Protocol):
-    """What the engine process needs of an engine (`ftrs.engine.core.EngineCore` is one)."""
+    """What the engine process needs of an engine (`ftrs.engine.core.EngineCore` is one).
+    Optional: `step_request_ids() -> list[str] | None`, the requests of the step that raised
+    (without it, or when it returns None, a failed step fails every request the engine holds)."""
 
     model_name: str
     max_model_len: int
