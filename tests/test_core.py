@@ -3,9 +3,12 @@ flight recorder, and the error mapping to ftrs.errors."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,10 +35,11 @@ def make_pool(
 
 
 def pool_block(pool: _core.ExpertPool, layer: int, expert: int) -> torch.Tensor:
+    """A copy of block (layer, expert) of the pool (a view could be read-only: engine in use)."""
     lay = pool.layout
-    view = torch.frombuffer(pool, dtype=torch.uint8)
     off = lay.offset(layer, expert, 0)
-    return view[off : off + lay.expert_bytes]
+    return torch.frombuffer(bytearray(memoryview(pool)[off : off + lay.expert_bytes]),
+                            dtype=torch.uint8)
 
 
 def slot_bytes(dst: torch.Tensor, lay: _core.ExpertLayout, slot: int) -> torch.Tensor:
@@ -138,7 +142,7 @@ def test_lookup_copies_pool_blocks_into_the_returned_slots_and_hits_next_time() 
     pool = make_pool()
     lay = pool.layout
     dst = torch.zeros(4 * lay.expert_bytes, dtype=torch.uint8)
-    eng = _core.TransferEngine(pool, 4, dst.data_ptr(), dst.numel())
+    eng = _core.TransferEngine(pool, 4, dst)
     assert (eng.num_slots, eng.backend_name) == (4, "host")
     slots, ticket = eng.lookup(1, [2, 5], [(0, 1)])
     eng.wait(ticket)
@@ -167,7 +171,7 @@ def test_cancelled_prefetches_never_land() -> None:
     lay = pool.layout
     dst = torch.zeros(6 * lay.expert_bytes, dtype=torch.uint8)
     # A 1 kB/s link: each copy holds the link for ~0.5 s, so nothing finishes before the cancel.
-    eng = _core.TransferEngine(pool, 6, dst.data_ptr(), dst.numel(), backend="simulated:0.000001")
+    eng = _core.TransferEngine(pool, 6, dst, backend="simulated:0.000001")
     _, ticket = eng.lookup(0, [], [(1, 0), (1, 1), (1, 2)])
     eng.wait(ticket)
     assert eng.cancel_prefetches() == 3
@@ -180,7 +184,7 @@ def test_cancelled_prefetches_never_land() -> None:
 def test_injected_device_lost_surfaces_in_wait_as_ftrs_errors_device_lost() -> None:
     pool = make_pool()
     dst = torch.zeros(4 * pool.layout.expert_bytes, dtype=torch.uint8)
-    eng = _core.TransferEngine(pool, 4, dst.data_ptr(), dst.numel())
+    eng = _core.TransferEngine(pool, 4, dst)
     eng.inject_fault("device_lost", after_copies=1)
     _, t = eng.lookup(0, [0])
     eng.wait(t)
@@ -201,22 +205,123 @@ def test_injected_device_lost_surfaces_in_wait_as_ftrs_errors_device_lost() -> N
 def test_bad_arguments_raise_config_or_capacity_errors() -> None:
     pool = make_pool()
     dst = torch.zeros(2 * pool.layout.expert_bytes, dtype=torch.uint8)
-    addr, n = dst.data_ptr(), dst.numel()
     for kwargs in [{"backend": "warp"}, {"policy": "random"}, {"policy": "belady"}]:
         with pytest.raises(errors.ConfigError):
-            _core.TransferEngine(pool, 2, addr, n, **kwargs)
+            _core.TransferEngine(pool, 2, dst, **kwargs)
     with pytest.raises(errors.ConfigError):
-        _core.TransferEngine(pool, 0, addr, n)
+        _core.TransferEngine(pool, 0, dst)
     with pytest.raises(errors.ConfigError):
-        _core.TransferEngine(pool, 3, addr, n)
-    eng = _core.TransferEngine(pool, 2, addr, n, policy="lfru")
+        _core.TransferEngine(pool, 3, dst)
+    for bad in [dst.data_ptr(), dst[::2], torch.zeros(0, dtype=torch.uint8),
+                torch.frombuffer(pool, dtype=torch.uint8)]:
+        with pytest.raises(errors.ConfigError):  # not a tensor / strided / null / the pool
+            _core.TransferEngine(pool, 1, bad)
+    eng = _core.TransferEngine(pool, 2, dst, policy="lfru")
     with pytest.raises(errors.CapacityError):
         eng.lookup(0, [0, 1, 2])
     with pytest.raises(errors.ConfigError):
         eng.lookup(0, [99])
     if not _core.cuda_available():
         with pytest.raises(errors.DeviceError, match="CUDA driver"):
-            _core.TransferEngine(pool, 2, addr, n, backend="cuda")
+            _core.TransferEngine(pool, 2, dst.cuda() if torch.cuda.is_available() else dst,
+                                 backend="cuda")
+
+
+def test_pool_is_read_only_while_an_engine_holds_it_and_writable_after_close() -> None:
+    pool = make_pool()
+    data = torch.ones(96, dtype=torch.float32).numpy()
+    assert memoryview(pool).readonly is False
+    dst = torch.zeros(4 * pool.layout.expert_bytes, dtype=torch.uint8)
+    eng = _core.TransferEngine(pool, 4, dst)
+    with pytest.raises(errors.ConfigError, match="read-only"):
+        pool.write(0, 0, 0, data)
+    with pytest.raises(errors.ConfigError, match="read-only"):
+        pool.fill_from_safetensors([])
+    assert memoryview(pool).readonly is True  # no new writable view while copies may run
+    _, t = eng.lookup(0, [0])
+    eng.wait(t)
+    eng.close()
+    del eng
+    pool.write(0, 0, 0, data)
+    assert memoryview(pool).readonly is False
+    assert torch.equal(pool_block(pool, 0, 0)[:384].view(torch.float32), torch.ones(96))
+
+
+def test_engine_holds_its_destination_so_deleting_the_tensor_first_is_safe() -> None:
+    pool = make_pool()
+    lay = pool.layout
+    dst = torch.full((4 * lay.expert_bytes,), 7, dtype=torch.uint8)
+    ref = weakref.ref(dst)
+    eng = _core.TransferEngine(pool, 4, dst)
+    del dst
+    gc.collect()
+    assert ref() is not None  # the engine keeps the buffer it copies into
+    slots, t = eng.lookup(1, [3, 4])
+    eng.wait(t)
+    held = eng.destination
+    for e, s in zip([3, 4], slots, strict=True):
+        assert torch.equal(slot_bytes(held, lay, s), pool_block(pool, 1, e))
+    del held
+    del eng  # not closed: closed off the GIL, and the buffer released once the worker stopped
+    deadline = time.monotonic() + 10
+    while ref() is not None and time.monotonic() < deadline:
+        _core.cuda_available()  # a call into the extension also applies deferred releases
+        gc.collect()
+        time.sleep(0.01)
+    assert ref() is None
+
+
+def test_close_releases_the_gil_is_idempotent_and_later_calls_raise_config_error() -> None:
+    pool = make_pool()
+    dst = torch.zeros(4 * pool.layout.expert_bytes, dtype=torch.uint8)
+    # ~1 kB/s: the demand copy below holds close() for about half a second
+    eng = _core.TransferEngine(pool, 4, dst, backend="simulated:0.000001")
+    slots, t = eng.lookup(0, [2], [(1, 0)])
+    closer = threading.Thread(target=eng.close)
+    closer.start()
+    seen_while_closing = False
+    while closer.is_alive():
+        seen_while_closing |= eng.closed and closer.is_alive()
+        time.sleep(0.001)
+    closer.join()
+    assert seen_while_closing, "close() held the GIL while it joined the worker"
+    eng.close()  # idempotent
+    assert eng.closed
+    assert torch.equal(slot_bytes(dst, pool.layout, slots[0]), pool_block(pool, 0, 2))
+    for call in [lambda: eng.lookup(0, [1]), lambda: eng.wait(t), eng.release,
+                 eng.cancel_prefetches, lambda: eng.set_pacing(1e9),
+                 lambda: eng.inject_fault("oom")]:
+        with pytest.raises(errors.ConfigError, match="closed"):
+            call()
+    assert eng.stats()["demand_fetches"] == 1  # counters stay readable
+
+
+def test_worker_panic_reaches_every_waiter_as_kernel_fault() -> None:
+    pool = make_pool()
+    dst = torch.zeros(4 * pool.layout.expert_bytes, dtype=torch.uint8)
+    eng = _core.TransferEngine(pool, 4, dst)
+    eng.inject_fault("worker_panic", after_copies=0)
+    faults: list[errors.KernelFault] = []
+
+    def demand(expert: int) -> None:
+        try:
+            _, t = eng.lookup(0, [expert])
+            eng.wait(t)
+        except errors.KernelFault as e:
+            faults.append(e)
+
+    threads = [threading.Thread(target=demand, args=(e,)) for e in (0, 1, 2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=10)
+    assert not any(th.is_alive() for th in threads), "a waiter is still blocked"
+    assert len(faults) == 3
+    assert {f.evidence["source"] for f in faults} == {"transfer_worker"}
+    assert all(f.evidence["injected"] is True for f in faults)
+    with pytest.raises(errors.KernelFault, match="panicked"):
+        eng.lookup(1, [0])
+    eng.close()
 
 
 @pytest.mark.parametrize("measure", [_core.cuda_measure_d2h, _core.cuda_measure_h2d],

@@ -44,7 +44,7 @@ def test_cuda_backend_copies_the_exact_pool_bytes_into_device_slots(
     lay = pool.layout
     dst = torch.zeros(4 * lay.expert_bytes, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()  # the zeros land before the engine's stream writes the slots
-    eng = _core.TransferEngine(pool, 4, dst.data_ptr(), dst.numel(), backend="cuda")
+    eng = _core.TransferEngine(pool, 4, dst, backend="cuda")
     assert eng.backend_name == "cuda"
     fetched = 0
     # 3 + 2 + 2 distinct blocks through 4 slots: the later lookups evict earlier blocks

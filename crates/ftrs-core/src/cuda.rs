@@ -363,7 +363,7 @@ impl CopyBackend for CudaBackend {
         "cuda".into()
     }
 
-    fn submit(&self, job: &CopyJob) -> Result<Completion> {
+    unsafe fn submit(&self, job: &CopyJob<'_>) -> Result<Completion> {
         if job.kind() != MemKind::Device {
             return Err(CoreError::Config(
                 "cuda backend needs a device destination".into(),
@@ -371,9 +371,10 @@ impl CopyBackend for CudaBackend {
         }
         self.ctx.make_current()?;
         // SAFETY: the context is current (above); `CopyJob` guarantees both ranges are in
-        // bounds; the source is host memory that outlives the copy (the engine finishes every
-        // copy before dropping the pool) and the destination is device memory that nobody else
-        // touches during the copy, per `Destination::new`'s contract.
+        // bounds; the caller keeps the source region allocated and unwritten, and the
+        // destination untouched, until `finish` returned for the completion recorded below
+        // (point 1 of `CopyBackend::submit`); the destination is device memory per
+        // `Destination::new`'s contract.
         unsafe {
             self.stream.copy(
                 Direction::HostToDevice,
@@ -398,11 +399,16 @@ impl CopyBackend for CudaBackend {
 
 /// Page-locks `len` bytes at `addr` for DMA (`cuMemHostRegister_v2`, portable).
 /// `DriverUnavailable` without a driver; already-registered memory is fine.
-pub fn host_register(addr: usize, len: usize) -> Result<()> {
+///
+/// # Safety
+/// 1. `addr..addr+len` is one live host allocation of this process.
+/// 2. It stays allocated until [`host_unregister`] has been called for `addr` (the driver keeps
+///    the registration, and may DMA from the range, until then).
+pub unsafe fn host_register(addr: usize, len: usize) -> Result<()> {
     let ctx = PrimaryContext::retain(0)?;
     ctx.make_current()?;
-    // SAFETY: the caller passes a live host allocation of `len` bytes (the pool's region, which
-    // is never freed while registered memory is used: the pool outlives every engine).
+    // SAFETY: the context is current (above); the range is a live host allocation that outlives
+    // the registration (points 1-2 of this function's contract).
     let r =
         unsafe { (ctx.api.host_register)(addr as *mut c_void, len, CU_MEMHOSTREGISTER_PORTABLE) };
     if r == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED {
@@ -417,11 +423,15 @@ pub fn host_register(addr: usize, len: usize) -> Result<()> {
 
 /// Undoes [`host_register`] before the memory at `addr` is freed. Errors are ignored: this
 /// runs at teardown, where the device may already be gone.
-pub fn host_unregister(addr: usize) {
+///
+/// # Safety
+/// 1. `addr` is the start of a range registered by [`host_register`], still allocated.
+/// 2. No copy from or to that range is in flight on any stream (the pages stop being locked).
+pub unsafe fn host_unregister(addr: usize) {
     if let Ok(ctx) = PrimaryContext::retain(0) {
         if ctx.make_current().is_ok() {
-            // SAFETY: `addr` is the start of a range registered by `host_register` and still
-            // allocated (the pool calls this before freeing its region).
+            // SAFETY: the context is current; `addr` is a registered, live range with no copy in
+            // flight (points 1-2 of this function's contract).
             unsafe { (ctx.api.host_unregister)(addr as *mut c_void) };
         }
     }

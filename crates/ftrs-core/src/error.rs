@@ -3,8 +3,11 @@
 //! Every variant maps to exactly one class of the Python module `ftrs.errors` (the mapping lives
 //! in `ftrs-py`, in one function): `Config` → ConfigError, `Capacity` → CapacityError,
 //! `ModelLoad` → ModelLoadError(path, problem), `Device` → DeviceLost / KernelFault /
-//! DeviceOutOfMemory by [`DeviceFault`], `DriverUnavailable` → DeviceError. Variants carry the
-//! evidence the Python side puts in `FtrsError.evidence`.
+//! DeviceOutOfMemory by [`DeviceFault`], `DriverUnavailable` → DeviceError, `WorkerPanic` →
+//! KernelFault (an engine bug, not the hardware: the class DESIGN.md gives to "engine or kernel
+//! bug", HTTP 500 `engine_fault`, exit 87), `Closed` → ConfigError (a call on a closed engine
+//! is a misuse by the caller). Variants carry the evidence the Python side puts in
+//! `FtrsError.evidence`.
 
 use std::fmt;
 
@@ -80,6 +83,17 @@ pub enum CoreError {
     /// The CUDA driver cannot be loaded or initialised (no GPU on this host).
     #[error("{0}")]
     DriverUnavailable(String),
+    /// The transfer worker thread panicked: every waiting and later call gets this error.
+    #[error("transfer worker panicked: {detail}")]
+    WorkerPanic {
+        /// The panic message.
+        detail: String,
+        /// True when the panic was injected by `inject_panic` (a drill).
+        injected: bool,
+    },
+    /// The transfer engine was closed; only its counters can still be read.
+    #[error("the transfer engine is closed")]
+    Closed,
 }
 
 /// Shorthand for results of this crate.

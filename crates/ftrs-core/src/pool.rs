@@ -1,12 +1,14 @@
 //! The host expert pool: every routed expert's weights in one page-aligned region.
 //!
-//! The region follows an [`ExpertLayout`]. It is filled either by the caller, one tensor at a
-//! time ([`ExpertPool::write`], for weights it dequantized itself), or from safetensors files
-//! ([`ExpertPool::fill_from_safetensors`]): every distinct file is memory-mapped once and its
-//! header parsed once; then `threads` scoped threads take entries from a shared atomic index,
-//! convert F32/F16/BF16 on disk to the pool dtype in 64 Ki-element chunks and write them into
-//! disjoint ranges of the region. Entries are validated up front (range, duplicates), and each
-//! failure names the file and tensor; when several fail, the first entry's error is returned.
+//! The region follows an [`ExpertLayout`]. It is filled through `&mut self`, before it is
+//! shared: either by the caller, one tensor at a time ([`ExpertPool::write`], for weights it
+//! dequantized itself), or from safetensors files ([`ExpertPool::fill_from_safetensors`]):
+//! every distinct file is memory-mapped once and its header parsed once; the region is split
+//! into one disjoint `&mut [u8]` per entry; then `threads` scoped threads take entries from a
+//! shared atomic index and convert F32/F16/BF16 on disk to the pool dtype straight into their
+//! part. Entries are validated up front (range, duplicates), and each failure names the file
+//! and tensor; when several fail, the first entry's error is returned. Once a transfer engine
+//! holds the pool (behind an `Arc`) it is read-only: only `&self` methods remain.
 
 #![forbid(unsafe_code)]
 
@@ -88,11 +90,8 @@ pub struct ExpertPool {
     layout: ExpertLayout,
     /// Element type; every layout tensor size is a multiple of its size for safetensors fills.
     dtype: PoolDtype,
-    /// The zeroed, page-aligned memory.
+    /// The zeroed, page-aligned memory (pinned through it; unpinned when it drops).
     region: HostRegion,
-    /// Set once the region is registered with the CUDA driver; unregistered on drop, before
-    /// the region is freed (engines hold an `Arc` of the pool, so none outlives it).
-    pinned: std::sync::atomic::AtomicBool,
 }
 
 impl ExpertPool {
@@ -103,7 +102,6 @@ impl ExpertPool {
             layout,
             dtype,
             region,
-            pinned: false.into(),
         })
     }
     /// The layout.
@@ -128,27 +126,17 @@ impl ExpertPool {
     }
     /// Whether `pin` succeeded.
     pub fn is_pinned(&self) -> bool {
-        self.pinned.load(Ordering::Acquire)
+        self.region.is_pinned()
     }
 
     /// Page-locks the region through the CUDA driver. `Ok(false)` when there is no driver.
     pub fn pin(&self) -> Result<bool> {
-        if self.is_pinned() {
-            return Ok(true);
-        }
-        match crate::cuda::host_register(self.address(), self.nbytes()) {
-            Ok(()) => {
-                self.pinned.store(true, Ordering::Release);
-                Ok(true)
-            }
-            Err(CoreError::DriverUnavailable(_)) => Ok(false),
-            Err(e) => Err(e),
-        }
+        self.region.pin()
     }
 
     /// Writes raw bytes of tensor `tensor` of (layer, expert); the length must equal the
     /// layout's size for that tensor.
-    pub fn write(&self, layer: usize, expert: usize, tensor: usize, data: &[u8]) -> Result<()> {
+    pub fn write(&mut self, layer: usize, expert: usize, tensor: usize, data: &[u8]) -> Result<()> {
         let off = self.layout.offset(layer, expert, tensor)?;
         let want = self.layout.tensor_bytes(tensor);
         if data.len() != want {
@@ -167,16 +155,22 @@ impl ExpertPool {
 
     /// Loads `entries` from safetensors files with `threads` threads (0 = all cores).
     /// Returns the number of bytes written.
-    pub fn fill_from_safetensors(&self, entries: &[FillEntry], threads: usize) -> Result<usize> {
+    pub fn fill_from_safetensors(
+        &mut self,
+        entries: &[FillEntry],
+        threads: usize,
+    ) -> Result<usize> {
         let mut seen = HashMap::new();
+        let mut spans = Vec::with_capacity(entries.len());
         for (i, e) in entries.iter().enumerate() {
-            self.layout.offset(e.layer, e.expert, e.tensor_index)?;
+            let off = self.layout.offset(e.layer, e.expert, e.tensor_index)?;
             if let Some(j) = seen.insert((e.layer, e.expert, e.tensor_index), i) {
                 return Err(CoreError::Config(format!(
                     "entries {j} and {i} both fill (layer {}, expert {}, tensor {})",
                     e.layer, e.expert, e.tensor_index
                 )));
             }
+            spans.push((off, self.layout.tensor_bytes(e.tensor_index), i));
         }
         let mut file_index: HashMap<&str, usize> = HashMap::new();
         let mut maps = Vec::new();
@@ -195,6 +189,8 @@ impl ExpertPool {
             parsed.push(st);
         }
 
+        let (layout, dtype) = (&self.layout, self.dtype);
+        let parts = split_disjoint(self.region.as_mut_slice(), spans)?;
         let next = AtomicUsize::new(0);
         let written = AtomicUsize::new(0);
         let errors: Mutex<Vec<(usize, CoreError)>> = Mutex::new(Vec::new());
@@ -205,7 +201,8 @@ impl ExpertPool {
                     let i = next.fetch_add(1, Ordering::Relaxed);
                     let Some(e) = entries.get(i) else { break };
                     let st = &parsed[file_index[e.path.as_str()]];
-                    match self.fill_one(st, e) {
+                    let mut part = parts[i].lock().unwrap_or_else(|p| p.into_inner());
+                    match fill_one(layout, dtype, st, e, &mut part) {
                         Ok(n) => {
                             written.fetch_add(n, Ordering::Relaxed);
                         }
@@ -224,65 +221,83 @@ impl ExpertPool {
             None => Ok(written.into_inner()),
         }
     }
-
-    fn fill_one(&self, st: &SafeTensors<'_>, e: &FillEntry) -> Result<usize> {
-        let fail = |problem: String| CoreError::ModelLoad {
-            path: e.path.clone(),
-            problem,
-        };
-        let view = st
-            .tensor(&e.tensor)
-            .map_err(|_| fail(format!("tensor {:?} not found", e.tensor)))?;
-        let src_size = match view.dtype() {
-            Dtype::F32 => 4,
-            Dtype::F16 | Dtype::BF16 => 2,
-            other => {
-                return Err(fail(format!(
-                    "tensor {:?} has dtype {other:?}; only F32, F16 and BF16 are supported",
-                    e.tensor
-                )))
-            }
-        };
-        let numel: usize = view.shape().iter().product();
-        let want = self.layout.tensor_bytes(e.tensor_index);
-        if numel * self.dtype.size() != want {
-            return Err(fail(format!(
-                "tensor {:?} has shape {:?} ({numel} elements = {} bytes as {}) but layout tensor {} \
-                 is {want} bytes",
-                e.tensor,
-                view.shape(),
-                numel * self.dtype.size(),
-                self.dtype.name(),
-                e.tensor_index
-            )));
-        }
-        let data = view.data();
-        debug_assert_eq!(data.len(), numel * src_size);
-        let off = self.layout.offset(e.layer, e.expert, e.tensor_index)?;
-        if same_dtype(view.dtype(), self.dtype) {
-            self.region.write(off, data)?;
-            return Ok(want);
-        }
-        const CHUNK: usize = 64 * 1024;
-        let mut buf = vec![0u8; CHUNK * self.dtype.size()];
-        for (k, src) in data.chunks(CHUNK * src_size).enumerate() {
-            let n = src.len() / src_size;
-            let out = &mut buf[..n * self.dtype.size()];
-            convert(src, view.dtype(), out, self.dtype);
-            self.region
-                .write(off + k * CHUNK * self.dtype.size(), out)?;
-        }
-        Ok(want)
-    }
 }
 
-impl Drop for ExpertPool {
-    fn drop(&mut self) {
-        // Unpin before `region` frees the memory, so the driver never holds freed pages.
-        if self.is_pinned() {
-            crate::cuda::host_unregister(self.address());
-        }
+/// Cuts `region` into the `(offset, len, entry)` spans, one exclusive part per entry, indexed
+/// by entry. The spans must not overlap (distinct layout tensors never do).
+fn split_disjoint(
+    region: &mut [u8],
+    mut spans: Vec<(usize, usize, usize)>,
+) -> Result<Vec<Mutex<&mut [u8]>>> {
+    let mut parts: Vec<Option<&mut [u8]>> = (0..spans.len()).map(|_| None).collect();
+    spans.sort_unstable();
+    let mut rest = region;
+    let mut at = 0;
+    for (off, len, i) in spans {
+        let fits = rest.len();
+        let Some(skip) = off.checked_sub(at).filter(|&k| k + len <= fits) else {
+            return Err(CoreError::Config(format!(
+                "pool range [{off}, +{len}) overlaps another entry or leaves the pool"
+            )));
+        };
+        let (mine, tail) = std::mem::take(&mut rest)[skip..].split_at_mut(len);
+        parts[i] = Some(mine);
+        rest = tail;
+        at = off + len;
     }
+    Ok(parts
+        .into_iter()
+        .map(|p| Mutex::new(p.expect("every entry has a span")))
+        .collect())
+}
+
+/// Converts one entry's tensor into `out`, its part of the pool; returns the bytes written.
+fn fill_one(
+    layout: &ExpertLayout,
+    dtype: PoolDtype,
+    st: &SafeTensors<'_>,
+    e: &FillEntry,
+    out: &mut [u8],
+) -> Result<usize> {
+    let fail = |problem: String| CoreError::ModelLoad {
+        path: e.path.clone(),
+        problem,
+    };
+    let view = st
+        .tensor(&e.tensor)
+        .map_err(|_| fail(format!("tensor {:?} not found", e.tensor)))?;
+    let src_size = match view.dtype() {
+        Dtype::F32 => 4,
+        Dtype::F16 | Dtype::BF16 => 2,
+        other => {
+            return Err(fail(format!(
+                "tensor {:?} has dtype {other:?}; only F32, F16 and BF16 are supported",
+                e.tensor
+            )))
+        }
+    };
+    let numel: usize = view.shape().iter().product();
+    let want = layout.tensor_bytes(e.tensor_index);
+    if numel * dtype.size() != want {
+        return Err(fail(format!(
+            "tensor {:?} has shape {:?} ({numel} elements = {} bytes as {}) but layout tensor {} \
+             is {want} bytes",
+            e.tensor,
+            view.shape(),
+            numel * dtype.size(),
+            dtype.name(),
+            e.tensor_index
+        )));
+    }
+    let data = view.data();
+    debug_assert_eq!(data.len(), numel * src_size);
+    debug_assert_eq!(out.len(), want);
+    if same_dtype(view.dtype(), dtype) {
+        out.copy_from_slice(data);
+    } else {
+        convert(data, view.dtype(), out, dtype);
+    }
+    Ok(want)
 }
 
 fn file_index_order<'a>(index: &HashMap<&'a str, usize>) -> Vec<&'a str> {

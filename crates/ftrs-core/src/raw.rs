@@ -6,11 +6,22 @@
 //! cuts a large block into pieces that the caller and long-lived copy helper threads
 //! claim and `memcpy`.
 //! Everything else in the crate uses the safe, bounds-checked methods here.
+//!
+//! Ownership rules that make those methods sound:
+//! - A [`HostRegion`] is written only through `&mut self` ([`HostRegion::write`],
+//!   [`HostRegion::as_mut_slice`]): it is filled before it is shared, and once behind an `Arc`
+//!   (a transfer engine's pool) every access is a read, so `Sync` cannot race.
+//! - A [`CopyJob`] borrows the region and the [`Destination`] it was checked against for its
+//!   lifetime `'a`, so it cannot outlive either; running it on the host is safe. Starting it on
+//!   an asynchronous backend is not ([`crate::backend::CopyBackend::submit`] is `unsafe`): the
+//!   copy outlives the borrow.
+//! - Pinning ([`HostRegion::pin`]) is undone by the region's `Drop`, before it frees the memory.
 
 #![allow(unsafe_code)]
 
 use std::alloc::{self, Layout};
 use std::collections::VecDeque;
+use std::marker::PhantomData;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -21,7 +32,7 @@ use crate::error::{CoreError, Result};
 /// Below this many bytes per thread, splitting a copy costs more than it saves.
 pub const MIN_BYTES_PER_THREAD: usize = 512 << 10;
 
-/// One zeroed, aligned heap allocation, freed on drop.
+/// One zeroed, aligned heap allocation, freed on drop (unpinned first if it was pinned).
 #[derive(Debug)]
 pub struct HostRegion {
     /// Start of the allocation; valid for `len` bytes until drop; aligned to `layout.align()`.
@@ -30,12 +41,15 @@ pub struct HostRegion {
     len: usize,
     /// The layout `ptr` was allocated with (needed to free it).
     layout: Layout,
+    /// Set once the allocation is registered with the CUDA driver; unregistered in `drop`.
+    pinned: AtomicBool,
 }
 
-// SAFETY: HostRegion owns its allocation like a Box<[u8]>; the raw pointer is never exposed
-// mutably except through `write`, whose callers write disjoint ranges (documented below).
+// SAFETY: HostRegion owns its allocation like a Box<[u8]>: moving it to another thread moves
+// the ownership.
 unsafe impl Send for HostRegion {}
-// SAFETY: see above; shared access reads or writes through raw pointers with bounds checks.
+// SAFETY: through `&self` the bytes are only read (`read`, copy jobs) and the pin flag is an
+// atomic; every write takes `&mut self`, so shared references never race with a writer.
 unsafe impl Sync for HostRegion {}
 
 impl HostRegion {
@@ -52,7 +66,12 @@ impl HostRegion {
         let ptr = NonNull::new(raw).ok_or_else(|| {
             CoreError::Capacity(format!("cannot allocate a host pool of {len} bytes"))
         })?;
-        Ok(Self { ptr, len, layout })
+        Ok(Self {
+            ptr,
+            len,
+            layout,
+            pinned: AtomicBool::new(false),
+        })
     }
 
     /// Address of the first byte.
@@ -80,15 +99,42 @@ impl HostRegion {
         }
     }
 
-    /// Copies `src` to `offset`. Callers writing concurrently must use disjoint ranges, and must
-    /// not write a block while the transfer engine copies it (the engine reads blocks the caller
-    /// finished loading).
-    pub fn write(&self, offset: usize, src: &[u8]) -> Result<()> {
+    /// Copies `src` to `offset`. Exclusive access: nothing reads the region meanwhile.
+    pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<()> {
         self.check(offset, src.len())?;
-        // SAFETY: the range is inside the allocation (checked) and `src` is readable for its
-        // length; `ptr::copy` is a memmove, so `src` may even point into this region.
-        unsafe { std::ptr::copy(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len()) };
+        self.as_mut_slice()[offset..offset + src.len()].copy_from_slice(src);
         Ok(())
+    }
+
+    /// The whole region as one exclusive slice: fills split it into disjoint parts
+    /// (`split_at_mut`) and write them from several threads.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` is valid for `len` initialised (zeroed) bytes until drop, and `&mut self`
+        // makes this the only reference to them for the slice's lifetime.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+
+    /// Page-locks the region through the CUDA driver (once); `Ok(false)` without a driver.
+    pub fn pin(&self) -> Result<bool> {
+        if self.is_pinned() {
+            return Ok(true);
+        }
+        // SAFETY: (1) `ptr..ptr+len` is this live allocation; (2) it stays allocated until
+        // `drop`, which unregisters it before freeing it; (3) a second registration of the same
+        // range (two racing `pin` calls) is answered "already registered" and is not an error.
+        match unsafe { crate::cuda::host_register(self.addr(), self.len) } {
+            Ok(()) => {
+                self.pinned.store(true, Ordering::Release);
+                Ok(true)
+            }
+            Err(CoreError::DriverUnavailable(_)) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Whether [`Self::pin`] succeeded.
+    pub fn is_pinned(&self) -> bool {
+        self.pinned.load(Ordering::Acquire)
     }
 
     /// Copies `dst.len()` bytes starting at `offset` into `dst`.
@@ -102,6 +148,12 @@ impl HostRegion {
 
 impl Drop for HostRegion {
     fn drop(&mut self) {
+        if self.is_pinned() {
+            // SAFETY: (1) the range at `ptr` was registered by `pin` and is still allocated;
+            // (2) `&mut self` in drop: no copy job borrows the region any more, and engines finish
+            // every asynchronous copy before they let go of their pool.
+            unsafe { crate::cuda::host_unregister(self.addr()) };
+        }
         // SAFETY: `ptr` was allocated by `alloc_zeroed` with exactly `layout` and is freed once.
         unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }
     }
@@ -362,7 +414,8 @@ impl Destination {
     ///
     /// # Safety
     /// 1. `base..base+len` is writable memory of `kind` (host memory, or device memory of the
-    ///    device the CUDA backend uses) for as long as this value or any engine built on it lives.
+    ///    device the CUDA backend uses) for as long as this value, any copy job or engine built
+    ///    on it, or any asynchronous copy started from such a job lives.
     /// 2. It does not overlap the expert pool.
     /// 3. While a copy into a slot runs, nobody else writes that slot, and readers of a slot
     ///    only read it after the engine reported it ready.
@@ -387,27 +440,58 @@ impl Destination {
     }
 }
 
-/// One validated copy: `len` bytes from the pool to the destination. Only [`CopyJob::new`]
-/// makes one, from bounds-checked offsets, so running it is safe.
-#[derive(Debug, Clone, Copy)]
-pub struct CopyJob {
-    /// Source address inside a live [`HostRegion`]; `src..src+len` inside it.
+/// One validated copy: `len` bytes from a [`HostRegion`] to a [`Destination`]. Only
+/// [`CopyJob::new`] makes one, from bounds-checked offsets, and the job borrows both for `'a`,
+/// so it can neither outlive the region nor the destination value; running it on the host
+/// ([`CopyJob::run_host`]) is therefore safe.
+///
+/// Freeing the source while a job exists does not compile:
+///
+/// ```compile_fail,E0505
+/// use ftrs_core::raw::{CopyJob, Destination, HostRegion, MemKind};
+/// let region = HostRegion::zeroed(4096, 4096).unwrap();
+/// let mut buf = vec![0u8; 4096];
+/// // SAFETY: `buf` is host memory that outlives every use of `dst`, distinct from `region`.
+/// let dst = unsafe { Destination::new(buf.as_mut_ptr() as usize, buf.len(), MemKind::Host) };
+/// let job = CopyJob::new(&region, 0, &dst, 0, 4096).unwrap();
+/// drop(region); // error[E0505]: cannot move out of `region` because it is borrowed
+/// job.run_host(1).unwrap();
+/// ```
+///
+/// while the same lines with the job run first do:
+///
+/// ```
+/// use ftrs_core::raw::{CopyJob, Destination, HostRegion, MemKind};
+/// let mut region = HostRegion::zeroed(4096, 4096).unwrap();
+/// region.write(0, &[7; 16]).unwrap();
+/// let mut buf = vec![0u8; 4096];
+/// // SAFETY: `buf` is host memory that outlives every use of `dst`, distinct from `region`.
+/// let dst = unsafe { Destination::new(buf.as_mut_ptr() as usize, buf.len(), MemKind::Host) };
+/// let job = CopyJob::new(&region, 0, &dst, 0, 4096).unwrap();
+/// job.run_host(1).unwrap();
+/// drop(region);
+/// assert_eq!(buf[..16], [7; 16]);
+/// ```
+#[derive(Debug, Clone)]
+pub struct CopyJob<'a> {
+    /// Source address inside the borrowed [`HostRegion`]; `src..src+len` inside it.
     src: usize,
-    /// Destination address inside a [`Destination`]; `dst..dst+len` inside it.
+    /// Destination address inside the borrowed [`Destination`]; `dst..dst+len` inside it.
     dst: usize,
     /// Bytes to copy.
     len: usize,
     /// Kind of the destination memory.
     kind: MemKind,
+    /// The region and the destination the addresses point into, borrowed for the job's life.
+    _borrows: PhantomData<(&'a HostRegion, &'a Destination)>,
 }
 
-impl CopyJob {
-    /// Checks both ranges and builds the job. The region must outlive the job (the engine owns
-    /// an `Arc` of the pool and joins its worker before dropping it).
+impl<'a> CopyJob<'a> {
+    /// Checks both ranges and builds the job, which borrows `src` and `dst` for `'a`.
     pub fn new(
-        src: &HostRegion,
+        src: &'a HostRegion,
         src_off: usize,
-        dst: &Destination,
+        dst: &'a Destination,
         dst_off: usize,
         len: usize,
     ) -> Result<Self> {
@@ -426,6 +510,7 @@ impl CopyJob {
             dst: dst.base + dst_off,
             len,
             kind: dst.kind,
+            _borrows: PhantomData,
         })
     }
     /// Source address (host).
@@ -456,9 +541,10 @@ impl CopyJob {
                 "host backend cannot write device memory".into(),
             ));
         }
-        // SAFETY: `new` checked both ranges; the source region outlives the job (engine
-        // contract above) and the destination is valid per `Destination::new`'s contract,
-        // which also rules out overlap and concurrent writers.
+        // SAFETY: `new` checked both ranges; the job borrows the source region, which is only
+        // read while shared (writes need `&mut`), so it is live and unchanged for this call; the
+        // destination is writable host memory, disjoint from the region and written by nobody
+        // else, per `Destination::new`'s contract (points 1-3); the copy ends before we return.
         unsafe { copy_parallel(self.dst, self.src, self.len, threads) };
         Ok(())
     }
@@ -491,7 +577,7 @@ mod tests {
 
     #[test]
     fn region_is_zeroed_aligned_and_bounds_checked() {
-        let r = HostRegion::zeroed(3 * 4096, 4096).unwrap();
+        let mut r = HostRegion::zeroed(3 * 4096, 4096).unwrap();
         assert_eq!(r.addr() % 4096, 0);
         let mut out = vec![1u8; 3 * 4096];
         r.read(0, &mut out).unwrap();

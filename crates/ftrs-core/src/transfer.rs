@@ -27,8 +27,14 @@
 //!   lands. Its chunks not yet issued never are.
 //! - Failures (backend errors, injected faults) stop the transfer's remaining chunks, free the
 //!   slot and reach `wait(ticket)`.
+//! - A panic of the worker is caught at the top of its thread: the copies it had started are
+//!   finished first (their memory must outlive them), then every ticket still waiting and every
+//!   later `lookup` gets [`CoreError::WorkerPanic`]; nothing blocks forever.
+//! - `close` (also run by `Drop`) drops the prefetches, lets the worker drain the demand copies
+//!   and joins it; it is idempotent, and `lookup` on a closed engine is [`CoreError::Closed`].
 
-#![forbid(unsafe_code)]
+// Denied, not forbidden: `worker` allows the one call of `CopyBackend::submit`.
+#![deny(unsafe_code)]
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -43,7 +49,7 @@ use crate::raw::Destination;
 
 mod lookup;
 mod worker;
-use worker::worker_loop;
+use worker::run_worker;
 
 /// Engine settings.
 #[derive(Debug, Clone)]
@@ -173,14 +179,25 @@ struct State {
     prefetch_chunk_bytes: usize,
     /// Prefetch copies in flight at most; 0 = unlimited (changeable while running).
     max_inflight_prefetches: usize,
-    /// Armed fault drill: (kind, copies to let through first).
-    fault: Option<(DeviceFault, u64)>,
+    /// Armed drill: (what, copies to let through first).
+    fault: Option<(Drill, u64)>,
+    /// Set when the worker panicked: the error every pending and later call gets.
+    dead: Option<CoreError>,
     /// Pacing, if on.
     bucket: Option<TokenBucket>,
     /// Counters.
     stats: Stats,
-    /// Set by drop: the worker drains and exits.
+    /// Set by `close`: the worker drains and exits.
     shutdown: bool,
+}
+
+/// What an armed drill does to its copy.
+#[derive(Debug, Clone, Copy)]
+enum Drill {
+    /// The copy fails with this device fault.
+    Fault(DeviceFault),
+    /// The worker panics while issuing the copy (tests the panic path).
+    Panic,
 }
 
 #[derive(Debug)]
@@ -208,8 +225,8 @@ struct Inner {
 pub struct TransferEngine {
     /// Shared with the worker.
     inner: Arc<Inner>,
-    /// The worker; joined on drop.
-    worker: Option<JoinHandle<()>>,
+    /// The worker; taken and joined by the first `close` (or drop).
+    worker: Mutex<Option<JoinHandle<()>>>,
 }
 
 fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
@@ -263,6 +280,7 @@ impl TransferEngine {
             max_inflight_prefetches: cfg.max_inflight_prefetches,
             prefetch_chunk_bytes: cfg.prefetch_chunk_bytes,
             fault: None,
+            dead: None,
             bucket,
             stats: Stats {
                 layer_hits: vec![0; layers],
@@ -284,11 +302,11 @@ impl TransferEngine {
         let w = Arc::clone(&inner);
         let worker = std::thread::Builder::new()
             .name("ftrs-transfer".into())
-            .spawn(move || worker_loop(&w))
+            .spawn(move || run_worker(&w))
             .map_err(|e| CoreError::Config(format!("cannot start transfer thread: {e}")))?;
         Ok(Self {
             inner,
-            worker: Some(worker),
+            worker: Mutex::new(Some(worker)),
         })
     }
 
@@ -396,7 +414,35 @@ impl TransferEngine {
 
     /// Makes the copy after the next `after_copies` ones fail with `kind` (a drill).
     pub fn inject_fault(&self, kind: DeviceFault, after_copies: u64) {
-        lock(&self.inner.state).fault = Some((kind, after_copies));
+        lock(&self.inner.state).fault = Some((Drill::Fault(kind), after_copies));
+    }
+
+    /// Makes the worker panic while issuing the copy after the next `after_copies` ones (a
+    /// drill of the panic path: waiters get [`CoreError::WorkerPanic`]).
+    pub fn inject_panic(&self, after_copies: u64) {
+        lock(&self.inner.state).fault = Some((Drill::Panic, after_copies));
+    }
+
+    /// Drops the queued prefetches, lets the worker finish the demand copies and the copies in
+    /// flight, and joins it. Blocks until then; idempotent (a second call returns at once,
+    /// even while the first still joins). Afterwards `lookup` is [`CoreError::Closed`];
+    /// counters, `ready` and `resident` can still be read.
+    pub fn close(&self) {
+        if !self.is_closed() {
+            self.cancel_prefetches();
+            lock(&self.inner.state).shutdown = true;
+            self.inner.work.notify_all();
+        }
+        let worker = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(w) = worker {
+            // The worker catches its own panics (`run_worker`), so the join has nothing to report.
+            let _ = w.join();
+        }
+    }
+
+    /// Whether `close` was called.
+    pub fn is_closed(&self) -> bool {
+        lock(&self.inner.state).shutdown
     }
 
     /// Turns pacing on at `bytes_per_s` (0 turns it off), from the next copy on: the adaptive
@@ -480,13 +526,9 @@ impl TransferEngine {
 
 impl Drop for TransferEngine {
     fn drop(&mut self) {
-        // Prefetches are dropped; demand copies and copies in flight finish before the join.
-        self.cancel_prefetches();
-        lock(&self.inner.state).shutdown = true;
-        self.inner.work.notify_all();
-        if let Some(w) = self.worker.take() {
-            let _ = w.join();
-        }
+        // Prefetches are dropped; demand copies and copies in flight finish before the join, so
+        // no copy outlives the pool or the destination.
+        self.close();
     }
 }
 

@@ -61,7 +61,7 @@ fn fill_converts_every_disk_dtype_to_the_pool_dtype() {
     write_file(&b, &[("wbf", Dtype::BF16, vec![3, 2], bf16b.clone())]);
     for dtype in [PoolDtype::BF16, PoolDtype::F16, PoolDtype::F32] {
         let lay = ExpertLayout::new(1, 3, &[6 * dtype.size()], 256).unwrap();
-        let pool = ExpertPool::new(lay.clone(), dtype).unwrap();
+        let mut pool = ExpertPool::new(lay.clone(), dtype).unwrap();
         let entries = vec![
             entry(&a, "w32", 0, 0, 0),
             entry(&a, "w16", 0, 1, 0),
@@ -102,7 +102,7 @@ fn fill_errors_name_the_file_and_tensor() {
     let truncated = dir.join("trunc.safetensors");
     std::fs::write(&truncated, &bytes[..bytes.len() - 10]).unwrap();
     let lay = ExpertLayout::new(1, 2, &[16], 256).unwrap();
-    let pool = ExpertPool::new(lay, PoolDtype::F32).unwrap();
+    let mut pool = ExpertPool::new(lay, PoolDtype::F32).unwrap();
     let missing = dir.join("nope.safetensors");
     let cases = [
         (
@@ -156,7 +156,7 @@ fn fill_errors_name_the_file_and_tensor() {
 #[test]
 fn write_checks_the_tensor_size() {
     let lay = ExpertLayout::new(2, 2, &[8, 4], 256).unwrap();
-    let pool = ExpertPool::new(lay.clone(), PoolDtype::F32).unwrap();
+    let mut pool = ExpertPool::new(lay.clone(), PoolDtype::F32).unwrap();
     assert_eq!(pool.address() % 4096, 0);
     pool.write(1, 1, 1, &[9; 4]).unwrap();
     assert_eq!(read(&pool, lay.offset(1, 1, 1).unwrap(), 4), vec![9; 4]);

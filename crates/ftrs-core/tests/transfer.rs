@@ -169,7 +169,7 @@ impl CopyBackend for Lagging {
     fn name(&self) -> String {
         "lagging".into()
     }
-    fn submit(&self, job: &CopyJob) -> ftrs_core::Result<Completion> {
+    unsafe fn submit(&self, job: &CopyJob<'_>) -> ftrs_core::Result<Completion> {
         job.run_host(1)?;
         let n = self
             .copies

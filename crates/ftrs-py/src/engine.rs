@@ -1,14 +1,18 @@
 //! `TransferEngine`, `simulate_cache`, `host_copy` and `FlightRecorder` for Python.
 //!
-//! The engine copies into a destination buffer Python allocated (a torch tensor on CPU or
-//! CUDA) and passed as an address and a size: the caller must keep that tensor alive, and not
-//! resize it, for as long as the engine lives. `wait` releases the GIL while it blocks.
+//! The engine copies into a destination Python allocated: a contiguous torch tensor (on the
+//! CPU for the `host` and `simulated` backends, on CUDA for `cuda`), passed as the object
+//! itself. The engine keeps a reference to it for as long as its worker may copy into it, so
+//! the buffer cannot be freed under the engine, whatever the order in which Python drops
+//! things; the caller must still not resize it or swap its storage (`resize_`, `set_`).
+//! `wait` and `close` release the GIL while they block; the object's `Drop` (GIL held) never
+//! joins the worker (see [`PyTransferEngine`]'s `Drop`).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use ftrs_core::{
-    create_backend, simulate, Clock, Destination, DeviceFault, EngineConfig, FlightRecorder,
-    MemKind, Policy, RealClock, StepKind, StepRecord, TransferEngine,
+    create_backend, simulate, Clock, CoreError, Destination, DeviceFault, EngineConfig,
+    FlightRecorder, MemKind, Policy, RealClock, StepKind, StepRecord, TransferEngine,
 };
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -19,22 +23,51 @@ use crate::pool::PyExpertPool;
 /// Streams expert blocks from an ExpertPool into device slots.
 #[pyclass(name = "TransferEngine", module = "ftrs._core", frozen)]
 pub struct PyTransferEngine {
-    /// The core engine; its worker thread is joined when this object is collected.
-    inner: TransferEngine,
+    /// The core engine; `None` only inside `Drop`.
+    inner: Option<TransferEngine>,
+    /// The destination tensor; held while the engine can copy into it; `None` only in `Drop`.
+    dst: Option<Py<PyAny>>,
+}
+
+/// Address and size in bytes of `dst`, a contiguous torch tensor on `device` (`cpu`/`cuda`).
+fn tensor_range(dst: &Bound<'_, PyAny>, device: &str) -> PyResult<(usize, usize)> {
+    let config = |msg: String| crate::errors::to_py(CoreError::Config(msg));
+    let attr = |name: &str| {
+        dst.getattr(name)
+            .map_err(|_| config(format!("dst must be a torch tensor (it has no {name})")))
+    };
+    let on = attr("device")?.getattr("type")?.extract::<String>()?;
+    if on != device {
+        return Err(config(format!(
+            "dst is a {on} tensor, but this backend copies into {device} memory"
+        )));
+    }
+    if !attr("is_contiguous")?.call0()?.extract::<bool>()? {
+        return Err(config("dst must be contiguous".into()));
+    }
+    let addr = attr("data_ptr")?.call0()?.extract::<usize>()?;
+    let numel = attr("numel")?.call0()?.extract::<usize>()?;
+    let size = attr("element_size")?.call0()?.extract::<usize>()?;
+    if addr == 0 {
+        return Err(config("dst has no storage (null data_ptr)".into()));
+    }
+    let nbytes = numel
+        .checked_mul(size)
+        .ok_or_else(|| config("dst size overflows".into()))?;
+    Ok((addr, nbytes))
 }
 
 #[pymethods]
 impl PyTransferEngine {
     #[new]
-    #[pyo3(signature = (pool, num_slots, dst_address, dst_nbytes, backend = "host", policy = "lru",
+    #[pyo3(signature = (pool, num_slots, dst, backend = "host", policy = "lru",
                         max_inflight_bytes = 0, pacing_bytes_per_s = 0.0, threads = 0,
                         max_inflight_prefetches = 1, prefetch_chunk_bytes = 0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         pool: &PyExpertPool,
         num_slots: usize,
-        dst_address: usize,
-        dst_nbytes: usize,
+        dst: &Bound<'_, PyAny>,
         backend: &str,
         policy: &str,
         max_inflight_bytes: usize,
@@ -46,21 +79,28 @@ impl PyTransferEngine {
         let policy = Policy::parse(policy).py()?;
         let clock: Arc<dyn Clock> = Arc::new(RealClock::new());
         let backend = create_backend(backend, Arc::clone(&clock), threads).py()?;
-        let kind = if backend.name() == "cuda" {
-            MemKind::Device
+        let (kind, device) = if backend.name() == "cuda" {
+            (MemKind::Device, "cuda")
         } else {
-            MemKind::Host
+            (MemKind::Host, "cpu")
         };
-        if dst_address == 0 {
-            return Err(crate::errors::to_py(ftrs_core::CoreError::Config(
-                "dst_address is null".into(),
+        let (dst_address, dst_nbytes) = tensor_range(dst, device)?;
+        let pool = pool.share()?;
+        let (p0, p1) = (pool.address(), pool.address() + pool.nbytes());
+        if kind == MemKind::Host && dst_address < p1 && p0 < dst_address + dst_nbytes {
+            return Err(crate::errors::to_py(CoreError::Config(
+                "dst overlaps the expert pool".into(),
             )));
         }
         #[allow(unsafe_code)]
-        // SAFETY: the documented contract of this class: the caller's buffer at `dst_address`
-        // holds `dst_nbytes` bytes of `kind` memory, is distinct from the pool, and outlives the
-        // engine (Python keeps the tensor referenced next to the engine).
-        let dst = unsafe { Destination::new(dst_address, dst_nbytes, kind) };
+        // SAFETY: `Destination::new`'s contract: (1) `dst` is a contiguous tensor of `kind`
+        // memory (checked above) whose `dst_nbytes` bytes at `dst_address` stay allocated while
+        // this object holds the tensor, i.e. until the worker has stopped (`Drop` lets go of it
+        // only after the join); resizing it in place is outside the documented contract of this
+        // class. (2) Host destinations were checked not to overlap the pool; a device one cannot.
+        // (3) Only the engine writes the slots it copies into; Python reads a slot after `wait`
+        // or `ready` said it landed (the documented use).
+        let dst_mem = unsafe { Destination::new(dst_address, dst_nbytes, kind) };
         let cfg = EngineConfig {
             num_slots,
             policy,
@@ -70,17 +110,40 @@ impl PyTransferEngine {
             pacing_bytes_per_s,
         };
         Ok(Self {
-            inner: TransferEngine::new(Arc::clone(&pool.inner), dst, cfg, backend, clock).py()?,
+            inner: Some(TransferEngine::new(pool, dst_mem, cfg, backend, clock).py()?),
+            dst: Some(dst.clone().unbind()),
         })
     }
 
     #[getter]
     fn num_slots(&self) -> usize {
-        self.inner.num_slots()
+        self.engine().num_slots()
     }
     #[getter]
     fn backend_name(&self) -> String {
-        self.inner.backend_name()
+        self.engine().backend_name()
+    }
+
+    /// The destination object the engine copies into (held for the engine's life).
+    #[getter]
+    fn destination(&self, py: Python<'_>) -> Py<PyAny> {
+        self.dst
+            .as_ref()
+            .expect("only Drop takes the destination")
+            .clone_ref(py)
+    }
+
+    /// Drops the queued prefetches, waits (GIL released) for the copies already started and
+    /// joins the worker. Idempotent; afterwards every call but the counters (`stats`,
+    /// `resident`, `ready`, the getters) raises `ConfigError`.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.engine().close())
+    }
+
+    /// Whether `close` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.engine().is_closed()
     }
 
     /// One call per MoE layer: (slots aligned with `demand`, ticket).
@@ -91,27 +154,29 @@ impl PyTransferEngine {
         demand: Vec<u32>,
         prefetch: Vec<(u32, u32)>,
     ) -> PyResult<(Vec<u32>, u64)> {
-        self.inner.lookup(layer, &demand, &prefetch).py()
+        self.live()?.lookup(layer, &demand, &prefetch).py()
     }
 
     /// Blocks (without the GIL) until the ticket's demand copies landed.
     fn wait(&self, py: Python<'_>, ticket: u64) -> PyResult<()> {
-        py.detach(|| self.inner.wait(ticket)).py()
+        let engine = self.live()?;
+        py.detach(|| engine.wait(ticket)).py()
     }
 
     /// Unpins the slots of every lookup since the last release.
-    fn release(&self) {
-        self.inner.release()
+    fn release(&self) -> PyResult<()> {
+        self.live()?.release();
+        Ok(())
     }
 
     /// Drops prefetches not yet demanded; returns how many.
-    fn cancel_prefetches(&self) -> usize {
-        self.inner.cancel_prefetches()
+    fn cancel_prefetches(&self) -> PyResult<usize> {
+        Ok(self.live()?.cancel_prefetches())
     }
 
     /// All counters in one dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats();
+        let s = self.engine().stats();
         let d = PyDict::new(py);
         for (k, v) in [
             ("bytes_h2d", s.bytes_h2d),
@@ -134,49 +199,104 @@ impl PyTransferEngine {
     }
 
     fn reset_stats(&self) {
-        self.inner.reset_stats()
+        self.engine().reset_stats()
     }
 
     /// Turns pacing on at `bytes_per_s` from the next copy on (0 turns it off); the adaptive
     /// guard calls it while serving.
     fn set_pacing(&self, bytes_per_s: f64) -> PyResult<()> {
-        self.inner.set_pacing(bytes_per_s).py()
+        self.live()?.set_pacing(bytes_per_s).py()
     }
 
     /// Sets how many prefetch copies may be in flight at once (0 = no limit): a started copy
     /// cannot be overtaken, so this bounds how long a new demand waits behind prefetches.
-    fn set_max_inflight_prefetches(&self, n: usize) {
-        self.inner.set_max_inflight_prefetches(n)
+    fn set_max_inflight_prefetches(&self, n: usize) -> PyResult<()> {
+        self.live()?.set_max_inflight_prefetches(n);
+        Ok(())
     }
 
     /// Whether each slot holds its expert's landed bytes now.
     fn ready(&self, slots: Vec<u32>) -> Vec<bool> {
-        self.inner.ready(&slots)
+        self.engine().ready(&slots)
     }
 
     /// Sets the chunk size of prefetch copies issued from now on (0 = whole expert).
-    fn set_prefetch_chunk_bytes(&self, n: usize) {
-        self.inner.set_prefetch_chunk_bytes(n)
+    fn set_prefetch_chunk_bytes(&self, n: usize) -> PyResult<()> {
+        self.live()?.set_prefetch_chunk_bytes(n);
+        Ok(())
     }
 
     /// The pacing rate in bytes per second; 0 when pacing is off.
     #[getter]
     fn pacing_bytes_per_s(&self) -> f64 {
-        self.inner.pacing_bytes_per_s()
+        self.engine().pacing_bytes_per_s()
     }
 
     /// (layer, expert, slot) of every slot whose bytes landed.
     fn resident(&self) -> Vec<(u32, u32, u32)> {
-        self.inner.resident()
+        self.engine().resident()
     }
 
     /// Drill: the copy after the next `after_copies` ones fails with `kind`
-    /// (device_lost | kernel_fault | oom).
+    /// (device_lost | kernel_fault | oom), or, for `worker_panic`, the worker panics on it
+    /// (every waiter then gets `KernelFault`, and the engine stays dead).
     #[pyo3(signature = (kind, after_copies = 0))]
     fn inject_fault(&self, kind: &str, after_copies: u64) -> PyResult<()> {
-        self.inner
-            .inject_fault(DeviceFault::parse(kind).py()?, after_copies);
+        let engine = self.live()?;
+        if kind == "worker_panic" {
+            engine.inject_panic(after_copies);
+        } else {
+            engine.inject_fault(DeviceFault::parse(kind).py()?, after_copies);
+        }
         Ok(())
+    }
+}
+
+impl PyTransferEngine {
+    /// The core engine (present until `Drop`).
+    fn engine(&self) -> &TransferEngine {
+        self.inner.as_ref().expect("only Drop takes the engine")
+    }
+
+    /// The core engine, or `ConfigError` once closed.
+    fn live(&self) -> PyResult<&TransferEngine> {
+        let engine = self.engine();
+        if engine.is_closed() {
+            return Err(crate::errors::to_py(CoreError::Closed));
+        }
+        Ok(engine)
+    }
+}
+
+impl Drop for PyTransferEngine {
+    /// Runs with the GIL held (the object's deallocation), so it never joins the worker: a
+    /// closed engine has no worker left; an open one is closed on a thread of its own, which
+    /// also holds the destination until the worker has stopped copying into it.
+    fn drop(&mut self) {
+        let (Some(engine), dst) = (self.inner.take(), self.dst.take()) else {
+            return;
+        };
+        if engine.is_closed() {
+            return; // joined by `close` (no method call runs during Drop)
+        }
+        let payload = Arc::new(Mutex::new(Some((engine, dst))));
+        let theirs = Arc::clone(&payload);
+        let spawned = std::thread::Builder::new()
+            .name("ftrs-transfer-close".into())
+            .spawn(move || {
+                if let Some((engine, dst)) = theirs.lock().unwrap_or_else(|p| p.into_inner()).take()
+                {
+                    drop(engine); // closes and joins the worker
+                    drop(dst); // then lets go of the buffer (decref deferred to the next GIL holder)
+                }
+            });
+        if spawned.is_err() {
+            // No thread to close it on: leak the engine and its destination rather than join
+            // with the GIL held or free the buffer under a running worker.
+            if let Some(p) = payload.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                std::mem::forget(p);
+            }
+        }
     }
 }
 

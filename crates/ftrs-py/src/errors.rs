@@ -46,6 +46,19 @@ fn build(py: Python<'_>, e: &CoreError) -> PyResult<PyErr> {
             evidence.set_item("source", "cuda_driver")?;
             ("DeviceError", (msg.clone(), None))
         }
+        CoreError::WorkerPanic { detail, injected } => {
+            // A bug in the engine, not the hardware: DESIGN.md's KernelFault ("engine_fault",
+            // exit 87). The copy engine is dead; the device policy decides what comes next.
+            evidence.set_item("source", "transfer_worker")?;
+            evidence.set_item("injected", *injected)?;
+            evidence.set_item("kind", "worker_panic")?;
+            evidence.set_item("detail", detail)?;
+            ("KernelFault", (e.to_string(), None))
+        }
+        CoreError::Closed => {
+            evidence.set_item("source", "transfer_engine")?;
+            ("ConfigError", (e.to_string(), None))
+        }
     };
     let cls = m.getattr(class)?;
     let kwargs = PyDict::new(py);

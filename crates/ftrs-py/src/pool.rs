@@ -1,14 +1,23 @@
 //! `ExpertLayout` and `ExpertPool` for Python: thin newtypes over ftrs-core.
 //!
-//! The pool exposes its memory through the buffer protocol (writable, 1-D, unsigned bytes) so
-//! Python can view it with `torch.frombuffer(pool, dtype=torch.uint8)` without a copy. The
-//! region never moves or shrinks while the pool object lives, and every exported view holds a
-//! reference to the pool object, so a view never outlives the memory.
+//! The core pool is written through `&mut` only, before it is shared. The wrapper keeps it in
+//! an `Arc` under a mutex: `write` and `fill_from_safetensors` need `Arc::get_mut`, which fails
+//! with a `ConfigError` while a `TransferEngine` (or any other holder of [`PyExpertPool::share`])
+//! still holds the pool; a call that finds the mutex taken (a fill running on another thread)
+//! gets the same error instead of blocking with the GIL held.
+//!
+//! The pool exposes its memory through the buffer protocol (1-D, unsigned bytes) so Python can
+//! view it with `torch.frombuffer(pool, dtype=torch.uint8)` without a copy. A view taken while
+//! the pool is not shared is writable (a way to fill it); one taken while an engine holds it is
+//! read-only, so new views cannot race the engine's copies (a writable view taken before stays
+//! writable: writing through it while an engine copies is the caller's race). The region never
+//! moves or shrinks while the pool object lives, and every exported view holds a reference to
+//! the pool object, so a view never outlives the memory.
 
 use std::ffi::c_int;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
-use ftrs_core::{ExpertLayout, ExpertPool, FillEntry, PoolDtype};
+use ftrs_core::{CoreError, ExpertLayout, ExpertPool, FillEntry, PoolDtype};
 use pyo3::buffer::PyBuffer;
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -90,8 +99,52 @@ impl PyExpertLayout {
 /// All routed experts in one zeroed, page-aligned host region.
 #[pyclass(name = "ExpertPool", module = "ftrs._core", frozen)]
 pub struct PyExpertPool {
-    /// Shared with every engine built on this pool.
-    pub inner: Arc<ExpertPool>,
+    /// The pool; uniquely owned (fillable) until shared with an engine, read-only while shared.
+    /// Locked only briefly, or by a fill for its duration (with the GIL released).
+    inner: Mutex<Arc<ExpertPool>>,
+    /// The region's first byte; fixed for the pool's life (read without the lock).
+    address: usize,
+    /// The region's size in bytes; fixed.
+    nbytes: usize,
+    /// Element type; fixed.
+    dtype: PoolDtype,
+    /// The layout; fixed.
+    layout: ExpertLayout,
+}
+
+impl PyExpertPool {
+    /// A shared handle on the pool (what a `TransferEngine` holds). While any handle lives,
+    /// `write` and `fill_from_safetensors` raise `ConfigError`.
+    pub fn share(&self) -> PyResult<Arc<ExpertPool>> {
+        let pool = self.inner.try_lock().map_err(|_| busy())?;
+        Ok(Arc::clone(&pool))
+    }
+
+    /// Runs `f` on the uniquely owned pool; `ConfigError` if it is shared or being filled.
+    fn with_mut<T>(&self, f: impl FnOnce(&mut ExpertPool) -> Result<T, CoreError>) -> PyResult<T> {
+        let mut pool = self.inner.try_lock().map_err(|_| busy())?;
+        let pool = Arc::get_mut(&mut pool).ok_or_else(|| {
+            crate::errors::to_py(CoreError::Config(
+                "the expert pool is in use by a TransferEngine and read-only: fill it before \
+                 creating the engine (or close the engine and drop it first)"
+                    .into(),
+            ))
+        })?;
+        f(pool).py()
+    }
+
+    /// True while something besides this object holds the pool (an engine).
+    fn shared(&self) -> bool {
+        self.inner
+            .try_lock()
+            .map_or(true, |p| Arc::strong_count(&p) > 1)
+    }
+}
+
+fn busy() -> PyErr {
+    crate::errors::to_py(CoreError::Config(
+        "the expert pool is being filled on another thread".into(),
+    ))
 }
 
 #[pymethods]
@@ -99,34 +152,40 @@ impl PyExpertPool {
     #[new]
     fn new(layout: &PyExpertLayout, dtype: &str) -> PyResult<Self> {
         let dtype = PoolDtype::parse(dtype).py()?;
+        let pool = ExpertPool::new(layout.inner.clone(), dtype).py()?;
         Ok(Self {
-            inner: Arc::new(ExpertPool::new(layout.inner.clone(), dtype).py()?),
+            address: pool.address(),
+            nbytes: pool.nbytes(),
+            dtype,
+            layout: layout.inner.clone(),
+            inner: Mutex::new(Arc::new(pool)),
         })
     }
     #[getter]
     fn address(&self) -> usize {
-        self.inner.address()
+        self.address
     }
     #[getter]
     fn nbytes(&self) -> usize {
-        self.inner.nbytes()
+        self.nbytes
     }
     #[getter]
     fn dtype(&self) -> &'static str {
-        self.inner.dtype().name()
+        self.dtype.name()
     }
     #[getter]
     fn layout(&self) -> PyExpertLayout {
         PyExpertLayout {
-            inner: self.inner.layout().clone(),
+            inner: self.layout.clone(),
         }
     }
     #[getter]
-    fn pinned(&self) -> bool {
-        self.inner.is_pinned()
+    fn pinned(&self) -> PyResult<bool> {
+        Ok(self.share()?.is_pinned())
     }
 
     /// Writes one tensor's bytes (any C-contiguous buffer of exactly the layout's size).
+    /// `ConfigError` while a `TransferEngine` holds the pool.
     fn write(
         &self,
         py: Python<'_>,
@@ -142,10 +201,11 @@ impl PyExpertPool {
             .call_method1("cast", ("B",))?;
         let buf = PyBuffer::<u8>::get(&view)?;
         let bytes = buf.to_vec(py)?;
-        self.inner.write(layer, expert, tensor, &bytes).py()
+        self.with_mut(|pool| pool.write(layer, expert, tensor, &bytes))
     }
 
     /// Loads (path, tensor name, layer, expert, tensor index) entries; returns bytes written.
+    /// `ConfigError` while a `TransferEngine` holds the pool.
     #[pyo3(signature = (entries, threads = 0))]
     fn fill_from_safetensors(
         &self,
@@ -163,19 +223,17 @@ impl PyExpertPool {
                 tensor_index,
             })
             .collect();
-        let pool = Arc::clone(&self.inner);
-        py.detach(move || pool.fill_from_safetensors(&entries, threads))
-            .py()
+        py.detach(|| self.with_mut(|pool| pool.fill_from_safetensors(&entries, threads)))
     }
 
     /// Page-locks the pool through the CUDA driver; False when there is no driver.
     fn pin(&self, py: Python<'_>) -> PyResult<bool> {
-        let pool = Arc::clone(&self.inner);
+        let pool = self.share()?;
         py.detach(move || pool.pin()).py()
     }
 
     fn __len__(&self) -> usize {
-        self.inner.nbytes()
+        self.nbytes
     }
 
     #[allow(unsafe_code)]
@@ -184,18 +242,21 @@ impl PyExpertPool {
         view: *mut ffi::Py_buffer,
         flags: c_int,
     ) -> PyResult<()> {
-        let (addr, len) = (slf.get().inner.address(), slf.get().inner.nbytes());
+        let pool = slf.get();
+        let (addr, len) = (pool.address, pool.nbytes);
+        let readonly = c_int::from(pool.shared());
         // SAFETY: `view` is the Py_buffer CPython handed us; the region `addr..addr+len` is live
         // and fixed for as long as the pool object lives, and FillInfo stores a new reference to
-        // that object in `view->obj`, so the exported view keeps it alive. Writable (readonly=0)
-        // by design: Python fills the pool through it.
+        // that object in `view->obj`, so the exported view keeps it alive. Writable while no
+        // engine holds the pool (Python may fill it through the view), read-only once one does
+        // (FillInfo then refuses a request for a writable view with BufferError).
         let rc = unsafe {
             ffi::PyBuffer_FillInfo(
                 view,
                 slf.as_ptr(),
                 addr as *mut std::ffi::c_void,
                 len as ffi::Py_ssize_t,
-                0,
+                readonly,
                 flags,
             )
         };
@@ -213,9 +274,9 @@ impl PyExpertPool {
     fn __repr__(&self) -> String {
         format!(
             "ExpertPool(nbytes={}, dtype={:?}, address=0x{:x})",
-            self.inner.nbytes(),
-            self.inner.dtype().name(),
-            self.inner.address()
+            self.nbytes,
+            self.dtype.name(),
+            self.address
         )
     }
 }

@@ -222,7 +222,7 @@ def transfer_pass_s(pool: _core.ExpertPool, dst: Any, backend: str,
     blocks = pool.layout.num_experts
     passes: list[tuple[float, int, str]] = []
     for _ in range(reps + 1):
-        engine = _core.TransferEngine(pool, blocks, dst.data_ptr(), dst.numel(), backend=backend)
+        engine = _core.TransferEngine(pool, blocks, dst, backend=backend)
         try:
             t0 = time.perf_counter()
             _, ticket = engine.lookup(0, list(range(blocks)))

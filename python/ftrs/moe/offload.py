@@ -145,8 +145,9 @@ class OffloadStrategy(MoEStrategy):
             experts.pool.pin()
         per_chunk = max(-(-eb // NARROW_PREFETCH_CHUNKS), min(MIN_CHUNK_BYTES, eb))
         self.narrow_chunk = -(-per_chunk // CHUNK_ALIGN) * CHUNK_ALIGN
+        # the engine holds `self.buffer` itself: it outlives every copy into it
         self.engine = _core.TransferEngine(
-            experts.pool, self.num_slots, self.buffer.data_ptr(), self.buffer.numel(),
+            experts.pool, self.num_slots, self.buffer,
             backend=backend, policy=config.moe_cache_policy,
             pacing_bytes_per_s=(config.pcie_pacing or 0.0) * 1e9,
             max_inflight_prefetches=NARROW_PREFETCHES_IN_FLIGHT,
@@ -284,4 +285,4 @@ class OffloadStrategy(MoEStrategy):
         return s
 
     def close(self) -> None:
-        self.engine.cancel_prefetches()
+        self.engine.close()  # drops prefetches, joins the copy worker (GIL released)

@@ -23,6 +23,12 @@ impl TransferEngine {
         }
         let mut st = lock(&self.inner.state);
         let st = &mut *st;
+        if let Some(e) = &st.dead {
+            return Err(e.clone());
+        }
+        if st.shutdown {
+            return Err(CoreError::Closed);
+        }
         let mut seen = HashSet::new();
         let keys: Vec<Key> = demand
             .iter()

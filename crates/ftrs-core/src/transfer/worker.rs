@@ -4,12 +4,19 @@
 //!
 //! Locking: decisions happen under the state lock; `submit` and `finish` on the backend run
 //! without it, so `lookup` never waits for a copy.
+//!
+//! A panic anywhere in the loop is caught by [`run_worker`]: it finishes the copies already
+//! submitted (an asynchronous copy must end before its memory may be freed), then fails every
+//! waiting ticket and marks the engine dead (`State::dead`), so `wait` never blocks forever.
+//!
+//! The one `unsafe` block is the call of `CopyBackend::submit`, whose contract this loop keeps.
 
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 
 use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use super::{lock, unpin, Inner, Prio, State};
+use super::{lock, unpin, Drill, Inner, Prio, State};
 use crate::backend::Completion;
 use crate::error::{CoreError, Result};
 use crate::raw::CopyJob;
@@ -24,15 +31,63 @@ struct Issued {
     prefetch: bool,
 }
 
-enum Step {
-    Submit(Issued, CopyJob, Option<CoreError>),
+/// What an armed drill does to the copy being issued.
+enum Injected {
+    /// The copy fails with this error instead of being submitted.
+    Error(CoreError),
+    /// The worker panics.
+    Panic,
+}
+
+enum Step<'a> {
+    Submit(Issued, CopyJob<'a>, Option<Injected>),
     Finish,
     Exit,
 }
 
-pub(super) fn worker_loop(inner: &Inner) {
+/// The payload of a drill's panic (`TransferEngine::inject_panic`), told apart from a real one.
+struct InjectedPanic;
+
+/// Copies issued to the backend and not finished yet, oldest first.
+type Pending = VecDeque<(Issued, Result<Completion>)>;
+
+/// The worker thread's body: [`worker_loop`], and the panic path of the module doc.
+pub(super) fn run_worker(inner: &Inner) {
+    let mut pending = Pending::new();
+    let Err(payload) = catch_unwind(AssertUnwindSafe(|| worker_loop(inner, &mut pending))) else {
+        return;
+    };
+    let injected = payload.is::<InjectedPanic>();
+    let detail = if injected {
+        "injected panic of the transfer worker (drill)".to_string()
+    } else {
+        payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".into())
+    };
+    for (_, c) in pending.drain(..) {
+        if let Ok(c) = c {
+            // Its result no longer matters, only that the copy has ended.
+            let _ = catch_unwind(AssertUnwindSafe(|| inner.backend.finish(c)));
+        }
+    }
+    let err = CoreError::WorkerPanic { detail, injected };
+    let mut st = lock(&inner.state);
+    for t in st.tickets.values_mut() {
+        if t.remaining > 0 {
+            t.remaining = 0;
+            t.error.get_or_insert_with(|| err.clone());
+        }
+    }
+    st.dead = Some(err);
+    drop(st);
+    inner.done.notify_all();
+}
+
+fn worker_loop(inner: &Inner, pending: &mut Pending) {
     let eb = inner.pool.layout().expert_bytes();
-    let mut pending: VecDeque<(Issued, Result<Completion>)> = VecDeque::new();
     loop {
         let step = {
             let mut st = lock(&inner.state);
@@ -96,17 +151,21 @@ pub(super) fn worker_loop(inner: &Inner) {
                         CopyJob::new(inner.pool.region(), off + at, &inner.dst, dst_off, len)
                     });
                     let fault = match st.fault {
-                        Some((kind, 0)) => {
+                        Some((Drill::Fault(kind), 0)) => {
                             st.fault = None;
-                            Some(CoreError::Device {
+                            Some(Injected::Error(CoreError::Device {
                                 kind,
                                 source_name: "copy_backend",
                                 injected: true,
                                 detail: format!("injected {kind} on copy of expert {key:?}"),
-                            })
+                            }))
                         }
-                        Some((kind, n)) => {
-                            st.fault = Some((kind, n - 1));
+                        Some((Drill::Panic, 0)) => {
+                            st.fault = None;
+                            Some(Injected::Panic)
+                        }
+                        Some((drill, n)) => {
+                            st.fault = Some((drill, n - 1));
                             None
                         }
                         None => None,
@@ -132,8 +191,18 @@ pub(super) fn worker_loop(inner: &Inner) {
         match step {
             Step::Submit(issued, job, fault) => {
                 let r = match fault {
-                    Some(e) => Err(e),
-                    None => inner.backend.submit(&job),
+                    Some(Injected::Error(e)) => Err(e),
+                    Some(Injected::Panic) => std::panic::panic_any(InjectedPanic),
+                    #[allow(unsafe_code)]
+                    // SAFETY: point 1 of `CopyBackend::submit`: the job borrows `inner`'s pool
+                    // region and destination, and `inner` outlives this thread (it holds an
+                    // `Arc`); the completion goes into `pending`, which is finished before the
+                    // loop exits (it exits only when `pending` is empty; after a panic
+                    // `run_worker` finishes it). The pool is only read while shared (writes need
+                    // `&mut`); the destination range is the slot of this transfer, pinned by it,
+                    // which no other copy targets and readers read only once it is ready
+                    // (`Destination::new`, point 3).
+                    None => unsafe { inner.backend.submit(&job) },
                 };
                 pending.push_back((issued, r));
             }

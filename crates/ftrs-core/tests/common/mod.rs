@@ -19,7 +19,7 @@ pub const EXPERTS: usize = 8;
 /// A pool whose every byte of block (l, e) is `l * 16 + e + 1`.
 pub fn pool() -> Arc<ExpertPool> {
     let lay = ExpertLayout::new(LAYERS, EXPERTS, &[100, 60], 64).unwrap();
-    let pool = ExpertPool::new(lay, ftrs_core::PoolDtype::F32).unwrap();
+    let mut pool = ExpertPool::new(lay, ftrs_core::PoolDtype::F32).unwrap();
     for l in 0..LAYERS {
         for e in 0..EXPERTS {
             for (t, n) in [(0, 100), (1, 60)] {
@@ -178,7 +178,7 @@ impl CopyBackend for Gate {
     fn name(&self) -> String {
         "gate".into()
     }
-    fn submit(&self, job: &CopyJob) -> ftrs_core::Result<Completion> {
+    unsafe fn submit(&self, job: &CopyJob<'_>) -> ftrs_core::Result<Completion> {
         let block = (job.src() - self.pool_addr) / self.eb;
         self.order
             .lock()
@@ -188,7 +188,8 @@ impl CopyBackend for Gate {
         while !*open {
             open = self.cv.wait(open).unwrap();
         }
-        self.inner.submit(job)
+        // SAFETY: this call's own contract, passed on unchanged.
+        unsafe { self.inner.submit(job) }
     }
     fn finish(&self, c: Completion) -> ftrs_core::Result<()> {
         self.inner.finish(c)
@@ -224,13 +225,14 @@ impl CopyBackend for Stream {
     fn name(&self) -> String {
         "stream".into()
     }
-    fn submit(&self, job: &CopyJob) -> ftrs_core::Result<Completion> {
+    unsafe fn submit(&self, job: &CopyJob<'_>) -> ftrs_core::Result<Completion> {
         let block = (job.src() - self.pool_addr) / self.eb;
         self.order
             .lock()
             .unwrap()
             .push(((block / EXPERTS) as u32, (block % EXPERTS) as u32));
-        self.inner.submit(job)
+        // SAFETY: this call's own contract, passed on unchanged.
+        unsafe { self.inner.submit(job) }
     }
     fn finish(&self, c: Completion) -> ftrs_core::Result<()> {
         let mut open = self.open.lock().unwrap();
