@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from serverproc import ServerProcess
 
@@ -142,5 +143,36 @@ def test_kill_9_of_the_engine_restarts_it_then_past_the_bound_exits_89(tmp_path:
         os.kill(new_pid, signal.SIGKILL)
         assert server.exit_code(timeout=30) == 89
         assert "--engine-restarts" in server.log.read_text()
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow  # a real model load in a fresh server: ~45 s on a loaded 2-core host
+def test_the_real_engine_fails_a_poisoned_step_and_serves_the_next_request(
+        tmp_path: Path) -> None:
+    from ftrs.models.tiny import make_tiny
+    from supervisor.faulty_real_backend import POISON
+
+    model = make_tiny("qwen3_moe", tmp_path / "model", seed=0)
+    server = ServerProcess(["--model", str(model), "--served-model-name", "tiny",
+                            "--device", "cpu", "--dtype", "float32",
+                            "--engine-backend", "faulty_real_backend"],
+                           log=tmp_path / "server.log", home=tmp_path, pythonpath=[HERE])
+    try:
+        server.wait_ok(timeout=180)
+        pid = httpx.get(server.url + "/health", timeout=5).json()["engine_pid"]
+
+        def post(prompt: list[int]) -> httpx.Response:
+            return httpx.post(server.url + "/v1/completions", timeout=60,
+                              json={"model": "tiny", "prompt": prompt, "max_tokens": 4})
+
+        bad = post([5, POISON, 7])
+        assert bad.status_code == 500, bad.text
+        assert bad.json()["error"]["code"] == "engine_fault"
+        assert f"ValueError: token {POISON} is poison" in bad.json()["error"]["message"]
+        good = post([5, 6, 7])
+        assert good.status_code == 200, good.text
+        assert good.json()["usage"]["completion_tokens"] == 4
+        assert httpx.get(server.url + "/health", timeout=5).json()["engine_pid"] == pid
     finally:
         server.stop()
