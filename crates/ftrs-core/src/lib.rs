@@ -10,8 +10,17 @@
 //! - [`quant`]: quantized CPU matmul over GGUF blocks (SIMD in `quant::simd`), multi-threaded.
 //! - [`raw`]: the only module with raw-pointer code besides the CUDA FFI.
 //!
-//! Unsafe code is denied crate-wide and allowed only in `raw`, `cuda` and `quant::simd`; every
-//! other module forbids it.
+//! Unsafe code is denied crate-wide and allowed only in `raw`, `cuda` and `quant::simd`, plus
+//! the one call of the `unsafe fn CopyBackend::submit` in `transfer::worker`; every other
+//! module forbids it.
+//!
+//! Soundness from safe code rests on four rules: the host pool is written only through `&mut`
+//! (filled before an engine shares it behind an `Arc`, read-only after); a `raw::CopyJob<'a>`
+//! borrows the region it copies from, so it cannot outlive it (a `compile_fail` doctest shows
+//! it); every function that takes a raw address is an `unsafe fn` with a numbered `# Safety`
+//! list, including an asynchronous backend's `submit`, whose copy outlives that borrow; and the
+//! transfer worker finishes every copy it started, even after a panic, before its engine lets
+//! go of the pool. A worker panic reaches every waiter as `CoreError::WorkerPanic`.
 
 #![deny(unsafe_code)]
 

@@ -2,8 +2,11 @@
 //!
 //! Wrappers are newtypes over core types (`pool.rs`, `engine.rs`); every core error becomes
 //! its `ftrs.errors` class in one function (`errors.rs`). Calls that block or copy a lot
-//! (`wait`, `fill_from_safetensors`, `pin`, `simulate_cache`, `host_copy`, the timed CUDA copies
-//! of `cuda.rs`, the quantized kernels of `quant.rs`) release the GIL. Unsafe code is denied
+//! (`wait`, `close`, `fill_from_safetensors`, `pin`, `simulate_cache`, `host_copy`, the timed
+//! CUDA copies of `cuda.rs`, the quantized kernels of `quant.rs`) release the GIL; no `Drop`
+//! blocks with it held (an unclosed `TransferEngine` is joined on a thread of its own). The
+//! `TransferEngine` holds its destination tensor, and an `ExpertPool` refuses writes while an
+//! engine holds it. Unsafe code is denied
 //! except the buffer export, the destination wrapper, `host_copy`, the timed CUDA copies and the
 //! borrowed buffer slices of `quant.rs`, each with its contract.
 
