@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 ARCHS = ("llama", "qwen3", "mixtral", "qwen3_moe")
+
+# Triton fixes compile-or-interpret for good when it is first imported: without a GPU the kernel
+# tests (tests/kernels) run under its interpreter, so the knob is set before anything imports it.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")

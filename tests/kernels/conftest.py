@@ -1,9 +1,9 @@
 """Kernel tests run under Triton's interpreter on the CPU, or compiled on a GPU.
 
-Triton reads `TRITON_INTERPRET` when a kernel is decorated, so it is set here, before any
-kernel module is imported (and a kernel module imported earlier in compiled mode is reloaded).
-`TRITON_INTERPRET=0 pytest tests/kernels` on a machine with CUDA runs the compiled kernels on
-the GPU instead (scripts/gpu-check.sh does).
+Triton fixes compile-or-interpret when it is first imported (its own `tl.*` helpers are
+decorated then), so `tests/conftest.py` sets `TRITON_INTERPRET=1` before anything imports
+it when no GPU is visible. `TRITON_INTERPRET=0 pytest tests/kernels` on a machine with CUDA
+runs the compiled kernels on the GPU (scripts/gpu-check.sh does; it is also the default there).
 """
 
 from __future__ import annotations
@@ -14,15 +14,21 @@ import sys
 
 import pytest
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-INTERPRET = os.environ["TRITON_INTERPRET"] not in ("0", "")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "")
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 if INTERPRET:
-    for name in sorted(m for m in sys.modules if m.startswith("ftrs.kernels.")):  # _triton first
-        importlib.reload(sys.modules[name])
+    import triton.language.standard as _std
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(_std.zeros, InterpretedFunction):
+        raise pytest.UsageError(
+            "triton was imported before TRITON_INTERPRET=1 was set: run the kernel tests with "
+            "TRITON_INTERPRET=1 in the environment")
+    for _name in sorted(m for m in sys.modules if m.startswith("ftrs.kernels.")):  # _triton first
+        importlib.reload(sys.modules[_name])  # decorated before the knob was set
 
 
 def kernel_device() -> str:
