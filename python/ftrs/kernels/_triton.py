@@ -3,8 +3,8 @@
 """What every kernel module shares: whether Triton imports, whether it interprets, dot precision.
 
 Triton decides at decoration time whether `@triton.jit` compiles or interprets (its
-`TRITON_INTERPRET` knob), so a kernel module must be imported after that knob is set; the
-tests set it before importing any kernel. The interpreter runs `tl.dot` on numpy, which has no
+`TRITON_INTERPRET` knob), and its own `tl.*` helpers when it is first imported, so the knob
+must be set before anything imports Triton (`tests/conftest.py` does, without a GPU). The interpreter runs `tl.dot` on numpy, which has no
 bf16 (it multiplies the raw uint16 bits), so under it the kernels upcast dot operands to fp32
 (`UPCAST`); compiled, they feed the tensor cores in the storage dtype.
 """
