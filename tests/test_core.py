@@ -271,6 +271,24 @@ def test_engine_holds_its_destination_so_deleting_the_tensor_first_is_safe() -> 
     assert ref() is None
 
 
+def test_dropping_an_open_engine_leaves_the_join_and_the_buffer_to_another_thread() -> None:
+    pool = make_pool()
+    dst = torch.zeros(4 * pool.layout.expert_bytes, dtype=torch.uint8)
+    ref = weakref.ref(dst)
+    # ~1 kB/s: the demand copy is on the link for about half a second after the lookup
+    eng = _core.TransferEngine(pool, 4, dst, backend="simulated:0.000001")
+    eng.lookup(0, [1])
+    del dst
+    del eng  # a join here (GIL held) would wait for the copy, then free the buffer at once
+    assert ref() is not None, "the engine's drop joined the worker with the GIL held"
+    deadline = time.monotonic() + 10
+    while ref() is not None and time.monotonic() < deadline:
+        _core.cuda_available()
+        gc.collect()
+        time.sleep(0.01)
+    assert ref() is None  # released once the worker stopped
+
+
 def test_close_releases_the_gil_is_idempotent_and_later_calls_raise_config_error() -> None:
     pool = make_pool()
     dst = torch.zeros(4 * pool.layout.expert_bytes, dtype=torch.uint8)
