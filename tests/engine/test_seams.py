@@ -31,15 +31,16 @@ def test_logits_after_generate_match_transformers(tiny_models: dict[str, Path],
                                                   arch: str) -> None:
     """A generate() leaves its pages in the prefix cache; logits() then needs them back, and
     must compute the shared prefix itself rather than take it from the cache. Three pages of
-    16 tokens, a 7-token step budget: the prompt runs in chunks."""
+    16 tokens, a 7-token step budget: the prompt runs in one forward, or in chunks."""
     llm = LLM(str(tiny_models[arch]), kv_tokens=48, dtype="float32", max_prefill_length=7)
     llm.generate([IDS], SamplingParams(max_tokens=28, temperature=0, ignore_eos=True))
     assert llm.engine.pool.num_free == 1  # the cache holds the 2 pages logits() needs
     ref = hf_logits(tiny_models[arch], IDS)
-    for _ in range(2):  # the second time the prompt's own pages are cached
-        ours = llm.logits(IDS)
+    for chunked in (False, True):  # the second time the prompt's own pages are cached
+        ours = llm.engine.logits(IDS, chunked=chunked) if chunked else llm.logits(IDS)
         assert ours.shape == ref.shape == (len(IDS), 512) and ours.dtype == torch.float32
         assert (ours - ref).abs().max().item() <= TOL
+    assert llm.engine.step_budget() == 7
     out = llm.generate([IDS], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))  # and the engine serves on, with the prefix cached
     assert out[0].num_cached_tokens == 16 and len(out[0].token_ids) == 12
 

@@ -198,14 +198,17 @@ class EngineCore:
         return moe.stats() if moe is not None else {}
 
     @torch.inference_mode()
-    def logits(self, prompt_ids: Iterable[int]) -> torch.Tensor:
+    def logits(self, prompt_ids: Iterable[int], *, chunked: bool = False) -> torch.Tensor:
         """Logits at every position of one prompt: (len, vocab) fp32, on the CPU.
 
-        The prompt runs as a request through the scheduler like any other (chunked by the step
-        budget, KV pages from the pool or evicted from the prefix cache, cached when done), but
-        in full: it takes no prefix from the cache, since every position's logits need its
-        hidden state. Steps run until it is done, so the engine must hold no other request
-        (their events would be lost): InvalidRequest otherwise, and for a bad prompt."""
+        The prompt runs as a request through the scheduler like any other (KV pages from the
+        pool or evicted from the prefix cache, cached when done), but in full: it takes no
+        prefix from the cache, since every position's logits need its hidden state. By default
+        the step budget is raised to the prompt's length for it, so it runs in one forward (as
+        a reference, and for counters of one forward); `chunked=True` keeps the budget, which
+        then splits it like any prompt. Steps run until it is done, so the engine must hold no
+        other request (their events would be lost): InvalidRequest otherwise, and for a bad
+        prompt."""
         ids = list(prompt_ids)
         if not ids:
             raise InvalidRequest("logits: need at least one token", evidence={"param": "prompt"})
@@ -216,10 +219,14 @@ class EngineCore:
                                                                   ignore_eos=True)))
         self._seqs[rid].prompt_logits = True
         chunks = self._prompt_logits[rid] = {}
+        budget = self.scheduler.budget
+        if not chunked:
+            self.scheduler.budget = max(budget, len(ids))
         try:
             while rid in self._seqs:
                 self.step()
         finally:
+            self.scheduler.budget = budget
             self._prompt_logits.pop(rid, None)
             self.abort(rid)  # a step that raised leaves it in the scheduler
         out, at = [], 0
