@@ -78,7 +78,7 @@ def test_missing_tensor(tiny_models: dict[str, Path], tmp_path: Path) -> None:
 def test_gguf_with_unsupported_quantization(tmp_path: Path) -> None:
     import gguf
 
-    path = tmp_path / "q5.gguf"
+    path = tmp_path / "iq4.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1)
     w.add_context_length(64)
@@ -91,15 +91,15 @@ def test_gguf_with_unsupported_quantization(tmp_path: Path) -> None:
     w.add_token_list([chr(ord("a") + i) for i in range(16)])
     w.add_token_types([1] * 16)
     w.add_token_merges([])
-    rows, cols = 16, 32  # Q5_0 packs 32 weights into 22 bytes
-    raw = np.zeros((rows, cols // 32 * 22), dtype=np.uint8)
+    rows, cols = 16, 32  # IQ4_NL packs 32 weights into 18 bytes
+    raw = np.zeros((rows, cols // 32 * 18), dtype=np.uint8)
     w.add_tensor("token_embd.weight", raw,
-                 raw_dtype=gguf.GGMLQuantizationType.Q5_0)
+                 raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelLoadError, match="unsupported quantization Q5_0") as e:
+    with pytest.raises(ModelLoadError, match="tensor token_embd.weight uses unsupported quantization IQ4_NL") as e:
         _load(path)
     assert e.value.path == str(path)
 

@@ -4,32 +4,68 @@ The pool holds every (MoE layer, expert) as one contiguous block: gate, up, down
 each aligned, in the layout computed by Rust. Torch reads it without a copy through the buffer
 protocol; the resident strategy takes views (or one device copy), the offload strategy hands
 the pool to the Rust transfer engine.
+
+A tensor is stored in the compute dtype, or, for a quantized checkpoint, as the file's bytes
+(`ftrs.quant`: GGUF blocks, or FP8 weights followed by their scales): the pool is then the size
+of the file's experts, the link carries those bytes, and the views are `QuantTensor`s over the
+region. A file may quantize one tensor differently in different layers (a `Q4_K_M` GGUF keeps
+some layers' `down` in Q6_K); the layout reserves the largest size of each tensor, and each
+layer's views use that layer's type.
 """
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
+import numpy as np
 import torch
 
 from ftrs.layers.moe import ExpertWeights
 from ftrs.models.arch import ArchSpec
+from ftrs.quant.formats import QuantTensor, tensor_bytes
 
 _DTYPE_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-class HostExperts:
-    """All routed experts of a model in one aligned host region, filled by Rust."""
+class TensorFormat(NamedTuple):
+    """How one expert tensor is stored: `qtype` None is the compute dtype, else a
+    `ftrs.quant` type (with its FP8 tile for `FP8_BLOCK`)."""
 
-    def __init__(self, spec: ArchSpec, dtype: torch.dtype) -> None:
+    qtype: str | None = None
+    fp8_block: tuple[int, int] | None = None
+
+
+ExpertFormat = tuple[TensorFormat, TensorFormat, TensorFormat]  # gate, up, down
+PLAIN: ExpertFormat = (TensorFormat(), TensorFormat(), TensorFormat())
+
+
+class HostExperts:
+    """All routed experts of a model in one aligned host region."""
+
+    def __init__(self, spec: ArchSpec, dtype: torch.dtype,
+                 formats: dict[int, ExpertFormat] | None = None) -> None:
         self.spec = spec
         self.dtype = dtype
         self.shapes = spec.expert_shapes
         self.layer_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
-        elt = torch.tensor([], dtype=dtype).element_size()
-        self.tensor_bytes = [r * c * elt for r, c in self.shapes]
+        self.formats = {layer: (formats or {}).get(layer, PLAIN) for layer in spec.moe_layers}
+        self._elt = torch.tensor([], dtype=dtype).element_size()
+        sizes = [[self.exact_bytes(layer, t) for t in range(3)] for layer in spec.moe_layers]
+        self.tensor_bytes = [max(col, default=0) for col in zip(*sizes)] or [
+            r * c * self._elt for r, c in self.shapes]
+        self.quantized = any(f.qtype is not None for fmt in self.formats.values() for f in fmt)
         from ftrs import _core
 
         self.layout = _core.ExpertLayout(len(spec.moe_layers), spec.num_experts, self.tensor_bytes)
         self.pool = _core.ExpertPool(self.layout, _DTYPE_NAME[dtype])
+
+    def exact_bytes(self, layer: int, t: int) -> int:
+        """Bytes of tensor `t` of one expert of model layer `layer` (no alignment)."""
+        fmt = self.formats[layer][t]
+        rows, cols = self.shapes[t]
+        if fmt.qtype is None:
+            return rows * cols * self._elt
+        return tensor_bytes(fmt.qtype, rows, cols, fmt.fp8_block)
 
     @property
     def expert_bytes(self) -> int:
@@ -40,23 +76,62 @@ class HostExperts:
     def num_experts_total(self) -> int:
         return len(self.spec.moe_layers) * self.spec.num_experts
 
+    def payload_bytes(self) -> int:
+        """The experts' own bytes (what the checkpoint file holds), without padding."""
+        return self.spec.num_experts * sum(self.exact_bytes(la, t)
+                                           for la in self.spec.moe_layers for t in range(3))
+
+    def write(self, layer: int, expert: int, t: int, data: Any) -> None:
+        """Store tensor `t` of (model layer, expert): its bytes in the layer's format (a buffer
+        of exactly `exact_bytes(layer, t)` bytes). Only before the pool is handed to an engine."""
+        raw = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        want = self.exact_bytes(layer, t)
+        if raw.size != want:
+            raise ValueError(f"expert tensor ({layer}, {expert}, {t}) is {want} bytes, "
+                             f"got {raw.size}")
+        if want != self.tensor_bytes[t]:
+            padded = np.zeros(self.tensor_bytes[t], dtype=np.uint8)
+            padded[:want] = raw
+            raw = padded
+        self.pool.write(self.layer_index[layer], expert, t, raw)
+
     def host_bytes(self) -> torch.Tensor:
         """The whole pool as a uint8 tensor, without a copy. Valid while `self` lives."""
         return torch.frombuffer(self.pool, dtype=torch.uint8)
 
-    def block_views(self, region: torch.Tensor, base: int) -> ExpertWeights:
-        """Typed views of the three tensors of the block that starts at byte `base` of `region`."""
-        out = []
+    def block_views(self, region: torch.Tensor, base: int, layer: int | None = None
+                    ) -> ExpertWeights:
+        """Views of the three tensors of the block that starts at byte `base` of `region`, in
+        model layer `layer`'s formats (default: the first MoE layer's)."""
+        fmt = self.formats[self.spec.moe_layers[0] if layer is None else layer]
+        key = self.spec.moe_layers[0] if layer is None else layer
+        out: list[Any] = []
         for t, (rows, cols) in enumerate(self.shapes):
             start = base + int(self.layout.tensor_offset(t))
-            raw = region[start:start + self.tensor_bytes[t]]
-            out.append(raw.view(self.dtype).view(rows, cols))
+            raw = region[start:start + self.exact_bytes(key, t)]
+            qtype = fmt[t].qtype
+            if qtype is None:
+                out.append(raw.view(self.dtype).view(rows, cols))
+            else:
+                out.append(QuantTensor(qtype, (rows, cols), raw, fmt[t].fp8_block))
         return out[0], out[1], out[2]
 
     def views(self, region: torch.Tensor) -> dict[int, list[ExpertWeights]]:
         """Per model layer, per expert, the weight views into `region` (the pool or its device copy)."""
         res: dict[int, list[ExpertWeights]] = {}
         for layer, li in self.layer_index.items():
-            res[layer] = [self.block_views(region, int(self.layout.offset(li, e, 0)))
+            res[layer] = [self.block_views(region, int(self.layout.offset(li, e, 0)), layer)
                           for e in range(self.spec.num_experts)]
+        return res
+
+    def slot_views(self, region: torch.Tensor, num_slots: int) -> dict[int, list[ExpertWeights]]:
+        """Per model layer, the views of `num_slots` expert-sized slots of `region` in that
+        layer's formats (layers with the same formats share one list)."""
+        eb = self.expert_bytes
+        by_format: dict[ExpertFormat, list[ExpertWeights]] = {}
+        res: dict[int, list[ExpertWeights]] = {}
+        for layer, fmt in self.formats.items():
+            if fmt not in by_format:
+                by_format[fmt] = [self.block_views(region, s * eb, layer) for s in range(num_slots)]
+            res[layer] = by_format[fmt]
         return res

@@ -1,24 +1,33 @@
-"""GGUF checkpoints of the llama family, through the `gguf` package.
+"""GGUF checkpoints (llama.cpp's format), through the `gguf` package.
 
-F32, F16, BF16, Q8_0, Q4_0 and Q4_1 tensors are dequantized to fp32 at load. Tensor names are
-mapped to Hugging Face names, undoing the row permutation llama.cpp applies to the q and k
-projections, so the rest of ftrs sees an ordinary checkpoint. The config and the tokenizer come
-from the file's metadata.
+Architectures: `llama` (dense, or Mixtral-style MoE when `llama.expert_count` is set), `qwen3`
+and `qwen3moe`. The config and the tokenizer come from the file's metadata. Tensor names are
+mapped to Hugging Face names; llama.cpp's row permutation of the llama q and k projections is
+undone (for quantized weights by moving whole rows of blocks, which is exact: the permutation
+is over rows). Routed experts come as 3-D tensors `blk.N.ffn_{gate,up,down}_exps.weight`
+(experts, rows, cols) beside the router `blk.N.ffn_gate_inp.weight`.
+
+`open_gguf` validates every tensor (its type is one ftrs keeps, its bytes match its type and
+shape) before anything is copied, and hands back the raw bytes, still in the file's encoding;
+`models/load.py` decides what stays quantized. `read_gguf` dequantizes everything to fp32 (the
+upcycler and tests use it).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from ftrs.errors import ModelLoadError
+from ftrs.models.names import DOWN, GATE, UP
 from ftrs.models.tokenizer import Tokenizer
+from ftrs.quant.formats import GGUF_FORMATS, QuantTensor, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +35,61 @@ _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": 
         "output.weight": "lm_head.weight"}
 _BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-          "ffn_down": "mlp.down_proj"}
+          "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+          "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+          "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate"}
+_EXPERTS = {"ffn_gate_exps": GATE, "ffn_up_exps": UP, "ffn_down_exps": DOWN}
 _BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-_SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+SUPPORTED_TYPES = tuple(GGUF_FORMATS)
+_ARCH_TYPE = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+
+
+@dataclass
+class GGUFTensor:
+    """One tensor of the file, still in its encoding. `shape` is torch order: (rows, cols) or
+    (experts, rows, cols); `data` is the file's memory (a read-only memmap view): quantized types
+    as uint8 (..., row_bytes), float types as their numpy dtype (bf16 as uint8 pairs)."""
+
+    name: str
+    qtype: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+    def raw(self) -> np.ndarray:
+        return self.data.view(np.uint8).reshape(-1)
+
+    def to_float(self) -> torch.Tensor:
+        """The values as fp32 (every type, through the reference dequantizer)."""
+        if self.qtype == "F32":
+            arr = self.raw().view(np.float32)
+        elif self.qtype == "F16":
+            arr = self.raw().view(np.float16).astype(np.float32)
+        elif self.qtype == "BF16":
+            arr = (self.raw().view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        else:
+            import gguf
+
+            arr = gguf.quants.dequantize(self.data, gguf.GGMLQuantizationType[self.qtype])
+        return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True)).view(*self.shape)
+
+    def quant(self, index: int | None = None) -> QuantTensor:
+        """A `QuantTensor` owning a copy of the bytes (of one expert when `index` is given)."""
+        rows, cols = self.shape[-2:]
+        raw = self.data if index is None else self.data[index]
+        data = torch.from_numpy(np.array(raw, copy=True).view(np.uint8).reshape(-1))
+        return QuantTensor(self.qtype, (rows, cols), data)
+
+
+@dataclass
+class GGUFCheckpoint:
+    """A validated GGUF file: HF config, dense tensors under HF names, experts by layer."""
+
+    path: Path
+    config: dict[str, Any]
+    tokenizer: Tokenizer
+    dense: dict[str, GGUFTensor]
+    experts: dict[int, dict[int, GGUFTensor]]  # layer -> {GATE|UP|DOWN: (E, rows, cols)}
+    permuted: dict[str, int]  # HF name -> heads: rows llama.cpp permuted (undo with `unpermute`)
 
 
 def _reader(path: Path) -> Any:
@@ -39,8 +99,8 @@ def _reader(path: Path) -> Any:
         raise ModelLoadError(str(path), "GGUF file not found")
     try:
         return gguf.GGUFReader(str(path))
-    except Exception as e:
-        raise ModelLoadError(str(path), f"cannot read GGUF: {e}") from e
+    except Exception as e:  # a truncated file fails here: its tensors run past the end
+        raise ModelLoadError(str(path), f"cannot read GGUF (truncated or corrupt?): {e}") from e
 
 
 def gguf_metadata(reader: Any) -> dict[str, Any]:
@@ -54,27 +114,31 @@ def gguf_metadata(reader: Any) -> dict[str, Any]:
 
 
 def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> dict[str, Any]:
+    """The Hugging Face config of a GGUF file, from its metadata and tensor names."""
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(source, f"unsupported GGUF architecture {arch!r} (supported: llama)")
+    if arch not in _ARCH_TYPE:
+        raise ModelLoadError(source, f"unsupported GGUF architecture {arch!r} "
+                             f"(supported: {', '.join(_ARCH_TYPE)})")
 
     def get(key: str, default: Any = None) -> Any:
-        v = meta.get(f"llama.{key}", default)
+        v = meta.get(f"{arch}.{key}", default)
         if v is None:
-            raise ModelLoadError(source, f"missing GGUF metadata llama.{key}")
+            raise ModelLoadError(source, f"missing GGUF metadata {arch}.{key}")
         return v
 
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     vocab = len(meta.get("tokenizer.ggml.tokens") or []) or int(get("vocab_size"))
-    return {
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+    head_dim = int(meta.get(f"{arch}.attention.key_length")
+                   or get("rope.dimension_count", hidden // heads))
+    cfg: dict[str, Any] = {
+        "model_type": _ARCH_TYPE[arch],
         "vocab_size": vocab, "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
         "num_hidden_layers": int(get("block_count")), "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
-        "head_dim": int(get("rope.dimension_count", hidden // heads)),
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon",
+                                  1e-5 if arch == "llama" else 1e-6)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(get("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in tensor_names,
@@ -82,44 +146,120 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
         "hidden_act": "silu", "torch_dtype": "float32",
     }
+    experts = int(meta.get(f"{arch}.expert_count") or 0)
+    if arch == "qwen3moe" and experts < 1:
+        raise ModelLoadError(source, "qwen3moe file without qwen3moe.expert_count")
+    if any(n.endswith("_shexp.weight") for n in tensor_names):
+        raise ModelLoadError(source, "shared experts (ffn_*_shexp) are not supported")
+    ff = meta.get(f"{arch}.feed_forward_length")
+    if experts:
+        cfg["num_experts_per_tok"] = int(get("expert_used_count"))
+        moe_layers = {int(m.group(1)) for n in tensor_names
+                      if (m := _BLK.match(n)) and m.group(2) == "ffn_gate_inp"}
+        if arch == "llama":
+            cfg |= {"model_type": "mixtral", "num_local_experts": experts,
+                    "intermediate_size": int(get("feed_forward_length"))}
+            if moe_layers != set(range(cfg["num_hidden_layers"])):
+                raise ModelLoadError(source, "Mixtral-style file: every layer needs a router "
+                                     "(blk.N.ffn_gate_inp.weight)")
+        else:
+            cfg |= {"num_experts": experts, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                    "moe_intermediate_size": int(get("expert_feed_forward_length")),
+                    "intermediate_size": int(ff or 0),
+                    "mlp_only_layers": sorted(set(range(cfg["num_hidden_layers"])) - moe_layers)}
+    else:
+        cfg["intermediate_size"] = int(get("feed_forward_length"))
+    return cfg
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (interleaved rotary halves -> split halves)."""
+def _hf_name(name: str) -> str | tuple[int, int] | None:
+    """HF name of a dense tensor, (layer, GATE|UP|DOWN) of an expert tensor, None if unused."""
+    if name in _TOP:
+        return _TOP[name]
+    m = _BLK.match(name)
+    if not m:
+        return None
+    layer, kind, suffix = int(m.group(1)), m.group(2), m.group(3)
+    if kind in _EXPERTS and suffix == "weight":
+        return layer, _EXPERTS[kind]
+    if kind not in _BLOCK:
+        return None
+    return f"model.layers.{layer}.{_BLOCK[kind]}.{suffix}"
+
+
+def open_gguf(path: Path) -> GGUFCheckpoint:
+    """Read and validate a GGUF file without copying any tensor."""
+    reader = _reader(path)
+    meta = gguf_metadata(reader)
+    src = str(path)
+    names = {t.name for t in reader.tensors}
+    cfg = gguf_config(meta, names, src)
+    tokenizer = Tokenizer.from_gguf_fields(meta, src)
+    dense: dict[str, GGUFTensor] = {}
+    experts: dict[int, dict[int, GGUFTensor]] = {}
+    for t in reader.tensors:
+        target = _hf_name(t.name)
+        if target is None:
+            log.debug("skipping GGUF tensor %s", t.name)
+            continue
+        qtype = t.tensor_type.name
+        if qtype not in SUPPORTED_TYPES:
+            raise ModelLoadError(src, f"tensor {t.name} uses unsupported quantization {qtype} "
+                                 f"(supported: {', '.join(SUPPORTED_TYPES)})")
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        try:
+            want = tensor_bytes(qtype, rows, shape[-1])
+        except ValueError as e:
+            raise ModelLoadError(src, f"tensor {t.name}: {e}") from e
+        if t.data.nbytes != want:
+            raise ModelLoadError(src, f"tensor {t.name} ({qtype} {list(shape)}) has "
+                                 f"{t.data.nbytes} bytes, expected {want}")
+        gt = GGUFTensor(t.name, qtype, shape, t.data)
+        if isinstance(target, tuple):
+            layer, which = target
+            if len(shape) != 3:
+                raise ModelLoadError(src, f"expert tensor {t.name} has shape {list(shape)}, "
+                                     "expected (experts, rows, cols)")
+            experts.setdefault(layer, {})[which] = gt
+        else:
+            dense[target] = gt
+    n_exp = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    for layer, group in experts.items():
+        for gt in group.values():
+            if gt.shape[0] != n_exp:
+                raise ModelLoadError(src, f"tensor {gt.name} holds {gt.shape[0]} experts, "
+                                     f"metadata says expert_count = {n_exp}")
+        router = dense.get(f"model.layers.{layer}.mlp.gate.weight")
+        if router is not None and router.shape[0] != n_exp:
+            raise ModelLoadError(src, f"router of layer {layer} has {router.shape[0]} rows, "
+                                 f"metadata says expert_count = {n_exp}")
+    permuted: dict[str, int] = {}
+    if cfg["model_type"] in ("llama", "mixtral"):
+        for layer in range(cfg["num_hidden_layers"]):
+            p = f"model.layers.{layer}.self_attn."
+            permuted[p + "q_proj.weight"] = cfg["num_attention_heads"]
+            permuted[p + "k_proj.weight"] = cfg["num_key_value_heads"]
+    return GGUFCheckpoint(path, cfg, tokenizer, dense, experts, permuted)
+
+
+def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary halves -> split halves). `w` is
+    (rows, ...): fp values, or the (rows, row_bytes) bytes of a quantized matrix."""
     half = w.shape[0] // n_head // 2
-    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape).contiguous()
 
 
 def read_gguf(path: Path, progress: bool = True
               ) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer]:
-    """(HF config, fp32 tensors under HF names, tokenizer) of a llama-family GGUF file."""
-    import gguf
-
-    reader = _reader(path)
-    meta = gguf_metadata(reader)
-    names = {t.name for t in reader.tensors}
-    cfg = gguf_config(meta, names, str(path))
-    tokenizer = Tokenizer.from_gguf_fields(meta, str(path))
+    """(HF config, fp32 tensors under HF names, tokenizer) of a dense GGUF file."""
+    ck = open_gguf(path)
+    if ck.experts:
+        raise ModelLoadError(str(path), "read_gguf dequantizes dense checkpoints only")
     tensors: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc="dequantizing", unit="tensor", disable=not progress,
-                  leave=False):
-        qtype = t.tensor_type.name
-        if qtype not in _SUPPORTED:
-            raise ModelLoadError(str(path), f"tensor {t.name} uses unsupported quantization "
-                                 f"{qtype} (supported: {', '.join(_SUPPORTED)})")
-        if t.name in _TOP:
-            hf = _TOP[t.name]
-        else:
-            m = _BLK.match(t.name)
-            if not m or m.group(2) not in _BLOCK:
-                log.debug("skipping GGUF tensor %s", t.name)
-                continue
-            hf = f"model.layers.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
-        arr = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        arr = arr.reshape([int(d) for d in reversed(t.shape.tolist())])
-        if hf.endswith("q_proj.weight"):
-            arr = _unpermute(arr, cfg["num_attention_heads"])
-        elif hf.endswith("k_proj.weight"):
-            arr = _unpermute(arr, cfg["num_key_value_heads"])
-        tensors[hf] = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True))
-    return cfg, tensors, tokenizer
+    for hf, gt in ck.dense.items():
+        t = gt.to_float()
+        if hf in ck.permuted:
+            t = unpermute_rows(t, ck.permuted[hf])
+        tensors[hf] = t
+    return ck.config, tensors, ck.tokenizer

@@ -6,15 +6,18 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ftrs.errors import ModelLoadError
 from ftrs.models.arch import ArchSpec, arch_from_config, load_arch
-from ftrs.models.experts import HostExperts
-from ftrs.models.gguf_loader import read_gguf
+from ftrs.models.experts import ExpertFormat, HostExperts, TensorFormat
+from ftrs.models.gguf_loader import GGUFCheckpoint, GGUFTensor, open_gguf, unpermute_rows
 from ftrs.models.names import map_hf_name
 from ftrs.models.safetensors_loader import expected_dense_shapes, load_safetensors
 from ftrs.models.tokenizer import Tokenizer
+from ftrs.quant.formats import FLOAT_TYPES
+from ftrs.quant.matmul import Weight
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +29,7 @@ class LoadedModel:
     name: str
     path: Path
     spec: ArchSpec
-    dense: dict[str, torch.Tensor]
+    dense: dict[str, Weight]  # projections of a quantized file on the CPU stay QuantTensors
     experts: HostExperts | None
     tokenizer: Tokenizer | None
 
@@ -43,22 +46,96 @@ def resolve_model(model: str) -> Path:
     return path
 
 
-def _dense_from_hf_names(tensors: dict[str, torch.Tensor], spec: ArchSpec, source: str,
-                         dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+#: Dense weights a quantized file keeps quantized on the CPU (through `layers.linear`).
+QUANT_KEPT = ("q", "k", "v", "o", "gate", "up", "down", "lm_head")
+#: Off until every dense projection of the decoder goes through `layers.linear`.
+KEEP_DENSE_QUANTIZED = False
+
+
+def _gguf_dense(ck: GGUFCheckpoint, spec: ArchSpec, dtype: torch.dtype,
+                device: torch.device) -> dict[str, Weight]:
     want = expected_dense_shapes(spec)
-    dense: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
+    src = str(ck.path)
+    chosen: dict[str, tuple[str, str]] = {}  # key -> (HF name, GGUF name)
+    for name, gt in ck.dense.items():
         key = map_hf_name(name)
         if not isinstance(key, str) or key not in want:
             continue
-        if tuple(t.shape) != want[key]:
-            raise ModelLoadError(source, f"tensor {name} has shape {list(t.shape)}, "
+        if gt.shape != want[key]:
+            raise ModelLoadError(src, f"tensor {gt.name} has shape {list(gt.shape)}, "
                                  f"expected {list(want[key])}")
-        dense[key] = t.to(device=device, dtype=dtype)
-    missing = sorted(set(want) - set(dense))
+        chosen[key] = (name, gt.name)
+    missing = sorted(set(want) - set(chosen))
     if missing:
-        raise ModelLoadError(source, f"missing tensors: {', '.join(missing[:5])}")
+        raise ModelLoadError(src, f"missing tensors: {', '.join(missing[:5])}")
+    dense: dict[str, Weight] = {}
+    for key, (name, _) in chosen.items():
+        gt = ck.dense[name]
+        keep = (KEEP_DENSE_QUANTIZED and gt.qtype not in FLOAT_TYPES and device.type == "cpu"
+                and key.rpartition(".")[2] in QUANT_KEPT)
+        if keep:
+            qt = gt.quant()
+            if name in ck.permuted:
+                rows = unpermute_rows(qt.rows_view(), ck.permuted[name])
+                qt = type(qt)(qt.qtype, qt.shape, rows.reshape(-1))
+            dense[key] = qt
+        else:
+            t = gt.to_float()
+            if name in ck.permuted:
+                t = unpermute_rows(t, ck.permuted[name])
+            dense[key] = t.to(device=device, dtype=dtype)
     return dense
+
+
+def _gguf_experts(ck: GGUFCheckpoint, spec: ArchSpec, dtype: torch.dtype,
+                  check_only: bool = False) -> HostExperts | None:
+    """The expert pool filled from the file; with `check_only`, validate and return None."""
+    src = str(ck.path)
+    if not spec.is_moe:
+        if ck.experts:
+            raise ModelLoadError(src, "expert tensors in a dense model")
+        return None
+    formats: dict[int, ExpertFormat] = {}
+    for layer in spec.moe_layers:
+        group = ck.experts.get(layer, {})
+        if len(group) != 3:
+            raise ModelLoadError(src, f"layer {layer}: found {len(group)} of 3 expert tensors "
+                                 "(blk.N.ffn_{gate,up,down}_exps.weight)")
+        for t, gt in group.items():
+            want = (spec.num_experts, *spec.expert_shapes[t])
+            if gt.shape != want:
+                raise ModelLoadError(src, f"tensor {gt.name} has shape {list(gt.shape)}, "
+                                     f"expected {list(want)}")
+        formats[layer] = tuple(  # type: ignore[assignment]
+            TensorFormat(None if group[t].qtype in FLOAT_TYPES else group[t].qtype)
+            for t in range(3))
+    extra = sorted(set(ck.experts) - set(spec.moe_layers))
+    if extra:
+        raise ModelLoadError(src, f"expert tensors in layer {extra[0]}, which has no router")
+    if check_only:
+        return None
+    experts = HostExperts(spec, dtype, formats)
+    log.info("filling the expert pool: %.1f MiB", experts.pool.nbytes / 2**20)
+    for layer in spec.moe_layers:
+        for t, gt in ck.experts[layer].items():
+            for e in range(spec.num_experts):
+                if formats[layer][t].qtype is None:
+                    rows = torch.from_numpy(np.array(gt.data[e], copy=True))
+                    one = GGUFTensor(gt.name, gt.qtype, gt.shape[1:], rows.numpy())
+                    data = one.to_float().to(dtype).contiguous().view(torch.uint8).numpy()
+                else:
+                    data = np.ascontiguousarray(gt.data[e]).reshape(-1)
+                experts.write(layer, e, t, data)
+    return experts
+
+
+def _load_gguf(model: str, path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    ck = open_gguf(path)
+    spec = arch_from_config(ck.config, str(path))
+    experts = _gguf_experts(ck, spec, dtype, check_only=True)
+    dense = _gguf_dense(ck, spec, dtype, device)
+    experts = _gguf_experts(ck, spec, dtype)
+    return LoadedModel(model, path, spec, dense, experts, ck.tokenizer)
 
 
 def load_model(model: str, device: torch.device, dtype: torch.dtype,
@@ -67,14 +144,12 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype,
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(str(path), "a model is a checkpoint directory or a .gguf file")
-        cfg, tensors, tokenizer = read_gguf(path, progress=progress)
-        spec = arch_from_config(cfg, str(path))
-        dense = _dense_from_hf_names(tensors, spec, str(path), dtype, device)
-        return LoadedModel(model, path, spec, dense, None, tokenizer)
+        return _load_gguf(model, path, dtype, device)
     if not path.is_dir():
         raise ModelLoadError(str(path), "not a directory")
     spec = load_arch(path)
-    dense, experts = load_safetensors(path, spec, dtype, device, progress=progress)
+    st_dense, experts = load_safetensors(path, spec, dtype, device, progress=progress)
+    dense: dict[str, Weight] = dict(st_dense)
     tok: Tokenizer | None = None
     if (path / "tokenizer.json").is_file():
         tok = Tokenizer.from_dir(path)

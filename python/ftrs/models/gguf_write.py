@@ -1,0 +1,200 @@
+"""Write GGUF files as llama.cpp lays them out, from Hugging Face-named fp32 tensors.
+
+Used to build quantized test checkpoints and the quantized demo (`ftrs models demo --quant`).
+Architectures: `llama` (dense, or Mixtral-style with `llama.expert_count`), `qwen3`, `qwen3moe`.
+Routed experts are stacked into 3-D `blk.N.ffn_{gate,up,down}_exps.weight`; the llama q and k
+projections get llama.cpp's row permutation. `write_gguf` returns the tensors as the file holds
+them (dequantized, permutation undone): the weights a reference model must be given.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ftrs.errors import ConfigError
+from ftrs.models.tokenizer import Tokenizer
+
+#: (HF name, fp32 values (rows, cols) or (E, rows, cols)) -> (GGUF type, raw bytes (..., row_bytes))
+Quantizer = Callable[[str, np.ndarray], tuple[str, np.ndarray]]
+_ARCH = {"llama": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+_LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
+          "self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k",
+          "self_attn.v_proj.weight": "attn_v", "self_attn.o_proj.weight": "attn_output",
+          "self_attn.q_norm.weight": "attn_q_norm", "self_attn.k_norm.weight": "attn_k_norm",
+          "mlp.gate_proj.weight": "ffn_gate", "mlp.up_proj.weight": "ffn_up",
+          "mlp.down_proj.weight": "ffn_down", "mlp.gate.weight": "ffn_gate_inp",
+          "block_sparse_moe.gate.weight": "ffn_gate_inp"}
+_EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+                     r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
+_EXPERT_NAME = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
+_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight"}
+
+
+def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation (split rotary halves -> interleaved)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def keep_f32(name: str, w: np.ndarray) -> tuple[str, np.ndarray]:
+    return "F32", np.ascontiguousarray(w, dtype=np.float32)
+
+
+def gguf_quantizer(qtype: str, min_dims: int = 2) -> Quantizer:
+    """Quantize every tensor of at least `min_dims` dims to `qtype` with the `gguf` package
+    (types it can write: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1); the rest, and rows that are not a
+    whole number of blocks, stay F32."""
+    import gguf
+
+    from ftrs.quant.formats import block_format
+
+    qt = gguf.GGMLQuantizationType[qtype]
+    elems = block_format(qtype).block_elems
+
+    def q(name: str, w: np.ndarray) -> tuple[str, np.ndarray]:
+        if w.ndim < min_dims or w.shape[-1] % elems:
+            return keep_f32(name, w)
+        return qtype, gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), qt)
+    return q
+
+
+def _tokenizer_fields(tok: Tokenizer) -> dict[str, Any]:
+    vocab = tok.tk.get_vocab(with_added_tokens=True)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {t.content for t in tok.tk.get_added_tokens_decoder().values() if t.special}
+    merges = json.loads(tok.tk.to_str())["model"].get("merges", [])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    out: dict[str, Any] = {
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3 if t in special else 1 for t in tokens],
+        "tokenizer.ggml.merges": merges, "tokenizer.ggml.add_bos_token": tok.add_bos,
+    }
+    if tok.chat_template:
+        out["tokenizer.chat_template"] = tok.chat_template
+    for key, name in (("bos", tok.bos_token), ("eos", tok.eos_token)):
+        if name is not None and name in vocab:
+            out[f"tokenizer.ggml.{key}_token_id"] = vocab[name]
+    return out
+
+
+def _add_field(w: Any, key: str, value: Any) -> None:
+    if isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, str):
+        w.add_string(key, value)
+    elif isinstance(value, list):
+        w.add_array(key, value)
+    else:
+        raise TypeError(f"GGUF field {key}: cannot write {type(value).__name__}")
+
+
+def _metadata(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    rope = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    heads = int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    m: dict[str, Any] = {
+        "context_length": int(cfg.get("max_position_embeddings", 2048)),
+        "embedding_length": int(cfg["hidden_size"]), "block_count": int(cfg["num_hidden_layers"]),
+        "feed_forward_length": int(cfg.get("intermediate_size") or 0),
+        "attention.head_count": heads,
+        "attention.head_count_kv": int(cfg.get("num_key_value_heads") or heads),
+        "attention.layer_norm_rms_epsilon": float(cfg.get("rms_norm_eps", 1e-6)),
+        "rope.freq_base": float(rope), "rope.dimension_count": head_dim,
+        "attention.key_length": head_dim, "attention.value_length": head_dim,
+        "vocab_size": int(cfg["vocab_size"]),
+    }
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if experts:
+        m |= {"expert_count": experts, "expert_used_count": int(cfg["num_experts_per_tok"])}
+        if cfg["model_type"] == "qwen3_moe":
+            m["expert_feed_forward_length"] = int(cfg["moe_intermediate_size"])
+    return {f"{arch}.{k}": v for k, v in m.items()}
+
+
+def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor],
+               quantize: Quantizer, tokenizer: Tokenizer | None = None,
+               tokenizer_fields: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """Write `tensors` (HF names, fp32) as a GGUF file; returns them as the file holds them."""
+    import gguf
+
+    from ftrs.models.gguf_loader import GGUFTensor, unpermute_rows
+
+    model_type = cfg.get("model_type")
+    if model_type not in _ARCH:
+        raise ConfigError(f"write_gguf: unsupported model_type {model_type!r}")
+    arch = _ARCH[model_type]
+    heads = {"q": int(cfg["num_attention_heads"]),
+             "k": int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"])}
+    # group experts: (layer, gguf name) -> {expert: array}
+    plain: dict[str, tuple[str, np.ndarray]] = {}
+    stacks: dict[str, dict[int, tuple[str, np.ndarray]]] = {}
+    for name, t in tensors.items():
+        arr = t.detach().float().numpy()
+        if name in _TOP:
+            plain[_TOP[name]] = (name, arr)
+            continue
+        m = re.match(r"^model\.layers\.(\d+)\.(.+)$", name)
+        if not m:
+            raise ConfigError(f"write_gguf: unexpected tensor {name}")
+        layer, rest = m.group(1), m.group(2)
+        e = _EXPERT.match(rest)
+        if e:
+            key = f"blk.{layer}.{_EXPERT_NAME[e.group(2)]}.weight"
+            stacks.setdefault(key, {})[int(e.group(1))] = (name, arr)
+            continue
+        if rest not in _LAYER:
+            raise ConfigError(f"write_gguf: unexpected tensor {name}")
+        if arch == "llama" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+            arr = permute_rows(arr, heads[rest[10]])
+        plain[f"blk.{layer}.{_LAYER[rest]}.weight"] = (name, arr)
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for k, v in _metadata(cfg, arch).items():
+        _add_field(writer, k, v)
+    fields = tokenizer_fields if tokenizer_fields is not None else (
+        _tokenizer_fields(tokenizer) if tokenizer is not None else {})
+    for k, v in fields.items():
+        _add_field(writer, k, v)
+    held: dict[str, torch.Tensor] = {}
+
+    def add(gname: str, hf: str, arr: np.ndarray) -> None:
+        qtype, raw = quantize(hf, arr)
+        raw = np.ascontiguousarray(raw)
+        raw = raw.view(np.uint8).reshape(*raw.shape[:-1], -1)  # bytes: gguf's "byte shape"
+        writer.add_tensor(gname, raw, raw_shape=raw.shape,
+                          raw_dtype=gguf.GGMLQuantizationType[qtype])
+        held[gname] = GGUFTensor(gname, qtype, tuple(arr.shape), raw).to_float()
+
+    for gname, (hf, arr) in plain.items():
+        add(gname, hf, arr)
+    for gname, group in stacks.items():
+        stacked = np.stack([group[i][1] for i in range(len(group))])
+        add(gname, group[0][0], stacked)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    out: dict[str, torch.Tensor] = {}
+    for gname, (hf, _) in plain.items():
+        t = held[gname]
+        if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            t = unpermute_rows(t, heads[hf.rsplit(".", 2)[1][0]])
+        out[hf] = t
+    for gname, group in stacks.items():
+        for i, (hf, _) in group.items():
+            out[hf] = held[gname][i].clone()
+    return out
