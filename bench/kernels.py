@@ -4,7 +4,8 @@ Cases (bf16 on a GPU, fp32 on the CPU):
 - `rms_norm`: (tokens, hidden) with the residual add; `rotary`: q and k in place;
 - `fused_moe` at batch 1/8/32 tokens over the demo model's expert shape by default
   (`--hidden/--inter/--experts/--top-k`), experts in scattered slots; the reference is the
-  per-expert loop every strategy runs now;
+  per-expert loop every strategy runs now; on a GPU also Q8_0 weights at batch 1/32 (the
+  reference dequantizes each expert per call, the kernel inside its tiles);
 - `paged_attention` decode at batch 1/8/32 with `--ctx` tokens each, GQA, scrambled pages;
   beside the reference it also times the decoder's padded gather + SDPA (`layers.attention`).
 Each figure is the median of `--reps` timed calls after warm-up; `speedup` = torch / triton.
@@ -79,18 +80,32 @@ def bench_norm(ref: Kernels, tri: Kernels | None, dev: torch.device, dt: torch.d
     return rows
 
 
+def q8_0_random(slots: int, rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
+    """(slots, rows, cols/32*34) uint8 Q8_0 blocks: small fp16 scales, random int8 values."""
+    nb = cols // 32
+    raw = torch.randint(0, 256, (slots, rows, nb, 34), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(slots, rows, nb, 1, generator=g) / (64 * cols**0.5)).half()
+    raw[..., :2] = scales.view(torch.uint8)
+    return raw.view(slots, rows, nb * 34)
+
+
 def bench_moe(ref: Kernels, tri: Kernels | None, dev: torch.device, dt: torch.dtype,
-              args: argparse.Namespace, batch: int, reps: int) -> dict[str, Any]:
+              args: argparse.Namespace, batch: int, reps: int, qtype: str = "none") -> dict[str, Any]:
     e, h, i, k = args.experts, args.hidden, args.inter, args.top_k
     g = torch.Generator().manual_seed(batch)
     slots = e + 2
-    w = SlotWeights(*(torch.randn(slots, r, c, generator=g).div(c**0.5).to(dev, dt)
-                      for r, c in ((i, h), (i, h), (h, i))))
+    if qtype == "Q8_0":
+        w = SlotWeights(*(q8_0_random(slots, r, c, g).to(dev) for r, c in ((i, h), (i, h), (h, i))),
+                        "Q8_0")
+    else:
+        w = SlotWeights(*(torch.randn(slots, r, c, generator=g).div(c**0.5).to(dev, dt)
+                          for r, c in ((i, h), (i, h), (h, i))))
     slot_of = torch.randperm(slots, generator=g)[:e].to(dev)
     x = torch.randn(batch, h, generator=g).to(dev, dt)
     ids = torch.rand(batch, e, generator=g).topk(k, dim=1).indices.to(dev)
     rw = torch.full((batch, k), 1.0 / k, device=dev, dtype=dt)
-    return compare("fused_moe", {"batch": batch, "experts": e, "top_k": k, "hidden": h, "inter": i},
+    return compare("fused_moe", {"weights": qtype, "batch": batch, "experts": e, "top_k": k,
+                                 "hidden": h, "inter": i},
                    lambda: ref.fused_moe(x, ids, rw, slot_of, w),
                    (lambda: tri.fused_moe(x, ids, rw, slot_of, w)) if tri else None, reps,
                    dev.type == "cuda")
@@ -144,6 +159,8 @@ def main() -> None:
     with torch.inference_mode():
         rows = bench_norm(ref, tri, dev, dt, 32 if cuda else 8, 4096 if cuda else 576, reps)
         rows += [bench_moe(ref, tri, dev, dt, args, b, reps) for b in (1, 8, 32)]
+        if cuda:  # the reference dequantizes every expert per call: slow on the CPU
+            rows += [bench_moe(ref, tri, dev, dt, args, b, reps, "Q8_0") for b in (1, 32)]
         ctx = args.ctx if cuda else min(args.ctx, 128)
         rows += [bench_decode_attention(ref, tri, dev, dt, b, ctx, reps) for b in (1, 8, 32)]
     out = {"device": torch.cuda.get_device_name() if cuda else "no GPU", "dtype": str(dt),
