@@ -99,7 +99,8 @@ def test_gguf_with_unsupported_quantization(tmp_path: Path) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelLoadError, match="tensor token_embd.weight uses unsupported quantization IQ4_NL") as e:
+    with pytest.raises(ModelLoadError,
+                       match=r"tensor token_embd\.weight uses unsupported quantization IQ4_NL") as e:
         _load(path)
     assert e.value.path == str(path)
 

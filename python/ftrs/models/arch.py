@@ -41,6 +41,7 @@ class ArchSpec:
     norm_topk_prob: bool = True  # renormalise the top-k router weights to sum to one
     moe_layers: tuple[int, ...] = ()  # indices of layers whose MLP is routed
     rope_scaling: dict[str, Any] | None = None
+    fp8_block: tuple[int, int] | None = None  # FP8 checkpoint: the weight_scale_inv tile
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
@@ -73,6 +74,24 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta if theta is not None else 10000.0), scaling
 
 
+def _fp8_block(qc: Any, source: str) -> tuple[int, int] | None:
+    """The FP8 scale tile of a `quantization_config`, None without one; other methods refused."""
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method != "fp8":
+        raise ModelLoadError(source, f"unsupported quantization method {method!r} "
+                             "(supported: fp8 with block scales)")
+    block = qc.get("weight_block_size")
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(b, int) and b > 0 for b in block)):
+        raise ModelLoadError(source, f"fp8 quantization_config needs weight_block_size "
+                             f"[rows, cols], got {block!r}")
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise ModelLoadError(source, f"unsupported fp8 format {qc.get('fmt')!r} (supported: e4m3)")
+    return int(block[0]), int(block[1])
+
+
 def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSpec:
     """Build the spec from a parsed HF config; raise ModelLoadError naming what is wrong."""
     arch = cfg.get("model_type")
@@ -99,6 +118,7 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
 
+    fp8_block = _fp8_block(cfg.get("quantization_config"), source)
     num_experts = 0
     top_k = 0
     moe_inter = 0
@@ -140,6 +160,7 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
         norm_topk_prob=norm_topk,
         moe_layers=moe_layers,
         rope_scaling=scaling,
+        fp8_block=fp8_block,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )

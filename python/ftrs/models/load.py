@@ -13,7 +13,7 @@ from ftrs.errors import ModelLoadError
 from ftrs.models.arch import ArchSpec, arch_from_config, load_arch
 from ftrs.models.experts import ExpertFormat, HostExperts, TensorFormat
 from ftrs.models.gguf_loader import GGUFCheckpoint, GGUFTensor, open_gguf, unpermute_rows
-from ftrs.models.names import map_hf_name
+from ftrs.models.names import keeps_quantized, map_hf_name
 from ftrs.models.safetensors_loader import expected_dense_shapes, load_safetensors
 from ftrs.models.tokenizer import Tokenizer
 from ftrs.quant.formats import FLOAT_TYPES
@@ -46,12 +46,6 @@ def resolve_model(model: str) -> Path:
     return path
 
 
-#: Dense weights a quantized file keeps quantized on the CPU (through `layers.linear`).
-QUANT_KEPT = ("q", "k", "v", "o", "gate", "up", "down", "lm_head")
-#: Off until every dense projection of the decoder goes through `layers.linear`.
-KEEP_DENSE_QUANTIZED = False
-
-
 def _gguf_dense(ck: GGUFCheckpoint, spec: ArchSpec, dtype: torch.dtype,
                 device: torch.device) -> dict[str, Weight]:
     want = expected_dense_shapes(spec)
@@ -71,8 +65,7 @@ def _gguf_dense(ck: GGUFCheckpoint, spec: ArchSpec, dtype: torch.dtype,
     dense: dict[str, Weight] = {}
     for key, (name, _) in chosen.items():
         gt = ck.dense[name]
-        keep = (KEEP_DENSE_QUANTIZED and gt.qtype not in FLOAT_TYPES and device.type == "cpu"
-                and key.rpartition(".")[2] in QUANT_KEPT)
+        keep = gt.qtype not in FLOAT_TYPES and keeps_quantized(key, device.type)
         if keep:
             qt = gt.quant()
             if name in ck.permuted:

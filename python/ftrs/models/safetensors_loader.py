@@ -4,6 +4,11 @@ Dense tensors are read through safetensors' mmap and cast to the model dtype; ro
 straight from the files into the host expert pool by Rust (`ExpertPool.fill_from_safetensors`),
 in parallel, converting dtype on the way. Shapes are checked against the ArchSpec before any
 byte is copied, so a bad file fails with its name and the tensor at fault.
+
+FP8 checkpoints (`quantization_config.quant_method == "fp8"`: `float8_e4m3fn` weights, each with
+a `weight_scale_inv` per `weight_block_size` tile) stay FP8: each weight and its scales become
+one `FP8_BLOCK` byte buffer (`ftrs.quant`), in the expert pool for experts, a `QuantTensor` for
+dense projections on the CPU (dequantized once at load on a GPU).
 """
 
 from __future__ import annotations
@@ -18,8 +23,11 @@ from tqdm import tqdm
 
 from ftrs.errors import ModelLoadError
 from ftrs.models.arch import ArchSpec
-from ftrs.models.experts import HostExperts
-from ftrs.models.names import ExpertKey, map_hf_name
+from ftrs.models.experts import ExpertFormat, HostExperts, TensorFormat
+from ftrs.models.names import ExpertKey, keeps_quantized, map_hf_name
+from ftrs.quant.dequant import dequantize
+from ftrs.quant.formats import FP8_BLOCK, QuantTensor, fp8_scale_grid
+from ftrs.quant.matmul import Weight
 
 log = logging.getLogger(__name__)
 
@@ -65,17 +73,51 @@ def expected_dense_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+SCALE_SUFFIX = ".weight_scale_inv"
+
+
+def _fp8_formats(files: list[Path], spec: ArchSpec) -> dict[int, ExpertFormat]:
+    """Per MoE layer, which expert tensors the files hold in FP8 (header reads only)."""
+    fp8: set[tuple[int, int]] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                key = map_hf_name(name)
+                if isinstance(key, ExpertKey) and f.get_slice(name).get_dtype() == "F8_E4M3":
+                    fp8.add((key.layer, key.tensor))
+    block = TensorFormat(FP8_BLOCK, spec.fp8_block)
+    return {la: tuple(block if (la, t) in fp8 else TensorFormat()  # type: ignore[misc]
+                      for t in range(3)) for la in spec.moe_layers}
+
+
+def fp8_bytes(weight: torch.Tensor, scale: torch.Tensor | None, name: str, source: str,
+              block: tuple[int, int]) -> torch.Tensor:
+    """The FP8_BLOCK bytes of one weight: its fp8 bytes, then its scales as fp32."""
+    if scale is None:
+        raise ModelLoadError(source, f"FP8 weight {name} has no {name[:-7]}{SCALE_SUFFIX}")
+    grid = fp8_scale_grid(weight.shape[0], weight.shape[1], block)
+    if tuple(scale.shape) != grid:
+        raise ModelLoadError(source, f"{name[:-7]}{SCALE_SUFFIX} has shape {list(scale.shape)}, "
+                             f"expected {list(grid)} for blocks of {list(block)}")
+    return torch.cat([weight.contiguous().view(torch.uint8).reshape(-1),
+                      scale.float().contiguous().view(torch.uint8).reshape(-1)])
+
+
 def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device: torch.device,
-                     progress: bool = True) -> tuple[dict[str, torch.Tensor], HostExperts | None]:
+                     progress: bool = True) -> tuple[dict[str, Weight], HostExperts | None]:
     files = checkpoint_files(model_dir)
     want = expected_dense_shapes(spec)
     optional = {f"{la}.{b}" for la in range(spec.num_layers) for b in ("q_bias", "k_bias", "v_bias")}
     if spec.tie_word_embeddings:
         optional.add("lm_head")
-    dense: dict[str, torch.Tensor] = {}
+    dense: dict[str, Weight] = {}
     entries: list[tuple[str, str, int, int, int]] = []
     seen_experts: set[ExpertKey] = set()
-    experts = HostExperts(spec, dtype) if spec.is_moe else None
+    block = spec.fp8_block
+    formats = _fp8_formats(files, spec) if block and spec.is_moe else None
+    experts = HostExperts(spec, dtype, formats) if spec.is_moe else None
+    fp8: dict[str, tuple[str, torch.Tensor]] = {}  # FP8 weight name -> (file, fp8 tensor)
+    scales: dict[str, torch.Tensor] = {}  # weight name -> its weight_scale_inv
     layer_index = experts.layer_index if experts else {}
     bar = tqdm(total=len(files), desc="loading weights", unit="file", disable=not progress,
                leave=False)
@@ -86,17 +128,28 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
             raise ModelLoadError(str(path), f"cannot read safetensors: {e}") from e
         with handle as f:
             for name in f.keys():
+                if name.endswith(SCALE_SUFFIX) and block:
+                    scales[name[:-len(SCALE_SUFFIX)] + ".weight"] = f.get_tensor(name)
+                    continue
                 key = map_hf_name(name)
                 if key is None:
                     continue
                 shape = tuple(f.get_slice(name).get_shape())
+                is_fp8 = f.get_slice(name).get_dtype() == "F8_E4M3"
+                if is_fp8 and not block:
+                    raise ModelLoadError(str(path), f"tensor {name} is FP8 but config.json has "
+                                         "no fp8 quantization_config")
                 if isinstance(key, ExpertKey):
                     if experts is None or key.layer not in layer_index or not 0 <= key.expert < spec.num_experts:
                         raise ModelLoadError(str(path), f"unexpected expert tensor {name}")
                     if shape != spec.expert_shapes[key.tensor]:
                         raise ModelLoadError(str(path), f"tensor {name} has shape {list(shape)}, "
                                              f"expected {list(spec.expert_shapes[key.tensor])}")
-                    entries.append((str(path), name, layer_index[key.layer], key.expert, key.tensor))
+                    if is_fp8:
+                        fp8[name] = (str(path), f.get_tensor(name))
+                    else:
+                        entries.append((str(path), name, layer_index[key.layer], key.expert,
+                                        key.tensor))
                     seen_experts.add(key)
                     continue
                 if key not in want and key not in optional:
@@ -104,6 +157,10 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
                 if key in want and shape != want[key]:
                     raise ModelLoadError(str(path), f"tensor {name} has shape {list(shape)}, "
                                          f"expected {list(want[key])}")
+                if is_fp8:
+                    fp8[name] = (str(path), f.get_tensor(name))
+                    dense[key] = torch.empty(0)  # placed below, once its scales are read
+                    continue
                 try:
                     # copy=True: never leave a weight backed by the file's pages, which the
                     # kernel may drop under memory pressure and fault back in on every step
@@ -124,4 +181,15 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
         log.info("filling the expert pool: %d tensors, %.1f MiB", len(entries),
                  experts.pool.nbytes / 2**20)
         experts.pool.fill_from_safetensors(entries)
+    for name, (src, w) in fp8.items():
+        assert block is not None  # invariant: fp8 tensors are refused without a block
+        data = fp8_bytes(w, scales.get(name), name, src, block)
+        key = map_hf_name(name)
+        if isinstance(key, ExpertKey):
+            assert experts is not None
+            experts.write(key.layer, key.expert, key.tensor, data.numpy())
+            continue
+        assert isinstance(key, str)
+        qt = QuantTensor(FP8_BLOCK, (int(w.shape[0]), int(w.shape[1])), data, block)
+        dense[key] = qt if keeps_quantized(key, device.type) else dequantize(qt.to(device), dtype)
     return dense, experts
