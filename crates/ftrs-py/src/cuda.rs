@@ -29,15 +29,20 @@ pub fn cuda_measure_h2d(
     repeats: u32,
     ordinal: i32,
 ) -> PyResult<f64> {
-    measure(
-        py,
-        Direction::HostToDevice,
-        device_address,
-        host_address,
-        nbytes,
-        repeats,
-        ordinal,
-    )
+    #[allow(unsafe_code)]
+    // SAFETY: the contract of this module's doc, which the Python caller keeps (points 1-2 of
+    // `measure`): live, idle buffers of `nbytes` until the call returns.
+    unsafe {
+        measure(
+            py,
+            Direction::HostToDevice,
+            device_address,
+            host_address,
+            nbytes,
+            repeats,
+            ordinal,
+        )
+    }
 }
 
 /// Median seconds of one device → pinned host copy of `nbytes` (after a warm-up copy); the
@@ -52,18 +57,30 @@ pub fn cuda_measure_d2h(
     repeats: u32,
     ordinal: i32,
 ) -> PyResult<f64> {
-    measure(
-        py,
-        Direction::DeviceToHost,
-        device_address,
-        host_address,
-        nbytes,
-        repeats,
-        ordinal,
-    )
+    #[allow(unsafe_code)]
+    // SAFETY: the contract of this module's doc, which the Python caller keeps (points 1-2 of
+    // `measure`): live, idle buffers of `nbytes` until the call returns.
+    unsafe {
+        measure(
+            py,
+            Direction::DeviceToHost,
+            device_address,
+            host_address,
+            nbytes,
+            repeats,
+            ordinal,
+        )
+    }
 }
 
-fn measure(
+/// [`measure_copy`] with the GIL released.
+///
+/// # Safety
+/// 1. `host..host+nbytes` is host memory, and `device..device+nbytes` device memory of device
+///    `ordinal`, both allocated for the whole call.
+/// 2. Nothing else uses either range during the call (the destination is overwritten).
+#[allow(unsafe_code)]
+unsafe fn measure(
     py: Python<'_>,
     dir: Direction,
     device: u64,
@@ -72,10 +89,7 @@ fn measure(
     repeats: u32,
     ordinal: i32,
 ) -> PyResult<f64> {
-    #[allow(unsafe_code)]
-    // SAFETY: the documented contract of this module (points 1-2 of `measure_copy`): Python
-    // passes live buffers of at least `nbytes` (a host one and one on device `ordinal`) with no
-    // other work on them until the call returns.
+    // SAFETY: points 1-2 of this function's contract are points 1-2 of `measure_copy`.
     py.detach(|| unsafe { measure_copy(ordinal, dir, device, host, nbytes, repeats) })
         .py()
 }
