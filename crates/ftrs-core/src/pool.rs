@@ -84,6 +84,29 @@ pub struct FillEntry {
 }
 
 /// All routed-expert weights in host memory.
+///
+/// Filled through `&mut self`; once shared (an engine holds an `Arc` of it) it cannot be
+/// written, so a copy never races a write:
+///
+/// ```compile_fail,E0596
+/// use std::sync::Arc;
+/// use ftrs_core::{ExpertLayout, ExpertPool, PoolDtype};
+/// let layout = ExpertLayout::new(1, 1, &[4], 64).unwrap();
+/// let pool = Arc::new(ExpertPool::new(layout, PoolDtype::F32).unwrap());
+/// pool.write(0, 0, 0, &[1; 4]).unwrap(); // error[E0596]: cannot borrow data in an `Arc` as mutable
+/// ```
+///
+/// ```
+/// use std::sync::Arc;
+/// use ftrs_core::{ExpertLayout, ExpertPool, PoolDtype};
+/// let layout = ExpertLayout::new(1, 1, &[4], 64).unwrap();
+/// let mut pool = ExpertPool::new(layout, PoolDtype::F32).unwrap();
+/// pool.write(0, 0, 0, &[1; 4]).unwrap(); // before it is shared
+/// let pool = Arc::new(pool);
+/// let mut back = [0u8; 4];
+/// pool.read(0, &mut back).unwrap();
+/// assert_eq!(back, [1; 4]);
+/// ```
 #[derive(Debug)]
 pub struct ExpertPool {
     /// Where each tensor lives; `region.len() == layout.total_bytes()`.
