@@ -29,7 +29,8 @@
 //!   slot and reach `wait(ticket)`.
 //! - A panic of the worker is caught at the top of its thread: the copies it had started are
 //!   finished first (their memory must outlive them), then every ticket still waiting and every
-//!   later `lookup` gets [`CoreError::WorkerPanic`]; nothing blocks forever.
+//!   later `lookup` gets [`CoreError::WorkerPanic`]; nothing blocks forever. `release` and
+//!   `cancel_prefetches` then leave the (possibly half-updated) bookkeeping alone.
 //! - `close` (also run by `Drop`) drops the prefetches, lets the worker drain the demand copies
 //!   and joins it; it is idempotent, and `lookup` on a closed engine is [`CoreError::Closed`].
 
@@ -349,6 +350,9 @@ impl TransferEngine {
     pub fn release(&self) {
         let mut st = lock(&self.inner.state);
         let st = &mut *st;
+        if st.dead.is_some() {
+            return; // a panic may have left the bookkeeping half-updated: leave it alone
+        }
         for slot in std::mem::take(&mut st.pinned) {
             unpin(st, slot);
         }
@@ -360,6 +364,9 @@ impl TransferEngine {
     pub fn cancel_prefetches(&self) -> usize {
         let mut st = lock(&self.inner.state);
         let st = &mut *st;
+        if st.dead.is_some() {
+            return 0; // nothing will be copied any more (see `release`)
+        }
         let mut n = 0;
         while let Some(tid) = st.prefetch_q.pop_front() {
             drop_prefetch(st, tid);

@@ -75,6 +75,7 @@ fn a_backend_panic_fails_the_waiting_ticket_and_every_later_lookup() {
         other => panic!("expected WorkerPanic, got {other:?}"),
     }
     eng.release();
+    assert_eq!(eng.cancel_prefetches(), 0);
     assert!(matches!(
         eng.lookup(1, &[3], &[]),
         Err(CoreError::WorkerPanic { .. })
