@@ -4,12 +4,13 @@
 //! that has the features; [`rows_avx2`] is the one entry, and its callers reach it only when
 //! [`avx2_available`] said yes ([`super::Isa`] checks before handing out `Isa::Avx2`).
 //!
-//! Hand-written kernels decode the hot block types in registers (nibbles masked and widened,
-//! converted to fp32, scaled per sub-block) and fuse the products into 8-lane fp32
-//! accumulators, one per activation row of the group, so a block is decoded once per
-//! [`MAX_NX`] activation rows. Other types run the generic kernel compiled for these features.
-//! Sub-block scales multiply the sub-block's partial sums (`d*sc * sum(q*x) - dmin*m *
-//! sum(x)`), the same algebra as the reference with a different rounding order.
+//! Hand-written kernels (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, F32, F16, BF16) decode in registers
+//! (nibbles masked and widened, converted to fp32, times the sub-block scale `d * sc`, exactly
+//! the reference's weight before its min) and fuse the products into 8-lane fp32 accumulators,
+//! one per activation row of the group, so a block is decoded once per `kernel::MAX_NX`
+//! activation rows. The K-quant mins enter once per block as `dmin * m . sum(x over the
+//! sub-block)`, the sub-block sums of `x` computed once per call. Other types run the generic
+//! kernel compiled for these features.
 
 #![allow(unsafe_code)]
 
@@ -44,7 +45,431 @@ pub fn rows_avx2(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn rows_x86(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32]) {
-    kernel::rows_generic::<true>(t, w, x, n, cols, out);
+use x86::rows_x86;
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::super::blocks::{scale_min_k4, QType};
+    use super::super::kernel::{self, MAX_NX};
+
+    /// The 8 floats at `s[..8]` (panics if shorter: the bounds check is the safety).
+    #[inline(always)]
+    fn ld8(s: &[f32]) -> __m256 {
+        let s = &s[..8];
+        // SAFETY: `s` has 8 readable f32 (sliced above); loadu accepts any alignment.
+        unsafe { _mm256_loadu_ps(s.as_ptr()) }
+    }
+
+    /// The 32 bytes at `s[..32]`.
+    #[inline(always)]
+    fn ld32(s: &[u8]) -> __m256i {
+        let s = &s[..32];
+        // SAFETY: 32 readable bytes (sliced above); loadu accepts any alignment.
+        unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
+    }
+
+    /// The 16 bytes at `s[..16]`.
+    #[inline(always)]
+    fn ld16(s: &[u8]) -> __m128i {
+        let s = &s[..16];
+        // SAFETY: 16 readable bytes (sliced above); loadu accepts any alignment.
+        unsafe { _mm_loadu_si128(s.as_ptr().cast()) }
+    }
+
+    /// The 8 bytes at `s[..8]`, in the low half of a vector.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn ld8b(s: &[u8]) -> __m128i {
+        let s: [u8; 8] = s[..8].try_into().unwrap_or([0; 8]);
+        _mm_cvtsi64_si128(i64::from_le_bytes(s))
+    }
+
+    /// The fp16 at `b[i..i + 2]` as fp32 (F16C).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn f16(b: &[u8], i: usize) -> f32 {
+        let h = u16::from_le_bytes([b[i], b[i + 1]]);
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+    }
+
+    /// Sum of the 8 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    /// 32 signed bytes as four vectors of 8 floats (elements 0-7, 8-15, 16-23, 24-31).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn i8x32_to_ps(v: __m256i) -> [__m256; 4] {
+        let lo = _mm256_castsi256_si128(v);
+        let hi = _mm256_extracti128_si256(v, 1);
+        [
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo))),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
+            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi))),
+        ]
+    }
+
+    /// Adds `w * x_i[at..at + 8]` to `acc[i]` for each of the group's activation rows, `x_i`
+    /// being row i's `B` activations of the current block (`at` is a constant after unrolling,
+    /// so the bounds checks fold away).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn fma_rows<const NX: usize, const B: usize>(
+        w: __m256,
+        xb: &[&[f32; B]; NX],
+        at: usize,
+        acc: &mut [__m256; NX],
+    ) {
+        for i in 0..NX {
+            acc[i] = _mm256_fmadd_ps(w, ld8(&xb[i][at..at + 8]), acc[i]);
+        }
+    }
+
+    /// Row i's activations of block `bi` (of `B` elements), for each row of the group.
+    #[inline(always)]
+    fn block_x<'a, const NX: usize, const B: usize>(
+        xr: &[&'a [f32]; NX],
+        bi: usize,
+    ) -> [&'a [f32; B]; NX] {
+        std::array::from_fn(|i| {
+            let s: &[f32; B] = xr[i][bi * B..bi * B + B].try_into().expect("block in row");
+            s
+        })
+    }
+
+    /// Per activation row, the sums of its 32-element sub-blocks (`cols / 32` each).
+    fn sums32(x: &[f32], n: usize, cols: usize) -> Vec<f32> {
+        let mut s = Vec::with_capacity(n * cols / 32);
+        for row in x.chunks_exact(cols).take(n) {
+            s.extend(row.chunks_exact(32).map(|c| {
+                let mut a = [0f32; 8];
+                for v in c.chunks_exact(8) {
+                    for k in 0..8 {
+                        a[k] += v[k];
+                    }
+                }
+                kernel::hsum8(&a)
+            }));
+        }
+        s
+    }
+
+    /// One group of `NX` activation rows starting at `g0` against every weight row of `w`.
+    type GroupFn<const NX: usize> =
+        fn(&[u8], &[&[f32]; NX], &[&[f32]; NX], usize, &mut [f32], usize);
+
+    /// Q4_K (and Q5_K when `Q5`): the nibbles of each 8-byte run become 8 + 8 weights of two
+    /// sub-blocks (Q5_K: plus the fifth bit from `qh`), scaled by `d * sc`; the mins enter once
+    /// per block as `dmin * m . sum(x over the sub-block)`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn qk45<const NX: usize, const Q5: bool>(
+        w: &[u8],
+        xr: &[&[f32]; NX],
+        xs: &[&[f32]; NX],
+        n: usize,
+        out: &mut [f32],
+        g0: usize,
+    ) {
+        let bb = if Q5 { 176 } else { 144 };
+        let qs_at = if Q5 { 48 } else { 16 };
+        let cols = xr[0].len();
+        let rb = cols / 256 * bb;
+        let mask = _mm256_set1_epi32(0x0F);
+        let one = _mm256_set1_epi32(1);
+        for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
+            let mut acc = [_mm256_setzero_ps(); NX];
+            for (bi, b) in row.chunks_exact(bb).enumerate() {
+                let xb = block_x::<NX, 256>(xr, bi);
+                let (d, dmin) = (f16(b, 0), f16(b, 2));
+                let mut sc = [0f32; 8];
+                let mut mn = [0f32; 8];
+                for j in 0..8 {
+                    let (s, m) = scale_min_k4(&b[4..16], j);
+                    sc[j] = d * s as f32;
+                    mn[j] = dmin * m as f32;
+                }
+                let mins = ld8(&mn);
+                for i in 0..NX {
+                    acc[i] = _mm256_fnmadd_ps(mins, ld8(&xs[i][bi * 8..]), acc[i]);
+                }
+                let qs: &[u8; 128] = b[qs_at..qs_at + 128].try_into().expect("block");
+                let qh: &[u8; 32] = b[16..48].try_into().expect("block");
+                for c in 0..4 {
+                    let (s0, s1) = (_mm256_set1_ps(sc[2 * c]), _mm256_set1_ps(sc[2 * c + 1]));
+                    let shift = _mm_cvtsi32_si128(2 * c as i32);
+                    for k in 0..4 {
+                        let v = _mm256_cvtepu8_epi32(ld8b(&qs[32 * c + 8 * k..]));
+                        let mut lo = _mm256_and_si256(v, mask);
+                        let mut hi = _mm256_srli_epi32(v, 4);
+                        if Q5 {
+                            let h =
+                                _mm256_srl_epi32(_mm256_cvtepu8_epi32(ld8b(&qh[8 * k..])), shift);
+                            lo =
+                                _mm256_or_si256(lo, _mm256_slli_epi32(_mm256_and_si256(h, one), 4));
+                            let h1 = _mm256_and_si256(_mm256_srli_epi32(h, 1), one);
+                            hi = _mm256_or_si256(hi, _mm256_slli_epi32(h1, 4));
+                        }
+                        let at = 64 * c + 8 * k;
+                        let (lo, hi) = (_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi));
+                        fma_rows(_mm256_mul_ps(lo, s0), &xb, at, &mut acc);
+                        fma_rows(_mm256_mul_ps(hi, s1), &xb, at + 32, &mut acc);
+                    }
+                }
+            }
+            for i in 0..NX {
+                o[g0 + i] = hsum(acc[i]);
+            }
+        }
+    }
+
+    /// Q6_K: per half block, the 6-bit quants of four 32-element runs are assembled as bytes
+    /// (low nibble | high 2 bits << 4, minus 32), widened to floats and scaled per 16.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn q6k<const NX: usize>(
+        w: &[u8],
+        xr: &[&[f32]; NX],
+        _xs: &[&[f32]; NX],
+        n: usize,
+        out: &mut [f32],
+        g0: usize,
+    ) {
+        let cols = xr[0].len();
+        let rb = cols / 256 * 210;
+        let m4 = _mm256_set1_epi8(0x0F);
+        let m30 = _mm256_set1_epi8(0x30);
+        let k32 = _mm256_set1_epi8(32);
+        for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
+            let mut acc = [_mm256_setzero_ps(); NX];
+            for (bi, b) in row.chunks_exact(210).enumerate() {
+                let b: &[u8; 210] = b.try_into().expect("block");
+                let xb = block_x::<NX, 256>(xr, bi);
+                let d = f16(b, 208);
+                let mut sc = [0f32; 16];
+                for j in 0..16 {
+                    sc[j] = d * (b[192 + j] as i8) as f32;
+                }
+                for h in 0..2 {
+                    let ql0 = ld32(&b[64 * h..]);
+                    let ql1 = ld32(&b[64 * h + 32..]);
+                    let qh = ld32(&b[128 + 32 * h..]);
+                    let q = [
+                        _mm256_or_si256(
+                            _mm256_and_si256(ql0, m4),
+                            _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(ql1, m4),
+                            _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                            _mm256_and_si256(qh, m30),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
+                        ),
+                    ];
+                    for (s, &qv) in q.iter().enumerate() {
+                        let f = i8x32_to_ps(_mm256_sub_epi8(qv, k32));
+                        let sub = 8 * h + 2 * s;
+                        let (s0, s1) = (_mm256_set1_ps(sc[sub]), _mm256_set1_ps(sc[sub + 1]));
+                        let at = 128 * h + 32 * s;
+                        fma_rows(_mm256_mul_ps(f[0], s0), &xb, at, &mut acc);
+                        fma_rows(_mm256_mul_ps(f[1], s0), &xb, at + 8, &mut acc);
+                        fma_rows(_mm256_mul_ps(f[2], s1), &xb, at + 16, &mut acc);
+                        fma_rows(_mm256_mul_ps(f[3], s1), &xb, at + 24, &mut acc);
+                    }
+                }
+            }
+            for i in 0..NX {
+                o[g0 + i] = hsum(acc[i]);
+            }
+        }
+    }
+
+    /// Q8_0: 32 signed bytes widened to floats, times d.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn q8_0<const NX: usize>(
+        w: &[u8],
+        xr: &[&[f32]; NX],
+        _xs: &[&[f32]; NX],
+        n: usize,
+        out: &mut [f32],
+        g0: usize,
+    ) {
+        let cols = xr[0].len();
+        let rb = cols / 32 * 34;
+        for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
+            let mut acc = [_mm256_setzero_ps(); NX];
+            for (bi, b) in row.chunks_exact(34).enumerate() {
+                let xb = block_x::<NX, 32>(xr, bi);
+                let d = _mm256_set1_ps(f16(b, 0));
+                let f = i8x32_to_ps(ld32(&b[2..]));
+                for (k, &fk) in f.iter().enumerate() {
+                    fma_rows(_mm256_mul_ps(fk, d), &xb, 8 * k, &mut acc);
+                }
+            }
+            for i in 0..NX {
+                o[g0 + i] = hsum(acc[i]);
+            }
+        }
+    }
+
+    /// Q4_0: 16 bytes of nibbles, minus 8, widened to floats, times d.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn q4_0<const NX: usize>(
+        w: &[u8],
+        xr: &[&[f32]; NX],
+        _xs: &[&[f32]; NX],
+        n: usize,
+        out: &mut [f32],
+        g0: usize,
+    ) {
+        let cols = xr[0].len();
+        let rb = cols / 32 * 18;
+        let m4 = _mm_set1_epi8(0x0F);
+        let k8 = _mm_set1_epi8(8);
+        for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
+            let mut acc = [_mm256_setzero_ps(); NX];
+            for (bi, b) in row.chunks_exact(18).enumerate() {
+                let xb = block_x::<NX, 32>(xr, bi);
+                let d = _mm256_set1_ps(f16(b, 0));
+                let v = ld16(&b[2..]);
+                let lo = _mm_sub_epi8(_mm_and_si128(v, m4), k8);
+                let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m4), k8);
+                let f = i8x32_to_ps(_mm256_set_m128i(hi, lo));
+                for (k, &fk) in f.iter().enumerate() {
+                    fma_rows(_mm256_mul_ps(fk, d), &xb, 8 * k, &mut acc);
+                }
+            }
+            for i in 0..NX {
+                o[g0 + i] = hsum(acc[i]);
+            }
+        }
+    }
+
+    /// F32, F16 (F16C) and BF16 (shifted into the high half): 8 weights per step.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn float<const NX: usize, const KIND: u8>(
+        w: &[u8],
+        xr: &[&[f32]; NX],
+        _xs: &[&[f32]; NX],
+        n: usize,
+        out: &mut [f32],
+        g0: usize,
+    ) {
+        let cols = xr[0].len();
+        let es = if KIND == 0 { 4 } else { 2 };
+        let main = cols / 8 * 8;
+        for (row, o) in w.chunks_exact(cols * es).zip(out.chunks_exact_mut(n)) {
+            let mut acc = [_mm256_setzero_ps(); NX];
+            for c in (0..main).step_by(8) {
+                let xb = block_x::<NX, 8>(xr, c / 8);
+                let wv = match KIND {
+                    0 => _mm256_castsi256_ps(ld32(&row[4 * c..])),
+                    1 => _mm256_cvtph_ps(ld16(&row[2 * c..])),
+                    _ => _mm256_castsi256_ps(_mm256_slli_epi32(
+                        _mm256_cvtepu16_epi32(ld16(&row[2 * c..])),
+                        16,
+                    )),
+                };
+                fma_rows(wv, &xb, 0, &mut acc);
+            }
+            let mut tail = [0f32; NX];
+            if main < cols {
+                let mut wt = [0f32; 8];
+                kernel::decode_span(
+                    match KIND {
+                        0 => QType::F32,
+                        1 => QType::F16,
+                        _ => QType::BF16,
+                    },
+                    &row[main * es..],
+                    &mut wt[..cols - main],
+                );
+                for i in 0..NX {
+                    for (c, &wc) in wt[..cols - main].iter().enumerate() {
+                        tail[i] = wc.mul_add(xr[i][main + c], tail[i]);
+                    }
+                }
+            }
+            for i in 0..NX {
+                o[g0 + i] = hsum(acc[i]) + tail[i];
+            }
+        }
+    }
+
+    /// Runs `f::<NX>` for the group of activation rows `g0..g0 + NX`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn group<const NX: usize>(
+        f: GroupFn<NX>,
+        w: &[u8],
+        x: &[f32],
+        sums: &[f32],
+        n: usize,
+        cols: usize,
+        g0: usize,
+        out: &mut [f32],
+    ) {
+        let xr: [&[f32]; NX] = std::array::from_fn(|i| &x[(g0 + i) * cols..][..cols]);
+        let per = cols / 32;
+        let xs: [&[f32]; NX] =
+            std::array::from_fn(|i| sums.get((g0 + i) * per..(g0 + i + 1) * per).unwrap_or(&[]));
+        f(w, &xr, &xs, n, out, g0);
+    }
+
+    /// Picks the hand-written kernel of `t` for groups of 1..=8 rows, or `None`.
+    macro_rules! dispatch {
+        ($kern:ident $(, $extra:expr)?; $w:expr, $x:expr, $sums:expr, $n:expr, $cols:expr, $out:expr) => {{
+            let mut g0 = 0;
+            while g0 < $n {
+                let g = ($n - g0).min(MAX_NX);
+                match g {
+                    1 => group::<1>($kern::<1 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
+                    2 => group::<2>($kern::<2 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
+                    3 => group::<3>($kern::<3 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
+                    4 => group::<4>($kern::<4 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
+                    5 => group::<5>($kern::<5 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
+                    6 => group::<6>($kern::<6 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
+                    7 => group::<7>($kern::<7 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
+                    _ => group::<8>($kern::<8 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
+                }
+                g0 += g;
+            }
+        }};
+    }
+
+    /// The AVX2 rows kernel: hand-written for the hot types, the generic kernel compiled for
+    /// these features for the rest.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn rows_x86(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32]) {
+        match t {
+            QType::Q4K => {
+                let sums = sums32(x, n, cols);
+                dispatch!(qk45, false; w, x, &sums, n, cols, out)
+            }
+            QType::Q5K => {
+                let sums = sums32(x, n, cols);
+                dispatch!(qk45, true; w, x, &sums, n, cols, out)
+            }
+            QType::Q6K => dispatch!(q6k; w, x, &[], n, cols, out),
+            QType::Q8_0 => dispatch!(q8_0; w, x, &[], n, cols, out),
+            QType::Q4_0 => dispatch!(q4_0; w, x, &[], n, cols, out),
+            QType::F32 => dispatch!(float, 0; w, x, &[], n, cols, out),
+            QType::F16 => dispatch!(float, 1; w, x, &[], n, cols, out),
+            QType::BF16 => dispatch!(float, 2; w, x, &[], n, cols, out),
+            _ => kernel::rows_generic::<true>(t, w, x, n, cols, out),
+        }
+    }
 }
