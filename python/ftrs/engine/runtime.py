@@ -65,7 +65,12 @@ class Runtime:
                  self.device, self.num_pages * config.page_size)
 
     def _routers(self) -> dict[int, torch.Tensor]:
-        return {layer: self.loaded.dense[f"{layer}.router"] for layer in self.spec.moe_layers}
+        out: dict[int, torch.Tensor] = {}
+        for layer in self.spec.moe_layers:
+            router = self.loaded.dense[f"{layer}.router"]
+            assert isinstance(router, torch.Tensor)  # invariant: routers are never kept quantized
+            out[layer] = router
+        return out
 
     def _kv_budget_tokens(self) -> int:
         s = self.spec

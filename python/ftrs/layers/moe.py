@@ -17,8 +17,11 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from ftrs.layers.linear import linear
+from ftrs.quant.matmul import Weight
+
 SMALL_ROWS = 32  # below this, accumulate by indexing instead of index_add_
-ExpertWeights = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # gate (I,H), up (I,H), down (H,I)
+ExpertWeights = tuple[Weight, Weight, Weight]  # gate (I,H), up (I,H), down (H,I)
 
 
 def route(
@@ -35,7 +38,7 @@ def route(
 
 def expert_mlp(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     gate, up, down = w
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    return linear(F.silu(linear(x, gate)) * linear(x, up), down)  # quantized or not
 
 
 Contribution = tuple[torch.Tensor, torch.Tensor]  # (token rows, their weighted expert output)

@@ -8,17 +8,21 @@ routed experts are computed by the MoE strategy, which the decoder never looks i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ftrs.layers.attention import AttnMetadata, paged_attention
+from ftrs.layers.linear import linear
 from ftrs.layers.moe import route
 from ftrs.layers.norm import rms_norm
 from ftrs.layers.rotary import Rotary
 from ftrs.models.arch import ArchSpec
 from ftrs.moe.base import MoEStrategy
+from ftrs.quant.matmul import Weight
 
 
 @dataclass(slots=True)
@@ -39,10 +43,10 @@ class KVCache:
 class Decoder:
     """Forward pass of a decoder-only transformer over a paged KV cache."""
 
-    def __init__(self, spec: ArchSpec, weights: dict[str, torch.Tensor], moe: MoEStrategy | None,
+    def __init__(self, spec: ArchSpec, weights: Mapping[str, Weight], moe: MoEStrategy | None,
                  device: torch.device, dtype: torch.dtype) -> None:
         self.spec = spec
-        self.w = weights
+        self.w: Mapping[str, Any] = weights  # projections may be QuantTensors
         self.moe = moe
         self.device = device
         self.dtype = dtype
@@ -55,16 +59,16 @@ class Decoder:
                    meta: AttnMetadata, kv: KVCache) -> torch.Tensor:
         s, w, p = self.spec, self.w, f"{layer}."
         t = x.shape[0]
-        q = F.linear(x, w[p + "q"], w.get(p + "q_bias")).view(t, s.num_heads, s.head_dim)
-        k = F.linear(x, w[p + "k"], w.get(p + "k_bias")).view(t, s.num_kv_heads, s.head_dim)
-        v = F.linear(x, w[p + "v"], w.get(p + "v_bias")).view(t, s.num_kv_heads, s.head_dim)
+        q = linear(x, w[p + "q"], w.get(p + "q_bias")).view(t, s.num_heads, s.head_dim)
+        k = linear(x, w[p + "k"], w.get(p + "k_bias")).view(t, s.num_kv_heads, s.head_dim)
+        v = linear(x, w[p + "v"], w.get(p + "v_bias")).view(t, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q = rms_norm(q, w[p + "q_norm"], s.rms_norm_eps)
             k = rms_norm(k, w[p + "k_norm"], s.rms_norm_eps)
         q = self.rotary.apply(q, positions)
         k = self.rotary.apply(k, positions)
         o = paged_attention(q, k, v, kv.k[layer], kv.v[layer], meta, self.scale)
-        return F.linear(o.reshape(t, s.num_heads * s.head_dim), w[p + "o"])
+        return linear(o.reshape(t, s.num_heads * s.head_dim), w[p + "o"])
 
     def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         s, w, p = self.spec, self.w, f"{layer}."
@@ -72,7 +76,7 @@ class Decoder:
             assert self.moe is not None  # invariant: a MoE spec always gets a strategy
             ids, weights = route(x, w[p + "router"], s.top_k, s.norm_topk_prob)
             return self.moe.forward(layer, x, ids, weights)
-        return F.linear(F.silu(F.linear(x, w[p + "gate"])) * F.linear(x, w[p + "up"]), w[p + "down"])
+        return linear(F.silu(linear(x, w[p + "gate"])) * linear(x, w[p + "up"]), w[p + "down"])
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttnMetadata,
@@ -95,4 +99,4 @@ class Decoder:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, hidden) -> (n, vocab) fp32."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()

@@ -14,13 +14,11 @@ GATE, UP, DOWN = 0, 1, 2
 #: Dense projections (key suffixes) a quantized checkpoint keeps quantized on the CPU: the
 #: decoder computes them through `layers.linear`. Embeddings, norms and routers are dequantized.
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down", "lm_head")
-#: Off until every dense projection of the decoder goes through `layers.linear`.
-KEEP_DENSE_QUANTIZED = False
 
 
 def keeps_quantized(key: str, device_type: str) -> bool:
     """Whether dense weight `key` of a quantized file stays quantized on `device_type`."""
-    return KEEP_DENSE_QUANTIZED and device_type == "cpu" and key.rpartition(".")[2] in PROJECTIONS
+    return device_type == "cpu" and key.rpartition(".")[2] in PROJECTIONS
 
 
 class ExpertKey(NamedTuple):

@@ -153,8 +153,11 @@ class OffloadStrategy(MoEStrategy):
             max_inflight_prefetches=NARROW_PREFETCHES_IN_FLIGHT,
             prefetch_chunk_bytes=self.narrow_chunk)
         self.backend = backend
-        self.slot_weights: list[ExpertWeights] = [
-            experts.block_views(self.buffer, s * eb) for s in range(self.num_slots)]
+        # per MoE layer, each slot's views in that layer's formats (a quantized file may store
+        # one tensor in different types in different layers)
+        self.slot_weights: dict[int, list[ExpertWeights]] = experts.slot_views(
+            self.buffer, self.num_slots)
+        self._slot_views = self.slot_weights[self.spec.moe_layers[0]]
         # Prefetch only into room beyond one token's working set (every MoE layer's top-k): in a
         # smaller cache each prefetch evicts an expert the next token is about to need again
         # (measured on the demo at 25% capacity: 2x the bytes per token and a slower decode).
@@ -210,6 +213,7 @@ class OffloadStrategy(MoEStrategy):
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
         li = self.experts.layer_index[layer]
+        self._slot_views = self.slot_weights[layer]
         needed = torch.unique(ids).tolist()  # ascending
         self.distinct_per_layer.append(len(needed))
         guess = self._predicted.pop(layer, None)
@@ -245,13 +249,13 @@ class OffloadStrategy(MoEStrategy):
         parts: dict[int, Contribution | None] = {}
         for e, s, now in zip(wave, slots, landed):
             if now:
-                parts[e] = expert_contribution(x, ids, weights, e, self.slot_weights[s])
+                parts[e] = expert_contribution(x, ids, weights, e, self._slot_views[s])
         t0 = self.clock()
         self.engine.wait(ticket)
         self._wait_s += self.clock() - t0
         for e, s, now in zip(wave, slots, landed):
             if not now:
-                parts[e] = expert_contribution(x, ids, weights, e, self.slot_weights[s])
+                parts[e] = expert_contribution(x, ids, weights, e, self._slot_views[s])
         for e in wave:  # ascending
             accumulate(out, parts[e])
 
