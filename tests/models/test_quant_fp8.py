@@ -1,0 +1,113 @@
+"""FP8 block-scaled safetensors (as Qwen3-FP8 and DeepSeek-V3 ship them), kept FP8.
+
+The oracle: transformers on the same weights dequantized to fp32 (weight x its tile's
+`weight_scale_inv`), computed here from the definition.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ftrs.errors import ModelLoadError
+from ftrs.llm import LLM
+from ftrs.models.load import load_model
+from ftrs.models.tiny import make_tiny
+from ftrs.quant import FP8_BLOCK, QuantTensor, use_kernels
+
+transformers = pytest.importorskip("transformers")
+TOL = 1e-4
+IDS = [3, 17, 250, 41, 99, 500, 7, 8, 311, 42, 42, 42, 130, 64, 255, 1, 300, 12, 77, 5]
+BLOCK = (32, 32)  # the tiny experts are 48 wide: partial tiles at the edge
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def to_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp8 weight, fp32 scale per tile, the dequantized fp32 weight)."""
+    rows, cols = w.shape
+    gr, gc = -(-rows // BLOCK[0]), -(-cols // BLOCK[1])
+    scale = torch.empty(gr, gc)
+    for i in range(gr):
+        for j in range(gc):
+            tile = w[i * BLOCK[0]:(i + 1) * BLOCK[0], j * BLOCK[1]:(j + 1) * BLOCK[1]]
+            scale[i, j] = tile.abs().max() / 448.0
+    full = scale.repeat_interleave(BLOCK[0], 0)[:rows].repeat_interleave(BLOCK[1], 1)[:, :cols]
+    w8 = (w / full).to(torch.float8_e4m3fn)
+    return w8, scale, w8.float() * full
+
+
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("fp8")
+    src = make_tiny("qwen3_moe", root / "src", seed=3)
+    tensors = load_file(str(src / "model.safetensors"))
+    fp8_dir, ref_dir = root / "fp8", root / "ref"
+    shutil.copytree(src, fp8_dir)
+    shutil.copytree(src, ref_dir)
+    fp8: dict[str, torch.Tensor] = {}
+    ref: dict[str, torch.Tensor] = {}
+    for name, w in tensors.items():
+        if name.endswith(".weight") and name.split(".")[-2] in QUANTIZED:
+            w8, s, deq = to_fp8(w)
+            fp8[name], fp8[name[:-7] + ".weight_scale_inv"] = w8, s
+            ref[name] = deq
+        else:
+            fp8[name] = ref[name] = w
+    save_file(fp8, str(fp8_dir / "model.safetensors"))
+    save_file(ref, str(ref_dir / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                  "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
+    (fp8_dir / "config.json").write_text(json.dumps(cfg))
+    return fp8_dir, ref_dir
+
+
+def test_fp8_logits_match_dequantized_fp32(fp8_model: tuple[Path, Path]) -> None:
+    fp8_dir, ref_dir = fp8_model
+    llm = LLM(str(fp8_dir), kv_tokens=1024, dtype="float32")
+    with use_kernels(False):
+        ours = llm.logits(IDS)
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32)
+    with torch.no_grad():
+        ref = m.eval()(torch.tensor([IDS])).logits[0].float()
+    assert (ours - ref).abs().max().item() <= TOL
+
+
+def test_fp8_experts_stay_fp8_in_the_pool(fp8_model: tuple[Path, Path]) -> None:
+    m = load_model(str(fp8_model[0]), torch.device("cpu"), torch.float32, progress=False)
+    assert m.experts is not None
+    gate = m.experts.views(m.experts.host_bytes())[0][5][0]
+    assert isinstance(gate, QuantTensor) and gate.qtype == FP8_BLOCK
+    # 48x64 fp8 bytes + a 2x2 grid of fp32 scales, against 48x64x4 bytes in fp32
+    assert m.experts.exact_bytes(0, 0) == 48 * 64 + 4 * 4
+    w8, s, _ = to_fp8(load_file(str(fp8_model[1].parent / "src" / "model.safetensors"))[
+        "model.layers.0.mlp.experts.5.gate_proj.weight"])
+    assert torch.equal(gate.data[:48 * 64], w8.view(torch.uint8).reshape(-1))
+    assert torch.equal(gate.data[48 * 64:].view(torch.float32), s.reshape(-1))
+
+
+def test_fp8_weight_without_scales(fp8_model: tuple[Path, Path], tmp_path: Path) -> None:
+    d = shutil.copytree(fp8_model[0], tmp_path / "m")
+    t = load_file(str(d / "model.safetensors"))
+    del t["model.layers.1.self_attn.v_proj.weight_scale_inv"]
+    save_file(t, str(d / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"FP8 weight model\.layers\.1\.self_attn\.v_proj"
+                       r"\.weight has no model\.layers\.1\.self_attn\.v_proj\.weight_scale_inv"):
+        load_model(str(d), torch.device("cpu"), torch.float32, progress=False)
+
+
+@pytest.mark.parametrize("qc", [{"quant_method": "awq", "bits": 4}, {"quant_method": "fp8"}])
+def test_other_quantization_configs_refused(fp8_model: tuple[Path, Path], tmp_path: Path,
+                                            qc: dict[str, object]) -> None:
+    d = shutil.copytree(fp8_model[0], tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = qc
+    (d / "config.json").write_text(json.dumps(cfg))
+    match = "'awq'" if qc["quant_method"] == "awq" else "weight_block_size"
+    with pytest.raises(ModelLoadError, match=match):
+        load_model(str(d), torch.device("cpu"), torch.float32, progress=False)

@@ -1,0 +1,162 @@
+"""Quantized GGUF MoE checkpoints (qwen3moe, Mixtral-style llama) against transformers.
+
+Each test model is a tiny random transformers checkpoint written as GGUF (`quant_models`:
+the `gguf` package's quantizers, random K-quant blocks with finite scales). The oracle is transformers on the weights the file holds (dequantized with the
+`gguf` package's reference): ftrs' reference path (dequantize, then fp32 matmul) must give the
+same logits within 1e-4; its kernel path (Rust, from the blocks) the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ftrs.errors import ModelLoadError
+from ftrs.llm import LLM
+from ftrs.models.gguf_write import gguf_quantizer, write_gguf
+from ftrs.models.load import load_model
+from ftrs.models.tiny import make_tiny, tiny_tensors, tiny_tokenizer
+from ftrs.quant import QuantTensor, kernel_types, use_kernels
+from ftrs.sampling import SamplingParams
+from quant_models import MIXTRAL_TYPES, QWEN3MOE_TYPES, _mixed, build, quant_config
+
+transformers = pytest.importorskip("transformers")
+TOL = 1e-4
+IDS = [3, 17, 250, 41, 99, 500, 7, 8, 311, 42, 42, 42, 130, 64, 255, 1, 300, 12, 77, 5]
+
+
+@pytest.fixture(scope="module")
+def quant_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    root = tmp_path_factory.mktemp("quant")
+    return {"qwen3_moe": build("qwen3_moe", QWEN3MOE_TYPES, root),
+            "mixtral": build("mixtral", MIXTRAL_TYPES, root)}
+
+
+def hf_logits(ref_dir: Path, ids: list[int]) -> torch.Tensor:
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32)
+    with torch.no_grad():
+        return m.eval()(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_reference_path_logits_match_transformers(quant_models: dict[str, tuple[Path, Path]],
+                                                   arch: str) -> None:
+    gguf_path, ref_dir = quant_models[arch]
+    llm = LLM(str(gguf_path), kv_tokens=1024, dtype="float32")
+    with use_kernels(False):
+        ours = llm.logits(IDS)
+    ref = hf_logits(ref_dir, IDS)
+    assert ours.shape == ref.shape == (len(IDS), 512)
+    assert (ours - ref).abs().max().item() <= TOL
+
+
+def test_quantized_experts_stay_file_bytes(quant_models: dict[str, tuple[Path, Path]]) -> None:
+    gguf_path, _ = quant_models["qwen3_moe"]
+    m = load_model(str(gguf_path), torch.device("cpu"), torch.float32, progress=False)
+    assert m.experts is not None and m.experts.quantized
+    views = m.experts.views(m.experts.host_bytes())
+    gate, up, down = views[0][3]
+    assert isinstance(gate, QuantTensor) and gate.qtype == "Q4_K"
+    assert isinstance(up, QuantTensor) and up.qtype == "Q5_K"
+    assert isinstance(down, QuantTensor) and down.qtype == "Q6_K"
+    assert isinstance(views[2][3][2], QuantTensor) and views[2][3][2].qtype == "Q4_K"
+    # the pool holds the file's bytes: 256x256 per matrix, 144/176/210 bytes per 256 values
+    per_expert_l0 = 256 * (144 + 176 + 210)
+    assert m.experts.payload_bytes() == 8 * (per_expert_l0 + 256 * (144 + 176 + 144))
+    assert m.experts.pool.nbytes < 1.1 * m.experts.payload_bytes() * 210 / 177
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_kernel_path_greedy_agrees_with_reference(quant_models: dict[str, tuple[Path, Path]],
+                                                  arch: str) -> None:
+    gguf_path, _ = quant_models[arch]
+    needed = set(QWEN3MOE_TYPES.values() if arch == "qwen3_moe" else MIXTRAL_TYPES.values())
+    if not (needed - {"F16", "BF16"}) & kernel_types():
+        pytest.skip("no quantized CPU kernels in this build")
+    llm = LLM(str(gguf_path), kv_tokens=1024, dtype="float32")
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    with use_kernels(False):
+        ref = llm.generate([IDS], params)[0].token_ids
+    with use_kernels(True):
+        ours = llm.generate([IDS], params)[0].token_ids
+    same = sum(a == b for a, b in zip(ours, ref))
+    assert len(ours) == len(ref) == 64
+    assert same >= 0.95 * 64, (same, ours, ref)
+
+
+# --- bad files -----------------------------------------------------------------------------
+
+def _write(path: Path, arch: str, types: dict[str, str], edit: Any = None) -> Path:
+    cfg = quant_config(arch)
+    if edit is not None:
+        edit(cfg)
+    tensors = tiny_tensors(quant_config(arch), 1)
+    write_gguf(path, cfg, tensors, _mixed(types, 1), tiny_tokenizer(cfg["vocab_size"]))
+    return path
+
+
+def test_truncated_gguf_is_a_load_error(quant_models: dict[str, tuple[Path, Path]],
+                                        tmp_path: Path) -> None:
+    src = quant_models["mixtral"][0]
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(src.read_bytes()[: src.stat().st_size - 1000])
+    with pytest.raises(ModelLoadError, match="truncated") as e:
+        load_model(str(cut), torch.device("cpu"), torch.float32, progress=False)
+    assert e.value.path == str(cut)
+
+
+def test_expert_count_disagreeing_with_tensors(tmp_path: Path) -> None:
+    path = _write(tmp_path / "e.gguf", "qwen3_moe", {"experts": "Q8_0"},
+                  edit=lambda c: c.update(num_experts=16))
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_\w+_exps\.weight holds 8 experts, "
+                       r"metadata says expert_count = 16"):
+        load_model(str(path), torch.device("cpu"), torch.float32, progress=False)
+
+
+def test_expert_tensor_of_the_wrong_shape(tmp_path: Path) -> None:
+    path = _write(tmp_path / "s.gguf", "qwen3_moe", {"experts": "Q8_0"},
+                  edit=lambda c: c.update(moe_intermediate_size=128))
+    with pytest.raises(ModelLoadError, match=r"ffn_gate_exps\.weight has shape \[8, 256, 256\], "
+                       r"expected \[8, 128, 256\]"):
+        load_model(str(path), torch.device("cpu"), torch.float32, progress=False)
+
+
+def test_unsupported_expert_type_named_before_loading(tmp_path: Path) -> None:
+    import gguf
+
+    def iq4(name: str, w: np.ndarray) -> tuple[str, np.ndarray]:
+        if "experts.0.up" in name:  # IQ4_NL: 32 values in 18 bytes
+            return "IQ4_NL", np.zeros((*w.shape[:-1], w.shape[-1] // 32 * 18), np.uint8)
+        return "F32", w.astype(np.float32)
+
+    cfg = quant_config("qwen3_moe")
+    assert "IQ4_NL" in gguf.GGMLQuantizationType.__members__
+    path = tmp_path / "iq.gguf"
+    write_gguf(path, cfg, tiny_tensors(cfg, 1), iq4, tiny_tokenizer(512))
+    with pytest.raises(ModelLoadError, match=r"tensor blk\.0\.ffn_up_exps\.weight uses "
+                       "unsupported quantization IQ4_NL"):
+        load_model(str(path), torch.device("cpu"), torch.float32, progress=False)
+
+
+def test_dense_gguf_archs_match_transformers(tmp_path: Path) -> None:
+    for arch in ("qwen3", "llama"):  # dense, Q8_0; llama's q/k permutation undone
+        d = make_tiny(arch, tmp_path / arch, seed=2)
+        cfg = json.loads((d / "config.json").read_text())
+        from safetensors.torch import load_file
+
+        held = write_gguf(tmp_path / f"{arch}.gguf", cfg, load_file(str(d / "model.safetensors")),
+                          gguf_quantizer("Q8_0"), tiny_tokenizer(512))
+        ref_dir = tmp_path / f"{arch}-ref"
+        shutil.copytree(d, ref_dir)
+        save_file({k: v.contiguous() for k, v in held.items()}, str(ref_dir / "model.safetensors"))
+        llm = LLM(str(tmp_path / f"{arch}.gguf"), kv_tokens=1024, dtype="float32")
+        with use_kernels(False):
+            ours = llm.logits(IDS)
+        assert (ours - hf_logits(ref_dir, IDS)).abs().max().item() <= TOL, arch

@@ -1,0 +1,75 @@
+"""Tiny quantized GGUF checkpoints for tests, with the dequantized HF checkpoint as oracle.
+
+Each model is a tiny random transformers checkpoint written as GGUF by `gguf_write` (the `gguf`
+package's own quantizers for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1, random blocks with finite scales for the
+K-quants); `build` also writes the weights the file holds, dequantized with the `gguf` package's
+reference, as an HF checkpoint for transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from ftrs.models.gguf_write import Quantizer, gguf_quantizer, write_gguf
+from ftrs.models.tiny import tiny_config, tiny_tensors, tiny_tokenizer
+from ftrs.quant.fixtures import random_blocks
+
+
+def quant_config(arch: str) -> dict[str, Any]:
+    """The tiny config with every matrix width a multiple of 256 (K-quant rows)."""
+    cfg = tiny_config(arch)
+    cfg |= {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64}
+    if arch == "qwen3_moe":
+        cfg["moe_intermediate_size"] = 256
+    return cfg
+
+
+def _mixed(spec: dict[str, str], seed: int) -> Quantizer:
+    """Types by name fragment (first match); K-quants get random blocks, the rest gguf's own."""
+    rng = np.random.default_rng(seed)
+
+    def q(name: str, w: np.ndarray) -> tuple[str, np.ndarray]:
+        qtype = next((t for frag, t in spec.items() if frag in name), "F32")
+        if w.ndim < 2 or qtype == "F32":
+            return "F32", np.ascontiguousarray(w, dtype=np.float32)
+        if qtype == "F16":
+            return "F16", w.astype(np.float16)
+        if qtype == "BF16":
+            return "BF16", (torch.from_numpy(w).bfloat16().view(torch.int16).numpy())
+        if qtype.endswith("_K"):
+            rows = int(np.prod(w.shape[:-1]))
+            return qtype, random_blocks(qtype, rows, w.shape[-1], rng).reshape(
+                *w.shape[:-1], -1)
+        return gguf_quantizer(qtype)(name, w)
+    return q
+
+
+QWEN3MOE_TYPES = {  # every type ftrs keeps, one place each; expert down differs per layer
+    "layers.0.mlp.experts.0.down": "Q6_K", "layers.2.mlp.experts.0.down": "Q4_K",
+    "experts.0.gate": "Q4_K", "experts.0.up": "Q5_K",
+    "q_proj": "Q8_0", "k_proj": "Q4_0", "v_proj": "Q4_1", "o_proj": "Q5_0",
+    "mlp.gate_proj": "Q5_1", "mlp.up_proj": "Q2_K", "mlp.down_proj": "Q3_K",
+    "embed_tokens": "F16", "lm_head": "BF16",
+}
+MIXTRAL_TYPES = {"experts": "Q4_0", "self_attn": "Q8_0", "embed_tokens": "Q8_0",
+                 "lm_head": "Q6_K"}
+
+
+def build(arch: str, types: dict[str, str], root: Path, seed: int = 1) -> tuple[Path, Path]:
+    """(GGUF file, HF checkpoint dir holding the file's dequantized weights)."""
+    cfg = quant_config(arch)
+    tensors = tiny_tensors(cfg, seed)
+    gguf_path = root / f"{arch}.gguf"
+    held = write_gguf(gguf_path, cfg, tensors, _mixed(types, seed),
+                      tiny_tokenizer(cfg["vocab_size"]))
+    ref_dir = root / f"{arch}-dequantized"
+    ref_dir.mkdir()
+    save_file({k: v.contiguous() for k, v in held.items()}, str(ref_dir / "model.safetensors"))
+    (ref_dir / "config.json").write_text(json.dumps(cfg))
+    return gguf_path, ref_dir
