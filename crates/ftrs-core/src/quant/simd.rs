@@ -123,15 +123,29 @@ mod x86 {
     /// so the bounds checks fold away).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn fma_rows<const NX: usize, const B: usize>(
+    fn fma_rows<const NX: usize, const C: usize, const B: usize>(
         w: __m256,
         xb: &[&[f32; B]; NX],
         at: usize,
-        acc: &mut [__m256; NX],
+        acc: &mut [[__m256; C]; NX],
     ) {
+        // Chain by position: consecutive products go to different accumulators, so a small
+        // group is not held back by the fused multiply-add latency of one dependency chain.
+        let j = (at / 8) % C;
         for i in 0..NX {
-            acc[i] = _mm256_fmadd_ps(w, ld8(&xb[i][at..at + 8]), acc[i]);
+            acc[i][j] = _mm256_fmadd_ps(w, ld8(&xb[i][at..at + 8]), acc[i][j]);
         }
+    }
+
+    /// Sum of all lanes of all chains of one activation row.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn hsum_chains<const C: usize>(a: &[__m256; C]) -> f32 {
+        let mut v = a[0];
+        for &c in &a[1..] {
+            v = _mm256_add_ps(v, c);
+        }
+        hsum(v)
     }
 
     /// Row i's activations of block `bi` (of `B` elements), for each row of the group.
@@ -171,7 +185,7 @@ mod x86 {
     /// sub-blocks (Q5_K: plus the fifth bit from `qh`), scaled by `d * sc`; the mins enter once
     /// per block as `dmin * m . sum(x over the sub-block)`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn qk45<const NX: usize, const Q5: bool>(
+    fn qk45<const NX: usize, const C: usize, const Q5: bool>(
         w: &[u8],
         xr: &[&[f32]; NX],
         xs: &[&[f32]; NX],
@@ -186,7 +200,7 @@ mod x86 {
         let mask = _mm256_set1_epi32(0x0F);
         let one = _mm256_set1_epi32(1);
         for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
-            let mut acc = [_mm256_setzero_ps(); NX];
+            let mut acc = [[_mm256_setzero_ps(); C]; NX];
             for (bi, b) in row.chunks_exact(bb).enumerate() {
                 let xb = block_x::<NX, 256>(xr, bi);
                 let (d, dmin) = (f16(b, 0), f16(b, 2));
@@ -199,7 +213,7 @@ mod x86 {
                 }
                 let mins = ld8(&mn);
                 for i in 0..NX {
-                    acc[i] = _mm256_fnmadd_ps(mins, ld8(&xs[i][bi * 8..]), acc[i]);
+                    acc[i][0] = _mm256_fnmadd_ps(mins, ld8(&xs[i][bi * 8..]), acc[i][0]);
                 }
                 let qs: &[u8; 128] = b[qs_at..qs_at + 128].try_into().expect("block");
                 let qh: &[u8; 32] = b[16..48].try_into().expect("block");
@@ -226,7 +240,7 @@ mod x86 {
                 }
             }
             for i in 0..NX {
-                o[g0 + i] = hsum(acc[i]);
+                o[g0 + i] = hsum_chains(&acc[i]);
             }
         }
     }
@@ -234,7 +248,7 @@ mod x86 {
     /// Q6_K: per half block, the 6-bit quants of four 32-element runs are assembled as bytes
     /// (low nibble | high 2 bits << 4, minus 32), widened to floats and scaled per 16.
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn q6k<const NX: usize>(
+    fn q6k<const NX: usize, const C: usize>(
         w: &[u8],
         xr: &[&[f32]; NX],
         _xs: &[&[f32]; NX],
@@ -248,7 +262,7 @@ mod x86 {
         let m30 = _mm256_set1_epi8(0x30);
         let k32 = _mm256_set1_epi8(32);
         for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
-            let mut acc = [_mm256_setzero_ps(); NX];
+            let mut acc = [[_mm256_setzero_ps(); C]; NX];
             for (bi, b) in row.chunks_exact(210).enumerate() {
                 let b: &[u8; 210] = b.try_into().expect("block");
                 let xb = block_x::<NX, 256>(xr, bi);
@@ -292,14 +306,14 @@ mod x86 {
                 }
             }
             for i in 0..NX {
-                o[g0 + i] = hsum(acc[i]);
+                o[g0 + i] = hsum_chains(&acc[i]);
             }
         }
     }
 
     /// Q8_0: 32 signed bytes widened to floats, times d.
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn q8_0<const NX: usize>(
+    fn q8_0<const NX: usize, const C: usize>(
         w: &[u8],
         xr: &[&[f32]; NX],
         _xs: &[&[f32]; NX],
@@ -310,7 +324,7 @@ mod x86 {
         let cols = xr[0].len();
         let rb = cols / 32 * 34;
         for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
-            let mut acc = [_mm256_setzero_ps(); NX];
+            let mut acc = [[_mm256_setzero_ps(); C]; NX];
             for (bi, b) in row.chunks_exact(34).enumerate() {
                 let xb = block_x::<NX, 32>(xr, bi);
                 let d = _mm256_set1_ps(f16(b, 0));
@@ -320,14 +334,14 @@ mod x86 {
                 }
             }
             for i in 0..NX {
-                o[g0 + i] = hsum(acc[i]);
+                o[g0 + i] = hsum_chains(&acc[i]);
             }
         }
     }
 
     /// Q4_0: 16 bytes of nibbles, minus 8, widened to floats, times d.
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn q4_0<const NX: usize>(
+    fn q4_0<const NX: usize, const C: usize>(
         w: &[u8],
         xr: &[&[f32]; NX],
         _xs: &[&[f32]; NX],
@@ -340,7 +354,7 @@ mod x86 {
         let m4 = _mm_set1_epi8(0x0F);
         let k8 = _mm_set1_epi8(8);
         for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
-            let mut acc = [_mm256_setzero_ps(); NX];
+            let mut acc = [[_mm256_setzero_ps(); C]; NX];
             for (bi, b) in row.chunks_exact(18).enumerate() {
                 let xb = block_x::<NX, 32>(xr, bi);
                 let d = _mm256_set1_ps(f16(b, 0));
@@ -353,14 +367,14 @@ mod x86 {
                 }
             }
             for i in 0..NX {
-                o[g0 + i] = hsum(acc[i]);
+                o[g0 + i] = hsum_chains(&acc[i]);
             }
         }
     }
 
     /// F32, F16 (F16C) and BF16 (shifted into the high half): 8 weights per step.
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn float<const NX: usize, const KIND: u8>(
+    fn float<const NX: usize, const C: usize, const KIND: u8>(
         w: &[u8],
         xr: &[&[f32]; NX],
         _xs: &[&[f32]; NX],
@@ -372,9 +386,10 @@ mod x86 {
         let es = if KIND == 0 { 4 } else { 2 };
         let main = cols / 8 * 8;
         for (row, o) in w.chunks_exact(cols * es).zip(out.chunks_exact_mut(n)) {
-            let mut acc = [_mm256_setzero_ps(); NX];
+            let mut acc = [[_mm256_setzero_ps(); C]; NX];
             for c in (0..main).step_by(8) {
                 let xb = block_x::<NX, 8>(xr, c / 8);
+                let j = (c / 8) % C;
                 let wv = match KIND {
                     0 => _mm256_castsi256_ps(ld32(&row[4 * c..])),
                     1 => _mm256_cvtph_ps(ld16(&row[2 * c..])),
@@ -383,7 +398,9 @@ mod x86 {
                         16,
                     )),
                 };
-                fma_rows(wv, &xb, 0, &mut acc);
+                for i in 0..NX {
+                    acc[i][j] = _mm256_fmadd_ps(wv, ld8(xb[i]), acc[i][j]);
+                }
             }
             let mut tail = [0f32; NX];
             if main < cols {
@@ -404,7 +421,7 @@ mod x86 {
                 }
             }
             for i in 0..NX {
-                o[g0 + i] = hsum(acc[i]) + tail[i];
+                o[g0 + i] = hsum_chains(&acc[i]) + tail[i];
             }
         }
     }
@@ -436,14 +453,14 @@ mod x86 {
             while g0 < $n {
                 let g = ($n - g0).min(MAX_NX);
                 match g {
-                    1 => group::<1>($kern::<1 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
-                    2 => group::<2>($kern::<2 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
-                    3 => group::<3>($kern::<3 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
-                    4 => group::<4>($kern::<4 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
-                    5 => group::<5>($kern::<5 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
-                    6 => group::<6>($kern::<6 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
-                    7 => group::<7>($kern::<7 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
-                    _ => group::<8>($kern::<8 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
+                    1 => group::<1>($kern::<1, 4 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
+                    2 => group::<2>($kern::<2, 2 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
+                    3 => group::<3>($kern::<3, 2 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
+                    4 => group::<4>($kern::<4, 1 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
+                    5 => group::<5>($kern::<5, 1 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
+                    6 => group::<6>($kern::<6, 1 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
+                    7 => group::<7>($kern::<7, 1 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
+                    _ => group::<8>($kern::<8, 1 $(, $extra)?>, $w, $x, $sums, $n, $cols, g0, $out),
                 }
                 g0 += g;
             }
