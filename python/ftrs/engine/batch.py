@@ -1,4 +1,10 @@
-"""Flatten one step's work into decoder inputs: token ids, positions and attention metadata."""
+"""Flatten one step's work into decoder inputs: token ids, positions and attention metadata.
+
+Each sequence keeps its context's cache slots as a tensor that grows with its page table
+(`context_slots`), so a step costs O(new pages), not O(context), per sequence: a decode row's
+slots are a view of that tensor, its new token's slot one element of it. The causal masks of
+prefill chunks and the decode padding mask are built here, once per step, for every layer.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ftrs.layers.attention import AttnMetadata, PrefillSpan
+from ftrs.layers.attention import AttnMetadata, PrefillSpan, prefill_mask
 from ftrs.scheduler.scheduler import Work
 from ftrs.scheduler.sequence import Sequence
 
@@ -21,13 +27,27 @@ class Batch:
     num_prefill_tokens: int
     num_decode_tokens: int
     prefix_hit_tokens: int
+    sample_all: bool = False  # sample_rows is every row, in order
 
 
-def _slots(pages: list[int], page_size: int, start: int, end: int) -> torch.Tensor:
-    """Cache slots of token positions [start, end) of a sequence with page table `pages`."""
-    pos = torch.arange(start, end, dtype=torch.long)
-    table = torch.tensor(pages, dtype=torch.long)
-    return table[pos // page_size] * page_size + pos % page_size
+def context_slots(seq: Sequence, end: int, page_size: int, device: torch.device) -> torch.Tensor:
+    """Cache slots of token positions [0, end) of `seq`, (end,) int64 on `device`.
+
+    The slots of all of `seq.pages` are kept on the sequence (`slot_table`) and extended by
+    the pages added since the last step; a page table replaced by the scheduler (preemption,
+    a prefix-cache match at admission) is expanded afresh."""
+    table, have = seq.slot_table, 0
+    if table is not None and seq.slot_pages is seq.pages:
+        have = table.numel() // page_size
+        if have > len(seq.pages):  # pages were dropped in place: start over
+            table, have = None, 0
+    if table is None or have < len(seq.pages):
+        new = torch.tensor(seq.pages[have:], dtype=torch.long)
+        add = (new[:, None] * page_size + torch.arange(page_size)).reshape(-1).to(device)
+        table = add if table is None or have == 0 else torch.cat((table, add))
+        seq.slot_table, seq.slot_pages = table, seq.pages
+    assert table.numel() >= end, "KV pages do not cover the context"
+    return table[:end]
 
 
 def build_batch(work: list[Work], page_size: int, device: torch.device) -> Batch:
@@ -44,9 +64,9 @@ def build_batch(work: list[Work], page_size: int, device: torch.device) -> Batch
         start, end = seq.num_computed, seq.num_computed + n
         row = len(ids)
         ids.extend(seq.tokens[start:end])
+        ctx = context_slots(seq, end, page_size, device)
         pos_parts.append(torch.arange(start, end, dtype=torch.long))
-        slot_parts.append(_slots(seq.pages, page_size, start, end))
-        ctx = _slots(seq.pages, page_size, 0, end)
+        slot_parts.append(ctx[start:end])
         if start == seq.num_cached and seq.num_cached:
             hit += seq.num_cached  # first chunk after admission: the prefix cache served the rest
         if seq.num_output > 0 and start == len(seq.tokens) - 1:
@@ -57,25 +77,34 @@ def build_batch(work: list[Work], page_size: int, device: torch.device) -> Batch
             decode_rows.append(row)
             decode_ctx.append(ctx)
         else:
-            prefills.append(PrefillSpan(row, n, ctx.to(device)))
+            prefills.append(PrefillSpan(row, n, ctx, prefill_mask(n, end, device)))
         if end == len(seq.tokens):
             sample_rows.append(row + n - 1)
             sample_seqs.append(seq)
-    if decode_ctx:
-        width = max(c.numel() for c in decode_ctx)
-        gather = torch.zeros(len(decode_ctx), width, dtype=torch.long)
-        mask = torch.zeros(len(decode_ctx), 1, 1, width, dtype=torch.bool)
-        for i, c in enumerate(decode_ctx):
-            gather[i, : c.numel()] = c
-            mask[i, 0, 0, : c.numel()] = True
-    else:
-        gather = torch.zeros(0, 1, dtype=torch.long)
-        mask = torch.zeros(0, 1, 1, 1, dtype=torch.bool)
+    gather, mask = _decode_gather(decode_ctx, device)
+    decode_only = len(decode_rows) == len(ids)
     meta = AttnMetadata(
-        slot_mapping=torch.cat(slot_parts).to(device),
+        slot_mapping=torch.cat(slot_parts),
         decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
-        decode_gather=gather.to(device), decode_mask=mask.to(device), prefills=prefills)
+        decode_gather=gather, decode_mask=mask, prefills=prefills, decode_only=decode_only)
     return Batch(torch.tensor(ids, dtype=torch.long, device=device),
                  torch.cat(pos_parts).to(device), meta,
                  torch.tensor(sample_rows, dtype=torch.long, device=device), sample_seqs,
-                 n_prefill, n_decode, hit)
+                 n_prefill, n_decode, hit, sample_all=len(sample_rows) == len(ids))
+
+
+def _decode_gather(ctx: list[torch.Tensor], device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Decode rows' context slots (rows, longest) padded with slot 0, and the mask of real keys
+    ((rows, 1, 1, longest) bool; None when no row is padded)."""
+    if not ctx:
+        return torch.zeros(0, 1, dtype=torch.long, device=device), None
+    lens = [c.numel() for c in ctx]
+    width = max(lens)
+    if min(lens) == width:
+        return torch.stack(ctx), None
+    gather = torch.zeros(len(ctx), width, dtype=torch.long, device=device)
+    for i, c in enumerate(ctx):
+        gather[i, : c.numel()] = c
+    real = torch.arange(width, device=device) < torch.tensor(lens, device=device)[:, None]
+    return gather, real[:, None, None, :]

@@ -3,16 +3,22 @@
 Routing follows the reference: router logits, softmax in fp32 over all experts, top-k, then
 (when the architecture says so) renormalisation of the k weights to sum to one.
 
+`plan_experts` sorts the (token, slot) pairs of a layer by expert once (one stable argsort and
+one bincount), so each expert's tokens are a slice of that order, in ascending token, the order
+`torch.where(ids == e)` would give, and the host learns the experts in use with one transfer.
 `combine_experts` runs the selected experts in ascending expert id and accumulates with
 `index_add_`. Every strategy accumulates in that order, whatever memory the weights come from,
 which is why offload equals resident bit for bit. Each expert's contribution depends on no
 other expert, so a strategy may compute them in any order (`expert_contribution`) as long as it
 adds them in ascending id (`accumulate`).
+
+`expert_mlp` is the one place an expert's FFN is computed (gate, up, SiLU times up, down).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +42,34 @@ def route(
     return ids, weights.to(x.dtype)
 
 
+class ExpertPlan(NamedTuple):
+    """One layer's routing sorted by expert. Expert `e`'s pairs are `[starts[e], starts[e] +
+    counts[e])` of `tokens` and `weights`, tokens ascending."""
+
+    experts: list[int]  # ascending ids with at least one token
+    starts: list[int]  # (num_experts,) offset of each expert's slice
+    counts: list[int]  # (num_experts,) tokens routed to each expert
+    tokens: torch.Tensor  # (tokens * k,) int64 token rows, grouped by expert
+    weights: torch.Tensor  # (tokens * k, 1) router weight of each pair, same order
+
+
+def plan_experts(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> ExpertPlan:
+    """`ids`, `weights`: (tokens, k). One sort and one host transfer for the whole layer."""
+    flat = ids.reshape(-1)
+    k = ids.shape[1] if ids.dim() == 2 else 1
+    order = torch.argsort(flat, stable=True)
+    count = torch.bincount(flat, minlength=num_experts).tolist()
+    start, acc = [], 0
+    for c in count:
+        start.append(acc)
+        acc += c
+    experts = [e for e, c in enumerate(count) if c]
+    return ExpertPlan(experts, start, count, order // k,
+                      weights.reshape(-1).index_select(0, order).unsqueeze(1))
+
+
 def expert_mlp(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    """The FFN of one expert on its rows: `down(silu(gate x) * up x)`."""
     gate, up, down = w
     return linear(F.silu(linear(x, gate)) * linear(x, up), down)  # quantized or not
 
@@ -44,14 +77,16 @@ def expert_mlp(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
 Contribution = tuple[torch.Tensor, torch.Tensor]  # (token rows, their weighted expert output)
 
 
-def expert_contribution(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, e: int,
+def expert_contribution(x: torch.Tensor, plan: ExpertPlan, e: int,
                         w: ExpertWeights) -> Contribution | None:
     """Expert `e`'s weighted output for the tokens routed to it; None when there are none.
     Independent of every other expert: a strategy may compute these in any order."""
-    tok, pos = torch.where(ids == e)
-    if tok.numel() == 0:
+    n = plan.counts[e]
+    if n == 0:
         return None
-    return tok, expert_mlp(x.index_select(0, tok), w) * weights[tok, pos, None]
+    s = plan.starts[e]
+    tok = plan.tokens[s:s + n]
+    return tok, expert_mlp(x.index_select(0, tok), w) * plan.weights[s:s + n]
 
 
 def accumulate(out: torch.Tensor, part: Contribution | None) -> None:
@@ -69,11 +104,16 @@ def accumulate(out: torch.Tensor, part: Contribution | None) -> None:
 
 def combine_experts(
     x: torch.Tensor,  # (tokens, hidden)
-    ids: torch.Tensor,  # (tokens, k)
-    weights: torch.Tensor,  # (tokens, k)
+    ids: torch.Tensor | ExpertPlan,  # (tokens, k), or the plan made from it
+    weights: torch.Tensor | None,  # (tokens, k); None with a plan
     experts: Iterable[int],  # ascending expert ids to compute now
     weights_of: Callable[[int], ExpertWeights],
     out: torch.Tensor,  # (tokens, hidden), accumulated in place
 ) -> None:
+    if isinstance(ids, ExpertPlan):
+        plan = ids
+    else:
+        assert weights is not None
+        plan = plan_experts(ids, weights, int(ids.max()) + 1 if ids.numel() else 1)
     for e in experts:
-        accumulate(out, expert_contribution(x, ids, weights, e, weights_of(e)))
+        accumulate(out, expert_contribution(x, plan, e, weights_of(e)))

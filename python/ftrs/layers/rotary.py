@@ -1,7 +1,8 @@
 """Rotary position embedding (the "rotate half" layout of HF llama), with llama3 scaling.
 
 The cos/sin table is built once in fp32 for every position up to the model's limit and indexed
-by absolute position, so chunked prefill and decode rotate exactly as one full pass would.
+by absolute position, so chunked prefill and decode rotate exactly as one full pass would. A
+forward pass looks its positions up once (`table`) and every layer rotates with them (`rotate`).
 """
 
 from __future__ import annotations
@@ -43,10 +44,20 @@ class Rotary:
         self.sin = emb.sin().to(device)
         self.max_positions = max_positions
 
+    def table(self, positions: torch.Tensor, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of `positions` (tokens,), as (tokens, 1, head_dim) in `dtype`: gathered
+        and cast once per forward, shared by every layer."""
+        return (self.cos.index_select(0, positions).to(dtype)[:, None, :],
+                self.sin.index_select(0, positions).to(dtype)[:, None, :])
+
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """`x`: (tokens, heads, head_dim); `positions`: (tokens,) int64."""
-        cos = self.cos[positions].to(x.dtype)[:, None, :]
-        sin = self.sin[positions].to(x.dtype)[:, None, :]
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return rotate(x, *self.table(positions, x.dtype))
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`x`: (tokens, heads, head_dim); `cos`, `sin`: (tokens, 1, head_dim) from `Rotary.table`."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -19,7 +19,7 @@ from ftrs.layers.attention import AttnMetadata, paged_attention
 from ftrs.layers.linear import linear
 from ftrs.layers.moe import route
 from ftrs.layers.norm import rms_norm
-from ftrs.layers.rotary import Rotary
+from ftrs.layers.rotary import Rotary, rotate
 from ftrs.models.arch import ArchSpec
 from ftrs.moe.base import MoEStrategy
 from ftrs.quant.matmul import Weight
@@ -55,7 +55,7 @@ class Decoder:
         self.scale = spec.head_dim ** -0.5
         self.lm_head = weights["embed"] if spec.tie_word_embeddings else weights["lm_head"]
 
-    def _attention(self, layer: int, x: torch.Tensor, positions: torch.Tensor,
+    def _attention(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    meta: AttnMetadata, kv: KVCache) -> torch.Tensor:
         s, w, p = self.spec, self.w, f"{layer}."
         t = x.shape[0]
@@ -65,8 +65,8 @@ class Decoder:
         if s.qk_norm:
             q = rms_norm(q, w[p + "q_norm"], s.rms_norm_eps)
             k = rms_norm(k, w[p + "k_norm"], s.rms_norm_eps)
-        q = self.rotary.apply(q, positions)
-        k = self.rotary.apply(k, positions)
+        q = rotate(q, *rope)
+        k = rotate(k, *rope)
         o = paged_attention(q, k, v, kv.k[layer], kv.v[layer], meta, self.scale)
         return linear(o.reshape(t, s.num_heads * s.head_dim), w[p + "o"])
 
@@ -84,12 +84,13 @@ class Decoder:
         """`input_ids`, `positions`: (tokens,) int64. Returns final hidden states (tokens, hidden)."""
         s, w = self.spec, self.w
         h = F.embedding(input_ids, w["embed"])
+        rope = self.rotary.table(positions, h.dtype)  # once for every layer
         if self.moe is not None:
             self.moe.begin_forward(num_tokens=int(input_ids.numel()))
         for layer in range(s.num_layers):
             p = f"{layer}."
             x = rms_norm(h, w[p + "input_norm"], s.rms_norm_eps)
-            h = h + self._attention(layer, x, positions, meta, kv)
+            h = h + self._attention(layer, x, rope, meta, kv)
             x = rms_norm(h, w[p + "post_norm"], s.rms_norm_eps)
             h = h + self._mlp(layer, x)
         if self.moe is not None:

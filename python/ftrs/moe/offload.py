@@ -69,9 +69,11 @@ from ftrs.config import EngineConfig
 from ftrs.errors import CapacityError, ConfigError
 from ftrs.layers.moe import (
     Contribution,
+    ExpertPlan,
     ExpertWeights,
     accumulate,
     expert_contribution,
+    plan_experts,
     route,
 )
 from ftrs.models.experts import HostExperts
@@ -214,7 +216,8 @@ class OffloadStrategy(MoEStrategy):
                 weights: torch.Tensor) -> torch.Tensor:
         li = self.experts.layer_index[layer]
         self._slot_views = self.slot_weights[layer]
-        needed = torch.unique(ids).tolist()  # ascending
+        plan = plan_experts(ids, weights, self.spec.num_experts)
+        needed = plan.experts  # ascending
         self.distinct_per_layer.append(len(needed))
         guess = self._predicted.pop(layer, None)
         if guess is not None:
@@ -235,27 +238,27 @@ class OffloadStrategy(MoEStrategy):
                 torch.cuda.current_stream(x.device).synchronize()
             try:
                 slots, ticket = self._lookup(li, wave, prefetch if start == 0 else [])
-                self._combine(x, ids, weights, wave, slots, ticket, out)
+                self._combine(x, plan, wave, slots, ticket, out)
             finally:
                 self.engine.release()  # a failed wave must not leave its slots pinned
         self._t_end = self.clock()
         return out
 
-    def _combine(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 wave: list[int], slots: list[int], ticket: int, out: torch.Tensor) -> None:
+    def _combine(self, x: torch.Tensor, plan: ExpertPlan, wave: list[int], slots: list[int],
+                 ticket: int, out: torch.Tensor) -> None:
         """The wave's experts whose bytes have landed run while the rest are on the link; the
         others after `ticket`; all are added to `out` in ascending id, as `resident` adds."""
         landed = self.engine.ready(slots) if COMPUTE_LANDED_FIRST else [False] * len(slots)
         parts: dict[int, Contribution | None] = {}
         for e, s, now in zip(wave, slots, landed):
             if now:
-                parts[e] = expert_contribution(x, ids, weights, e, self._slot_views[s])
+                parts[e] = expert_contribution(x, plan, e, self._slot_views[s])
         t0 = self.clock()
         self.engine.wait(ticket)
         self._wait_s += self.clock() - t0
         for e, s, now in zip(wave, slots, landed):
             if not now:
-                parts[e] = expert_contribution(x, ids, weights, e, self._slot_views[s])
+                parts[e] = expert_contribution(x, plan, e, self._slot_views[s])
         for e in wave:  # ascending
             accumulate(out, parts[e])
 

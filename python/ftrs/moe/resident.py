@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ftrs.layers.moe import combine_experts
+from ftrs.layers.moe import combine_experts, plan_experts
 from ftrs.models.experts import HostExperts
 from ftrs.moe.base import MoEStrategy, register
 
@@ -19,11 +19,12 @@ class ResidentStrategy(MoEStrategy):
         host = experts.host_bytes()
         self._region = host if device.type == "cpu" else host.to(device)
         self._weights = experts.views(self._region)
+        self._num_experts = experts.spec.num_experts
 
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
-        chosen = torch.unique(ids).tolist()  # ascending
+        plan = plan_experts(ids, weights, self._num_experts)
         per_layer = self._weights[layer]
-        combine_experts(x, ids, weights, chosen, lambda e: per_layer[e], out)
+        combine_experts(x, plan, None, plan.experts, lambda e: per_layer[e], out)
         return out

@@ -83,6 +83,7 @@ class Scheduler:
         for p in seq.pages:
             self.pool.unref(p)
         seq.pages = []
+        seq.slot_table = seq.slot_pages = None
 
     def _preempt(self, seq: Sequence) -> None:
         log.info("preempting %s (%d tokens) to free KV pages", seq.request_id, len(seq.tokens))

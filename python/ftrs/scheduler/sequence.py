@@ -32,6 +32,10 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_preemptions: int = 0
+    # cache slots of every page in `pages` (engine.batch.context_slots), and the page list
+    # they were expanded from: a new list (preemption, admission) is expanded afresh
+    slot_table: torch.Tensor | None = None
+    slot_pages: list[int] | None = None
     #: `EngineCore.logits`: every prompt position's logits are wanted, so the prompt is
     #: computed in full, never taken from the prefix cache.
     prompt_logits: bool = False
