@@ -124,7 +124,8 @@ class EngineCore:
                                              self.rt.kv)
             if self._prompt_logits:
                 self._keep_prompt_logits(work, hidden)
-            logits = self.rt.decoder.logits(hidden[batch.sample_rows]).cpu()
+            rows = hidden if batch.sample_all else hidden[batch.sample_rows]
+            sampled = sample(self.rt.decoder.logits(rows), batch.sample_seqs)  # on the device
         except DeviceError as err:  # say what the failed step carried (crash report, OOM)
             err.evidence.setdefault("failed_step", {
                 "step": self._step, "request_ids": [w.seq.request_id for w in work],
@@ -133,15 +134,22 @@ class EngineCore:
             raise
         for w in work:
             w.seq.num_computed += w.num_tokens
-        tokens, records = sample(logits, batch.sample_seqs)
-        events = [self._append(seq, tok, rec)
-                  for seq, tok, rec in zip(batch.sample_seqs, tokens, records)]
+        events = [self._append(seq, tok, rec, why)
+                  for seq, tok, rec, why in zip(batch.sample_seqs, *sampled)]
         kind = ("mixed" if batch.num_prefill_tokens and batch.num_decode_tokens
                 else "prefill" if batch.num_prefill_tokens else "decode")
         return events, self._stats(t0, kind, batch.num_prefill_tokens, batch.num_decode_tokens,
                                    prefix_hit=batch.prefix_hit_tokens)
 
-    def _append(self, seq: Sequence, tok: int, rec: object) -> TokenEvent:
+    def _append(self, seq: Sequence, tok: int | None, rec: object,
+                failure: str | None = None) -> TokenEvent:
+        if tok is None:  # the sampler found nothing to draw for this row: it fails alone
+            p = seq.params
+            err = InvalidRequest(f"sampling failed: {failure}", evidence={
+                "temperature": p.temperature, "repetition_penalty": p.repetition_penalty})
+            wire = {**err.to_dict(), "http_status": err.http_status, "code": err.code}
+            failed = self.fail_requests([seq.request_id], wire)
+            return failed[0] if failed else TokenEvent(seq.request_id, [], "error", error=wire)
         seq.tokens.append(tok)
         p = seq.params
         reason = None

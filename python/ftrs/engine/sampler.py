@@ -1,70 +1,179 @@
-"""Token sampling with the OpenAI parameters, one row per request.
+"""Token sampling with the OpenAI parameters, batched over the rows of a step.
 
 Order, as in common engines: penalties on the raw logits (repetition over prompt and output,
 presence and frequency over the output), then temperature, then top-k, top-p and min-p
-filtering, then a draw from the request's own seeded generator — so a seed gives the same
-tokens whether the request runs alone or in a batch. Temperature 0 is argmax. Reported
-logprobs are those of the model's raw distribution.
+filtering, then a draw from the request's own seeded generator. Every operation acts on each
+row alone, so a seed gives the same tokens whether the request runs alone or in a batch.
+Temperature 0 is argmax. Reported logprobs are those of the model's raw distribution.
+
+Rows split three ways, so the common case costs the least:
+- plain greedy rows (no penalty, no logprobs): argmax on the logits' device, only the ids
+  cross to the host;
+- every other row is copied to the host once and computed in float64, batched: penalties,
+  temperature, filters, softmax;
+- the draw: one uniform number per sampled row from its own generator, then one batched
+  inverse-CDF lookup (`searchsorted` over the cumulative probabilities).
+
+Overflow. `temperature` and `repetition_penalty` are any positive finite number (1e-300
+included), so the math must not overflow into nan. In float64 (range 1e308, where the fp32
+logits are at most 3.4e38) penalties stay finite or become +-inf, never nan; +inf (a seen token
+divided by a tiny penalty) is capped to the largest double, -inf kept. Temperature divides the
+row minus its maximum: the numerator is in [-inf, 0], the maximum itself gives exactly 0, so the
+scaled row is never nan and its softmax has at least one exp(0) = 1. A temperature far below a
+logit gap thus gives that gap -inf, which is the limit of the math (argmax), not an error. A
+row that still has no finite probability (the model produced nan or -inf everywhere) is reported
+in `SampleOutput.errors`: that request fails alone, the others in the step go on.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from ftrs.engine.protocol import TokenLogprob
 from ftrs.scheduler.sequence import Sequence
 
+_MAX = torch.finfo(torch.float64).max
 
-def _penalize(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+
+class SampleOutput(NamedTuple):
+    """Per row: the token (None when the row failed), its logprob record, and why it failed."""
+
+    tokens: list[int | None]
+    records: list[TokenLogprob | None]
+    errors: list[str | None]
+
+
+def _plain_greedy(seq: Sequence) -> bool:
     p = seq.params
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(seq.tokens)), dtype=torch.long, device=row.device)
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and seq.num_output:
-        out = torch.tensor(seq.output_tokens, dtype=torch.long, device=row.device)
-        counts = torch.bincount(out, minlength=row.numel()).to(row.dtype)
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-    return row
+    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty)
 
 
-def _filter(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
-    p = seq.params
-    if p.top_k > 0 and p.top_k < row.numel():
-        kth = torch.topk(row, p.top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    if p.top_p < 1.0:
-        sorted_logits, order = torch.sort(row, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest set reaching top_p
-        row = row.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    if p.min_p > 0.0:
-        probs = torch.softmax(row, dim=-1)
-        row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
-    return row
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
+    """`logits`: (len(seqs), vocab), on any device. One token per sequence."""
+    n = len(seqs)
+    tokens: list[int | None] = [None] * n
+    records: list[TokenLogprob | None] = [None] * n
+    errors: list[str | None] = [None] * n
+    fast = [i for i, s in enumerate(seqs) if _plain_greedy(s)]
+    if fast:
+        rows = logits if len(fast) == n else logits[torch.tensor(fast, device=logits.device)]
+        best, arg = rows.max(dim=-1)
+        ok = torch.isfinite(best)  # a nan or all -inf row has nothing to pick
+        for i, tok, good in zip(fast, arg.tolist(), ok.tolist()):
+            if good:
+                tokens[i] = tok
+            else:
+                errors[i] = "the model's logits have no finite value"
+    slow = [i for i in range(n) if not _plain_greedy(seqs[i])]
+    if slow:
+        raw = (logits if len(slow) == n else
+               logits[torch.tensor(slow, device=logits.device)]).to("cpu", torch.float32)
+        _sample_rows(raw, [seqs[i] for i in slow], slow, tokens, records, errors)
+    return SampleOutput(tokens, records, errors)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]
-           ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """`logits`: (len(seqs), vocab) fp32. Returns one token per sequence and its logprob record."""
-    tokens: list[int] = []
-    records: list[TokenLogprob | None] = []
-    for i, seq in enumerate(seqs):
-        raw = logits[i]
-        p = seq.params
-        row = _penalize(raw.clone(), seq)
-        if p.greedy:
-            tok = int(torch.argmax(row))
-        else:
-            row = _filter(row / p.temperature, seq)
-            probs = torch.softmax(row, dim=-1)
-            tok = int(torch.multinomial(probs, 1, generator=seq.generator))
-        tokens.append(tok)
-        if p.logprobs is not None:
-            lp = torch.log_softmax(raw, dim=-1)
-            top = torch.topk(lp, p.logprobs) if p.logprobs else None
-            alts = list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else []
-            records.append(TokenLogprob(tok, float(lp[tok]), alts))
-        else:
-            records.append(None)
-    return tokens, records
+def _sample_rows(raw: torch.Tensor, seqs: list[Sequence], where: list[int],
+                 tokens: list[int | None], records: list[TokenLogprob | None],
+                 errors: list[str | None]) -> None:
+    """The rows that need more than an argmax; `raw`: (rows, vocab) fp32 on the host."""
+    x = _penalize(raw.double(), seqs)
+    greedy = [s.params.greedy for s in seqs]
+    picked: list[int | None] = [None] * len(seqs)
+    if any(greedy):
+        best, arg = x.max(dim=-1)
+        for r, (g, tok, b) in enumerate(zip(greedy, arg.tolist(), best.tolist())):
+            if g:
+                picked[r] = tok if b > -float("inf") else None
+    drawn = [r for r, g in enumerate(greedy) if not g]
+    if drawn:
+        for r, tok in zip(drawn, _draw(x[drawn], [seqs[r] for r in drawn])):
+            picked[r] = tok
+    lp_rows = [r for r, s in enumerate(seqs) if s.params.logprobs is not None]
+    lp = top = None
+    if lp_rows:
+        lp = torch.log_softmax(raw[lp_rows], dim=-1)  # the model's own distribution
+        k = max(seqs[r].params.logprobs or 0 for r in lp_rows)
+        top = torch.topk(lp, k) if k else None
+    for r, tok in enumerate(picked):
+        i = where[r]
+        if tok is None:
+            errors[i] = "no token has a finite probability after the sampling parameters"
+            continue
+        tokens[i] = tok
+        if lp is not None and r in lp_rows:
+            j = lp_rows.index(r)
+            want = seqs[r].params.logprobs or 0
+            alts: list[tuple[int, float]] = []
+            if top is not None and want:
+                alts = list(zip(top.indices[j, :want].tolist(), top.values[j, :want].tolist()))
+            records[i] = TokenLogprob(tok, float(lp[j, tok]), alts)
+
+
+def _penalize(x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Repetition, presence and frequency penalties, each row by its own request's values."""
+    n, vocab = x.shape
+    rep = torch.tensor([s.params.repetition_penalty for s in seqs], dtype=torch.float64)
+    if bool((rep != 1.0).any()):
+        seen = torch.zeros(n, vocab, dtype=torch.bool)
+        for r, s in enumerate(seqs):
+            if s.params.repetition_penalty != 1.0:
+                seen[r, torch.tensor(s.tokens, dtype=torch.long)] = True
+        pen = rep[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / pen, x * pen), x)
+    pres = [s.params.presence_penalty for s in seqs]
+    freq = [s.params.frequency_penalty for s in seqs]
+    if any(pres) or any(freq):
+        counts = torch.zeros(n, vocab, dtype=torch.float64)
+        for r, s in enumerate(seqs):
+            if (pres[r] or freq[r]) and s.num_output:
+                out = torch.tensor(s.output_tokens, dtype=torch.long)
+                counts[r].index_add_(0, out, torch.ones(out.numel(), dtype=torch.float64))
+        f = torch.tensor(freq, dtype=torch.float64)[:, None]
+        p = torch.tensor(pres, dtype=torch.float64)[:, None]
+        x = x - (f * counts + p * (counts > 0).double())
+    return x.nan_to_num(nan=-float("inf"), posinf=_MAX, neginf=-float("inf"))  # see above
+
+
+def _draw(x: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
+    """Temperature, top-k, top-p, min-p, then one draw per row from its own generator.
+    `x`: (rows, vocab) float64 penalised logits. None for a row with no finite probability."""
+    n, vocab = x.shape
+    temp = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float64)[:, None]
+    top = x.max(dim=-1, keepdim=True).values
+    # (x - max) <= 0 and finite or -inf; max - max = 0: no nan whatever the temperature;
+    # a row whose max is -inf has nothing finite: (-inf) - (-inf) = nan, caught below
+    x = (x - top) / temp
+    ks = [s.params.top_k if 0 < s.params.top_k < vocab else 0 for s in seqs]
+    if any(ks):
+        kth = torch.topk(x, max(ks), dim=-1).values  # (rows, max k) descending
+        idx = torch.tensor([max(k, 1) - 1 for k in ks])[:, None]
+        cut = kth.gather(1, idx)
+        cut[torch.tensor(ks) == 0] = -float("inf")
+        x = x.masked_fill(x < cut, -float("inf"))
+    top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float64)[:, None]
+    if bool((top_p < 1.0).any()):
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        drop = (probs.cumsum(-1) - probs > top_p) & (top_p < 1.0)  # keep the smallest set
+        x = x.scatter(1, order, sorted_x.masked_fill(drop, -float("inf")))
+    min_p = torch.tensor([s.params.min_p for s in seqs], dtype=torch.float64)[:, None]
+    if bool((min_p > 0).any()):
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, -float("inf"))
+    probs = torch.softmax(x, dim=-1)
+    cdf = probs.cumsum(dim=-1)  # (rows, vocab), non-decreasing
+    total = cdf[:, -1:]
+    good = torch.isfinite(total) & (total > 0)  # (rows, 1)
+    cdf = torch.where(good, cdf, 0.0)
+    u = torch.empty(n, 1, dtype=torch.float64)
+    for r, s in enumerate(seqs):
+        u[r, 0] = float(torch.rand((), dtype=torch.float64, generator=s.generator))
+    # the first token whose cumulative probability exceeds u * total: never one of probability
+    # 0; `last` (the last token of positive probability) catches u * total rounding to total
+    picked = torch.searchsorted(cdf, u * torch.where(good, total, 0.0), right=True)
+    last = (probs > 0).cumsum(dim=-1).argmax(dim=-1, keepdim=True)
+    picked = torch.minimum(picked, last).squeeze(1)
+    return [int(t) if g else None for t, g in zip(picked.tolist(), good.squeeze(1).tolist())]
