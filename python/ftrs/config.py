@@ -32,13 +32,14 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     kernels: str = "auto"  # auto | torch | triton: Triton kernels on CUDA (auto), or force one side
-    moe_strategy: str = "resident"  # resident | offload
+    moe_strategy: str = "resident"  # resident | offload | hybrid
     moe_cache_size: int | None = None  # device expert slots (offload)
     moe_cache_rate: float | None = None  # fraction of all experts (offload)
     moe_cache_policy: str = "lru"  # lru | lfru
     moe_prefetch: bool = True
     copy_backend: str = "auto"  # auto | host | simulated:GBPS[:LAT_US] | cuda
     pcie_pacing: float | None = None  # GB/s; None = off
+    cpu_expert_threads: int | None = None  # CPU expert kernels (hybrid); None = physical cores - 1, >= 1
     max_prefill_length: int = 8192  # token budget of one step
     max_running_requests: int = 64
     page_size: int = 16
@@ -74,7 +75,9 @@ class EngineConfig:
             from ftrs.engine.faults import parse_fault_spec
 
             parse_fault_spec(self.fault_inject)
-        if self.moe_strategy not in ("resident", "offload", "auto"):
+        if self.cpu_expert_threads is not None and self.cpu_expert_threads < 1:
+            raise ConfigError(f"cpu_expert_threads: must be >= 1, got {self.cpu_expert_threads}")
+        if self.moe_strategy not in ("resident", "offload", "hybrid", "auto"):
             raise ConfigError(f"moe_strategy: unknown strategy {self.moe_strategy!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype: unknown dtype {self.dtype!r}")

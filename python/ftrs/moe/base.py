@@ -60,7 +60,7 @@ def import_strategy(name: str) -> None:
     """Import the module of a built-in strategy, which registers it."""
     import importlib
 
-    if name in ("resident", "offload"):
+    if name in ("resident", "offload", "hybrid"):
         importlib.import_module(f"ftrs.moe.{name}")
 
 

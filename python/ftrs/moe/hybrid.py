@@ -1,0 +1,333 @@
+"""`hybrid`: missed experts computed on the CPU where the link would cost more.
+
+Per MoE layer and step, the experts the routed tokens need are split three ways:
+
+- **hits**: already in a device slot: computed on the device, as `offload` does;
+- **fetched**: missing, copied over the link through the same transfer engine as `offload`
+  (this class extends `OffloadStrategy`: slots, lookup, prefetch and stats are its);
+- **CPU**: missing, computed from the host pool where the bytes already live, on the tokens
+  routed to them, in a worker thread while the device part runs (the Rust kernels release the
+  GIL; torch's CPU matmuls do too).
+
+The split comes from `CostModel`: a miss on the link costs `latency + bytes / link rate` plus
+its compute on the device; on the CPU it costs `tokens x seconds per token`, measured per block
+type and per power-of-two bucket of tokens per expert (a decode token reads the whole expert
+for one row; a prefill expert with 64 rows reuses each weight 64 times, so the two regimes get
+their own rates). All estimates are exponential moving averages of this strategy's own timings,
+so a link slowed by the adaptive guard or a busy CPU moves the split within a few steps. When
+the CPU and the device work at the same time (a GPU), the split minimises the longer of the two;
+when the device *is* the CPU it minimises their sum, which on a CPU-only host sends every miss
+to the CPU: copying bytes from host memory into "device" memory that is host memory only costs.
+
+Results are added in ascending expert id, whatever computed them (`layers.moe.accumulate`), so
+hybrid equals `resident` bit for bit whenever both sides compute in the same dtype with the same
+kernels. On a CPU device the CPU share runs through `layers.moe.expert_mlp` on views of the host
+pool, the very code `resident` runs (torch for float weights, the Rust kernels for quantized
+ones): bit-identical. The Rust F32 kernel does not reproduce torch's fp32 sums bit for bit, so
+on a CPU device float weights stay with torch. With a GPU as the device, float host weights are
+handed to the Rust kernels as F32/F16/BF16 rows and the CPU share computes in fp32.
+
+Prefetch (the next layer's predicted experts) runs only when the device is not the CPU: a hit
+computed on a CPU "device" is no faster than the same expert computed from the host pool.
+`--cpu-expert-threads` sets the Rust kernels' thread count.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ftrs import _core
+from ftrs.config import EngineConfig
+from ftrs.layers.moe import (
+    Contribution,
+    ExpertPlan,
+    ExpertWeights,
+    accumulate,
+    expert_contribution,
+    plan_experts,
+)
+from ftrs.models.experts import HostExperts
+from ftrs.moe.base import register
+from ftrs.moe.offload import OffloadStrategy
+from ftrs.quant.formats import QuantTensor
+
+log = logging.getLogger(__name__)
+#: Weight of a new sample in each moving estimate.
+EWMA_ALPHA = 0.3
+#: Assumed before the first measurement: host memory streamed by the CPU kernels...
+SEED_CPU_BYTES_PER_S = 8e9
+#: ...and a link of unknown speed (a PCIe 4.0 x16 link's practical rate).
+SEED_LINK_BYTES_PER_S = 20e9
+_FLOAT_QTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def bucket(tokens: int) -> int:
+    """The power of two at or below `tokens` (>= 1): the key of a CPU rate."""
+    return 1 << (max(tokens, 1).bit_length() - 1)
+
+
+class CostModel:
+    """Expected seconds of a missed expert on the link and on the CPU, from moving estimates.
+
+    Pure: no clock, no threads. `split` decides; `observe_*` feed measurements back. Every
+    estimate may be injected (tests, or a profile's figures) through the constructor.
+    """
+
+    def __init__(self, link_bytes_per_s: float, link_latency_s: float,
+                 cpu_s_per_token: float, device_s_per_token: float = 0.0,
+                 device_is_cpu: bool = False, alpha: float = EWMA_ALPHA,
+                 learn: bool = True) -> None:
+        if link_bytes_per_s <= 0 or cpu_s_per_token <= 0:
+            raise ValueError("cost model: rates must be > 0")
+        self.link_bytes_per_s = link_bytes_per_s
+        self.link_latency_s = link_latency_s
+        self.seed_cpu_s_per_token = cpu_s_per_token  # for (format, bucket)s never measured
+        self.device_s_per_token = device_s_per_token  # a fetched expert's compute, per token
+        self.device_is_cpu = device_is_cpu  # device compute = CPU compute; the two never overlap
+        self.alpha = alpha
+        self.learn = learn  # False: the estimates stay as injected
+        self.cpu: dict[tuple[str, int], float] = {}  # (block format, bucket) -> s per token
+
+    # ------------------------------------------------------------------ estimates
+
+    def cpu_rate(self, fmt: str, tokens: int) -> float:
+        """Seconds per token of one expert on `tokens` rows: the bucket's own estimate, else the
+        nearest measured bucket of the same format (below first), else the seed."""
+        b = bucket(tokens)
+        if (fmt, b) in self.cpu:
+            return self.cpu[(fmt, b)]
+        known = sorted(k for f, k in self.cpu if f == fmt)
+        below = [k for k in known if k < b]
+        if below:
+            return self.cpu[(fmt, below[-1])]
+        return self.cpu[(fmt, known[0])] if known else self.seed_cpu_s_per_token
+
+    def cpu_cost(self, fmt: str, tokens: int) -> float:
+        return tokens * self.cpu_rate(fmt, tokens)
+
+    def link_cost(self, fmt: str, nbytes: int, tokens: int) -> float:
+        """Copy one expert, then compute it on the device."""
+        compute = (self.cpu_cost(fmt, tokens) if self.device_is_cpu
+                   else tokens * self.device_s_per_token)
+        return self.link_latency_s + nbytes / self.link_bytes_per_s + compute
+
+    # ------------------------------------------------------------------ the split
+
+    def split(self, misses: list[tuple[int, int]], nbytes: int, fmt: str,
+              room: int) -> tuple[list[int], list[int]]:
+        """`misses`: (expert, tokens routed to it). Returns (CPU experts, experts to fetch), each
+        ascending. At most `room` are fetched (free device slots). The CPU takes the experts with
+        the fewest tokens first: its cost grows with the tokens, the link's hardly does. Of the
+        `k` cheapest-on-CPU prefixes the one with the least expected time wins (ties: the CPU,
+        fewer bytes on the link)."""
+        order = sorted(misses, key=lambda m: (m[1], m[0]))
+        cpu = [self.cpu_cost(fmt, t) for _, t in order]
+        link = [self.link_cost(fmt, nbytes, t) for _, t in order]
+        n = len(order)
+        best_k, best = n, float("inf")
+        c_sum, l_rest = 0.0, sum(link)
+        for k in range(n + 1):
+            if n - k <= room:
+                cost = c_sum + l_rest if self.device_is_cpu else max(c_sum, l_rest)
+                if cost <= best:
+                    best_k, best = k, cost
+            if k < n:
+                c_sum += cpu[k]
+                l_rest -= link[k]
+        return (sorted(e for e, _ in order[:best_k]), sorted(e for e, _ in order[best_k:]))
+
+    # ------------------------------------------------------------------ measurements
+
+    def _avg(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
+
+    def observe_cpu(self, fmt: str, tokens: int, seconds: float) -> None:
+        """One expert computed on the CPU on `tokens` rows took `seconds`."""
+        if self.learn and tokens > 0 and seconds > 0:
+            key = (fmt, bucket(tokens))
+            self.cpu[key] = self._avg(self.cpu.get(key), seconds / tokens)
+
+    def observe_link(self, nbytes: int, copies: int, seconds: float) -> None:
+        """`copies` experts (`nbytes` in all) were on the link for `seconds` (from the lookup
+        to the end of the wait: an upper bound of the copy time)."""
+        wire = seconds - copies * self.link_latency_s
+        if self.learn and nbytes > 0 and wire > 0:
+            self.link_bytes_per_s = self._avg(self.link_bytes_per_s, nbytes / wire)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"link_bytes_per_s": self.link_bytes_per_s,
+                "link_latency_s": self.link_latency_s,
+                "cpu_s_per_token": {f"{f}/{b}": v for (f, b), v in sorted(self.cpu.items())}}
+
+
+def seed_link(backend: str) -> tuple[float, float]:
+    """(bytes/s, latency s) assumed for a backend before it is measured: a simulated link's own
+    figures, else a fast link (so the first misses try it and measure it)."""
+    if backend.startswith("simulated:"):
+        parts = backend.split(":")
+        try:
+            gbps = float(parts[1])
+            lat_us = float(parts[2]) if len(parts) > 2 else 0.0
+            return gbps * 1e9, lat_us * 1e-6
+        except ValueError:
+            pass
+    return SEED_LINK_BYTES_PER_S, 10e-6 if backend == "cuda" else 0.0
+
+
+def layer_format(experts: HostExperts, layer: int) -> str:
+    """The block types of a layer's gate/up/down, e.g. "Q4_K/Q4_K/Q6_K" or "float32"."""
+    fmt = experts.formats[layer]
+    if all(f.qtype is None for f in fmt):
+        return str(experts.dtype).removeprefix("torch.")
+    return "/".join(f.qtype or "plain" for f in fmt)
+
+
+def _kernel_weight(w: Any) -> Any:
+    """A float host view as rows for the Rust kernels (quantized views are already)."""
+    if isinstance(w, torch.Tensor) and w.dtype in _FLOAT_QTYPE:
+        return QuantTensor(_FLOAT_QTYPE[w.dtype], (w.shape[0], w.shape[1]),
+                           w.reshape(-1).view(torch.uint8))
+    return w
+
+
+@register("hybrid")
+class HybridStrategy(OffloadStrategy):
+    name = "hybrid"
+
+    def __init__(self, experts: HostExperts, device: torch.device, config: EngineConfig,
+                 routers: dict[int, torch.Tensor], **kw: object) -> None:
+        super().__init__(experts, device, config, routers, **kw)
+        self.device = device
+        self.threads = config.cpu_expert_threads or int(_core.quant_threads())
+        _core.quant_set_threads(self.threads)  # the kernels' pool for every call passing 0
+        on_cpu = device.type == "cpu"
+        self.prefetch = self.prefetch and not on_cpu  # module docstring
+        views = experts.views(experts.host_bytes())
+        self.host_weights: dict[int, list[ExpertWeights]] = views if on_cpu else {
+            layer: [(_kernel_weight(g), _kernel_weight(u), _kernel_weight(d))
+                    for g, u, d in ws] for layer, ws in views.items()}
+        self.formats = {layer: layer_format(experts, layer) for layer in self.spec.moe_layers}
+        rate, latency = seed_link(self.backend)
+        self.cost = CostModel(rate, latency,
+                              cpu_s_per_token=experts.expert_bytes / SEED_CPU_BYTES_PER_S,
+                              device_is_cpu=on_cpu)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrs-cpu-experts")
+        self.device_computed = self.fetched = self.cpu_computed = 0
+        self.step_counts = [0, 0, 0]  # this step: device (hits), fetched, CPU
+        log.info("hybrid: CPU experts on %d kernel threads; link seed %.2f GB/s",
+                 self.threads, rate / 1e9)
+
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        li = self.experts.layer_index[layer]
+        self._slot_views = self.slot_weights[layer]
+        plan = plan_experts(ids, weights, self.spec.num_experts)
+        needed = plan.experts  # ascending
+        self.distinct_per_layer.append(len(needed))
+        self._score_guess(layer, needed)
+        prefetch = self._predict(layer, x)
+        resident = {e for lay, e, _ in self.engine.resident() if lay == li}
+        hits = [e for e in needed if e in resident]
+        misses = [(e, plan.counts[e]) for e in needed if e not in resident]
+        fmt = self.formats[layer]
+        on_cpu, fetch = self.cost.split(misses, self.experts.expert_bytes, fmt,
+                                        room=self.num_slots - len(hits))
+        parts: dict[int, Contribution | None] = {}
+        job: Future[dict[int, Contribution | None]] | None = None
+        if on_cpu and (fetch or x.device.type != "cpu"):
+            job = self._pool.submit(self._cpu_parts, layer, x, plan, on_cpu)  # overlaps
+        device = sorted(hits + fetch)
+        if device or prefetch:
+            t0 = self.clock()
+            try:
+                slots, ticket = self._lookup(li, device, prefetch)
+                parts.update(self._device_parts(x, plan, device, slots, ticket))
+            finally:
+                self.engine.release()
+            if fetch:
+                self.cost.observe_link(len(fetch) * self.experts.expert_bytes, len(fetch),
+                                       self.clock() - t0)
+        if on_cpu:
+            parts.update(job.result() if job is not None else
+                         self._cpu_parts(layer, x, plan, on_cpu))
+        out = torch.zeros_like(x)
+        for e in needed:  # ascending, as every strategy adds
+            accumulate(out, parts[e])
+        for i, n in enumerate((len(hits), len(fetch), len(on_cpu))):
+            self.step_counts[i] += n
+        self.device_computed += len(hits)
+        self.fetched += len(fetch)
+        self.cpu_computed += len(on_cpu)
+        self._t_end = self.clock()
+        return out
+
+    def _score_guess(self, layer: int, needed: list[int]) -> None:
+        """Precision of the prefetch guess for this layer (offload's prefetch gate reads it)."""
+        guess = self._predicted.pop(layer, None)
+        if guess is None:
+            return
+        hits = len(guess.intersection(needed))
+        self.pred_issued += len(guess)
+        self.pred_needed += len(needed)
+        self.pred_hits += hits
+        if guess:
+            p, old = hits / len(guess), self._precision[self._wide]
+            self._precision[self._wide] = p if old is None else 0.8 * old + 0.2 * p
+
+    def _device_parts(self, x: torch.Tensor, plan: ExpertPlan, device: list[int],
+                      slots: list[int], ticket: int) -> dict[int, Contribution | None]:
+        """The slots' experts: those landed first, the rest after the ticket's copies."""
+        landed = self.engine.ready(slots)
+        parts = {e: expert_contribution(x, plan, e, self._slot_views[s])
+                 for e, s, now in zip(device, slots, landed) if now}
+        t0 = self.clock()
+        self.engine.wait(ticket)
+        self._wait_s += self.clock() - t0
+        for e, s, now in zip(device, slots, landed):
+            if not now:
+                parts[e] = expert_contribution(x, plan, e, self._slot_views[s])
+        return parts
+
+    def _cpu_parts(self, layer: int, x: torch.Tensor, plan: ExpertPlan,
+                   experts: list[int]) -> dict[int, Contribution | None]:
+        """`experts` computed from the host pool (any thread); results on x's device."""
+        dev = x.device
+        if dev.type != "cpu":
+            x = x.cpu()
+            plan = plan._replace(tokens=plan.tokens.cpu(), weights=plan.weights.cpu())
+        host, fmt = self.host_weights[layer], self.formats[layer]
+        parts: dict[int, Contribution | None] = {}
+        for e in experts:
+            t0 = time.perf_counter()
+            part = expert_contribution(x, plan, e, host[e])
+            self.cost.observe_cpu(fmt, plan.counts[e], time.perf_counter() - t0)
+            if part is not None and dev.type != "cpu":
+                part = (part[0].to(dev), part[1].to(dev, x.dtype))
+            parts[e] = part
+        return parts
+
+    def begin_forward(self, num_tokens: int) -> None:
+        super().begin_forward(num_tokens)
+        self.step_counts = [0, 0, 0]
+
+    def stats(self) -> dict[str, Any]:
+        s = super().stats()
+        split = self.cost.snapshot()
+        s |= {"device_computed": self.device_computed, "fetched": self.fetched,
+              "cpu_computed": self.cpu_computed,
+              "step_device_computed": self.step_counts[0], "step_fetched": self.step_counts[1],
+              "step_cpu_computed": self.step_counts[2],
+              "split_link_bytes_per_s": split["link_bytes_per_s"],
+              "split_link_latency_s": split["link_latency_s"],
+              "split_cpu_s_per_token": split["cpu_s_per_token"],
+              "cpu_expert_threads": self.threads}
+        return s
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        super().close()

@@ -1,0 +1,171 @@
+"""The hybrid strategy: bit-identical to `resident`, and split as its cost model says.
+
+Oracles: `resident`'s logits (exact: hybrid adds every expert's contribution in the same
+ascending order, from the same kernels, on a CPU device); for the split, the arithmetic of the
+injected estimates (link: latency + bytes / rate, plus device compute; CPU: tokens x rate).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ftrs.config import EngineConfig
+from ftrs.errors import ConfigError
+from ftrs.llm import LLM
+from ftrs.moe.hybrid import CostModel, HybridStrategy, bucket
+from ftrs.sampling import SamplingParams
+
+MOE_ARCHS = ("mixtral", "qwen3_moe")
+IDS = [3, 17, 250, 41, 99, 500, 7, 8, 311, 42, 42, 42, 130, 64, 255, 1, 300, 12, 77, 5]
+PROMPTS = [IDS, IDS[:5], IDS[3:17]]
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+EB = 1 << 20  # bytes of one expert in the split tests
+
+
+def make(path: Path, **options: Any) -> LLM:
+    return LLM(str(path), kv_tokens=2048, dtype="float32", device="cpu", max_prefill_length=7,
+               **options)
+
+
+def run(llm: LLM, before: Any = None) -> tuple[torch.Tensor, list[list[int]]]:
+    if before is not None:
+        before(llm)
+    prefill = llm.logits(IDS)
+    outs = llm.generate(PROMPTS, GREEDY)
+    return prefill, [o.token_ids for o in outs]
+
+
+def hybrid(llm: LLM) -> HybridStrategy:
+    moe = llm.engine.rt.moe
+    assert isinstance(moe, HybridStrategy)
+    return moe
+
+
+def fast_link(llm: LLM) -> None:
+    """A link that costs nothing and a device that computes for free: every miss is fetched."""
+    hybrid(llm).cost = CostModel(1e15, 0.0, cpu_s_per_token=1.0, learn=False)
+
+
+def slow_link(llm: LLM) -> None:
+    hybrid(llm).cost = CostModel(1.0, 1.0, cpu_s_per_token=1e-9, learn=False)
+
+
+def alternating(llm: LLM) -> None:
+    """Single-token experts on the CPU, wider ones on the link (estimates frozen)."""
+    hybrid(llm).cost = CostModel(1e12, 2.5e-6, cpu_s_per_token=2e-6, learn=False)
+
+
+@pytest.mark.parametrize("split", [None, fast_link, slow_link, alternating],
+                         ids=["measured", "fast-link", "slow-link", "by-tokens"])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_hybrid_equals_resident_bit_for_bit(tiny_models: dict[str, Path], arch: str,
+                                            split: Any) -> None:
+    ref = make(tiny_models[arch], moe_strategy="resident")
+    want = run(ref)
+    ref.close()
+    llm = make(tiny_models[arch], moe_strategy="hybrid", moe_cache_rate=0.5,
+               cpu_expert_threads=1)
+    try:
+        got = run(llm, split)
+        s = hybrid(llm).stats()
+    finally:
+        llm.close()
+    assert torch.equal(got[0], want[0])
+    assert got[1] == want[1]
+    if split is fast_link:
+        assert s["cpu_computed"] == 0 and s["fetched"] > 0 and s["device_computed"] > 0
+    if split is slow_link:
+        assert s["fetched"] == 0 and s["cpu_computed"] > 0 and s["demand_fetches"] == 0
+    if split is alternating:
+        assert s["fetched"] > 0 and s["cpu_computed"] > 0
+
+
+def test_quantized_hybrid_equals_resident(tmp_path: Path) -> None:
+    quant_models = pytest.importorskip("quant_models")
+    path = quant_models.build("qwen3_moe", quant_models.QWEN3MOE_TYPES, tmp_path)[0]
+    ref = make(path, moe_strategy="resident")
+    want = run(ref)
+    ref.close()
+    for split in (fast_link, alternating, slow_link):
+        llm = make(path, moe_strategy="hybrid", moe_cache_size=5)
+        try:
+            got = run(llm, split)
+            s = hybrid(llm).stats()
+        finally:
+            llm.close()
+        assert torch.equal(got[0], want[0]), split.__name__
+        assert got[1] == want[1], split.__name__
+        assert s["fetched"] + s["cpu_computed"] > 0
+
+
+def test_cpu_expert_threads_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="cpu_expert_threads"):
+        EngineConfig(cpu_expert_threads=0)
+    with pytest.raises(ConfigError, match="unknown strategy"):
+        EngineConfig(moe_strategy="hybird")
+
+
+# --- the split ----------------------------------------------------------------------------------
+
+
+def test_slow_link_sends_misses_to_the_cpu() -> None:
+    # link: 1 MiB at 0.1 GB/s = 10.5 ms per expert; CPU: 1 ms per token
+    cm = CostModel(0.1e9, 0.0, cpu_s_per_token=1e-3)
+    cpu, fetch = cm.split([(1, 1), (4, 2), (6, 1)], EB, "f", room=8)
+    assert (cpu, fetch) == ([1, 4, 6], [])
+
+
+def test_fast_link_takes_the_misses() -> None:
+    # link: 1 MiB at 50 GB/s = 21 us per expert, device compute free; CPU: 1 ms per token
+    cm = CostModel(50e9, 0.0, cpu_s_per_token=1e-3)
+    cpu, fetch = cm.split([(1, 1), (4, 2), (6, 1)], EB, "f", room=8)
+    assert (cpu, fetch) == ([], [1, 4, 6])
+
+
+def test_fetches_never_exceed_the_free_slots() -> None:
+    cm = CostModel(50e9, 0.0, cpu_s_per_token=1e-3)
+    cpu, fetch = cm.split([(1, 1), (4, 3), (6, 2)], EB, "f", room=1)
+    assert (cpu, fetch) == ([1, 6], [4])  # the widest goes to the link
+
+
+def test_prefill_chunk_hot_expert_to_link_cold_ones_to_cpu() -> None:
+    """Device is the CPU (costs add): link = 1 ms + CPU compute, CPU = tokens x 0.1 ms.
+    Cold (1 token): CPU 0.1 ms < link 1.1 ms. Hot (64 tokens, own bucket rate 0.01 ms/token):
+    CPU 0.64 ms < link 1 ms + 0.64 ms: on a CPU device the CPU still wins, as it must."""
+    cm = CostModel(1e15, 1e-3, cpu_s_per_token=1e-4, device_is_cpu=True)
+    misses = [(0, 1), (3, 64), (5, 1), (7, 2)]
+    assert cm.split(misses, EB, "f", room=8) == ([0, 3, 5, 7], [])
+    # With a GPU device (overlap, device compute 1 us/token) the hot expert is cheaper on the
+    # link: CPU 6.4 ms (0.1 ms x 64) vs link 1 ms + 64 us; the cold ones (0.1-0.2 ms each, 0.4 ms
+    # together) run beside it.
+    cm = CostModel(1e15, 1e-3, cpu_s_per_token=1e-4, device_s_per_token=1e-6)
+    assert cm.split(misses, EB, "f", room=8) == ([0, 5, 7], [3])
+
+
+def test_overlap_balances_the_two_sides() -> None:
+    """Four one-token misses, 1 ms each on either side, running at the same time: two and two
+    (2 ms) beats four on one side (4 ms); ties go to the CPU."""
+    cm = CostModel(EB / 1e-3, 0.0, cpu_s_per_token=1e-3)
+    cpu, fetch = cm.split([(e, 1) for e in range(4)], EB, "f", room=8)
+    assert (len(cpu), len(fetch)) == (2, 2)
+
+
+def test_decode_and_prefill_get_their_own_rates() -> None:
+    cm = CostModel(1e9, 0.0, cpu_s_per_token=1.0, alpha=0.5)
+    cm.observe_cpu("q", 1, 2e-3)  # decode: 2 ms for one token
+    cm.observe_cpu("q", 64, 6.4e-3)  # prefill: 0.1 ms per token
+    assert cm.cpu_rate("q", 1) == pytest.approx(2e-3)
+    assert cm.cpu_rate("q", 100) == pytest.approx(1e-4)  # bucket 64
+    assert cm.cpu_rate("q", 8) == pytest.approx(2e-3)  # nearest measured bucket below
+    assert cm.cpu_rate("other", 1) == 1.0  # never measured: the seed
+    cm.observe_cpu("q", 1, 4e-3)
+    assert cm.cpu_rate("q", 1) == pytest.approx(0.5 * 2e-3 + 0.5 * 4e-3)
+    # the link: 1 MB in 2 ms with 0.5 ms latency per copy -> 1e6 / 1.5e-3 bytes/s
+    link = CostModel(1e9, 0.5e-3, cpu_s_per_token=1.0, alpha=1.0)
+    link.observe_link(1_000_000, 1, 2e-3)
+    assert link.link_bytes_per_s == pytest.approx(1e6 / 1.5e-3)
+    assert [bucket(t) for t in (1, 2, 3, 4, 63, 64, 65)] == [1, 2, 2, 4, 32, 64, 64]
