@@ -1,0 +1,129 @@
+"""Quantized CPU kernels: GB/s and GFLOP/s per GGUF type at n = 1 and n = 8, side by side with
+a numpy fp32 matmul of the same shape and the host's memcpy bandwidth, measured in one run.
+
+    .venv/bin/python bench/quant_kernels.py [--rows 2048] [--cols 4096] [--threads 0]
+
+Each type gets enough distinct copies of a `rows x cols` weight to fill `--working-set` MiB,
+cycled through so the weights stream from memory as a model's experts do (not from cache).
+Times are medians of `--repeats` passes. Printed as one JSON object:
+
+- `memcpy_gbps`: bytes copied per second by numpy (a copy reads and writes each byte);
+- per type and n: `ms`, `gbps` (weight bytes read per second), `gflops` (2 n rows cols / s),
+  `bytes_per_weight`, `vs_fp32_numpy` (numpy fp32 time / kernel time: > 1 is faster),
+  `vs_f32_kernel` (this kernel's own F32 time / this type's: the decode speed-up a quantized
+  model gets over its fp32 form) and `of_memcpy` (gbps / memcpy_gbps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+from ftrs import _core as core
+
+TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+# Byte offsets of each block's fp16 scales (ggml block structs): set finite in random blocks.
+SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
+                "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_weight(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Valid random blocks: random bytes with finite fp16 scales (floats for F32/F16/BF16)."""
+    if qtype == "F32":
+        return rng.standard_normal(rows * cols, dtype=np.float32).view(np.uint8)
+    if qtype in ("F16", "BF16"):
+        f = rng.standard_normal(rows * cols, dtype=np.float32)
+        if qtype == "F16":
+            return f.astype(np.float16).view(np.uint8)
+        return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    block, nbytes = core.quant_block_info(qtype)
+    blocks = rng.integers(0, 256, (rows * cols // block, nbytes), dtype=np.uint8)
+    for off in SCALE_FIELDS[qtype]:
+        scale = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
+        blocks[:, off:off + 2] = scale.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(-1)
+
+
+def median_time(fn: object, calls: int, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for k in range(calls):
+            fn(k)  # type: ignore[operator]
+        times.append((time.perf_counter() - t0) / calls)
+    return statistics.median(times)
+
+
+def memcpy_gbps(nbytes: int, repeats: int) -> float:
+    src = np.ones(nbytes, np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    return nbytes / median_time(lambda _: np.copyto(dst, src), 1, repeats) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=2048)
+    ap.add_argument("--cols", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=0, help="0 = the kernels' default")
+    ap.add_argument("--working-set", type=int, default=256, help="MiB of weights per type")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--types", default=",".join(TYPES))
+    args = ap.parse_args()
+    rows, cols = args.rows, args.cols
+    rng = np.random.default_rng(0)
+    ws_bytes = args.working_set << 20
+    result: dict[str, object] = {
+        "rows": rows, "cols": cols, "kernel": core.quant_kernel(),
+        "threads": args.threads or core.quant_threads(),
+        "memcpy_gbps": round(memcpy_gbps(ws_bytes, args.repeats), 3),
+    }
+    ref: dict[int, float] = {}
+    fp32 = rng.standard_normal((rows, cols), dtype=np.float32)
+    fp32_copies = [fp32.copy() for _ in range(max(2, ws_bytes // fp32.nbytes))]
+    for n in (1, 8):
+        x = rng.standard_normal((n, cols), dtype=np.float32)
+        ref[n] = median_time(lambda k, x=x, ws=fp32_copies: x @ ws[k % len(ws)].T,
+                             len(fp32_copies), args.repeats)
+        result[f"numpy_fp32_n{n}"] = {
+            "ms": round(ref[n] * 1e3, 4),
+            "gbps": round(fp32.nbytes / ref[n] / 1e9, 3),
+            "gflops": round(2 * n * rows * cols / ref[n] / 1e9, 3)}
+    del fp32_copies
+    memcpy = float(result["memcpy_gbps"])  # type: ignore[arg-type]
+    f32_time: dict[int, float] = {}
+    for qtype in args.types.split(","):
+        w = random_weight(qtype, rows, cols, rng)
+        copies = [w.copy() for _ in range(max(2, ws_bytes // w.nbytes))]
+        per_type: dict[str, object] = {"bytes_per_weight": round(w.nbytes / (rows * cols), 4)}
+        for n in (1, 8):
+            x = rng.standard_normal((n, cols), dtype=np.float32)
+            out = np.empty((n, rows), np.float32)
+
+            def call(k: int, x: np.ndarray = x, out: np.ndarray = out,
+                     copies: list[np.ndarray] = copies, qtype: str = qtype) -> None:
+                core.quant_matmul(qtype, copies[k % len(copies)], x, out, rows, cols,
+                                  args.threads)
+
+            t = median_time(call, len(copies), args.repeats)
+            if qtype == "F32":
+                f32_time[n] = t
+            gbps = w.nbytes / t / 1e9
+            per_type[f"n{n}"] = {
+                "ms": round(t * 1e3, 4), "gbps": round(gbps, 3),
+                "gflops": round(2 * n * rows * cols / t / 1e9, 3),
+                "vs_fp32_numpy": round(ref[n] / t, 3),
+                "vs_f32_kernel": round(f32_time[n] / t, 3) if n in f32_time else None,
+                "of_memcpy": round(gbps / memcpy, 3)}
+        result[qtype] = per_type
+        del copies
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
