@@ -74,3 +74,17 @@ def test_pcie_bytes_are_derived_from_fetch_counts_when_the_core_does_not_report_
     s = _samples(m)
     assert s["ftrs_pcie_bytes_total{direction=h2d}"] == 4000
     assert s["ftrs_transfer_queue_depth"] == 4 and s["ftrs_transfer_inflight_bytes"] == 2000
+
+
+def test_hybrid_cpu_compute_counter_and_split_estimates() -> None:
+    m = ServerMetrics()
+    rates = {"float32/1": 2e-3, "Q4_K/Q4_K/Q6_K/64": 1e-4}
+    m.observe_experts({"cpu_computed": 7, "split_link_bytes_per_s": 0.5e9,
+                       "split_link_latency_s": 1e-5, "split_cpu_s_per_token": rates})
+    m.observe_experts({"cpu_computed": 12, "split_link_bytes_per_s": 0.4e9})
+    s = _samples(m)
+    assert s["ftrs_expert_cpu_compute_total"] == 12
+    assert s["ftrs_hybrid_link_bytes_per_second"] == 0.4e9
+    assert s["ftrs_hybrid_link_latency_seconds"] == 1e-5
+    assert s["ftrs_hybrid_cpu_seconds_per_token{format=float32,tokens=1}"] == 2e-3
+    assert s["ftrs_hybrid_cpu_seconds_per_token{format=Q4_K/Q4_K/Q6_K,tokens=64}"] == 1e-4

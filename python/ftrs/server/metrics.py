@@ -12,6 +12,9 @@ observed by the request handlers, which see the tokens arrive.
              * expert_bytes, the names `ftrs._core` TransferEngine.stats() uses)
   gauges:   slots, queue_depth, inflight_bytes, prefill_cap_tokens
   per step: prefill_fetch_bytes (histogram, observed when the step had prefill tokens)
+  hybrid:   cpu_computed (counter ftrs_expert_cpu_compute_total: experts computed on the CPU);
+            the split's estimates as gauges: split_link_bytes_per_s, split_link_latency_s,
+            split_cpu_s_per_token ({"FORMAT/TOKENS": s per token}, labels format and tokens)
 `StepStats.guard` (the adaptive guard, `guard.live`) sets ftrs_prefill_cap_tokens to the live
 step budget, ftrs_pcie_pacing_bytes_per_second, ftrs_adaptive_guard_events,
 ftrs_adaptive_guard_level and ftrs_adaptive_guard_relaxes.
@@ -88,6 +91,10 @@ class ServerMetrics:
         self.expert_prefetch = Counter(p + "expert_prefetch", "Speculative expert prefetches.", ["outcome"], registry=r)
         for attr, label in _EXPERT_COUNTERS.values():
             getattr(self, attr).labels(label)
+        self.cpu_compute = Counter(p + "expert_cpu_compute", "Routed experts computed on the CPU from the host pool (hybrid).", registry=r)
+        self.split_link_rate = Gauge(p + "hybrid_link_bytes_per_second", "Hybrid split: estimated link rate.", registry=r)
+        self.split_link_latency = Gauge(p + "hybrid_link_latency_seconds", "Hybrid split: assumed latency of one expert copy.", registry=r)
+        self.split_cpu_rate = Gauge(p + "hybrid_cpu_seconds_per_token", "Hybrid split: estimated CPU seconds per token of one expert, by block format and tokens-per-expert bucket.", ["format", "tokens"], registry=r)
         self.queue_depth = Gauge(p + "transfer_queue_depth", "Expert transfers queued.", registry=r)
         self.inflight_bytes = Gauge(p + "transfer_inflight_bytes", "Bytes of expert transfers in flight.", registry=r)
         self.prefill_chunk_tokens = Histogram(p + "prefill_chunk_tokens", "Prefill tokens per step.", buckets=_TOKEN_BUCKETS, registry=r)
@@ -166,9 +173,32 @@ class ServerMetrics:
             value = _number(experts.get(key))
             if value is not None:
                 gauge.set(value)
+        self._observe_split(experts)
         fetch = _number(experts.get("prefill_fetch_bytes"))
         if had_prefill and fetch is not None:
             self.prefill_fetch_bytes.observe(fetch)
+
+    def _observe_split(self, experts: Mapping[str, object]) -> None:
+        """The hybrid strategy's CPU-compute counter and its split's estimates."""
+        value = _number(experts.get("cpu_computed"))
+        if value is not None:
+            last = self._last_counters.get("cpu_computed", 0.0)
+            delta = value - last if value >= last else value
+            if delta > 0:
+                self.cpu_compute.inc(delta)
+            self._last_counters["cpu_computed"] = value
+        for key, gauge in (("split_link_bytes_per_s", self.split_link_rate),
+                           ("split_link_latency_s", self.split_link_latency)):
+            value = _number(experts.get(key))
+            if value is not None:
+                gauge.set(value)
+        rates = experts.get("split_cpu_s_per_token")
+        if isinstance(rates, Mapping):
+            for name, rate in rates.items():
+                fmt, _, tokens = str(name).rpartition("/")
+                value = _number(rate)
+                if value is not None:
+                    self.split_cpu_rate.labels(fmt, tokens).set(value)
 
     def set_device_state(self, state: str, up: bool) -> None:
         for s in DEVICE_STATES:
