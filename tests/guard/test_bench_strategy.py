@@ -22,7 +22,7 @@ def test_real_bench_at_two_link_speeds(tiny_moe: Path, tmp_path: Path) -> None:
     for backend in ("simulated:0.005", "simulated:200"):
         b = run_strategy_bench(str(tiny_moe), prompt_tokens=32, decode_tokens=4,
                                cache_rates=(0.25, 1.0), copy_backend=backend, device="cpu",
-                               home=tmp_path)
+                               home=tmp_path, strategies=("offload",))
         ok = [r for r in b.rows if r.error is None]
         assert len(ok) == 3
         assert b.pick == min(ok, key=lambda r: r.total_s)  # the argmin of its own table

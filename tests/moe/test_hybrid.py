@@ -169,3 +169,23 @@ def test_decode_and_prefill_get_their_own_rates() -> None:
     link.observe_link(1_000_000, 1, 2e-3)
     assert link.link_bytes_per_s == pytest.approx(1e6 / 1.5e-3)
     assert [bucket(t) for t in (1, 2, 3, 4, 63, 64, 65)] == [1, 2, 2, 4, 32, 64, 64]
+
+
+def test_bench_strategy_measures_hybrid_and_can_pick_it(tmp_path: Path) -> None:
+    from ftrs.guard.bench_strategy import BenchRow, Candidate, run_strategy_bench
+    from ftrs.guard.profile import resolve_auto_strategy
+
+    seconds = {"resident": 5.0, "offload@0.5": 4.0, "hybrid@0.5": 2.0}
+
+    def run(c: Candidate) -> BenchRow:
+        t = seconds[c.label]
+        return BenchRow(c.label, c.strategy, c.cache_rate, t / 2, t / 2, t)
+
+    b = run_strategy_bench("m", cache_rates=(0.5,), copy_backend="simulated:0.1",
+                           home=tmp_path, runner=run)
+    assert [r.label for r in b.rows] == ["resident", "offload@0.5", "hybrid@0.5"]
+    assert b.pick.label == "hybrid@0.5"
+    choice = resolve_auto_strategy(b.key, total_expert_bytes=10, device_budget_bytes=1,
+                                   home=tmp_path)
+    assert (choice.strategy, choice.cache_rate) == ("hybrid", 0.5)
+    EngineConfig(moe_strategy=choice.strategy, moe_cache_rate=choice.cache_rate)  # accepted

@@ -1,11 +1,11 @@
 """`ftrs bench strategy`: measure a short real workload under each strategy and cache size, pick
 the measured fastest, and store it as a profile for `--moe-strategy auto`.
 
-The workload, per candidate (resident; offload at each cache rate), on a freshly loaded engine:
-one warm-up request (8 prompt tokens, 2 decoded), then one request of `prompt_tokens` random
-prompt tokens (one prefill chunk) and `decode_tokens` greedy tokens (EOS ignored). Prefill time
-is arrival to first token, decode time the rest. The score is the total: the candidate with the
-smallest measured total is the pick. Nothing is estimated from bandwidth ratios: a host whose
+The workload, per candidate (resident; offload and hybrid at each cache rate), on a freshly
+loaded engine: one warm-up request (8 prompt tokens, 2 decoded), then one request of
+`prompt_tokens` random prompt tokens (one prefill chunk) and `decode_tokens` greedy tokens
+(EOS ignored). Prefill time is arrival to first token, decode time the rest. The score is the
+total: the candidate with the smallest measured total is the pick. Nothing is estimated from bandwidth ratios: a host whose
 link or cache behaves unlike the model of it is measured as it is.
 
 Profiles live in `$FTRS_HOME/profiles/<hash of key>.json`; the key is (device, host, model,
@@ -31,6 +31,8 @@ from ftrs.guard.profile import profile_key, write_profile
 logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_RATES = (0.25, 0.5, 1.0)
+#: Strategies measured at each cache rate.
+CACHED_STRATEGIES = ("offload", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -84,10 +86,10 @@ class StrategyBench:
 Runner = Callable[[Candidate], BenchRow]
 
 
-def candidates(cache_rates: Sequence[float] = DEFAULT_CACHE_RATES,
-               resident: bool = True) -> list[Candidate]:
+def candidates(cache_rates: Sequence[float] = DEFAULT_CACHE_RATES, resident: bool = True,
+               strategies: Sequence[str] = CACHED_STRATEGIES) -> list[Candidate]:
     out = [Candidate("resident")] if resident else []
-    return out + [Candidate("offload", float(r)) for r in cache_rates]
+    return out + [Candidate(s, float(r)) for r in cache_rates for s in strategies]
 
 
 def engine_runner(model: str, *, prompt_tokens: int, decode_tokens: int, copy_backend: str,
@@ -102,7 +104,7 @@ def engine_runner(model: str, *, prompt_tokens: int, decode_tokens: int, copy_ba
     def run(c: Candidate) -> BenchRow:
         opts: dict[str, Any] = {"moe_strategy": c.strategy, "device": device, "dtype": dtype,
                                 "max_prefill_length": max(prompt_tokens, 8)}
-        if c.strategy == "offload":
+        if c.strategy in ("offload", "hybrid"):
             opts |= {"moe_cache_rate": c.cache_rate, "copy_backend": copy_backend}
         llm = LLM(model, **opts)
         try:
@@ -187,14 +189,14 @@ def run_strategy_bench(
     cache_rates: Sequence[float] = DEFAULT_CACHE_RATES, copy_backend: str = "auto",
     device: str = "auto", dtype: str = "auto", resident: bool = True,
     home: Path | None = None, write: bool = True, link_desc: str | None = None,
-    runner: Runner | None = None,
+    runner: Runner | None = None, strategies: Sequence[str] = CACHED_STRATEGIES,
 ) -> StrategyBench:
     """Measure every candidate, pick the fastest measured total, write the profile."""
     run = runner or engine_runner(model, prompt_tokens=prompt_tokens,
                                   decode_tokens=decode_tokens, copy_backend=copy_backend,
                                   device=device, dtype=dtype)
     rows: list[BenchRow] = []
-    for c in candidates(cache_rates, resident):
+    for c in candidates(cache_rates, resident, strategies):
         logger.info("bench strategy: %s", c.label)
         try:
             rows.append(run(c))
@@ -230,6 +232,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto | host | cuda | simulated:GBPS[:LAT_US]")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--strategies", nargs="+", default=list(CACHED_STRATEGIES),
+                        choices=list(CACHED_STRATEGIES), help="measured at each cache rate")
     parser.add_argument("--no-resident", action="store_true", help="skip the resident candidate")
     parser.add_argument("--no-write", action="store_true", help="do not write a profile")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -240,7 +244,8 @@ def run_cli(args: argparse.Namespace) -> int:
     bench = run_strategy_bench(
         args.model, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
         cache_rates=args.cache_rates, copy_backend=args.copy_backend, device=args.device,
-        dtype=args.dtype, resident=not args.no_resident, write=not args.no_write)
+        dtype=args.dtype, resident=not args.no_resident, write=not args.no_write,
+        strategies=args.strategies)
     text = json.dumps(bench.to_dict(), indent=2) if args.json else (
         bench.format_table() + f"\npick: {bench.pick.label}"
         + (f"\nprofile: {bench.profile_path}" if bench.profile_path else ""))
