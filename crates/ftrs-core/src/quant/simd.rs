@@ -4,12 +4,13 @@
 //! that has the features; [`rows_avx2`] is the one entry, and its callers reach it only when
 //! [`avx2_available`] said yes ([`super::Isa`] checks before handing out `Isa::Avx2`).
 //!
-//! Hand-written kernels (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0, F32, F16, BF16) decode in registers
-//! (nibbles masked and widened, converted to fp32, times the sub-block scale `d * sc`, exactly
-//! the reference's weight before its min) and fuse the products into 8-lane fp32 accumulators,
-//! one per activation row of the group, so a block is decoded once per `kernel::MAX_NX`
-//! activation rows. The K-quant mins enter once per block as `dmin * m . sum(x over the
-//! sub-block)`, the sub-block sums of `x` computed once per call. Other types run the generic
+//! Hand-written kernels (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0/1, Q5_0/1, F32, F16, BF16) decode in
+//! registers (nibbles masked and widened, converted to fp32, times the sub-block scale
+//! `d * sc`: exactly the reference's weight before its min) and fuse the products into 8-lane
+//! fp32 accumulators, per activation row of the group (2-4 chains for groups of 1-3 rows, so
+//! one FMA latency chain does not bound a matvec); a block is decoded once per
+//! `kernel::MAX_NX` activation rows. Mins (K-quants, Q4_1, Q5_1) enter once per (sub-)block as
+//! `m * sum(x over it)`, the sums of `x` computed once per call. Q2_K and Q3_K run the generic
 //! kernel compiled for these features.
 
 #![allow(unsafe_code)]
@@ -339,35 +340,73 @@ mod x86 {
         }
     }
 
-    /// Q4_0: 16 bytes of nibbles, minus 8, widened to floats, times d.
+    /// The 32-element legacy blocks, by `KIND`: 0 = Q4_0, 1 = Q4_1, 2 = Q5_0, 3 = Q5_1. The 16
+    /// bytes of nibbles (low: elements 0-15, high: 16-31) plus, for Q5, bit j of the u32 `qh`
+    /// as bit 4 of element j (spread to bytes by a shuffle and a bit mask); minus 8 (Q4_0) or
+    /// 16 (Q5_0); widened to floats, times d. Q4_1/Q5_1 add `m * sum(x over the block)`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn q4_0<const NX: usize, const C: usize>(
+    fn q32<const NX: usize, const C: usize, const KIND: u8>(
         w: &[u8],
         xr: &[&[f32]; NX],
-        _xs: &[&[f32]; NX],
+        xs: &[&[f32]; NX],
         n: usize,
         out: &mut [f32],
         g0: usize,
     ) {
+        let (bb, qh_at, qs_at) = match KIND {
+            0 => (18, 0, 2),
+            1 => (20, 0, 4),
+            2 => (22, 2, 6),
+            _ => (24, 4, 8),
+        };
+        let five = KIND >= 2;
+        let has_min = KIND % 2 == 1;
+        let bias = match KIND {
+            0 => 8,
+            2 => 16,
+            _ => 0,
+        };
         let cols = xr[0].len();
-        let rb = cols / 32 * 18;
+        let rb = cols / 32 * bb;
         let m4 = _mm_set1_epi8(0x0F);
-        let k8 = _mm_set1_epi8(8);
+        let kb = _mm256_set1_epi8(bias);
+        // Byte j of the spread takes byte j / 8 of qh and keeps bit j % 8.
+        let pick = _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, //
+            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+        );
+        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let b16 = _mm256_set1_epi8(0x10);
         for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
             let mut acc = [[_mm256_setzero_ps(); C]; NX];
-            for (bi, b) in row.chunks_exact(18).enumerate() {
+            let mut mins = [0f32; NX];
+            for (bi, b) in row.chunks_exact(bb).enumerate() {
                 let xb = block_x::<NX, 32>(xr, bi);
                 let d = _mm256_set1_ps(f16(b, 0));
-                let v = ld16(&b[2..]);
-                let lo = _mm_sub_epi8(_mm_and_si128(v, m4), k8);
-                let hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(v, 4), m4), k8);
-                let f = i8x32_to_ps(_mm256_set_m128i(hi, lo));
+                let v = ld16(&b[qs_at..]);
+                let lo = _mm_and_si128(v, m4);
+                let hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+                let mut q = _mm256_set_m128i(hi, lo);
+                if five {
+                    let qh =
+                        u32::from_le_bytes([b[qh_at], b[qh_at + 1], b[qh_at + 2], b[qh_at + 3]]);
+                    let spread = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), pick);
+                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+                    q = _mm256_or_si256(q, _mm256_and_si256(set, b16));
+                }
+                let f = i8x32_to_ps(_mm256_sub_epi8(q, kb));
                 for (k, &fk) in f.iter().enumerate() {
                     fma_rows(_mm256_mul_ps(fk, d), &xb, 8 * k, &mut acc);
                 }
+                if has_min {
+                    let m = f16(b, 2);
+                    for i in 0..NX {
+                        mins[i] = m.mul_add(xs[i][bi], mins[i]);
+                    }
+                }
             }
             for i in 0..NX {
-                o[g0 + i] = hsum_chains(&acc[i]);
+                o[g0 + i] = hsum_chains(&acc[i]) + mins[i];
             }
         }
     }
@@ -446,7 +485,7 @@ mod x86 {
         f(w, &xr, &xs, n, out, g0);
     }
 
-    /// Picks the hand-written kernel of `t` for groups of 1..=8 rows, or `None`.
+    /// Runs kernel `$kern` over the activation rows in groups of up to 8 (the last one smaller).
     macro_rules! dispatch {
         ($kern:ident $(, $extra:expr)?; $w:expr, $x:expr, $sums:expr, $n:expr, $cols:expr, $out:expr) => {{
             let mut g0 = 0;
@@ -482,7 +521,16 @@ mod x86 {
             }
             QType::Q6K => dispatch!(q6k; w, x, &[], n, cols, out),
             QType::Q8_0 => dispatch!(q8_0; w, x, &[], n, cols, out),
-            QType::Q4_0 => dispatch!(q4_0; w, x, &[], n, cols, out),
+            QType::Q4_0 => dispatch!(q32, 0; w, x, &[], n, cols, out),
+            QType::Q5_0 => dispatch!(q32, 2; w, x, &[], n, cols, out),
+            QType::Q4_1 => {
+                let sums = sums32(x, n, cols);
+                dispatch!(q32, 1; w, x, &sums, n, cols, out)
+            }
+            QType::Q5_1 => {
+                let sums = sums32(x, n, cols);
+                dispatch!(q32, 3; w, x, &sums, n, cols, out)
+            }
             QType::F32 => dispatch!(float, 0; w, x, &[], n, cols, out),
             QType::F16 => dispatch!(float, 1; w, x, &[], n, cols, out),
             QType::BF16 => dispatch!(float, 2; w, x, &[], n, cols, out),
