@@ -17,7 +17,9 @@ per wrong element, orders of magnitude above this bound.
 
 from __future__ import annotations
 
+import time
 import zlib
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -197,3 +199,35 @@ def test_thread_setting_round_trips() -> None:
             core.quant_set_threads(0)
     finally:
         core.quant_set_threads(before)
+
+
+def _quant_worker_ticks() -> dict[str, int]:
+    """utime + stime (clock ticks) of this process's kernel worker threads, by thread id."""
+    ticks = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if not (task / "comm").read_text().startswith("ftrs-quant"):
+                continue
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks[task.name] = int(fields[11]) + int(fields[12])
+    return ticks
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_idle_workers_sleep_instead_of_spinning() -> None:
+    rng = np.random.default_rng(5)
+    rows, cols = 1024, 1024
+    w = make_weights("Q4_K", rows, cols, rng)
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    out = np.empty((1, rows), np.float32)
+    core.quant_matmul("Q4_K", w, x, out, rows, cols, 2)
+    time.sleep(0.05)  # past the few yield rounds a worker takes after its last job
+    before = _quant_worker_ticks()
+    assert before, "the call above ran on the worker pool"
+    time.sleep(0.5)
+    after = _quant_worker_ticks()
+    busy = sum(after.get(t, 0) - v for t, v in before.items())
+    # A spinning worker would burn ~50 ticks (100 Hz) in 0.5 s; a sleeping one none.
+    assert busy <= 2, f"idle kernel workers used {busy} clock ticks in 0.5 s"
