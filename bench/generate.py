@@ -15,20 +15,34 @@ sequences whose tokens agree between the two up to (not including) ftrs' first E
 `min_new_tokens` (needed for a fixed length) masks EOS, while ftrs' `ignore_eos` only keeps
 going after it, so the two legitimately part ways after an EOS.
 
+`--baseline DIR` (a checkout of an earlier commit, e.g. a `git worktree`, with the compiled
+extension beside its sources) also measures that code against this one, side by side: each
+repetition runs one process of each, alternating, so both see the same host; `speedup` is the
+median of this code's tok/s over the baseline's, per batch. The profile line says which share
+of a batch-1 decode step's CPU time is inside matrix products (aten::mm, addmm, bmm; GEMVs at
+batch 1) and which share is everything else (dispatch, small ops, Python around them).
+
     python bench/generate.py           # 32 tokens, 2 repetitions
     python bench/generate.py --quick   # 12 tokens, 1 repetition
+    python bench/generate.py --baseline /tmp/ftrs-base --no-transformers
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
+import _common as common
+from ftrs.engine.protocol import GenerateRequest
 from ftrs.llm import LLM
 from ftrs.sampling import SamplingParams
 
@@ -62,6 +76,76 @@ def same_until_eos(ours: list[int], theirs: list[int], eos: int = 2) -> bool:
     return ours[:cut] == theirs[:cut]
 
 
+def chat_prompts(llm: LLM, batch: int) -> list[list[int]]:
+    chats = [llm.tokenizer.encode(llm.chat_prompt([{"role": "user", "content": p}]))
+             for p in common.PROMPTS]
+    cut = min(len(c) for c in chats)
+    return [c[:cut] for c in (chats * batch)[:batch]] if batch > 1 else [chats[0]]
+
+
+def worker(path: str, device: str, batches: list[int], n: int) -> None:
+    """One process's figures (this checkout's or a baseline's ftrs, as PYTHONPATH says)."""
+    llm = LLM(path, device=device, dtype="float32", kv_tokens=8192)
+    out = {}
+    for b in batches:
+        common.run_steps(llm, chat_prompts(llm, b), 3, prefix="warm")  # first-touch costs
+        out[b] = common.decode_summary(
+            common.run_steps(llm, chat_prompts(llm, b), n, prefix=f"gen-b{b}"))["tok_per_s"]
+    print(json.dumps(out))
+    llm.close()
+
+
+def side_by_side(path: str, device: str, baseline: str, batches: list[int], n: int,
+                 reps: int) -> list[dict[str, Any]]:
+    here = Path(__file__).resolve().parents[1]
+    runs: dict[str, list[dict[str, float]]] = {"current": [], "baseline": []}
+    for _ in range(reps):
+        for side, root in (("baseline", Path(baseline)), ("current", here)):
+            env = dict(os.environ, PYTHONPATH=f"{root / 'python'}")
+            cmd = [sys.executable, __file__, "--worker", "--model", path, "--device", device,
+                   "--batches", ",".join(map(str, batches)), "--max-tokens", str(n)]
+            res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            runs[side].append(json.loads(res.stdout.strip().splitlines()[-1]))
+    rows = []
+    for b in batches:
+        cur = [r[str(b)] for r in runs["current"]]
+        base = [r[str(b)] for r in runs["baseline"]]
+        rows.append({"batch": b, "current_tok_per_s": round(statistics.median(cur), 3),
+                     "baseline_tok_per_s": round(statistics.median(base), 3),
+                     "speedup": round(statistics.median(c / x for c, x in zip(cur, base)), 3),
+                     "current_runs": [round(x, 3) for x in cur],
+                     "baseline_runs": [round(x, 3) for x in base]})
+    return rows
+
+
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+
+
+def decode_profile(llm: LLM, n: int = 6) -> dict[str, Any]:
+    """Share of a batch-1 decode step's CPU time spent in matrix products (self time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = llm.engine
+    prompt = chat_prompts(llm, 1)[0]
+    params = SamplingParams(max_tokens=n + 4, temperature=0, ignore_eos=True)
+    eng.add_request(GenerateRequest(f"prof-{time.monotonic_ns()}", prompt, params))
+    for _ in range(3):
+        eng.step()  # prefill and two warm decodes
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            eng.step()
+        wall = time.perf_counter() - t0
+    while eng.has_work():
+        eng.step()
+    avg = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in avg)
+    mm = sum(e.self_cpu_time_total for e in avg if e.key in MATMUL_OPS)
+    return {"decode_step_ms": round(1e3 * wall / n, 2),
+            "matmul_share": round(mm / total, 3) if total else None,
+            "outside_matmul_share": round(1 - mm / total, 3) if total else None}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
@@ -70,26 +154,45 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--quick", action="store_true", help="12 tokens, 1 repetition")
+    ap.add_argument("--baseline", default=None,
+                    help="checkout of an earlier commit to measure side by side")
+    ap.add_argument("--no-transformers", action="store_true", help="skip the transformers run")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
         args.max_tokens, args.reps = 12, 1
+    path = args.model or common.demo_path()
+    n = args.max_tokens
+    batches = [int(x) for x in args.batches.split(",")]
+    if args.worker:
+        worker(path, args.device, batches, n)
+        return
+    report: dict[str, Any] = {"bench": "generate", "model": args.model or "demo",
+                              "device": args.device, "dtype": "float32",
+                              "torch_threads": torch.get_num_threads()}
+    if args.baseline:
+        report["vs_baseline"] = side_by_side(path, args.device, args.baseline, batches, n,
+                                             args.reps)
+    llm = LLM(path, device=args.device, dtype="float32", kv_tokens=8192)
+    report["moe_strategy"] = llm.config.moe_strategy
+    report["profile_batch1"] = decode_profile(llm)
+    if not args.no_transformers:
+        report["rows"] = vs_transformers(llm, path, args.device, batches, n, args.reps)
+    print(json.dumps(report, indent=2))
+    llm.close()
+
+
+def vs_transformers(llm: LLM, path: str, device: str, batches: list[int], n: int,
+                    reps: int) -> list[dict[str, Any]]:
     from transformers import AutoModelForCausalLM
 
-    import _common as common
-
-    path = args.model or common.demo_path()
-    llm = LLM(path, device=args.device, dtype="float32", kv_tokens=8192)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
-    chats = [llm.tokenizer.encode(llm.chat_prompt([{"role": "user", "content": p}]))
-             for p in common.PROMPTS]
-    cut = min(len(c) for c in chats)
-    n = args.max_tokens
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     greedy = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     rows = []
-    for b in (int(x) for x in args.batches.split(",")):
-        prompts = [c[:cut] for c in (chats * b)[:b]] if b > 1 else [chats[0]]
+    for b in batches:
+        prompts = chat_prompts(llm, b)
         ours, theirs = [], []
-        for _ in range(args.reps):
+        for _ in range(reps):
             steps = common.run_steps(llm, prompts, n, prefix=f"gen-b{b}")
             ours.append(common.decode_summary(steps)["tok_per_s"])
             tps, hf_tokens = run_hf(hf, prompts, n)
@@ -103,10 +206,7 @@ def main() -> None:
                      "ftrs_runs": [round(x, 3) for x in ours],
                      "transformers_runs": [round(x, 3) for x in theirs],
                      "greedy_equal": f"{sum(map(same_until_eos, ftrs_tokens, hf_tokens))}/{b}"})
-    print(json.dumps({"bench": "generate", "model": args.model or "demo", "device": args.device,
-                      "dtype": "float32", "torch_threads": torch.get_num_threads(),
-                      "moe_strategy": llm.config.moe_strategy, "rows": rows}, indent=2))
-    llm.close()
+    return rows
 
 
 if __name__ == "__main__":
