@@ -52,9 +52,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
         print(upcycle(Path(args.src), Path(args.dst), args.experts, args.top_k, seed=args.seed))
     elif args.models_cmd == "demo":
-        from ftrs.models.demo import ensure_demo
+        from ftrs.models.demo import ensure_demo, ensure_demo_quant
 
-        print(ensure_demo())
+        print(ensure_demo_quant(args.quant) if args.quant else ensure_demo())
     return 0
 
 
@@ -97,7 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--experts", type=int, default=8)
     up.add_argument("--top-k", type=int, default=2)
     up.add_argument("--seed", type=int, default=0)
-    msub.add_parser("demo", help="build the demo checkpoint (once) and print its path")
+    demo = msub.add_parser("demo", help="build the demo checkpoint (once) and print its path")
+    demo.add_argument("--quant", choices=["q4_k_m"], default=None,
+                      help="build the demo as a quantized GGUF file instead")
     models.set_defaults(func=_cmd_models)
 
     from ftrs import doctor

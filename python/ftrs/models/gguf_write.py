@@ -67,6 +67,49 @@ def gguf_quantizer(qtype: str, min_dims: int = 2) -> Quantizer:
     return q
 
 
+def _q4_k_m_type(name: str, cols: int, num_layers: int, tied: bool) -> str:
+    """llama.cpp's Q4_K_M choice for one matrix: Q6_K for the output (the token embedding when
+    it is tied to the output) and for `down` (and `v`) of the layers `use_more_bits` picks, Q4_K
+    elsewhere; rows that are not a whole number of 256-value blocks fall back to Q8_0 (for
+    Q6_K), as llama.cpp does, and to Q5_1 (for Q4_K) where llama.cpp takes Q5_0: the demo's
+    source is a Q4_1 file, whose values Q5_1 (with its step search) holds exactly, while Q5_0
+    adds a second rounding that SmolLM2-135M does not survive (it stops answering "Paris")."""
+    m = re.search(r"layers\.(\d+)\.", name)
+    i, n = (int(m.group(1)) if m else -1), num_layers
+    more_bits = i >= 0 and (i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2)
+    output = "lm_head.weight" if not tied else "model.embed_tokens.weight"
+    six = name == output or (more_bits and (
+        "down_proj" in name or ".w2." in name or "v_proj" in name))
+    if cols % 256:
+        return "Q8_0" if six else "Q5_1"
+    return "Q6_K" if six else "Q4_K"
+
+
+def q4_k_m_quantizer(num_layers: int, tied: bool) -> Quantizer:
+    """A `Quantizer` writing Q4_K_M as llama.cpp lays it out (`_q4_k_m_type`); vectors stay F32.
+    A stack of identical experts (an upcycled model) is quantized once and repeated."""
+    from ftrs.quant.kquant import quantize_q4_k, quantize_q5_1, quantize_q6_k
+
+    def one(qtype: str, w: np.ndarray) -> np.ndarray:
+        if qtype == "Q4_K":
+            return quantize_q4_k(w)
+        if qtype == "Q6_K":
+            return quantize_q6_k(w)
+        if qtype == "Q5_1":
+            return quantize_q5_1(w)
+        return gguf_quantizer(qtype)("", w)[1]
+
+    def q(name: str, w: np.ndarray) -> tuple[str, np.ndarray]:
+        if w.ndim < 2:
+            return keep_f32(name, w)
+        qtype = _q4_k_m_type(name, w.shape[-1], num_layers, tied)
+        if w.ndim == 3 and all(np.array_equal(w[0], w[e]) for e in range(1, w.shape[0])):
+            first = one(qtype, w[0])
+            return qtype, np.ascontiguousarray(np.broadcast_to(first, (w.shape[0], *first.shape)))
+        return qtype, one(qtype, w)
+    return q
+
+
 def _tokenizer_fields(tok: Tokenizer) -> dict[str, Any]:
     vocab = tok.tk.get_vocab(with_added_tokens=True)
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
@@ -126,8 +169,10 @@ def _metadata(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
 
 def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor],
                quantize: Quantizer, tokenizer: Tokenizer | None = None,
-               tokenizer_fields: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
-    """Write `tensors` (HF names, fp32) as a GGUF file; returns them as the file holds them."""
+               tokenizer_fields: dict[str, Any] | None = None,
+               dequantized: bool = True) -> dict[str, torch.Tensor]:
+    """Write `tensors` (HF names, fp32) as a GGUF file; returns them as the file holds them
+    (with `dequantized`; otherwise an empty dict)."""
     import gguf
 
     from ftrs.models.gguf_loader import GGUFTensor, unpermute_rows
@@ -176,7 +221,8 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
         raw = raw.view(np.uint8).reshape(*raw.shape[:-1], -1)  # bytes: gguf's "byte shape"
         writer.add_tensor(gname, raw, raw_shape=raw.shape,
                           raw_dtype=gguf.GGMLQuantizationType[qtype])
-        held[gname] = GGUFTensor(gname, qtype, tuple(arr.shape), raw).to_float()
+        if dequantized:
+            held[gname] = GGUFTensor(gname, qtype, tuple(arr.shape), raw).to_float()
 
     for gname, (hf, arr) in plain.items():
         add(gname, hf, arr)
@@ -189,6 +235,8 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
     writer.close()
 
     out: dict[str, torch.Tensor] = {}
+    if not dequantized:
+        return out
     for gname, (hf, _) in plain.items():
         t = held[gname]
         if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):

@@ -64,13 +64,15 @@ def _save_sharded(tensors: dict[str, torch.Tensor], out: Path) -> None:
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
 
 
-def upcycle(src: Path, dst: Path, experts: int, top_k: int, seed: int = 0,
-            router_std: float = 0.5) -> Path:
+def upcycle_tensors(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], experts: int,
+                    top_k: int, seed: int = 0, router_std: float = 0.5, copy: bool = True,
+                    source: str = "") -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(Mixtral config, tensors) of the upcycled model. Without `copy`, every expert of a layer
+    is the same tensor object (no memory per expert)."""
     if not 1 <= top_k <= experts:
         raise ConfigError(f"upcycle: need 1 <= top-k <= experts, got top-k {top_k}, {experts} experts")
-    cfg, tensors, tokenizer = read_dense(src)
     if cfg.get("model_type") != "llama":
-        raise ModelLoadError(str(src), f"upcycle takes a dense llama model, got {cfg.get('model_type')!r}")
+        raise ModelLoadError(source, f"upcycle takes a dense llama model, got {cfg.get('model_type')!r}")
     g = torch.Generator().manual_seed(seed)
     hidden = int(cfg["hidden_size"])
     out: dict[str, torch.Tensor] = {}
@@ -79,7 +81,8 @@ def upcycle(src: Path, dst: Path, experts: int, top_k: int, seed: int = 0,
         mlp_key = "mlp." + tail
         if tail and mlp_key in _MLP:
             for e in range(experts):
-                out[f"{head}.block_sparse_moe.experts.{e}.{_MLP[mlp_key]}"] = t.clone()
+                out[f"{head}.block_sparse_moe.experts.{e}.{_MLP[mlp_key]}"] = (
+                    t.clone() if copy else t)
             router = f"{head}.block_sparse_moe.gate.weight"
             if router not in out:
                 out[router] = (torch.randn(experts, hidden, generator=g) * router_std).to(t.dtype)
@@ -89,6 +92,15 @@ def upcycle(src: Path, dst: Path, experts: int, top_k: int, seed: int = 0,
     new_cfg |= {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
                 "num_local_experts": experts, "num_experts_per_tok": top_k,
                 "router_jitter_noise": 0.0, "output_router_logits": False}
+    return new_cfg, out
+
+
+def upcycle(src: Path, dst: Path, experts: int, top_k: int, seed: int = 0,
+            router_std: float = 0.5) -> Path:
+    if not 1 <= top_k <= experts:
+        raise ConfigError(f"upcycle: need 1 <= top-k <= experts, got top-k {top_k}, {experts} experts")
+    cfg, tensors, tokenizer = read_dense(src)
+    new_cfg, out = upcycle_tensors(cfg, tensors, experts, top_k, seed, router_std, source=str(src))
     dst.mkdir(parents=True, exist_ok=True)
     _save_sharded(out, dst)
     (dst / "config.json").write_text(json.dumps(new_cfg, indent=2))

@@ -89,3 +89,37 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     out = np.concatenate([ql.reshape(n, 128), qh.reshape(n, 64), sc.view(np.uint8),
                           _f16_bytes(d)], axis=1)
     return out.reshape(*shape[:-1], shape[-1] // QK * 210)
+
+
+def quantize_q5_1(x: np.ndarray) -> np.ndarray:
+    """(..., cols) fp32 -> (..., cols / 32 * 24) uint8 Q5_1: value = d·q + m, q in 0..31.
+
+    The step is searched over `(max − min) / k` for k in 15..31 (least squared error per block),
+    not fixed at k = 31: values already on a coarser grid (a Q4_1 file's, step (max − min)/15)
+    are then held exactly, at k = 30.
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.shape[-1] % 32:
+        raise ValueError(f"Q5_1 needs rows of a multiple of 32 values, got {x.shape[-1]}")
+    shape = x.shape
+    b = x.reshape(-1, 32)
+    n = b.shape[0]
+    m = b.min(axis=1).astype(np.float16).astype(np.float32)
+    span = b.max(axis=1) - m
+    best_err = np.full(n, np.inf, dtype=np.float32)
+    best_d = np.zeros(n, dtype=np.float32)
+    for k in range(15, 32):
+        d = (span / k).astype(np.float16).astype(np.float32)
+        q = np.clip(np.rint((b - m[:, None]) / np.where(d > 0, d, 1)[:, None]), 0, 31)
+        err = ((q * d[:, None] + m[:, None] - b) ** 2).sum(axis=1)
+        better = err < best_err
+        best_err = np.where(better, err, best_err)
+        best_d = np.where(better, d, best_d)
+    q = np.clip(np.rint((b - m[:, None]) / np.where(best_d > 0, best_d, 1)[:, None]), 0, 31)
+    q = q.astype(np.uint32)
+    qh = (((q >> 4) & 1) << np.arange(32, dtype=np.uint32)).sum(axis=1).astype(np.uint32)
+    lo = (q & 0xF).astype(np.uint8)
+    qs = lo[:, :16] | (lo[:, 16:] << 4)
+    out = np.concatenate([_f16_bytes(best_d), _f16_bytes(m),
+                          qh.astype("<u4").view(np.uint8).reshape(n, 4), qs], axis=1)
+    return out.reshape(*shape[:-1], shape[-1] // 32 * 24)
