@@ -239,8 +239,12 @@ class HybridStrategy(OffloadStrategy):
                                         room=self.num_slots - len(hits))
         parts: dict[int, Contribution | None] = {}
         job: Future[dict[int, Contribution | None]] | None = None
+        x_host, plan_host = x, plan
+        if on_cpu and x.device.type != "cpu":  # the worker touches host tensors only
+            x_host = x.cpu()
+            plan_host = plan._replace(tokens=plan.tokens.cpu(), weights=plan.weights.cpu())
         if on_cpu and (fetch or x.device.type != "cpu"):
-            job = self._pool.submit(self._cpu_parts, layer, x, plan, on_cpu)  # overlaps
+            job = self._pool.submit(self._cpu_parts, layer, x_host, plan_host, on_cpu)
         device = sorted(hits + fetch)
         if device or prefetch:
             t0 = self.clock()
@@ -253,8 +257,11 @@ class HybridStrategy(OffloadStrategy):
                 self.cost.observe_link(len(fetch) * self.experts.expert_bytes, len(fetch),
                                        self.clock() - t0)
         if on_cpu:
-            parts.update(job.result() if job is not None else
-                         self._cpu_parts(layer, x, plan, on_cpu))
+            done = job.result() if job is not None else self._cpu_parts(layer, x, plan, on_cpu)
+            if x.device.type != "cpu":
+                done = {e: None if p is None else (p[0].to(x.device), p[1].to(x.device))
+                        for e, p in done.items()}
+            parts.update(done)
         out = torch.zeros_like(x)
         for e in needed:  # ascending, as every strategy adds
             accumulate(out, parts[e])
@@ -295,19 +302,13 @@ class HybridStrategy(OffloadStrategy):
 
     def _cpu_parts(self, layer: int, x: torch.Tensor, plan: ExpertPlan,
                    experts: list[int]) -> dict[int, Contribution | None]:
-        """`experts` computed from the host pool (any thread); results on x's device."""
-        dev = x.device
-        if dev.type != "cpu":
-            x = x.cpu()
-            plan = plan._replace(tokens=plan.tokens.cpu(), weights=plan.weights.cpu())
+        """`experts` computed from the host pool on host tensors `x`, `plan` (any thread)."""
         host, fmt = self.host_weights[layer], self.formats[layer]
         parts: dict[int, Contribution | None] = {}
         for e in experts:
             t0 = time.perf_counter()
             part = expert_contribution(x, plan, e, host[e])
             self.cost.observe_cpu(fmt, plan.counts[e], time.perf_counter() - t0)
-            if part is not None and dev.type != "cpu":
-                part = (part[0].to(dev), part[1].to(dev, x.dtype))
             parts[e] = part
         return parts
 

@@ -1,0 +1,137 @@
+"""Hybrid against offload and "all experts on the CPU" over simulated links, one run.
+
+One process loads the model once (default: the demo MoE as Q4_K_M when it has been built, else
+the fp32 demo); the strategies are swapped on the same weights. At each `--links` speed
+(`simulated:GBPS`, `--cache-rate` of all experts as device slots, lru, prefetch on):
+- `all_cpu`: every routed expert computed on the CPU from the host pool (the `resident`
+  strategy on a CPU device, which views the pool in place);
+- `offload`: misses fetched over the link into the slot cache, computed on the device;
+- `hybrid`: misses split between the link and the CPU by its measured cost model.
+Each is a fresh strategy (empty cache) on a short prompt, then `--tokens` greedy tokens at
+batch 1 (`--slow-tokens` below 0.5 GB/s, where offload needs seconds per token); only pure
+decode steps are timed. The three run back to back per link, `--rounds` times in turn, so they
+share the host's load; each figure is the median over the rounds (a shared host's speed drifts
+by tens of percent within a minute).
+
+On a CPU-only host the "device" is the CPU: a hit is no faster than computing the same expert
+from the pool, so hybrid's cost model sends every miss to the CPU and hybrid is all_cpu plus
+its bookkeeping. The output says which device it ran on.
+
+    python bench/hybrid.py                 # links 0.1 0.5 2 8 GB/s, cache 0.5
+    python bench/hybrid.py --model demo    # the fp32 demo
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import _common as common
+from ftrs.config import ftrs_home
+from ftrs.llm import LLM
+from ftrs.moe.base import MoEStrategy
+from ftrs.moe.hybrid import HybridStrategy
+from ftrs.moe.offload import OffloadStrategy
+
+Q4_DEMO = "smollm2-135m-instruct-moe8x2.Q4_K_M.gguf"
+
+
+def default_model() -> str:
+    q4 = ftrs_home() / "models" / Q4_DEMO
+    return str(q4) if q4.is_file() else common.demo_path()
+
+
+def make(llm: LLM, name: str, link: float, rate: float) -> MoEStrategy:
+    rt = llm.engine.rt
+    assert rt.loaded.experts is not None and rt.moe is not None
+    if name == "all_cpu":
+        return rt.moe  # the resident strategy the LLM was built with
+    cfg = dataclasses.replace(llm.config, moe_strategy=name, moe_cache_rate=rate,
+                              moe_cache_size=None, copy_backend=f"simulated:{link:g}",
+                              moe_prefetch=True)
+    routers = {layer: w for layer in rt.spec.moe_layers
+               if isinstance(w := rt.loaded.dense[f"{layer}.router"], torch.Tensor)}
+    cls = HybridStrategy if name == "hybrid" else OffloadStrategy
+    return cls(experts=rt.loaded.experts, device=rt.device, config=cfg, routers=routers)
+
+
+def decode(llm: LLM, strat: MoEStrategy, prompt: list[int], tokens: int) -> dict[str, Any]:
+    resident = llm.engine.rt.moe
+    assert resident is not None
+    common.use_strategy(llm, strat)
+    try:
+        steps = common.run_steps(llm, [prompt], tokens)
+    finally:
+        common.use_strategy(llm, resident)
+        if strat is not resident:
+            strat.close()
+    dec = [s for s in steps if s.kind == "decode"]
+    out: dict[str, Any] = {"tok_per_s": round(common.decode_summary(steps)["tok_per_s"], 3),
+                           "decode_tokens": sum(s.decode_tokens for s in dec)}
+    if dec and dec[-1].experts:
+        c = common.counter_delta(dec[-1].experts, steps[steps.index(dec[0]) - 1].experts)
+        n = max(out["decode_tokens"], 1)
+        out["mb_per_token"] = round(c.get("bytes_h2d", 0) / n / 1e6, 2)
+        if "cpu_computed" in c:
+            out |= {f"{k}_per_token": round(c[k] / n, 2)
+                    for k in ("device_computed", "fetched", "cpu_computed")}
+    return out
+
+
+def median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per figure, the median over the rounds; tokens/s of each round beside it."""
+    out = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
+    out["tok_per_s_each"] = [r["tok_per_s"] for r in runs]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the Q4_K_M demo, else the fp32 demo")
+    ap.add_argument("--links", type=float, nargs="+", default=[0.1, 0.5, 2.0, 8.0])
+    ap.add_argument("--cache-rate", type=float, default=0.5)
+    ap.add_argument("--tokens", type=int, default=6)
+    ap.add_argument("--slow-tokens", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    model = default_model() if args.model in (None, "demo-q4") else (
+        common.demo_path() if args.model == "demo" else args.model)
+    llm = LLM(model, device="cpu", dtype="float32", moe_strategy="resident", kv_tokens=4096)
+    rt = llm.engine.rt
+    assert rt.loaded.experts is not None
+    prompt = llm.tokenizer.encode("The capital of France is")
+    rows = []
+    t0 = time.perf_counter()
+    for link in args.links:
+        n = args.slow_tokens if link < 0.5 else args.tokens
+        row: dict[str, Any] = {"link_gbps": link}
+        runs: dict[str, list[dict[str, Any]]] = {"all_cpu": [], "offload": [], "hybrid": []}
+        for _ in range(args.rounds):
+            for name, got in runs.items():
+                got.append(decode(llm, make(llm, name, link, args.cache_rate), prompt, n))
+        for name, got in runs.items():
+            row[name] = median(got)
+        best = max(row["offload"]["tok_per_s"], row["all_cpu"]["tok_per_s"])
+        row["hybrid_vs_offload"] = round(row["hybrid"]["tok_per_s"]
+                                         / row["offload"]["tok_per_s"], 2)
+        row["hybrid_vs_best_other"] = round(row["hybrid"]["tok_per_s"] / best, 3)
+        rows.append(row)
+    llm.close()
+    print(json.dumps({
+        "model": Path(model).name, "device": str(rt.device),
+        "note": ("the 'device' is the CPU on this host: device slots live in host memory and "
+                 "a hit computes on the same cores as a CPU expert") if rt.device.type == "cpu"
+                else "device is a GPU",
+        "expert_bytes": rt.loaded.experts.expert_bytes, "cache_rate": args.cache_rate,
+        "batch": 1, "wall_s": round(time.perf_counter() - t0, 1), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
