@@ -160,3 +160,16 @@ def test_dense_gguf_archs_match_transformers(tmp_path: Path) -> None:
         with use_kernels(False):
             ours = llm.logits(IDS)
         assert (ours - hf_logits(ref_dir, IDS)).abs().max().item() <= TOL, arch
+
+
+def test_guard_fetch_model_counts_the_quantized_bytes(
+        quant_models: dict[str, tuple[Path, Path]]) -> None:
+    from ftrs.guard.startup import model_fetch
+
+    gguf_path, _ = quant_models["qwen3_moe"]
+    fm = model_fetch(str(gguf_path), "cpu", "auto")
+    m = load_model(str(gguf_path), torch.device("cpu"), torch.float32, progress=False)
+    assert m.experts is not None
+    assert fm.expert_bytes == m.experts.expert_bytes  # what one miss moves over the link
+    assert fm.expert_bytes < 256 * 256 * 3 * 4 / 5  # against 786 KiB per expert in fp32
+    assert (fm.num_moe_layers, fm.num_experts, fm.top_k) == (2, 8, 4)

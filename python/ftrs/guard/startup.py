@@ -34,6 +34,10 @@ def model_fetch(model: str, device: str, dtype: str) -> FetchModel:
     from ftrs.models.load import resolve_model
 
     path = resolve_model(model)
+    if path.is_file() and path.suffix == ".gguf":  # experts in the file's encoding
+        from ftrs.models.gguf_loader import gguf_fetch_model
+
+        return gguf_fetch_model(path)
     if not path.is_dir():
         raise ModelLoadError(str(path), "fetch volumes need a checkpoint directory (GGUF is dense)")
     spec = load_arch(path)
