@@ -231,12 +231,17 @@ class HybridStrategy(OffloadStrategy):
         self.distinct_per_layer.append(len(needed))
         self._score_guess(layer, needed)
         prefetch = self._predict(layer, x)
-        resident = {e for lay, e, _ in self.engine.resident() if lay == li}
+        # the slots hold experts only once something was fetched or prefetched
+        resident = ({e for lay, e, _ in self.engine.resident() if lay == li}
+                    if self.fetched or self.prefetch else set())
         hits = [e for e in needed if e in resident]
         misses = [(e, plan.counts[e]) for e in needed if e not in resident]
         fmt = self.formats[layer]
-        on_cpu, fetch = self.cost.split(misses, self.experts.expert_bytes, fmt,
-                                        room=self.num_slots - len(hits))
+        if self.cost.device_is_cpu:  # the model's answer by construction: link = CPU + copy
+            on_cpu, fetch = [e for e, _ in misses], []
+        else:
+            on_cpu, fetch = self.cost.split(misses, self.experts.expert_bytes, fmt,
+                                            room=self.num_slots - len(hits))
         parts: dict[int, Contribution | None] = {}
         job: Future[dict[int, Contribution | None]] | None = None
         x_host, plan_host = x, plan
