@@ -237,8 +237,9 @@ class HybridStrategy(OffloadStrategy):
         hits = [e for e in needed if e in resident]
         misses = [(e, plan.counts[e]) for e in needed if e not in resident]
         fmt = self.formats[layer]
+        fetch: list[int] = []
         if self.cost.device_is_cpu:  # the model's answer by construction: link = CPU + copy
-            on_cpu, fetch = [e for e, _ in misses], []
+            on_cpu = [e for e, _ in misses]
         else:
             on_cpu, fetch = self.cost.split(misses, self.experts.expert_bytes, fmt,
                                             room=self.num_slots - len(hits))
