@@ -1,5 +1,6 @@
 """EngineCore's public seams (`logits`, `set_step_budget`, `transfer_engine`, `expert_stats`,
-`device`) and the rule that nothing outside `ftrs/engine/` reaches into the engine's runtime."""
+`expert_pool_bytes`, `device`) and the rule that nothing outside `ftrs/engine/` reaches into
+the engine's runtime."""
 
 from __future__ import annotations
 
@@ -81,6 +82,19 @@ def test_transfer_engine_and_expert_stats(tiny_models: dict[str, Path]) -> None:
     assert copier is not None and callable(copier.inject_fault) and callable(copier.set_pacing)
     moe.logits(IDS[:6])
     assert moe.engine.expert_stats()["distinct_experts"]  # the forward routed its tokens
+
+
+def test_expert_pool_bytes_is_every_expert_in_fp32(tiny_models: dict[str, Path]) -> None:
+    dense = LLM(str(tiny_models["llama"]), kv_tokens=64, dtype="float32")
+    assert dense.engine.expert_pool_bytes() == 0
+    # tiny mixtral: 3 MoE layers x 8 experts x (gate, up, down) of 64 x 96 fp32; each tensor
+    # (24,576 bytes) is already a multiple of the pool's tensor alignment
+    want = 3 * 8 * 3 * 64 * 96 * 4
+    for strategy in ("resident", "offload"):
+        moe = LLM(str(tiny_models["mixtral"]), kv_tokens=64, dtype="float32",
+                  moe_strategy=strategy, moe_cache_size=2)
+        assert moe.engine.expert_pool_bytes() == want
+        moe.close()
 
 
 def _reaches_into_the_engine(tree: ast.AST) -> list[tuple[int, str]]:

@@ -200,6 +200,12 @@ class EngineCore:
         when no expert crosses a link (resident strategy, dense model)."""
         return getattr(self.rt.decoder.moe, "engine", None)
 
+    def expert_pool_bytes(self) -> int:
+        """Bytes of the host expert pool: every routed expert in the checkpoint's encoding,
+        tensor alignment included; 0 for a dense model."""
+        experts = self.rt.loaded.experts
+        return int(experts.pool.nbytes) if experts is not None else 0
+
     def expert_stats(self) -> dict[str, Any]:
         """The MoE strategy's counters (what `StepStats.experts` carries); {} for dense models."""
         moe = self.rt.decoder.moe
