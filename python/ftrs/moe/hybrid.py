@@ -279,19 +279,6 @@ class HybridStrategy(OffloadStrategy):
         self._t_end = self.clock()
         return out
 
-    def _score_guess(self, layer: int, needed: list[int]) -> None:
-        """Precision of the prefetch guess for this layer (offload's prefetch gate reads it)."""
-        guess = self._predicted.pop(layer, None)
-        if guess is None:
-            return
-        hits = len(guess.intersection(needed))
-        self.pred_issued += len(guess)
-        self.pred_needed += len(needed)
-        self.pred_hits += hits
-        if guess:
-            p, old = hits / len(guess), self._precision[self._wide]
-            self._precision[self._wide] = p if old is None else 0.8 * old + 0.2 * p
-
     def _device_parts(self, x: torch.Tensor, plan: ExpertPlan, device: list[int],
                       slots: list[int], ticket: int) -> dict[int, Contribution | None]:
         """The slots' experts: those landed first, the rest after the ticket's copies."""

@@ -199,6 +199,19 @@ class OffloadStrategy(MoEStrategy):
         li = self.experts.layer_index[nxt]
         return [(li, e) for e in guess]
 
+    def _score_guess(self, layer: int, needed: list[int]) -> None:
+        """Precision of the prefetch guess for this layer (the link-bound prefetch gate reads it)."""
+        guess = self._predicted.pop(layer, None)
+        if guess is None:
+            return
+        hits = len(guess.intersection(needed))
+        self.pred_issued += len(guess)
+        self.pred_needed += len(needed)
+        self.pred_hits += hits
+        if guess:
+            p, old = hits / len(guess), self._precision[self._wide]
+            self._precision[self._wide] = p if old is None else 0.8 * old + 0.2 * p
+
     def _lookup(self, li: int, wave: list[int],
                 prefetch: list[tuple[int, int]]) -> tuple[list[int], int]:
         deadline = time.monotonic() + CAPACITY_RETRY_S
@@ -219,15 +232,7 @@ class OffloadStrategy(MoEStrategy):
         plan = plan_experts(ids, weights, self.spec.num_experts)
         needed = plan.experts  # ascending
         self.distinct_per_layer.append(len(needed))
-        guess = self._predicted.pop(layer, None)
-        if guess is not None:
-            hits = len(guess.intersection(needed))
-            self.pred_issued += len(guess)
-            self.pred_needed += len(needed)
-            self.pred_hits += hits
-            if guess:
-                p, old = hits / len(guess), self._precision[self._wide]
-                self._precision[self._wide] = p if old is None else 0.8 * old + 0.2 * p
+        self._score_guess(layer, needed)
         prefetch = self._predict(layer, x)
         out = torch.zeros_like(x)
         for start in range(0, len(needed), self.num_slots):
