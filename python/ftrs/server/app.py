@@ -38,7 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ftrs.config import EngineConfig
 from ftrs.engine.protocol import StepStats, TokenLogprob
 from ftrs.errors import DeviceLost, DeviceUnhealthy, FtrsError, InvalidRequest
-from ftrs.server.cli import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
+from ftrs.server.cli import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
 from ftrs.server.engine_client import (
     DEFAULT_BACKEND,
     Classifier,
@@ -107,6 +107,9 @@ class ServeSettings:
     link_guard: dict[str, Any] | None = None  # the startup guard's decision, shown on /health
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # chat requests without max_tokens
+    max_n: int = DEFAULT_MAX_N  # largest `n` accepted
+    tool_parser: str | None = None  # None: chosen from the chat template
+    reasoning_parser: str | None = None  # None: chosen from the chat template
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -163,7 +166,8 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
     app.state.engine = client
     app.state.metrics = metrics
     app.state.settings = settings
-    ctx = ServeContext(client, metrics, settings.model_names, settings.default_max_tokens)
+    ctx = ServeContext(client, metrics, settings.model_names, settings.default_max_tokens,
+                       settings.max_n, settings.tool_parser, settings.reasoning_parser)
     app.state.ctx = ctx
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     _install_error_handlers(app, metrics)

@@ -8,11 +8,11 @@ they run in a worker thread, never on the event loop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ftrs.errors import ContextLengthExceeded, FtrsError, InvalidRequest
-from ftrs.sampling import SamplingParams
+from ftrs.sampling import SEED_MAX, SamplingParams
 from ftrs.server.errors import ModelNotFound
 from ftrs.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
@@ -53,13 +53,26 @@ def check_model(req: _SamplingFields, served: tuple[str, ...]) -> None:
         )
 
 
-def _common_checks(req: _SamplingFields) -> None:
-    if req.n not in (None, 1):
-        raise _bad("n", f"only n=1 is supported, got {req.n}")
+def _common_checks(req: _SamplingFields, limits: Limits) -> None:
+    if req.n is not None and not 1 <= req.n <= limits.max_n:
+        raise _bad("n", f"must be in [1, {limits.max_n}] (the server's --max-n), got {req.n}")
     if req.stream_options is not None and not req.stream:
         raise _bad("stream_options", "only allowed when stream is true")
-    if req.logit_bias:
-        raise _bad("logit_bias", "logit_bias is not supported")
+
+
+def _logit_bias(req: _SamplingFields) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"token id": bias}` map as (id, bias) pairs; ranges are checked by
+    `SamplingParams.validate` (ids below the vocabulary, bias in [-100, 100])."""
+    pairs: list[tuple[int, float]] = []
+    for key, bias in (req.logit_bias or {}).items():
+        try:
+            tok = int(key)
+        except ValueError:
+            raise _bad("logit_bias", f"keys must be token ids, got {key!r}") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise _bad("logit_bias", f"the bias of token {key} must be a number, got {bias!r}")
+        pairs.append((tok, float(bias)))
+    return tuple(pairs)
 
 
 def _unsupported_chat_fields(req: ChatCompletionRequest) -> None:
@@ -99,6 +112,7 @@ def _params(req: _SamplingFields, max_tokens: int, logprobs: int | None, vocab: 
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logprobs=logprobs,
+        logit_bias=_logit_bias(req),
     ).validate(vocab)
 
 
@@ -121,14 +135,24 @@ def _check_context(prompt_len: int, max_tokens: int, max_model_len: int, prompt_
         )
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request seeded with `seed`: seed + index, or, past the
+    top of the seed range, seed - index (still distinct from every seed + j with j < index)."""
+    return seed + index if seed + index <= SEED_MAX else seed - index
+
+
 def _choices(req: _SamplingFields, params: SamplingParams) -> tuple[SamplingParams, ...]:
-    """One `SamplingParams` per choice (n = 1 for now)."""
-    return (params,)
+    """One `SamplingParams` per choice: choice i of a seeded request gets `choice_seed(seed, i)`;
+    unseeded choices each draw their own randomness in the engine."""
+    n = req.n or 1
+    if params.seed is None:
+        return (params,) * n
+    return tuple(replace(params, seed=choice_seed(params.seed, i)) for i in range(n))
 
 
 def prepare_completion(req: CompletionRequest, tokenizer: Any, limits: Limits) -> Plan:
     """The plan of a /v1/completions request; `max_tokens` defaults to 16 (OpenAI)."""
-    _common_checks(req)
+    _common_checks(req, limits)
     if req.echo:
         raise _bad("echo", "echo is not supported")
     if req.suffix:
@@ -177,7 +201,7 @@ def render_chat(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
 def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> Plan:
     """The plan of a chat request. Without `max_tokens`/`max_completion_tokens` the request may
     generate `limits.default_max_tokens`, or what is left of the context if less."""
-    _common_checks(req)
+    _common_checks(req, limits)
     _unsupported_chat_fields(req)
     ids = render_chat(req, tokenizer)
     if req.top_logprobs is not None and not req.logprobs:
@@ -195,4 +219,4 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> 
     return Plan(ids, _choices(req, params))
 
 
-__all__ = ["Limits", "Plan", "check_model", "prepare_chat", "prepare_completion", "render_chat"]
+__all__ = ["Limits", "Plan", "check_model", "choice_seed", "prepare_chat", "prepare_completion", "render_chat"]

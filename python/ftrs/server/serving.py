@@ -25,6 +25,7 @@ from typing import Any
 
 from ftrs.engine.protocol import GenerateRequest, TokenLogprob
 from ftrs.errors import FtrsError
+from ftrs.server.cli import DEFAULT_MAX_N
 from ftrs.server.detokenize import IncrementalDetokenizer, StopChecker
 from ftrs.server.engine_client import EngineClient
 from ftrs.server.errors import error_from_dict
@@ -47,8 +48,6 @@ from ftrs.server.protocol import (
     Usage,
     new_id,
 )
-
-DEFAULT_MAX_N = 8  # choices one request may ask for (`--max-n`)
 
 WaitDisconnect = Callable[[], Awaitable[None]]
 
@@ -426,7 +425,6 @@ def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], offset: int) ->
 
 
 __all__ = [
-    "DEFAULT_MAX_N",
     "ChatRun",
     "ChoiceEvent",
     "Delta",
