@@ -38,6 +38,9 @@ from ftrs.server.jsonecho import JsonEcho
 log = logging.getLogger(__name__)
 
 _ARG_KEYS = ("arguments", "parameters")
+# JSON in forced calls is laid out as json.dumps writes it (as engine.grammar.JSON_OPTIONS does):
+# what the model is made to write is then what the parser streams.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass
@@ -216,7 +219,8 @@ def _call_schema(fns: list[tuple[str, dict[str, Any]]], args_key: str) -> str:
                 "properties": {"name": {"const": name}, args_key: params},
                 "required": ["name", args_key], "additionalProperties": False}
                for name, params in fns]
-    return json.dumps(options[0] if len(options) == 1 else {"anyOf": options})
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    return json.dumps({**schema, "x-guidance": _JSON_LAYOUT})
 
 
 def _text_of(content: Any) -> str:
