@@ -239,7 +239,7 @@ class ToolParser:
         self.calls: list[ToolCall] = []
         self._buf = ""  # text received, not yet decided
         self._ws = ""  # whitespace held at the end of the content shown so far
-        self._started = 0  # calls begun (valid or not)
+        self._before = ""  # the whitespace dropped before the current call, if it fails
         self._next_index = 0
         self._content: list[str] = []
         self._deltas: list[ToolCallDelta] = []
@@ -256,7 +256,7 @@ class ToolParser:
         self._content, self._deltas = [], []
         self._advance()
         self._close()
-        if not self._started:
+        if not self.calls:
             self._content.append(self._ws)
         self._ws = ""
         return "".join(self._content), self._deltas
@@ -283,18 +283,21 @@ class ToolParser:
         if kept:
             self._content.append(kept)
 
-    def _begin_call(self, name: str | None = None) -> _CallStream:
-        self._ws = ""
-        self._started += 1
-        return _CallStream(self._take_index, name)
+    def _enter_call(self) -> None:
+        """A call section begins: the whitespace before it is dropped unless the call fails."""
+        self._before, self._ws = self._ws, ""
+
+    def _malformed(self, raw: str) -> None:
+        self._content.append(self._before + raw)
+        self._before = ""
 
     def _finish_call(self, stream: _CallStream, parsed: tuple[str, str] | None,
                      raw: str) -> bool:
         """Record the call if it parsed, else show its raw text as content."""
         if parsed is None:
-            self._content.append(self._ws + raw)
-            self._ws = ""
+            self._malformed(raw)
             return False
+        self._before = ""
         call, deltas = stream.complete(*parsed)
         self.calls.append(call)
         self._deltas.extend(deltas)
@@ -345,7 +348,8 @@ class HermesToolParser(ToolParser):
                 if after is None:
                     self._buf = held
                     return
-                self._buf, self._call, self._body = after, self._begin_call(), ""
+                self._enter_call()
+                self._buf, self._call, self._body = after, _CallStream(self._take_index), ""
             else:
                 before, after, held = _split_at_tag(self._buf, self.END)
                 self._body += before
@@ -433,12 +437,8 @@ class MistralToolParser(ToolParser):
             self._buf = held
             return False
         self._buf, self._raw, self._state = after, self.TAG, "pre"
-        self._begin_call_section()
+        self._enter_call()
         return True
-
-    def _begin_call_section(self) -> None:
-        self._ws = ""
-        self._started += 1
 
     def _st_pre(self) -> bool:
         stripped = self._buf.lstrip()
@@ -530,8 +530,7 @@ class MistralToolParser(ToolParser):
         if self._state == "out":
             self._show(self._buf)
         else:  # a call section that did not end well: its text is content
-            self._content.append(self._ws + self._raw + self._buf)
-            self._ws = ""
+            self._malformed(self._raw + self._buf)
         self._buf, self._raw, self._state = "", "", "out"
 
     @staticmethod
@@ -628,16 +627,15 @@ class Llama3JsonToolParser(ToolParser):
 
     def _open(self, raw: str, rest: str) -> None:
         """A call section begins with `raw` (the tag, or nothing before a bare "{")."""
-        self._ws = ""
-        self._started += 1
+        self._enter_call()
         self._raw, self._buf, self._state = raw, rest, "pre"
 
     def _close(self) -> None:
         if self._state in ("start", "out"):
             self._show(self._buf)
         elif self._state != "after" and (self._raw + self._buf).strip() != ";":
-            self._content.append(self._ws + self._raw + self._buf)
-        self._ws, self._buf, self._raw, self._state = "", "", "", "out"
+            self._malformed(self._raw + self._buf)
+        self._buf, self._raw, self._state = "", "", "out"
 
     @staticmethod
     def forced_grammar(tools: list[dict[str, Any]], choice: str | dict[str, Any],
