@@ -38,6 +38,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ftrs.config import EngineConfig
 from ftrs.engine.protocol import StepStats, TokenLogprob
 from ftrs.errors import DeviceLost, DeviceUnhealthy, FtrsError, InvalidRequest
+from ftrs.server.anthropic import install_anthropic
 from ftrs.server.cli import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
 from ftrs.server.engine_client import (
     DEFAULT_BACKEND,
@@ -68,9 +69,12 @@ from ftrs.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DeltaToolCall,
     ErrorResponse,
     ModelCard,
     ModelList,
+    ResponseFunction,
+    ResponseToolCall,
 )
 from ftrs.server.serving import (
     ChatRun,
@@ -80,6 +84,7 @@ from ftrs.server.serving import (
     start_chat,
     start_completion,
 )
+from ftrs.server.toolcalls import ToolCall, ToolCallDelta
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +174,7 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
     ctx = ServeContext(client, metrics, settings.model_names, settings.default_max_tokens,
                        settings.max_n, settings.tool_parser, settings.reasoning_parser)
     app.state.ctx = ctx
+    install_anthropic(app, ctx, settings.api_key)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     _install_error_handlers(app, metrics)
 
@@ -312,6 +318,21 @@ async def _completion_response(ctx: ServeContext, req: CompletionRequest, run: C
     return _json(CompletionResponse(id=run.request_id, model=model, choices=choices, usage=run.usage()))
 
 
+def _delta_calls(deltas: list[ToolCallDelta]) -> list[DeltaToolCall] | None:
+    if not deltas:
+        return None
+    return [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
+                          function=ResponseFunction(name=d.name, arguments=d.arguments))
+            for d in deltas]
+
+
+def _message_calls(calls: list[ToolCall]) -> list[ResponseToolCall] | None:
+    if not calls:
+        return None
+    return [ResponseToolCall(id=c.id, function=ResponseFunction(name=c.name, arguments=c.arguments))
+            for c in calls]
+
+
 async def _chat_response(ctx: ServeContext, req: ChatCompletionRequest, run: ChatRun) -> Response:
     """A /v1/chat/completions answer from the run's events: one JSON body, or SSE chunks."""
     tokenizer = ctx.client.tokenizer
@@ -327,7 +348,12 @@ async def _chat_response(ctx: ServeContext, req: ChatCompletionRequest, run: Cha
                 yield _sse(ChatCompletionChunk(id=run.request_id, model=model, choices=[first]))
             async for e in events:
                 lp = chat_logprobs(tokenizer, e.logprobs) if req.logprobs else None
-                choice = ChatChunkChoice(index=e.index, delta=ChatDelta(content=e.text), logprobs=lp,
+                if not (e.text or e.reasoning or e.tool_calls or e.finish_reason
+                        or (lp and lp.content) or (want_ids and e.token_ids)):
+                    continue  # held back by a parser: nothing to say yet
+                delta = ChatDelta(content=e.text or None, reasoning_content=e.reasoning or None,
+                                  tool_calls=_delta_calls(e.tool_calls))
+                choice = ChatChunkChoice(index=e.index, delta=delta, logprobs=lp,
                                          finish_reason=e.finish_reason,
                                          token_ids=e.token_ids if want_ids else None)
                 yield _sse(ChatCompletionChunk(id=run.request_id, model=model, choices=[choice]))
@@ -337,17 +363,22 @@ async def _chat_response(ctx: ServeContext, req: ChatCompletionRequest, run: Cha
 
         return _stream(chunks(), ctx.metrics)
     texts: list[list[str]] = [[] for _ in range(n)]
+    reasoning: list[list[str]] = [[] for _ in range(n)]
     lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
     async for e in events:
         texts[e.index].append(e.text)
+        reasoning[e.index].append(e.reasoning)
         lps[e.index].extend(e.logprobs)
-    choices = [
-        ChatChoice(index=i, message=ChatResponseMessage(content="".join(texts[i])),
-                   logprobs=chat_logprobs(tokenizer, lps[i]) if req.logprobs else None,
-                   finish_reason=run.finish_reason(i),
-                   token_ids=run.token_ids(i) if want_ids else None)
-        for i in range(n)
-    ]
+    choices = []
+    for i in range(n):
+        calls = _message_calls(run.calls(i))
+        content = "".join(texts[i])
+        message = ChatResponseMessage(content=None if calls and not content else content,
+                                      reasoning_content="".join(reasoning[i]) or None,
+                                      tool_calls=calls)
+        choices.append(ChatChoice(index=i, message=message, finish_reason=run.finish_reason(i),
+                                  logprobs=chat_logprobs(tokenizer, lps[i]) if req.logprobs else None,
+                                  token_ids=run.token_ids(i) if want_ids else None))
     return _json(ChatCompletionResponse(id=run.request_id, model=model, choices=choices, usage=run.usage()))
 
 

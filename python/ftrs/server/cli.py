@@ -89,6 +89,7 @@ def run_serve(args: argparse.Namespace, classifier: Classifier | None = None) ->
             window_s=getattr(args, "link_guard_window", 0.5))
         api_key = resolve_api_key(args)
         limits = serve_limits(args)
+        check_parser_flags(args)
     except FtrsError as err:
         logger.error("ftrs serve: %s", err.message)
         return err.exit_code
@@ -157,6 +158,15 @@ def serve_limits(args: argparse.Namespace) -> dict[str, int]:
     return {"max_request_bytes": max_bytes, "default_max_tokens": default_max, "max_n": max_n}
 
 
+def check_parser_flags(args: argparse.Namespace) -> None:
+    """`--tool-parser` and `--reasoning-parser` name known parsers (else ConfigError)."""
+    from ftrs.server.reasoning import choose_reasoning_parser
+    from ftrs.server.toolcalls import choose_tool_parser
+
+    choose_tool_parser(getattr(args, "tool_parser", None), None)
+    choose_reasoning_parser(getattr(args, "reasoning_parser", None), None)
+
+
 async def _report_loading(client: EngineClient, model: str) -> None:
     """Log elapsed time (and engine progress) every few seconds until the engine is up or fails."""
     start = time.monotonic()
@@ -179,5 +189,5 @@ def main(argv: list[str] | None = None) -> int:
     return run_serve(parser.parse_args(argv))
 
 
-__all__ = ["add_serve_arguments", "engine_config_from_args", "main", "resolve_api_key", "run_serve",
+__all__ = ["add_serve_arguments", "check_parser_flags", "engine_config_from_args", "main", "resolve_api_key", "run_serve",
            "serve_limits"]

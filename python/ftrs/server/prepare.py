@@ -8,13 +8,21 @@ they run in a worker thread, never on the event loop.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ftrs.errors import ContextLengthExceeded, FtrsError, InvalidRequest
-from ftrs.sampling import SEED_MAX, SamplingParams
+from ftrs.sampling import SEED_MAX, SamplingParams, StructuredSpec
 from ftrs.server.errors import ModelNotFound
-from ftrs.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from ftrs.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    MessageToolCall,
+    _SamplingFields,
+)
+from ftrs.server.reasoning import choose_reasoning_parser, opens_reasoning
+from ftrs.server.toolcalls import TOOL_PARSERS, choose_tool_parser
 
 
 def _bad(param: str, why: str) -> InvalidRequest:
@@ -35,6 +43,8 @@ class Limits:
     max_model_len: int
     default_max_tokens: int  # of a chat request without max_tokens
     max_n: int = 1
+    tool_parser: str | None = None  # `--tool-parser`; None: chosen from the chat template
+    reasoning_parser: str | None = None  # `--reasoning-parser`; None: chosen from the template
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,11 @@ class Plan:
 
     prompt_ids: list[int]
     params: tuple[SamplingParams, ...]
+    tools: list[dict[str, Any]] | None = None  # read tool calls from the output with these
+    tool_parser: str | None = None  # TOOL_PARSERS key (with `tools`)
+    parallel_tool_calls: bool = True  # false: only the first call counts
+    reasoning_parser: str | None = None  # REASONING_PARSERS key
+    starts_in_reasoning: bool | None = None  # the prompt opened `<think>`; None: the parser's default
 
 
 def check_model(req: _SamplingFields, served: tuple[str, ...]) -> None:
@@ -76,27 +91,19 @@ def _logit_bias(req: _SamplingFields) -> tuple[tuple[int, float], ...]:
 
 
 def _unsupported_chat_fields(req: ChatCompletionRequest) -> None:
-    """Fields that would change the output but are not served yet: a 400 naming the field."""
-    if req.tools:
-        raise _bad("tools", "tool calling is not supported")
-    if req.tool_choice not in (None, "none"):
-        raise _bad("tool_choice", 'only "none" is supported')
+    """Fields that would change the output but are not served: a 400 naming the field."""
     if req.functions:
-        raise _bad("functions", "function calling is not supported")
+        raise _bad("functions", "the deprecated `functions` are not supported: send `tools`")
     if req.function_call not in (None, "none"):
-        raise _bad("function_call", 'only "none" is supported')
-    if req.response_format is not None and req.response_format != {"type": "text"}:
-        raise _bad("response_format", 'only {"type": "text"} is supported')
+        raise _bad("function_call", "the deprecated `function_call` is not supported: send `tool_choice`")
     if req.audio is not None:
         raise _bad("audio", "audio output is not supported")
     if req.modalities not in (None, [], ["text"]):
         raise _bad("modalities", 'only ["text"] is supported')
-    for i, m in enumerate(req.messages):
-        if m.tool_calls:
-            raise _bad(f"messages[{i}].tool_calls", "tool calls are not supported")
 
 
-def _params(req: _SamplingFields, max_tokens: int, logprobs: int | None, vocab: int) -> SamplingParams:
+def _params(req: _SamplingFields, max_tokens: int, logprobs: int | None, vocab: int,
+            structured: StructuredSpec | None = None) -> SamplingParams:
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     return SamplingParams(
         max_tokens=max_tokens,
@@ -113,6 +120,7 @@ def _params(req: _SamplingFields, max_tokens: int, logprobs: int | None, vocab: 
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logprobs=logprobs,
         logit_bias=_logit_bias(req),
+        structured=structured,
     ).validate(vocab)
 
 
@@ -179,31 +187,148 @@ def prepare_completion(req: CompletionRequest, tokenizer: Any, limits: Limits) -
     return Plan(ids, _choices(req, params))
 
 
-def render_chat(req: ChatCompletionRequest, tokenizer: Any) -> list[int]:
-    """The prompt ids of a chat request: its messages through the model's chat template."""
-    _require_tokenizer(tokenizer, "messages")
+_RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token",
+                                     "eos_token"})
+
+
+@dataclass(frozen=True)
+class ChatSetup:
+    """How a chat request is rendered and how its output is read."""
+
+    tools: list[dict[str, Any]] | None  # given to the template and the tool parser; None: no tools
+    tool_choice: str | dict[str, Any]  # "none" | "auto" | "required" | a named function
+    parallel: bool  # parallel_tool_calls
+    tool_parser: str | None  # TOOL_PARSERS key when tools are read from the output
+    reasoning_parser: str | None  # REASONING_PARSERS key, or None
+    template_kwargs: dict[str, Any]
+
+
+def chat_setup(req: ChatCompletionRequest, tokenizer: Any, options: Limits) -> ChatSetup:
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    choice: str | dict[str, Any]
+    if req.tool_choice is None:
+        choice = "auto" if tools else "none"
+    elif isinstance(req.tool_choice, str):
+        choice = req.tool_choice
+    else:
+        choice = req.tool_choice.model_dump()
+    if choice != "none" and not tools:
+        raise _bad("tool_choice", f"{json.dumps(choice)} needs `tools`")
+    if isinstance(choice, dict) and choice["function"]["name"] not in {t["function"]["name"] for t in tools}:
+        raise _bad("tool_choice", f"no tool is named {choice['function']['name']!r}")
+    template = getattr(tokenizer, "chat_template", None)
+    kwargs = dict(req.chat_template_kwargs or {})
+    clash = sorted(_RESERVED_TEMPLATE_VARS & set(kwargs))
+    if clash:
+        raise _bad("chat_template_kwargs", f"may not set {', '.join(clash)}")
+    use_tools = choice != "none"
+    return ChatSetup(
+        tools=tools if use_tools else None,
+        tool_choice=choice,
+        parallel=req.parallel_tool_calls is not False,
+        tool_parser=choose_tool_parser(options.tool_parser, template) if use_tools else None,
+        reasoning_parser=choose_reasoning_parser(options.reasoning_parser, template),
+        template_kwargs=kwargs,
+    )
+
+
+def _template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The request's messages as chat templates take them (OpenAI shape, arguments as objects)."""
     messages: list[dict[str, Any]] = []
     for i, m in enumerate(req.messages):
         if m.has_non_text_parts():
             raise _bad(f"messages[{i}].content", "only text content parts are supported")
         # `developer` is OpenAI's newer name for `system`; chat templates know only the latter.
         role = "system" if m.role == "developer" else m.role
-        messages.append({"role": role, "content": m.text()})
+        msg: dict[str, Any] = {"role": role, "content": m.text()}
+        if m.tool_calls:
+            if role != "assistant":
+                raise _bad(f"messages[{i}].tool_calls", "only assistant messages carry tool calls")
+            msg["tool_calls"] = [_history_call(i, j, c) for j, c in enumerate(m.tool_calls)]
+        if role == "tool":
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                msg["name"] = m.name
+        messages.append(msg)
+    return messages
+
+
+def _history_call(i: int, j: int, call: MessageToolCall) -> dict[str, Any]:
+    args: Any = call.function.arguments
+    param = f"messages[{i}].tool_calls[{j}].function.arguments"
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError as exc:
+            raise _bad(param, f"not valid JSON: {exc}") from None
+    if not isinstance(args, dict):
+        raise _bad(param, "must be a JSON object")
+    return {"id": call.id or f"call_{i}_{j}", "type": "function",
+            "function": {"name": call.function.name, "arguments": args}}
+
+
+def render_chat(req: ChatCompletionRequest, tokenizer: Any, options: Limits,
+                setup: ChatSetup | None = None) -> tuple[list[int], str]:
+    """The prompt (ids, text) of a chat request: its messages, tools and `chat_template_kwargs`
+    through the model's chat template."""
+    _require_tokenizer(tokenizer, "messages")
+    setup = setup or chat_setup(req, tokenizer, options)
+    messages = _template_messages(req)
+    extra: dict[str, Any] = dict(setup.template_kwargs)
+    if setup.tools is not None:
+        extra["tools"] = setup.tools
+    if options.tool_parser is not None and getattr(tokenizer, "tool_parser", None) != options.tool_parser:
+        # The format a template without tools is taught them in (models/tokenizer.py).
+        tokenizer.tool_parser = options.tool_parser
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
     except FtrsError:
         raise
     except Exception as exc:  # a template error is the request's fault (roles, order)
         raise _bad("messages", f"chat template failed: {exc}") from exc
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(text, add_special_tokens=False)), text
 
 
-def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> Plan:
+def _structured(req: ChatCompletionRequest, setup: ChatSetup) -> StructuredSpec | None:
+    """The grammar the output must follow: a forced tool call, or the response_format."""
+    fmt = req.response_format
+    forced = setup.tools is not None and setup.tool_choice != "auto"
+    if fmt is not None and fmt.type != "text" and forced:
+        raise _bad("response_format", "cannot be combined with a required or named tool_choice")
+    if forced:
+        assert setup.tools is not None and setup.tool_parser is not None
+        grammar = TOOL_PARSERS[setup.tool_parser].forced_grammar(setup.tools, setup.tool_choice,
+                                                                 setup.parallel)
+        return StructuredSpec("lark", grammar, "tool_choice")
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredSpec("json_object", "", "response_format")
+    if fmt.json_schema is None:
+        raise _bad("response_format.json_schema", 'required when type is "json_schema"')
+    if fmt.json_schema.schema_ is None:
+        raise _bad("response_format.json_schema.schema", "required")
+    return StructuredSpec("json_schema", json.dumps(fmt.json_schema.schema_),
+                          "response_format.json_schema.schema")
+
+
+def _check_grammar(spec: StructuredSpec, tokenizer: Any) -> None:
+    """Compile `spec` as the engine will, so a bad schema is a 400 before anything is queued."""
+    from ftrs.engine import grammar
+
+    # llguidance needs the real tokenizer's vocabulary; a test double is checked without one.
+    grammar.check(spec, tokenizer if hasattr(tokenizer, "tk") else None)
+
+
+def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, options: Limits) -> Plan:
     """The plan of a chat request. Without `max_tokens`/`max_completion_tokens` the request may
-    generate `limits.default_max_tokens`, or what is left of the context if less."""
-    _common_checks(req, limits)
+    generate `options.default_max_tokens`, or what is left of the context if less."""
+    _common_checks(req, options)
     _unsupported_chat_fields(req)
-    ids = render_chat(req, tokenizer)
+    _require_tokenizer(tokenizer, "messages")
+    setup = chat_setup(req, tokenizer, options)
+    ids, text = render_chat(req, tokenizer, options, setup)
     if req.top_logprobs is not None and not req.logprobs:
         raise _bad("top_logprobs", "requires logprobs to be true")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
@@ -211,12 +336,20 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> 
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     if requested is None:
-        max_tokens = max(min(limits.default_max_tokens, limits.max_model_len - len(ids)), 1)
+        max_tokens = max(min(options.default_max_tokens, options.max_model_len - len(ids)), 1)
     else:
         max_tokens = requested
-    params = _params(req, max_tokens, logprobs, limits.vocab_size)
-    _check_context(len(ids), max_tokens, limits.max_model_len, "messages")
-    return Plan(ids, _choices(req, params))
+    structured = _structured(req, setup)
+    params = _params(req, max_tokens, logprobs, options.vocab_size, structured)
+    _check_context(len(ids), max_tokens, options.max_model_len, "messages")
+    if structured is not None:
+        _check_grammar(structured, tokenizer)
+    # A grammar governs the whole output: none of it is reasoning.
+    reasoning = setup.reasoning_parser if structured is None else None
+    return Plan(ids, _choices(req, params), tools=setup.tools, tool_parser=setup.tool_parser,
+                parallel_tool_calls=setup.parallel, reasoning_parser=reasoning,
+                starts_in_reasoning=True if reasoning and opens_reasoning(text) else None)
 
 
-__all__ = ["Limits", "Plan", "check_model", "choice_seed", "prepare_chat", "prepare_completion", "render_chat"]
+__all__ = ["ChatSetup", "Limits", "Plan", "chat_setup", "check_model", "choice_seed", "prepare_chat",
+           "prepare_completion", "render_chat"]

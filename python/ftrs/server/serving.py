@@ -48,6 +48,8 @@ from ftrs.server.protocol import (
     Usage,
     new_id,
 )
+from ftrs.server.reasoning import REASONING_PARSERS, ReasoningParser
+from ftrs.server.toolcalls import TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser
 
 WaitDisconnect = Callable[[], Awaitable[None]]
 
@@ -73,7 +75,8 @@ class ServeContext:
     def limits(self) -> Limits:
         info = self.ready().info
         assert info is not None
-        return Limits(info.vocab_size, info.max_model_len, self.default_max_tokens, self.max_n)
+        return Limits(info.vocab_size, info.max_model_len, self.default_max_tokens, self.max_n,
+                      self.tool_parser, self.reasoning_parser)
 
 
 class _NoText:
@@ -109,6 +112,7 @@ class Generation:
     num_cached_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended it
     _queue: asyncio.Queue[Any] | None = None
     _arrival: float = field(default_factory=time.monotonic)
 
@@ -163,7 +167,7 @@ class Generation:
                     text += detok.flush()
                 out = stop.feed(text)
                 if stop.stopped:
-                    self.finish_reason = "stop"
+                    self.finish_reason, self.stop_sequence = "stop", stop.matched
                     if item.finish_reason is None:
                         self.client.abort(self.request_id)
                 elif item.finish_reason is not None:
@@ -195,7 +199,7 @@ class ChoiceEvent:
     index: int  # the choice (n > 1)
     text: str = ""  # content delta
     reasoning: str = ""  # reasoning delta
-    tool_calls: list[Any] = field(default_factory=list)  # toolcalls.ToolCallDelta
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
@@ -203,11 +207,26 @@ class ChoiceEvent:
 
 @dataclass(slots=True)
 class _Choice:
-    """The output parsers of one choice (reasoning first, then tool calls)."""
+    """The output parsers of one choice: text → reasoning parser → content → tool parser."""
 
-    reasoning: Any = None  # reasoning.ReasoningParser | None
-    tools: Any = None  # toolcalls.ToolParser | None
+    reasoning: ReasoningParser | None = None
+    tools: ToolParser | None = None
+    max_calls: int | None = None  # parallel_tool_calls false: 1
     finish_reason: str | None = None
+
+    @classmethod
+    def of(cls, plan: Plan) -> _Choice:
+        tools = None
+        if plan.tools is not None and plan.tool_parser is not None:
+            tools = TOOL_PARSERS[plan.tool_parser](plan.tools)
+        reasoning = None
+        if plan.reasoning_parser is not None:
+            reasoning = REASONING_PARSERS[plan.reasoning_parser](plan.starts_in_reasoning)
+        return cls(reasoning, tools, None if plan.parallel_tool_calls else 1)
+
+    def calls(self) -> list[ToolCall]:
+        calls = list(self.tools.calls) if self.tools is not None else []
+        return calls if self.max_calls is None else calls[:self.max_calls]
 
     def event(self, index: int, d: Delta) -> ChoiceEvent:
         reasoning, content = "", d.text
@@ -216,14 +235,16 @@ class _Choice:
             if d.finish_reason is not None:
                 r, c = self.reasoning.finish()
                 reasoning, content = reasoning + r, content + c
-        calls: list[Any] = []
+        calls: list[ToolCallDelta] = []
         if self.tools is not None:
             content, calls = self.tools.feed(content)
             if d.finish_reason is not None:
                 c, more = self.tools.finish()
                 content, calls = content + c, calls + more
+            if self.max_calls is not None:
+                calls = [c for c in calls if c.index < self.max_calls]
         finish = d.finish_reason
-        if finish == "stop" and self.tools is not None and self.tools.calls:
+        if finish == "stop" and self.calls():
             finish = "tool_calls"
         self.finish_reason = finish
         return ChoiceEvent(index, content, reasoning, calls, d.token_ids, d.logprobs, finish)
@@ -241,8 +262,7 @@ class ChatRun:
     iteration. Leaving the iteration early aborts the choices still running."""
 
     def __init__(self, ctx: ServeContext, request_id: str, plan: Plan,
-                 wait_disconnect: WaitDisconnect | None = None,
-                 make_choice: Callable[[], _Choice] = _Choice) -> None:
+                 wait_disconnect: WaitDisconnect | None = None) -> None:
         self.request_id = request_id
         self.n = len(plan.params)
         self.plan = plan
@@ -251,7 +271,7 @@ class ChatRun:
                        plan.prompt_ids, params)
             for i, params in enumerate(plan.params)
         ]
-        self._choices = [make_choice() for _ in range(self.n)]
+        self._choices = [_Choice.of(plan) for _ in range(self.n)]
         self._wait_disconnect = wait_disconnect
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -334,10 +354,13 @@ class ChatRun:
     def token_ids(self, index: int) -> list[int]:
         return self._gens[index].token_ids
 
-    def calls(self, index: int) -> list[Any]:
-        """The complete tool calls of choice `index` (toolcalls.ToolCall)."""
-        tools = self._choices[index].tools
-        return list(tools.calls) if tools is not None else []
+    def calls(self, index: int) -> list[ToolCall]:
+        """The complete tool calls of choice `index`."""
+        return self._choices[index].calls()
+
+    def stop_sequence(self, index: int) -> str | None:
+        """The stop string that ended choice `index`, if one did."""
+        return self._gens[index].stop_sequence
 
     def finish_reason(self, index: int) -> str | None:
         return self._choices[index].finish_reason
@@ -369,7 +392,7 @@ async def start_completion(ctx: ServeContext, req: CompletionRequest, request: A
 def render_chat_prompt(ctx: ServeContext, req: ChatCompletionRequest) -> list[int]:
     """The prompt ids `start_chat` would submit (for count_tokens). Tokenizes: call it from a
     worker thread (`asyncio.to_thread`)."""
-    return render_chat(req, ctx.ready().tokenizer)
+    return render_chat(req, ctx.ready().tokenizer, ctx.limits())[0]
 
 
 def disconnect_waiter(request: Any) -> WaitDisconnect | None:
