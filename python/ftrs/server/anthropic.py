@@ -108,8 +108,19 @@ class ToolChoice(_Model):
 
 
 class Thinking(_Model):
-    type: Literal["enabled", "disabled", "adaptive"]
-    budget_tokens: int | None = None
+    """`disabled`, or a way to think (`enabled`, `adaptive`, ...); a budget is not enforced."""
+
+    type: Text
+
+
+class OutputFormat(_Model):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(_Model):
+    format: OutputFormat | None = None
+    effort: Text | None = None  # accepted, ignored
 
 
 class CountTokensRequest(_Model):
@@ -131,6 +142,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: int | None = None
     metadata: dict[str, Any] | None = None  # accepted, ignored
+    output_config: OutputConfig | None = None  # format → the chat path's json_schema
 
 
 # ---------------------------------------------------------------------------------- responses
@@ -189,6 +201,8 @@ class Translation:
         if m:
             field = {".parameters": ".input_schema", ".name": ".name", ".description": ".description"}
             return f"tools[{m.group(1)}]{field.get(m.group(2) or '', '')}"
+        if param.startswith("response_format"):
+            return "output_config.format.schema"
         return {"stop": "stop_sequences", "max_completion_tokens": "max_tokens",
                 "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}.get(param, param)
 
@@ -291,6 +305,10 @@ def to_chat(req: CountTokensRequest) -> Translation:
         body.update(max_tokens=req.max_tokens, stream=bool(req.stream))
         if req.stop_sequences:
             body["stop"] = list(req.stop_sequences)
+        fmt = req.output_config.format if req.output_config else None
+        if fmt is not None:
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "output", "schema": fmt.schema_}}
         for name in ("temperature", "top_p", "top_k"):
             if getattr(req, name) is not None:
                 body[name] = getattr(req, name)
@@ -351,6 +369,15 @@ class BlockEncoder:
             self._json = []
         self._kind, self._call = None, None
         return [{"type": "content_block_stop", "index": index}]
+
+    def keep_calls(self, calls: list[Any]) -> None:
+        """Keep the tool_use blocks of the complete calls (`toolcalls.ToolCall`), with their
+        arguments as input; a call the parser found malformed came back as text."""
+        complete = {c.id: c for c in calls}
+        self.content = [b for b in self.content if b["type"] != "tool_use" or b["id"] in complete]
+        for b in self.content:
+            if b["type"] == "tool_use":
+                b["input"] = _json_object(complete[b["id"]].arguments)
 
     def _open(self, kind: str, block: dict[str, Any], force: bool = False) -> list[dict[str, Any]]:
         if self._kind == kind and not force:
@@ -505,6 +532,7 @@ def install_anthropic(app: FastAPI, ctx: ServeContext, api_key: str | None) -> N
         async for e in events:
             blocks.feed(e)
         blocks.close()
+        blocks.keep_calls(run.calls(0))
         usage = run.usage()
         seq = _stop_sequence(ctx, run, req)
         body = MessagesResponse(id=msg_id, model=req.model, content=blocks.content,
