@@ -26,6 +26,7 @@ _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _NUMBER_CHARS = frozenset("0123456789+-.eE")
 _LITERALS = ("true", "false", "null")
 _HEX = frozenset("0123456789abcdefABCDEF")
+_PLAIN = re.compile(r'[ !#-\[\]-~]+')  # printable ASCII but '"' and '\\': echoed as they are
 
 
 def _escape(ch: str) -> str:
@@ -53,16 +54,25 @@ class JsonEcho:
         self.error = False
         self._out: list[tuple[str, str | None]] = []
 
-    def push(self, ch: str) -> list[tuple[str, str | None]]:
-        """Consume one character; return the echoed pieces with their member tags."""
+    def feed(self, text: str) -> tuple[int, list[tuple[str, str | None]]]:
+        """Consume `text` up to the end of the object: (characters used, the echoed pieces with
+        their member tags). Nothing is echoed once `error` is set."""
         self._out = []
-        if self.done or self.error:
-            self.error = True
-            return []
-        self._step(ch)
+        i, n = 0, len(text)
+        while i < n and not self.done and not self.error:
+            if self._lex == "s" and self._esc == 0:
+                m = _PLAIN.match(text, i)  # a run of characters that stand for themselves
+                if m:
+                    if self._is_key:
+                        self._key += m.group()
+                    self._emit(m.group())
+                    i = m.end()
+                    continue
+            self._step(text[i])
+            i += 1
         if self.error:
-            return []
-        return self._out
+            return i, []
+        return i, self._out
 
     def _emit(self, text: str) -> None:
         self._out.append((text, self.member))

@@ -91,13 +91,13 @@ class CallStream:
         self.id = new_call_id()
         self.index = -1  # given when the first delta is sent
         self.echo = JsonEcho()
-        self.raw = ""  # the text consumed (up to the object's closing brace)
+        self._raw: list[str] = []
         self._bare_args = name is not None
         self.name = name
         self._name_json = ""
         self._args_kind = ""  # "" undecided, "{" streamed, "x" held for the end
-        self._pending = ""  # echoed arguments not yet sent
-        self.sent = ""  # arguments text sent so far
+        self._pending: list[str] = []  # echoed arguments not yet sent
+        self._sent: list[str] = []  # arguments text sent so far
 
     @property
     def done(self) -> bool:
@@ -109,51 +109,52 @@ class CallStream:
 
     def feed(self, text: str) -> tuple[int, list[ToolCallDelta]]:
         """Consume `text` up to the end of the object; return how much was consumed, and deltas."""
-        used = 0
-        for ch in text:
-            if self.echo.done:
-                break
-            used += 1
-            self.raw += ch
-            for piece, member in self.echo.push(ch):
-                if self._bare_args:
-                    self._pending += piece
-                elif member == "name":
-                    self._name_json += piece
-                elif member in _ARG_KEYS:
-                    if not self._args_kind:
-                        self._args_kind = "{" if piece == "{" else "x"
-                    if self._args_kind == "{":
-                        self._pending += piece
-            if self.name is None and self._name_json and self.echo.member != "name":
-                name = json.loads(self._name_json)
-                self.name = name if isinstance(name, str) and name else ""
+        used, pieces = self.echo.feed(text)
+        self._raw.append(text[:used])
+        for piece, member in pieces:
+            if self._bare_args:
+                self._pending.append(piece)
+            elif member == "name":
+                self._name_json += piece
+            elif member in _ARG_KEYS:
+                if not self._args_kind:
+                    self._args_kind = "{" if piece == "{" else "x"
+                if self._args_kind == "{":
+                    self._pending.append(piece)
+        if self.name is None and self._name_json and self.echo.member != "name":
+            name = json.loads(self._name_json)
+            self.name = name if isinstance(name, str) and name else ""
         return used, self._flush()
+
+    @property
+    def raw(self) -> str:
+        """The text consumed (up to the object's closing brace)."""
+        return "".join(self._raw)
 
     def _flush(self) -> list[ToolCallDelta]:
         if not self.name or self.echo.error:
             return []
+        pending = "".join(self._pending)
+        self._pending = []
         if self.index < 0:
             self.index = self._take_index()
-            head = ToolCallDelta(self.index, self.id, self.name, self._pending)
-            self.sent, self._pending = self._pending, ""
-            return [head]
-        if not self._pending:
+            self._sent = [pending]
+            return [ToolCallDelta(self.index, self.id, self.name, pending)]
+        if not pending:
             return []
-        delta = ToolCallDelta(self.index, None, None, self._pending)
-        self.sent += self._pending
-        self._pending = ""
-        return [delta]
+        self._sent.append(pending)
+        return [ToolCallDelta(self.index, None, None, pending)]
 
     def complete(self, name: str, arguments: str) -> tuple[ToolCall, list[ToolCallDelta]]:
         """The call, once its text parsed as `name` and `arguments`; the deltas still owed."""
         deltas: list[ToolCallDelta] = []
+        sent = "".join(self._sent)
         if self.index < 0:
             self.index = self._take_index()
             deltas.append(ToolCallDelta(self.index, self.id, name, arguments))
-        elif arguments.startswith(self.sent):
-            if len(arguments) > len(self.sent):
-                deltas.append(ToolCallDelta(self.index, None, None, arguments[len(self.sent):]))
+        elif arguments.startswith(sent):
+            if len(arguments) > len(sent):
+                deltas.append(ToolCallDelta(self.index, None, None, arguments[len(sent):]))
         else:  # a key repeated in the arguments: the streamed text kept both
             log.warning("tool call %s: streamed arguments differ from the parsed ones", self.id)
         if self.name and self.name != name:

@@ -51,7 +51,7 @@ class HermesToolParser(ToolParser):
     def __init__(self, tools: list[dict[str, Any]]) -> None:
         super().__init__(tools)
         self._call: CallStream | None = None
-        self._body = ""
+        self._body: list[str] = []
 
     def _advance(self) -> None:
         while True:
@@ -62,10 +62,10 @@ class HermesToolParser(ToolParser):
                     self._buf = held
                     return
                 self._enter_call()
-                self._buf, self._call, self._body = after, CallStream(self._take_index), ""
+                self._buf, self._call, self._body = after, CallStream(self._take_index), []
             else:
                 before, after, held = split_at_tag(self._buf, self.END)
-                self._body += before
+                self._body.append(before)
                 self._stream(self._call, before)
                 if after is None:
                     self._buf = held
@@ -75,8 +75,9 @@ class HermesToolParser(ToolParser):
 
     def _end_call(self, closed: bool, tail: str = "") -> None:
         assert self._call is not None
-        raw = self.START + self._body + (self.END if closed else tail)
-        self._finish_call(self._call, parse_object_call(self._body), raw)
+        body = "".join(self._body)
+        raw = self.START + body + (self.END if closed else tail)
+        self._finish_call(self._call, parse_object_call(body), raw)
         self._call = None
 
     def _close(self) -> None:
@@ -126,12 +127,12 @@ class MistralToolParser(ToolParser):
         # "name" / "id" before [ARGS]; "args" the arguments object; "bad" malformed to the end.
         self._state = "out"
         self._call: CallStream | None = None
-        self._raw = ""  # text of the current call section, shown as content if it is malformed
+        self._raw: list[str] = []  # the current call section, shown as content if malformed
 
     def _advance(self) -> None:
         while self._buf or self._state == "bad":
             if self._state == "bad":
-                self._raw += self._buf
+                self._raw.append(self._buf)
                 self._buf = ""
                 return
             progressed = getattr(self, "_st_" + self._state)()
@@ -140,7 +141,7 @@ class MistralToolParser(ToolParser):
 
     def _take(self, n: int) -> str:
         text, self._buf = self._buf[:n], self._buf[n:]
-        self._raw += text
+        self._raw.append(text)
         return text
 
     def _st_out(self) -> bool:
@@ -149,7 +150,7 @@ class MistralToolParser(ToolParser):
         if after is None:
             self._buf = held
             return False
-        self._buf, self._raw, self._state = after, self.TAG, "pre"
+        self._buf, self._raw, self._state = after, [self.TAG], "pre"
         self._enter_call()
         return True
 
@@ -177,7 +178,7 @@ class MistralToolParser(ToolParser):
             self._take(1)
         elif ch == "]" and self._call is not None:
             self._take(1)
-            self._call, self._raw, self._state = None, "", "out"
+            self._call, self._raw, self._state = None, [], "out"
         else:
             self._state = "bad"
         return True
@@ -194,7 +195,7 @@ class MistralToolParser(ToolParser):
                 self._state = "bad"
             else:
                 self._finish_call(self._call, parsed, "")
-                self._raw, self._state = "", "list"
+                self._raw, self._state = [], "list"
         return used > 0 or self._state != "obj"
 
     def _st_name(self) -> bool:
@@ -234,7 +235,7 @@ class MistralToolParser(ToolParser):
             args = arguments_of({"arguments": json.loads(self._call.raw, strict=False)})
             assert self._call.name is not None and args is not None  # the echo saw an object
             self._finish_call(self._call, (self._call.name, args), "")
-            self._call, self._raw, self._state = None, "", "out"
+            self._call, self._raw, self._state = None, [], "out"
         else:
             return False
         return True
@@ -243,8 +244,8 @@ class MistralToolParser(ToolParser):
         if self._state == "out":
             self._show(self._buf)
         else:  # a call section that did not end well: its text is content
-            self._malformed(self._raw + self._buf)
-        self._buf, self._raw, self._state = "", "", "out"
+            self._malformed("".join(self._raw) + self._buf)
+        self._buf, self._raw, self._state = "", [], "out"
 
     @staticmethod
     def forced_grammar(tools: list[dict[str, Any]], choice: str | dict[str, Any],
@@ -282,12 +283,12 @@ class Llama3JsonToolParser(ToolParser):
         # "after" after one (";" for another); "bad" malformed to the end.
         self._state = "start"
         self._call: CallStream | None = None
-        self._raw = ""
+        self._raw: list[str] = []
 
     def _advance(self) -> None:
         while self._buf:
             if self._state == "bad":
-                self._raw += self._buf
+                self._raw.append(self._buf)
                 self._buf = ""
             elif self._state == "start":
                 stripped = self._buf.lstrip()
@@ -310,23 +311,23 @@ class Llama3JsonToolParser(ToolParser):
                 self._open(self.TAG, after)
             elif self._state in ("pre", "after"):
                 stripped = self._buf.lstrip()
-                self._raw += self._buf[: len(self._buf) - len(stripped)]
+                self._raw.append(self._buf[: len(self._buf) - len(stripped)])
                 self._buf = stripped
                 if not stripped:
                     return
                 if stripped[0] == "{" and self._state == "pre":
                     self._call, self._state = CallStream(self._take_index), "obj"
                 elif stripped[0] == ";" and self._state == "after":
-                    self._raw += ";"
+                    self._raw.append(";")
                     self._buf, self._state = stripped[1:], "pre"
                 elif self._state == "after":
-                    self._raw, self._state = "", "out"
+                    self._raw, self._state = [], "out"
                 else:
                     self._state = "bad"
             else:
                 assert self._call is not None
                 used = self._stream(self._call, self._buf)
-                self._raw += self._buf[:used]
+                self._raw.append(self._buf[:used])
                 self._buf = self._buf[used:]
                 if self._call.error:
                     self._state = "bad"
@@ -336,19 +337,21 @@ class Llama3JsonToolParser(ToolParser):
                         self._state = "bad"
                     else:
                         self._finish_call(self._call, parsed, "")
-                        self._raw, self._state = "", "after"
+                        self._raw, self._state = [], "after"
 
     def _open(self, raw: str, rest: str) -> None:
         """A call section begins with `raw` (the tag, or nothing before a bare "{")."""
         self._enter_call()
-        self._raw, self._buf, self._state = raw, rest, "pre"
+        self._raw, self._buf, self._state = [raw], rest, "pre"
 
     def _close(self) -> None:
         if self._state in ("start", "out"):
             self._show(self._buf)
-        elif self._state != "after" and (self._raw + self._buf).strip() != ";":
-            self._malformed(self._raw + self._buf)
-        self._buf, self._raw, self._state = "", "", "out"
+        elif self._state != "after":
+            raw = "".join(self._raw) + self._buf
+            if raw.strip() != ";":
+                self._malformed(raw)
+        self._buf, self._raw, self._state = "", [], "out"
 
     @staticmethod
     def forced_grammar(tools: list[dict[str, Any]], choice: str | dict[str, Any],
