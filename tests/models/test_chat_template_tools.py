@@ -155,6 +155,23 @@ def test_tiny_template_without_tools_is_taught_them_in_the_hermes_format() -> No
         "<|im_start|>assistant\n")
 
 
+def test_fallback_reads_content_parts_and_keeps_assistant_text_before_calls() -> None:
+    tok = tiny_tokenizer(512)
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Time?"}]},
+        {"role": "assistant", "content": "Checking.",
+         "tool_calls": [{"id": "c", "type": "function",
+                         "function": {"name": "now", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "noon"}]},
+    ]
+    assert tok.apply_chat_template(messages) == (
+        "<|im_start|>user\nTime?<|im_end|>\n"
+        '<|im_start|>assistant\nChecking.\n<tool_call>\n{"name": "now", "arguments": {}}\n'
+        "</tool_call><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\nnoon\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n")
+
+
 def test_tiny_template_without_tools_in_the_request_is_unchanged() -> None:
     tok = tiny_tokenizer(512)
     messages = [{"role": "user", "content": "Hi"}]
