@@ -141,7 +141,7 @@ class EngineCore:
             if self._prompt_logits:
                 self._keep_prompt_logits(work, hidden)
             rows = hidden if batch.sample_all else hidden[batch.sample_rows]
-            allowed = masks.result() if masks is not None else None
+            allowed = self._masks.wait(masks) if masks is not None and self._masks else None
             sampled = sample(self.rt.decoder.logits(rows), batch.sample_seqs,  # on the device
                              allowed, g_rows)
         except DeviceError as err:  # say what the failed step carried (crash report, OOM)
@@ -245,6 +245,11 @@ class EngineCore:
         tensor alignment included; 0 for a dense model."""
         experts = self.rt.loaded.experts
         return int(experts.pool.nbytes) if experts is not None else 0
+
+    def grammar_stats(self) -> dict[str, float]:
+        """Structured output's mask worker: fills, seconds filling, seconds steps waited for a
+        fill after their forward ({} before the first constrained request)."""
+        return self._masks.stats() if self._masks is not None else {}
 
     def expert_stats(self) -> dict[str, Any]:
         """The MoE strategy's counters (what `StepStats.experts` carries); {} for dense models."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -175,7 +176,8 @@ class MaskFiller:
     """Fills the allowed-token bitmasks of a step's constrained rows on a worker thread.
 
     `start(matchers)` returns a future of the (rows, vocab) bool mask, on `device`; the
-    matchers must not consume tokens until it is done (the step joins it before sampling)."""
+    matchers must not consume tokens until it is done (the step joins it before sampling, with
+    `wait`). `stats()`: fills, seconds spent filling, seconds the steps waited for a fill."""
 
     def __init__(self, vocab_size: int, device: torch.device, threads: int | None = None) -> None:
         self.vocab_size = vocab_size
@@ -183,16 +185,33 @@ class MaskFiller:
         self.device = device
         self._executor = llguidance.LLExecutor(threads)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrs-grammar")
+        self.fills = 0
+        self.fill_s = 0.0
+        self.wait_s = 0.0
 
     def start(self, matchers: Sequence[llguidance.LLMatcher]) -> Future[torch.Tensor]:
         return self._thread.submit(self.fill, list(matchers))
 
+    def wait(self, masks: Future[torch.Tensor]) -> torch.Tensor:
+        """The result of `start`, timing how long the caller waited for it."""
+        t0 = time.perf_counter()
+        out = masks.result()
+        self.wait_s += time.perf_counter() - t0
+        return out
+
     def fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
         """The masks now, on the calling thread: (len(matchers), vocab) bool on `device`."""
+        t0 = time.perf_counter()
         bits = np.full((len(matchers), self.words), -1, dtype=np.int32)  # (rows, words)
         self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
                                                bits.ctypes.data, self.words * 4, len(matchers))
-        return unpack(bits, self.vocab_size, self.device)
+        out = unpack(bits, self.vocab_size, self.device)
+        self.fills += 1
+        self.fill_s += time.perf_counter() - t0
+        return out
+
+    def stats(self) -> dict[str, float]:
+        return {"fills": self.fills, "fill_s": self.fill_s, "wait_s": self.wait_s}
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)
