@@ -12,6 +12,7 @@ from typing import Any
 
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
 from ftrs_server_harness import ServerProcess
@@ -219,16 +220,12 @@ def test_non_stream_keeps_only_complete_calls() -> None:
 # ------------------------------------------------------------------------ live: tiny model
 
 TINY_KEY = "anthropic-test-key"
+LIVE_OPTIONS = ["--device", "cpu", "--dtype", "float32"]
 FORECAST = {"name": "forecast", "description": "Weather forecast for a city",
             "input_schema": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
                              "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "metric": {"type": "boolean"},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}
-
-
-def _valid_forecast(value: Any) -> bool:
-    """FORECAST's input_schema, checked by hand."""
-    return (isinstance(value, dict) and set(value) == {"city", "days"} and isinstance(value["city"], str)
-            and len(value["city"]) <= 12 and type(value["days"]) is int and 1 <= value["days"] <= 7)
 
 
 @pytest.fixture(scope="module")
@@ -236,11 +233,26 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from ftrs.models.tiny import make_tiny
 
     model = make_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", seed=0)
-    server = ServerProcess(["--model", str(model), "--served-model-name", "tiny", "--device", "cpu",
-                            "--dtype", "float32"], api_key=TINY_KEY, backend=None)
+    server = ServerProcess(["--model", str(model), "--served-model-name", "tiny", *LIVE_OPTIONS],
+                           api_key=TINY_KEY, backend=None)
     try:
         server.wait("ok")
         server.model_dir = model
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def demo_server() -> Any:
+    from ftrs.models.demo import demo_dir
+
+    if not (demo_dir() / ".complete").is_file():
+        pytest.skip("the demo model is not built (`ftrs models demo`)")
+    server = ServerProcess(["--model", str(demo_dir()), "--served-model-name", "demo", *LIVE_OPTIONS],
+                           api_key=TINY_KEY, backend=None)
+    try:
+        server.wait("ok", timeout=600)
         yield server
     finally:
         server.stop()
@@ -328,15 +340,17 @@ def test_count_tokens_equals_the_input_tokens_then_reported(tiny_server: Any) ->
     assert counted > plain.input_tokens  # the tools and the tool turns are in the prompt
 
 
-def test_forced_tool_returns_tool_use_whose_input_validates(tiny_server: Any) -> None:
-    client = _anthropic(tiny_server)
-    args: dict[str, Any] = {"model": "tiny", "max_tokens": 200, "tools": [FORECAST],
+def _check_forced_tool(client: Any, model: str, **extra: Any) -> None:
+    """A tool forced by name: one tool_use block whose input validates against input_schema, in
+    the body and in the stream (whose input_json_delta pieces join to the same input)."""
+    args: dict[str, Any] = {"model": model, "max_tokens": 200, "tools": [FORECAST],
                             "tool_choice": {"type": "tool", "name": "forecast", "disable_parallel_tool_use": True},
-                            "messages": [{"role": "user", "content": "Weather in Oslo for 3 days?"}]}
+                            "messages": [{"role": "user", "content": "Weather in Oslo for 3 days?"}], **extra}
     msg = client.messages.create(**args)
     uses = [b for b in msg.content if b.type == "tool_use"]
     assert msg.stop_reason == "tool_use", msg
-    assert len(uses) == 1 and uses[0].name == "forecast" and _valid_forecast(uses[0].input), msg
+    assert len(uses) == 1 and uses[0].name == "forecast", msg
+    jsonschema.validate(uses[0].input, FORECAST["input_schema"])
 
     with client.messages.stream(**args) as stream:
         events = list(stream)
@@ -353,8 +367,26 @@ def test_forced_tool_returns_tool_use_whose_input_validates(tiny_server: Any) ->
     assert len(tool_blocks) == 1 and set(pieces) == set(tool_blocks)
     for i, block in tool_blocks.items():
         joined = json.loads("".join(pieces[i]))
-        assert _valid_forecast(joined) and joined == block.input
+        jsonschema.validate(joined, FORECAST["input_schema"])
+        assert joined == block.input
     assert final.stop_reason == "tool_use"
+
+
+def test_forced_tool_returns_tool_use_whose_input_validates(tiny_server: Any) -> None:
+    _check_forced_tool(_anthropic(tiny_server), "tiny")
+
+
+@pytest.mark.slow
+def test_demo_forced_tool_and_text_stream(demo_server: Any) -> None:
+    client = _anthropic(demo_server)
+    _check_forced_tool(client, "demo", extra_body={"temperature": 0.7})
+    events = list(client.messages.create(model="demo", max_tokens=16, stream=True,
+                                         messages=[{"role": "user", "content": "What is the capital of France?"}]))
+    assert _block_order_ok([e.type for e in events])
+    counted = client.messages.count_tokens(model="demo", messages=[
+        {"role": "user", "content": "What is the capital of France?"}]).input_tokens
+    assert events[0].message.usage.input_tokens == counted
+    assert next(e for e in events if e.type == "message_delta").usage.output_tokens >= 1
 
 
 def test_x_api_key_and_bearer_are_accepted_a_wrong_key_is_refused(tiny_server: Any) -> None:

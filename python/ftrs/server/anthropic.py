@@ -414,19 +414,6 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def _stop_sequence(ctx: ServeContext, run: ChatRun, req: MessagesRequest) -> str | None:
-    """The stop string that ended the choice: the first one in its decoded output."""
-    if run.finish_reason(0) != "stop" or not req.stop_sequences:
-        return None
-    seen = getattr(run, "stop_sequence", None)
-    if callable(seen):
-        return seen(0)
-    tokenizer = ctx.client.tokenizer
-    text = tokenizer.decode(run.token_ids(0), skip_special_tokens=True) if tokenizer else ""
-    hits = [(text.find(s), -len(s), s) for s in req.stop_sequences if s and s in text]
-    return min(hits)[2] if hits else None
-
-
 def _sse(event: dict[str, Any]) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
@@ -545,7 +532,7 @@ def install_anthropic(app: FastAPI, ctx: ServeContext, api_key: str | None) -> N
         blocks.close()
         blocks.keep_calls(run.calls(0))
         usage = run.usage()
-        seq = _stop_sequence(ctx, run, req)
+        seq = run.stop_sequence(0)
         body = MessagesResponse(id=msg_id, model=req.model, content=blocks.content,
                                 stop_reason=_stop_reason(run.finish_reason(0), seq), stop_sequence=seq,
                                 usage=AnthropicUsage(input_tokens=usage.prompt_tokens,
@@ -590,7 +577,7 @@ def _stream(ctx: ServeContext, req: MessagesRequest, run: ChatRun,
         for event in blocks.close():
             yield _sse(event)
         usage = run.usage()
-        seq = _stop_sequence(ctx, run, req)
+        seq = run.stop_sequence(0)
         yield _sse({"type": "message_delta",
                     "delta": {"stop_reason": _stop_reason(run.finish_reason(0), seq), "stop_sequence": seq},
                     "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}})
