@@ -18,13 +18,8 @@ import pytest
 from ftrs_server_harness import ServerProcess
 
 from ftrs.errors import InvalidRequest
-from ftrs.server.anthropic import (
-    BlockEncoder,
-    CountTokensRequest,
-    MessagesRequest,
-    error_type,
-    to_chat,
-)
+from ftrs.server.anthropic import BlockEncoder, error_type
+from ftrs.server.anthropic_protocol import CountTokensRequest, MessagesRequest, to_chat
 from ftrs.server.serving import ChoiceEvent
 from ftrs.server.toolcalls import ToolCall, ToolCallDelta
 
@@ -485,3 +480,12 @@ def test_an_error_after_the_stream_started_is_an_error_event() -> None:
         assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
     finally:
         server.stop()
+
+
+def test_a_body_over_the_cap_is_a_413_in_each_routes_shape(fake_server: ServerProcess) -> None:
+    big = {"model": "fake", "max_tokens": 1, "messages": [{"role": "user", "content": "x" * (5 << 20)}]}
+    r = httpx.post(fake_server.url + "/v1/messages", json=big, headers=fake_server.headers, timeout=60)
+    assert r.status_code == 413
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "request_too_large"
+    r = httpx.post(fake_server.url + "/v1/chat/completions", json=big, headers=fake_server.headers, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
