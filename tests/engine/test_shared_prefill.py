@@ -72,3 +72,13 @@ def test_different_prompts_do_not_wait(model: str) -> None:
     eng.add_request(GenerateRequest("b", OTHER, GREEDY))
     _, st = eng.step()
     assert st.prefill_tokens == 90 and st.num_waiting == 0
+
+
+def test_shared_prompts_under_a_tight_kv_budget_keep_their_results(model: str) -> None:
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    solo = LLM(model, kv_tokens=2048, page_size=PAGE).generate([PROMPT], params)[0].token_ids
+    llm = LLM(model, kv_tokens=12 * PAGE, page_size=PAGE)  # 8 pages each: not 3 x 8 at once
+    outs = llm.generate([PROMPT, PROMPT, OTHER, PROMPT], params)
+    assert [c.token_ids for i, c in enumerate(outs) if i != 2] == [solo] * 3
+    assert all(c.finish_reason == "length" for c in outs)
+    assert llm.engine.scheduler.kv_usage() == 0.0

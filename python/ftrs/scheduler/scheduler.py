@@ -131,7 +131,7 @@ class Scheduler:
         """Whether `seq` should wait for a running prefill that will publish pages it shares."""
         key = self._first_page(seq)
         other = self._prefilling.get(key) if key is not None else None
-        if other is None or other is seq:
+        if other is None or other is seq or other.status is not Status.RUNNING:
             return False
         ps = self.pool.page_size
         limit = min((len(seq.tokens) - 1) // ps, other.num_prompt // ps)
