@@ -303,6 +303,21 @@ def test_live_forced_tool_call_validates_against_the_tool_schema(tiny_server: An
     _check_forced_call(_openai(tiny_server), "tiny", parallel=False)
 
 
+def test_live_required_tool_choice_calls_one_of_the_tools_by_its_schema(tiny_server: Any) -> None:
+    import jsonschema
+
+    schemas = {"get_forecast": FORECAST["function"]["parameters"],  # type: ignore[index]
+               "get_person": PERSON}
+    tools = [FORECAST, {"type": "function", "function": {"name": "get_person", "parameters": PERSON}}]
+    r = _openai(tiny_server).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Use a tool."}], tools=tools,
+        tool_choice="required", parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=8)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    (call,) = choice.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
 def test_live_json_schema_output_validates_for_20_seeded_samples(tiny_server: Any) -> None:
     _check_json_schema_samples(_openai(tiny_server), "tiny", 20)
 
