@@ -28,6 +28,29 @@ def test_choice_seeds_are_distinct_and_stay_in_range() -> None:
     assert [choice_seed(5, i) for i in range(3)] == [5, 6, 7]
 
 
+def test_the_tool_parser_flag_picks_the_format_tools_are_offered_in() -> None:
+    import argparse
+
+    from ftrs.errors import ConfigError
+    from ftrs.models.tiny import tiny_tokenizer
+    from ftrs.server.cli import check_parser_flags
+    from ftrs.server.prepare import Limits, render_chat
+    from ftrs.server.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": MSGS, "tools": [
+        {"type": "function", "function": {"name": "get_time"}}]})
+    texts = {}
+    for flag in ("hermes", "mistral"):
+        tok = tiny_tokenizer(512)  # ChatML without tools: they are described in a system message
+        texts[flag] = render_chat(req, tok, Limits(512, 2048, 16, tool_parser=flag))[1]
+    assert "<tool_call>" in texts["hermes"] and "[TOOL_CALLS]" not in texts["hermes"]
+    assert "[TOOL_CALLS]" in texts["mistral"] and "<tool_call>" not in texts["mistral"]
+    assert all("get_time" in t for t in texts.values())
+    for bad in ({"tool_parser": "nope"}, {"reasoning_parser": "nope"}):
+        with pytest.raises(ConfigError):
+            check_parser_flags(argparse.Namespace(**bad))
+
+
 def test_n_choices_are_the_requests_seeded_seed_plus_index(client: Any) -> None:
     many = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=6, temperature=1.0,
                                           seed=40, n=3)
