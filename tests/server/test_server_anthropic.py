@@ -489,3 +489,62 @@ def test_a_body_over_the_cap_is_a_413_in_each_routes_shape(fake_server: ServerPr
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "request_too_large"
     r = httpx.post(fake_server.url + "/v1/chat/completions", json=big, headers=fake_server.headers, timeout=60)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def _say(text: str) -> list[dict[str, Any]]:
+    """Messages that make the fake engine answer `text` (fake_backend: `SAY:<text>`)."""
+    return [{"role": "user", "content": f"SAY:{text}"}]
+
+
+def _blocks(content: list[Any]) -> list[dict[str, Any]]:
+    """Content blocks without their ids (random per answer) and the SDK's empty fields."""
+    return [{k: v for k, v in b.model_dump(exclude_none=True).items() if k != "id"} for b in content]
+
+
+def test_text_and_tool_use_blocks_from_the_output_and_back(fake_server: ServerProcess) -> None:
+    client = anthropic.Anthropic(base_url=fake_server.url, api_key=fake_server.api_key, max_retries=0)
+    out = 'Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    args: dict[str, Any] = {"model": "fake", "max_tokens": 120, "tools": [WEATHER], "messages": _say(out)}
+    msg = client.messages.create(**args)
+    assert msg.stop_reason == "tool_use"
+    assert _blocks(msg.content) == [
+        {"type": "text", "text": "Let me check."},
+        {"type": "tool_use", "name": "get_weather", "input": {"city": "Paris"}}]
+    with client.messages.stream(**args) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert [e.content_block.type for e in events if e.type == "content_block_start"] == ["text", "tool_use"]
+    pieces = "".join(e.delta.partial_json for e in events
+                     if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
+    assert json.loads(pieces) == {"city": "Paris"}
+    assert _blocks(final.content) == _blocks(msg.content) and final.stop_reason == "tool_use"
+    # The answer goes back as history with a tool_result for its tool_use.
+    use = msg.content[1]
+    history: Any = [{"role": "user", "content": "Weather?"},
+                    {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18C"}]}]
+    again = client.messages.create(model="fake", max_tokens=4, messages=history)
+    counted = client.messages.count_tokens(model="fake", messages=history)
+    assert again.usage.input_tokens == counted.input_tokens
+    short = client.messages.count_tokens(model="fake", messages=history[:1]).input_tokens
+    assert counted.input_tokens > short + len("Let me check.18C")  # the turns are in the prompt
+
+
+def test_reasoning_becomes_a_thinking_block() -> None:
+    server = ServerProcess(["--model", "fake", "--reasoning-parser", "qwen3"], api_key=None)
+    try:
+        server.wait("ok")
+        client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+        args: dict[str, Any] = {"model": "fake", "max_tokens": 100,
+                                "messages": _say("<think>Paris is in France.</think>It is sunny.")}
+        msg = client.messages.create(**args)
+        assert _blocks(msg.content) == [{"type": "thinking", "thinking": "Paris is in France.", "signature": ""},
+                                        {"type": "text", "text": "It is sunny."}]
+        events = list(client.messages.create(**args, stream=True))
+        assert _block_order_ok([e.type for e in events])
+        deltas = [(e.index, e.delta.type) for e in events if e.type == "content_block_delta"]
+        assert {d for d in deltas} == {(0, "thinking_delta"), (1, "text_delta")}
+        assert "".join(e.delta.thinking for e in events
+                       if e.type == "content_block_delta" and e.delta.type == "thinking_delta") == "Paris is in France."
+    finally:
+        server.stop()
