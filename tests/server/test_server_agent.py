@@ -95,6 +95,21 @@ def test_n_choices_stream_with_their_index(client: Any) -> None:
     assert content[0] != content[1] and all(len(content[i]) > 0 for i in (0, 1))
 
 
+def test_a_request_of_n_choices_counts_once_with_every_choices_tokens(client: Any, fake_server: Any) -> None:
+    from ftrs_server_harness import scrape
+
+    before = scrape(fake_server.url)
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5, n=3, seed=2)
+    after = scrape(fake_server.url)
+
+    def grew(name: str) -> float:
+        return after[name] - before[name]
+
+    assert grew("ftrs_requests_total{status=success}") == 1
+    assert grew("ftrs_prompt_tokens_total") == r.usage.prompt_tokens
+    assert grew("ftrs_generation_tokens_total") == 15 == r.usage.completion_tokens
+
+
 def test_n_above_max_n_is_a_400_and_the_server_serves_on(client: Any) -> None:
     import openai
 
