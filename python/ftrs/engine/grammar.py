@@ -16,9 +16,14 @@ Two places compile a spec:
 Per step (`MaskFiller`): the bitmasks of the step's constrained rows are filled by llguidance's
 parallel executor (native threads, GIL released) on a worker thread started *before* the
 forward, since a mask depends only on the tokens consumed so far; the step joins it before
-sampling. After sampling, each matcher consumes its token; a grammar that cannot go on
-(`done`) finishes its request with "stop", and EOS is allowed by the mask only where the
+sampling. After sampling, each matcher consumes its token (`advance`); a grammar that accepts
+nothing more finishes its request with "stop", and EOS is allowed by the mask only where the
 grammar is complete.
+
+Compilation in the engine runs between steps, on the loop: a few milliseconds for a typical
+schema (bench/structured.py), once per distinct spec thanks to the cache. A schema that took
+much longer would delay the running streams once; the API process's `check` runs first and
+fills nothing on the engine's side.
 
 The llguidance tokenizer (its token trie, ~1-2 s to build for 50k tokens, holding the GIL) is
 built once per tokenizer object and vocabulary size; `warm` builds it ahead (the server does at
