@@ -95,6 +95,15 @@ mod x86 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
     }
 
+    /// The two fp16 at `b[0..4]` as fp32 (one F16C conversion).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn f16x2(b: &[u8]) -> (f32, f32) {
+        let h = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(h as i32));
+        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1)))
+    }
+
     /// Sum of the 8 lanes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -495,7 +504,7 @@ mod x86 {
             let mut acc = [[_mm256_setzero_ps(); 2]; NX];
             let mut mins = [0f32; NX];
             for (bi, b) in row.chunks_exact(bb).enumerate() {
-                let (d, m) = (f16(b, 0), f16(b, 2));
+                let (d, m) = f16x2(b);
                 let v = ld16(&b[qs_at..]);
                 let lo = _mm_and_si128(v, m4);
                 let hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
@@ -510,7 +519,7 @@ mod x86 {
                     let p = dot_u8i8(q, ld32_i8(&xq[i][bi * 32..]));
                     let j = bi % 2;
                     acc[i][j] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * xd[i][bi]), acc[i][j]);
-                    mins[i] = m.mul_add(xs[i][bi], mins[i]);
+                    mins[i] += m * xs[i][bi];
                 }
             }
             for i in 0..NX {
