@@ -240,7 +240,7 @@ def test_bad_structured_spec_is_refused_naming_its_param() -> None:
 def test_unpack_reads_bit_j_of_word_w_as_token_32w_plus_j() -> None:
     rng = np.random.default_rng(0)
     bits = rng.integers(-2**31, 2**31, size=(3, 4), dtype=np.int64).astype(np.int32)
-    got = grammar.unpack(bits, 100, torch.device("cpu"))
+    got = grammar.unpack(bits, 100)
     want = [[bool((int(bits[r, t // 32]) >> (t % 32)) & 1) for t in range(100)] for r in range(3)]
     assert got.tolist() == want
 
