@@ -22,8 +22,8 @@ grammar is complete.
 
 Compilation in the engine runs between steps, on the loop: a few milliseconds for a typical
 schema (bench/structured.py), once per distinct spec thanks to the cache. A schema that took
-much longer would delay the running streams once; the API process's `check` runs first and
-fills nothing on the engine's side.
+much longer would delay the running streams once (the API process's `check` compiled it in
+another process, so the engine's cache starts empty).
 
 The llguidance tokenizer (its token trie, ~1-2 s to build for 50k tokens, holding the GIL) is
 built once per tokenizer object and vocabulary size; `warm` builds it ahead (the server does at
