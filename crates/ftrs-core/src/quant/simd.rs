@@ -528,6 +528,60 @@ mod x86 {
         }
     }
 
+    /// Q4_K against int8 activations: each 32-value sub-block's nibbles (low nibbles of a
+    /// 32-byte run: sub-block 2c, high: 2c + 1) times `q_x`, times `d * sc * d_x`; the mins
+    /// enter as `dmin * m * sum(x over the sub-block)` with the exact sums.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn q4k_i8<const NX: usize>(
+        w: &[u8],
+        xq: &[&[i8]; NX],
+        xd: &[&[f32]; NX],
+        xs: &[&[f32]; NX],
+        n: usize,
+        out: &mut [f32],
+        g0: usize,
+    ) {
+        let cols = xq[0].len();
+        let rb = cols / 256 * 144;
+        let m4 = _mm256_set1_epi8(0x0F);
+        for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
+            let mut acc = [[_mm256_setzero_ps(); 2]; NX];
+            let mut mins = [0f32; NX];
+            for (bi, b) in row.chunks_exact(144).enumerate() {
+                let (d, dmin) = f16x2(b);
+                let mut sc = [0f32; 8];
+                let mut mn = [0f32; 8];
+                for j in 0..8 {
+                    let (s, m) = scale_min_k4(&b[4..16], j);
+                    sc[j] = d * s as f32;
+                    mn[j] = dmin * m as f32;
+                }
+                for c in 0..4 {
+                    let v = ld32(&b[16 + 32 * c..]);
+                    let lo = _mm256_and_si256(v, m4);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    let xb = bi * 8 + 2 * c;
+                    for i in 0..NX {
+                        let p0 = dot_u8i8(lo, ld32_i8(&xq[i][xb * 32..]));
+                        let p1 = dot_u8i8(hi, ld32_i8(&xq[i][xb * 32 + 32..]));
+                        let (s0, s1) = (sc[2 * c] * xd[i][xb], sc[2 * c + 1] * xd[i][xb + 1]);
+                        acc[i][0] = _mm256_fmadd_ps(p0, _mm256_set1_ps(s0), acc[i][0]);
+                        acc[i][1] = _mm256_fmadd_ps(p1, _mm256_set1_ps(s1), acc[i][1]);
+                    }
+                }
+                for i in 0..NX {
+                    let sums = &xs[i][bi * 8..bi * 8 + 8];
+                    for j in 0..8 {
+                        mins[i] += mn[j] * sums[j];
+                    }
+                }
+            }
+            for i in 0..NX {
+                o[g0 + i] = hsum_chains(&acc[i]) - mins[i];
+            }
+        }
+    }
+
     /// The 32 signed bytes at `s[..32]`.
     #[inline(always)]
     fn ld32_i8(s: &[i8]) -> __m256i {
@@ -676,8 +730,8 @@ mod x86 {
     pub fn rows_x86(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32]) {
         match t {
             QType::Q4K => {
-                let sums = sums32(x, n, cols);
-                dispatch!(qk45, false; w, x, &sums, n, cols, out)
+                let x8 = quantize_x8(x, n, cols);
+                dispatch_i8!(q4k_i8; w, &x8, n, cols, out)
             }
             QType::Q5K => {
                 let sums = sums32(x, n, cols);
