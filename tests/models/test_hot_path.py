@@ -15,6 +15,7 @@ from ftrs.layers.moe import (
     gate_up_matrix,
     plan_experts,
 )
+from ftrs.layers.norm import rms_norm
 from ftrs.layers.rotary import Rotary, rotate
 
 
@@ -68,3 +69,11 @@ def test_an_expert_with_every_row_adds_like_index_add() -> None:
         y = expert_mlp(x.index_select(0, tok), w) * weights[ids == e].unsqueeze(1)
         ref.index_add_(0, tok, y)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def test_rms_norm_fp32_equals_the_written_out_form() -> None:
+    g = torch.Generator().manual_seed(4)
+    for rows in (1, 7):
+        x, w = torch.randn(rows, 576, generator=g) * 3, torch.randn(576, generator=g)
+        xf = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+        assert torch.equal(rms_norm(x, w, 1e-5), w * xf)
