@@ -98,7 +98,11 @@ def test_demo_moe_equals_dense_and_transformers(demo_model: Path, smollm_gguf: P
     ids = moe.tokenizer.encode("Upcycled experts must agree with the dense model they came from.")
     ours = moe.logits(ids)
     assert moe.engine.spec.num_experts == 8 and moe.engine.spec.top_k == 2
-    assert (ours - dense.logits(ids)).abs().max().item() <= TOL
+    # The upcycling is exact, so the dense file on its reference path (dequantize, fp32 matmul)
+    # is the oracle; its kernel path rounds the activations to 15-bit integers (tests/quant).
+    with use_kernels(False):
+        dense_ref = dense.logits(ids)
+    assert (ours - dense_ref).abs().max().item() <= TOL
     with torch.no_grad():
         ref = hf_model(demo_model)(torch.tensor([ids])).logits[0].float()
     assert (ours - ref).abs().max().item() <= TOL
