@@ -8,6 +8,7 @@ import torch
 
 from ftrs.config import EngineConfig
 from ftrs.errors import ConfigError
+from ftrs.models.arch import FULL_ATTENTION
 from ftrs.models.decoder import Decoder, KVCache
 from ftrs.models.load import load_model
 from ftrs.moe.base import MoEStrategy, create_strategy, import_strategy
@@ -58,8 +59,9 @@ class Runtime:
                                  self.spec.max_position_embeddings)
         kv_tokens = config.kv_tokens or self._kv_budget_tokens()
         self.num_pages = max(1, kv_tokens // config.page_size)
+        self.state_slots = config.max_running_requests  # one per running sequence
         self.kv = KVCache.allocate(self.spec, self.num_pages * config.page_size, self.dtype,
-                                   self.device)
+                                   self.device, state_slots=self.state_slots)
         log.info("model %s: %s, %d layers, %s on %s; KV cache %d tokens", config.model,
                  self.spec.arch, self.spec.num_layers, str(self.dtype).removeprefix("torch."),
                  self.device, self.num_pages * config.page_size)
@@ -74,7 +76,8 @@ class Runtime:
 
     def _kv_budget_tokens(self) -> int:
         s = self.spec
-        per_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * self.dtype.itemsize
+        layers = len(s.layers_of(FULL_ATTENTION))  # linear attention layers keep no KV
+        per_token = 2 * max(1, layers) * s.num_kv_heads * s.head_dim * self.dtype.itemsize
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return max(1024, int(free * 0.5) // per_token)
