@@ -13,6 +13,7 @@ import torch
 from ftrs.layers import deltanet
 from ftrs.llm import LLM
 from ftrs.models.arch import arch_from_config
+from ftrs.models.names import ExpertKey, map_hf_name
 from ftrs.sampling import SamplingParams
 
 TOL = 1e-4
@@ -94,6 +95,15 @@ def test_config_mapping() -> None:
     assert spec.shared_expert_intermediate_size == 40 and spec.norm_topk_prob
     old = arch_from_config({**text, "layer_types": None, "full_attention_interval": 2})
     assert old.layer_types[:2] == ("linear_attention", "full_attention")
+    # the multimodal checkpoint's names: the language model under model.language_model
+    assert map_hf_name("model.language_model.layers.3.linear_attn.in_proj_qkv.weight") == "3.lin_qkv"
+    assert map_hf_name("model.language_model.embed_tokens.weight") == "embed"
+    assert map_hf_name("model.language_model.layers.0.mlp.experts.6.down_proj.weight") == \
+        ExpertKey(0, 6, 2)
+    assert map_hf_name("model.language_model.layers.1.mlp.shared_expert_gate.weight") == \
+        "1.shared_expert_gate"
+    assert map_hf_name("model.visual.blocks.0.attn.qkv.weight") is None
+    assert map_hf_name("mtp.layers.0.self_attn.q_proj.weight") is None
     llama = arch_from_config({"model_type": "llama", "vocab_size": 8, "hidden_size": 8,
                               "num_attention_heads": 2, "num_hidden_layers": 3})
     assert llama.layer_types == ("full_attention",) * 3 and not llama.has_linear_attention
