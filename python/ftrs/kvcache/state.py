@@ -48,6 +48,16 @@ class StateCache:
             self.recurrent.index_fill_(1, slots, 0)
 
 
+def state_bytes(spec: ArchSpec, num_slots: int, dtype: torch.dtype) -> int:
+    """Bytes of the `StateCache` of `num_slots` slots (0 without linear attention layers)."""
+    lin = spec.linear
+    if lin is None or not spec.has_linear_attention:
+        return 0
+    per_layer = (lin.conv_dim * (lin.conv_kernel - 1) * dtype.itemsize
+                 + lin.num_v_heads * lin.k_head_dim * lin.v_head_dim * 4)
+    return len(spec.layers_of(LINEAR_ATTENTION)) * num_slots * per_layer
+
+
 class StateSlots:
     """Free list of state slots. Invariant: a slot is free or held by exactly one sequence."""
 
