@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ftrs.layers.deltanet import LinearMeta
+
 
 @dataclass(slots=True)
 class PrefillSpan:
@@ -51,6 +53,7 @@ class AttnMetadata:
     decode_mask: torch.Tensor | None
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode_only: bool = False  # every row is a decode row, in order (decode_rows = arange)
+    linear: LinearMeta | None = None  # state slots of the rows, for linear attention layers
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,8 @@
 """Rotary position embedding (the "rotate half" layout of HF llama), with llama3 scaling.
 
+Partial rotary (qwen3_5_moe, qwen3_next): only the leading `dim` channels of each head are
+rotated, with frequencies over `dim`; the rest pass through unchanged.
+
 The cos/sin table is built once in fp32 for every position up to the model's limit and indexed
 by absolute position, so chunked prefill and decode rotate exactly as one full pass would. A
 forward pass looks its positions up once (`table`) and every layer rotates with them (`rotate`).
@@ -57,7 +60,11 @@ class Rotary:
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`x`: (tokens, heads, head_dim); `cos`, `sin`: (tokens, 1, head_dim) from `Rotary.table`."""
+    """`x`: (tokens, heads, head_dim); `cos`, `sin`: (tokens, 1, rotary_dim) from `Rotary.table`
+    (rotary_dim < head_dim: partial rotary, the trailing channels kept)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((rotate(x[..., :r], cos, sin), x[..., r:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

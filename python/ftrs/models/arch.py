@@ -1,8 +1,13 @@
 """ArchSpec: everything the generic decoder needs to know about an architecture.
 
-One decoder serves llama, qwen3, mixtral and qwen3_moe. The differences are data, read here
-from the Hugging Face `config.json`, accepting both spellings seen in real files
-(`num_experts` / `num_local_experts`, top-level `rope_theta` / `rope_parameters`).
+One decoder serves llama, qwen3, mixtral, qwen3_moe, qwen3_5_moe and qwen3_next. The
+differences are data, read here from the Hugging Face `config.json`, accepting both spellings
+seen in real files (`num_experts` / `num_local_experts`, top-level `rope_theta` /
+`rope_parameters`, a multimodal config's `text_config`).
+
+`layer_types` says what each layer's token mixer is, in HF's own words (`config.layer_types`):
+"full_attention" (softmax attention over the paged KV cache) or "linear_attention" (a Gated
+DeltaNet with a per-sequence recurrent state). The MLP kind of a layer is `is_moe_layer`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,34 @@ from typing import Any
 
 from ftrs.errors import ModelLoadError
 
-SUPPORTED = ("llama", "qwen3", "mixtral", "qwen3_moe")
+SUPPORTED = ("llama", "qwen3", "mixtral", "qwen3_moe", "qwen3_5_moe", "qwen3_next")
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)
+_HYBRID = ("qwen3_5_moe", "qwen3_next")  # Gated DeltaNet + gated attention + shared expert
+
+
+@dataclass(frozen=True)
+class LinearAttnSpec:
+    """Shapes of a Gated DeltaNet layer (`linear_*` fields of the HF config)."""
+
+    num_k_heads: int
+    num_v_heads: int  # a multiple of num_k_heads: each q/k head serves a group of value heads
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int  # causal depthwise conv width; the conv state keeps the last kernel-1 inputs
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True)
@@ -44,6 +76,13 @@ class ArchSpec:
     fp8_block: tuple[int, int] | None = None  # FP8 checkpoint: the weight_scale_inv tile
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    #: token mixer of each layer (HF's `config.layer_types` strings); () means all full attention
+    layer_types: tuple[str, ...] = ()
+    linear: LinearAttnSpec | None = None  # set when some layer is linear attention
+    rotary_dim: int = 0  # partial rotary: the leading dims of each head rotated; 0: all of them
+    attn_output_gate: bool = False  # q_proj also yields a per-channel sigmoid gate of the output
+    norm_plus_one: bool = False  # RMSNorm weights stored centred on zero: scale by (1 + w)
+    shared_expert_intermediate_size: int = 0  # >0: a gated dense expert beside the routed ones
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -52,6 +91,17 @@ class ArchSpec:
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
+
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else FULL_ATTENTION
+
+    def layers_of(self, kind: str) -> tuple[int, ...]:
+        """Indices of the layers whose token mixer is `kind`, ascending."""
+        return tuple(i for i in range(self.num_layers) if self.layer_type(i) == kind)
+
+    @property
+    def has_linear_attention(self) -> bool:
+        return LINEAR_ATTENTION in self.layer_types
 
     @property
     def expert_shapes(self) -> list[tuple[int, int]]:
@@ -95,6 +145,15 @@ def _fp8_block(qc: Any, source: str) -> tuple[int, int] | None:
 def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSpec:
     """Build the spec from a parsed HF config; raise ModelLoadError naming what is wrong."""
     arch = cfg.get("model_type")
+    if arch in ("qwen3_5_moe", "qwen3_5_moe_text"):
+        # the multimodal checkpoint nests the language model's fields; ids may sit at the top
+        text = cfg.get("text_config")
+        if arch == "qwen3_5_moe" and not isinstance(text, dict):
+            raise ModelLoadError(source, "qwen3_5_moe config without a text_config")
+        top: dict[str, Any] = {k: cfg[k] for k in ("bos_token_id", "eos_token_id",
+                                                   "tie_word_embeddings") if k in cfg}
+        cfg = {**top, **(text or cfg), "model_type": "qwen3_5_moe"}
+        arch = "qwen3_5_moe"
     if arch not in SUPPORTED:
         raise ModelLoadError(
             source, f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED)})"
@@ -124,7 +183,7 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
     moe_inter = 0
     moe_layers: tuple[int, ...] = ()
     norm_topk = True
-    if arch in ("mixtral", "qwen3_moe"):
+    if arch in ("mixtral", "qwen3_moe", *_HYBRID):
         num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
         top_k = int(cfg.get("num_experts_per_tok") or 0)
         if num_experts < 1 or not 1 <= top_k <= num_experts:
@@ -132,9 +191,12 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
         if arch == "mixtral":
             moe_inter = int(need("intermediate_size"))
             moe_layers = tuple(range(layers))
+        elif arch == "qwen3_5_moe":  # every layer routed, weights always renormalised
+            moe_inter = int(need("moe_intermediate_size"))
+            moe_layers = tuple(range(layers))
         else:
             moe_inter = int(cfg.get("moe_intermediate_size") or need("intermediate_size"))
-            norm_topk = bool(cfg.get("norm_topk_prob", False))
+            norm_topk = bool(cfg.get("norm_topk_prob", arch == "qwen3_next"))
             step = int(cfg.get("decoder_sparse_step", 1) or 1)
             only = set(cfg.get("mlp_only_layers") or [])
             moe_layers = tuple(i for i in range(layers) if i not in only and (i + 1) % step == 0)
@@ -152,7 +214,7 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
         rope_theta=theta,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qk_norm=arch in ("qwen3", "qwen3_moe"),
+        qk_norm=arch in ("qwen3", "qwen3_moe", *_HYBRID),
         attention_bias=bool(cfg.get("attention_bias", False)),
         num_experts=num_experts,
         top_k=top_k,
@@ -163,7 +225,43 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
         fp8_block=fp8_block,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        **_hybrid_fields(cfg, arch, layers, head_dim, source),
     )
+
+
+def _hybrid_fields(cfg: dict[str, Any], arch: str, layers: int, head_dim: int,
+                   source: str) -> dict[str, Any]:
+    """The ArchSpec fields of the Gated DeltaNet hybrids (qwen3_5_moe, qwen3_next)."""
+    if arch not in _HYBRID:
+        return {"layer_types": (FULL_ATTENTION,) * layers}
+    types = cfg.get("layer_types")
+    if types is None:  # the older spelling: one full attention layer every N
+        every = int(cfg.get("full_attention_interval", 4))
+        types = [FULL_ATTENTION if (i + 1) % every == 0 else LINEAR_ATTENTION
+                 for i in range(layers)]
+    if (not isinstance(types, list) or len(types) != layers
+            or any(t not in LAYER_TYPES for t in types)):
+        raise ModelLoadError(source, f"layer_types must list {layers} of {', '.join(LAYER_TYPES)}, "
+                             f"got {types!r}")
+    try:
+        lin = LinearAttnSpec(int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"]),
+                             int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"]),
+                             int(cfg.get("linear_conv_kernel_dim", 4)))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(source, f"bad or missing linear attention field: {e}") from e
+    if min(lin.num_k_heads, lin.k_head_dim, lin.v_head_dim) < 1 or lin.conv_kernel < 2 \
+            or lin.num_v_heads % lin.num_k_heads:
+        raise ModelLoadError(source, f"bad linear attention shape: {lin}")
+    rope = cfg.get("rope_parameters")
+    params: dict[str, Any] = rope if isinstance(rope, dict) else {}
+    factor = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+    rotary = int(head_dim * factor)  # frequencies over this many dims, as the reference does
+    if not 1 < rotary <= head_dim:
+        raise ModelLoadError(source, f"partial_rotary_factor {factor} gives no rotary dims")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    return {"layer_types": tuple(types), "linear": lin, "rotary_dim": rotary,
+            "attn_output_gate": True, "norm_plus_one": True,
+            "shared_expert_intermediate_size": shared}
 
 
 def load_arch(model_dir: Path) -> ArchSpec:

@@ -10,12 +10,15 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+import torch
+
 GATE, UP, DOWN = 0, 1, 2
 #: Dense projections (key suffixes) a quantized checkpoint keeps quantized on the CPU: the
 #: decoder computes them through `layers.linear`; the token embedding stays quantized too (the
 #: decoder decodes the rows it looks up, and a tied LM head reads the blocks). Norms and routers
 #: are dequantized.
-PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down", "lm_head", "embed")
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down", "lm_head", "embed", "lin_qkv", "lin_z",
+               "lin_out", "shared_gate", "shared_up", "shared_down")
 
 
 def keeps_quantized(key: str, device_type: str) -> bool:
@@ -34,7 +37,7 @@ _TOP = {
     "model.norm.weight": "norm",
     "lm_head.weight": "lm_head",
 }
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(
     r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
 )
@@ -56,11 +59,30 @@ _LAYER_DENSE = {
     "mlp.down_proj.weight": "down",
     "mlp.gate.weight": "router",
     "block_sparse_moe.gate.weight": "router",
+    "mlp.shared_expert.gate_proj.weight": "shared_gate",
+    "mlp.shared_expert.up_proj.weight": "shared_up",
+    "mlp.shared_expert.down_proj.weight": "shared_down",
+    "mlp.shared_expert_gate.weight": "shared_expert_gate",
+    # Gated DeltaNet (linear attention) layers
+    "linear_attn.in_proj_qkv.weight": "lin_qkv",
+    "linear_attn.in_proj_z.weight": "lin_z",
+    "linear_attn.in_proj_b.weight": "lin_b",
+    "linear_attn.in_proj_a.weight": "lin_a",
+    "linear_attn.in_proj_qkvz.weight": "lin_qkvz",  # qwen3_next: grouped by key head
+    "linear_attn.in_proj_ba.weight": "lin_ba",
+    "linear_attn.conv1d.weight": "lin_conv",
+    "linear_attn.dt_bias": "lin_dt_bias",
+    "linear_attn.A_log": "lin_a_log",
+    "linear_attn.norm.weight": "lin_norm",
+    "linear_attn.out_proj.weight": "lin_out",
 }
 
 
 def map_hf_name(name: str) -> str | ExpertKey | None:
-    """The decoder's key for an HF tensor name, or None for tensors the decoder does not use."""
+    """The decoder's key for an HF tensor name, or None for tensors the decoder does not use
+    (a multimodal checkpoint's vision tower, multi-token-prediction heads)."""
+    if name.startswith("model.language_model."):
+        name = "model." + name.removeprefix("model.language_model.")
     if name in _TOP:
         return _TOP[name]
     m = _LAYER.match(name)
@@ -72,3 +94,17 @@ def map_hf_name(name: str) -> str | ExpertKey | None:
         return ExpertKey(layer, int(e.group(1)), _EXPERT_TENSOR[e.group(2)])
     short = _LAYER_DENSE.get(rest)
     return f"{layer}.{short}" if short else None
+
+
+def split_grouped_qkvz(qkvz: torch.Tensor, ba: torch.Tensor, num_k_heads: int, k_dim: int,
+                       v_dim: int, v_per_k: int) -> dict[str, torch.Tensor]:
+    """qwen3_next's DeltaNet input projections, grouped per key head ([q, k, v.., z..] and
+    [b.., a..] per head), as the flat rows of qwen3_5_moe's: q of every head, then k, then v
+    (`lin_qkv`), z, b and a. A permutation of rows: exact in any dtype."""
+    hidden = qkvz.shape[1]
+    g = qkvz.view(num_k_heads, 2 * k_dim + 2 * v_per_k * v_dim, hidden)
+    q, k, v, z = g.split([k_dim, k_dim, v_per_k * v_dim, v_per_k * v_dim], dim=1)
+    b, a = ba.view(num_k_heads, 2 * v_per_k, hidden).split([v_per_k, v_per_k], dim=1)
+    flat = [t.reshape(-1, hidden) for t in (q, k, v)]
+    return {"lin_qkv": torch.cat(flat).contiguous(), "lin_z": z.reshape(-1, hidden).contiguous(),
+            "lin_b": b.reshape(-1, hidden).contiguous(), "lin_a": a.reshape(-1, hidden).contiguous()}

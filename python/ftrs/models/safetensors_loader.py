@@ -22,9 +22,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ftrs.errors import ModelLoadError
-from ftrs.models.arch import ArchSpec
+from ftrs.models.arch import LINEAR_ATTENTION, ArchSpec
 from ftrs.models.experts import ExpertFormat, HostExperts, TensorFormat
-from ftrs.models.names import ExpertKey, keeps_quantized, map_hf_name
+from ftrs.models.names import ExpertKey, keeps_quantized, map_hf_name, split_grouped_qkvz
 from ftrs.quant.dequant import dequantize
 from ftrs.quant.formats import FP8_BLOCK, QuantTensor, fp8_scale_grid
 from ftrs.quant.matmul import Weight
@@ -57,20 +57,44 @@ def expected_dense_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
                                           "norm": (s.hidden_size,)}
     if not s.tie_word_embeddings:
         shapes["lm_head"] = (s.vocab_size, s.hidden_size)
+    h = s.hidden_size
     for layer in range(s.num_layers):
         p = f"{layer}."
-        shapes |= {p + "input_norm": (s.hidden_size,), p + "post_norm": (s.hidden_size,),
-                   p + "q": (q_out, s.hidden_size), p + "k": (kv_out, s.hidden_size),
-                   p + "v": (kv_out, s.hidden_size), p + "o": (s.hidden_size, q_out)}
-        if s.qk_norm:
-            shapes |= {p + "q_norm": (s.head_dim,), p + "k_norm": (s.head_dim,)}
+        shapes |= {p + "input_norm": (h,), p + "post_norm": (h,)}
+        if s.layer_type(layer) == LINEAR_ATTENTION:
+            shapes |= _linear_attn_shapes(s, p)
+        else:
+            shapes |= {p + "q": (q_out * (2 if s.attn_output_gate else 1), h),
+                       p + "k": (kv_out, h), p + "v": (kv_out, h), p + "o": (h, q_out)}
+            if s.qk_norm:
+                shapes |= {p + "q_norm": (s.head_dim,), p + "k_norm": (s.head_dim,)}
         if s.is_moe_layer(layer):
-            shapes[p + "router"] = (s.num_experts, s.hidden_size)
+            shapes[p + "router"] = (s.num_experts, h)
+            si = s.shared_expert_intermediate_size
+            if si:
+                shapes |= {p + "shared_gate": (si, h), p + "shared_up": (si, h),
+                           p + "shared_down": (h, si), p + "shared_expert_gate": (1, h)}
         else:
             i = s.intermediate_size
             shapes |= {p + "gate": (i, s.hidden_size), p + "up": (i, s.hidden_size),
                        p + "down": (s.hidden_size, i)}
     return shapes
+
+
+def _linear_attn_shapes(s: ArchSpec, p: str) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's tensors; qwen3_next ships its input projections grouped per
+    key head (`lin_qkvz`, `lin_ba`), split after loading (`names.split_grouped_qkvz`)."""
+    lin, h = s.linear, s.hidden_size
+    assert lin is not None  # invariant: a spec with linear layers has their shapes
+    out: dict[str, tuple[int, ...]] = {
+        p + "lin_conv": (lin.conv_dim, 1, lin.conv_kernel), p + "lin_dt_bias": (lin.num_v_heads,),
+        p + "lin_a_log": (lin.num_v_heads,), p + "lin_norm": (lin.v_head_dim,),
+        p + "lin_out": (h, lin.value_dim)}
+    if s.arch == "qwen3_next":
+        return out | {p + "lin_qkvz": (2 * lin.key_dim + 2 * lin.value_dim, h),
+                      p + "lin_ba": (2 * lin.num_v_heads, h)}
+    return out | {p + "lin_qkv": (lin.conv_dim, h), p + "lin_z": (lin.value_dim, h),
+                  p + "lin_b": (lin.num_v_heads, h), p + "lin_a": (lin.num_v_heads, h)}
 
 
 SCALE_SUFFIX = ".weight_scale_inv"
@@ -192,4 +216,19 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
         assert isinstance(key, str)
         qt = QuantTensor(FP8_BLOCK, (int(w.shape[0]), int(w.shape[1])), data, block)
         dense[key] = qt if keeps_quantized(key, device.type) else dequantize(qt.to(device), dtype)
+    if spec.arch == "qwen3_next":
+        _split_grouped(spec, dense)
     return dense, experts
+
+
+def _split_grouped(spec: ArchSpec, dense: dict[str, Weight]) -> None:
+    """qwen3_next's grouped DeltaNet projections -> the flat keys the decoder reads."""
+    lin = spec.linear
+    assert lin is not None
+    for layer in spec.layers_of(LINEAR_ATTENTION):
+        p = f"{layer}."
+        qkvz, ba = dense.pop(p + "lin_qkvz"), dense.pop(p + "lin_ba")
+        assert isinstance(qkvz, torch.Tensor) and isinstance(ba, torch.Tensor)  # dequantized
+        parts = split_grouped_qkvz(qkvz, ba, lin.num_k_heads, lin.k_head_dim, lin.v_head_dim,
+                                   lin.num_v_heads // lin.num_k_heads)
+        dense |= {p + k: v for k, v in parts.items()}

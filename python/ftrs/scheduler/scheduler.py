@@ -8,6 +8,11 @@ Prefill and decode share a step, so a long prompt never freezes running streams.
 KV pages come from the free pool, then from evicting unreferenced prefix-cache pages; when both
 are exhausted a running request is preempted (newest first): its pages are released and it goes
 back to the head of the queue with its generated tokens, to be recomputed later. Never dropped.
+
+Models with linear attention layers also hold a state slot per running sequence (`StateSlots`):
+taken when the sequence starts running, given back with its pages when it finishes or is
+preempted (its state is recomputed with its KV). Such models run without the prefix cache
+(`prefix_cache=False`): a cached prefix would need the state at that point too.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import NamedTuple
 from ftrs.errors import ContextLengthExceeded
 from ftrs.kvcache.pages import PagePool
 from ftrs.kvcache.radix import RadixCache
+from ftrs.kvcache.state import StateSlots
 from ftrs.scheduler.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
@@ -31,9 +37,10 @@ class Work(NamedTuple):
 
 class Scheduler:
     def __init__(self, pool: PagePool, max_prefill_length: int, max_running: int,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, states: StateSlots | None = None) -> None:
         self.pool = pool
         self.radix = RadixCache(pool) if prefix_cache else None
+        self.states = states  # linear attention state slots, at least `max_running` of them
         self.budget = max_prefill_length
         self.max_running = max_running
         self.waiting: deque[Sequence] = deque()
@@ -84,6 +91,10 @@ class Scheduler:
             self.pool.unref(p)
         seq.pages = []
         seq.slot_table = seq.slot_pages = None
+        if seq.state_slot is not None:
+            assert self.states is not None
+            self.states.free(seq.state_slot)
+            seq.state_slot = None
 
     def _preempt(self, seq: Sequence) -> None:
         log.info("preempting %s (%d tokens) to free KV pages", seq.request_id, len(seq.tokens))
@@ -128,6 +139,9 @@ class Scheduler:
                 seq.num_computed = seq.num_cached = 0
                 break
             self.waiting.popleft()
+            if self.states is not None:
+                seq.state_slot = self.states.alloc()
+                assert seq.state_slot is not None, "fewer state slots than running requests"
             seq.status = Status.RUNNING
             self.running.append(seq)
             work.append(Work(seq, n))
