@@ -1,9 +1,15 @@
-"""The one generic decoder: llama, qwen3, mixtral and qwen3_moe differ only in their ArchSpec.
+"""The one generic decoder: llama, qwen3, mixtral, qwen3_moe and gpt_oss differ only in their
+ArchSpec.
 
 A forward pass takes the flattened tokens of a whole batch (decode tokens and prefill chunks
 mixed), their absolute positions, and the attention metadata that says where each token's
 keys go in the paged KV cache. Dense weights live in a dict keyed by `names.map_hf_name`;
 routed experts are computed by the MoE strategy, which the decoder never looks inside.
+
+Per layer the spec's `layer_type` picks the attention: "full_attention" sees the whole causal
+context, "sliding_attention" the last `sliding_window` positions; either may add attention sinks
+(`spec.attention_sinks`, the layer's `sinks` weight). Biases are used wherever the checkpoint
+has them (q, k, v, o, router).
 """
 
 from __future__ import annotations
@@ -67,14 +73,16 @@ class Decoder:
             k = rms_norm(k, w[p + "k_norm"], s.rms_norm_eps)
         q = rotate(q, *rope)
         k = rotate(k, *rope)
-        o = paged_attention(q, k, v, kv.k[layer], kv.v[layer], meta, self.scale)
-        return linear(o.reshape(t, s.num_heads * s.head_dim), w[p + "o"])
+        o = paged_attention(q, k, v, kv.k[layer], kv.v[layer], meta, self.scale,
+                            sinks=w.get(p + "sinks"), window=s.window(layer))
+        return linear(o.reshape(t, s.num_heads * s.head_dim), w[p + "o"], w.get(p + "o_bias"))
 
     def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         s, w, p = self.spec, self.w, f"{layer}."
         if s.is_moe_layer(layer):
             assert self.moe is not None  # invariant: a MoE spec always gets a strategy
-            ids, weights = route(x, w[p + "router"], s.top_k, s.norm_topk_prob)
+            ids, weights = route(x, w[p + "router"], s.top_k, s.norm_topk_prob,
+                                 w.get(p + "router_bias"), s.router)
             return self.moe.forward(layer, x, ids, weights)
         return linear(F.silu(linear(x, w[p + "gate"])) * linear(x, w[p + "up"]), w[p + "down"])
 
