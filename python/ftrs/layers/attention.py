@@ -188,9 +188,10 @@ def paged_attention(
         qp = q[rows].transpose(0, 1)  # (heads, n, d)
         kp = _gather(k_cache, span.gather).transpose(0, 1)  # (kv_heads, ctx, d)
         vp = _gather(v_cache, span.gather).transpose(0, 1)
+        mask: torch.Tensor | None = span.mask
         if wm is not None:
             mask = wm.prefills[i]
-        else:
-            mask = span.mask if span.mask is not None else prefill_mask(span.q_len, ctx, q.device)
+        elif mask is None:
+            mask = prefill_mask(span.q_len, ctx, q.device)
         out[rows] = prefill_attention(qp, kp, vp, mask, scale, sinks).transpose(0, 1)
     return out

@@ -87,7 +87,7 @@ class ArchSpec:
         with expert biases their bias rows (1,I), (1,I), (1,H)."""
         i, h = self.moe_intermediate_size, self.hidden_size
         shapes = [(i, h), (i, h), (h, i)]
-        return shapes + [(1, i), (1, i), (1, h)] if self.expert_bias else shapes
+        return [*shapes, (1, i), (1, i), (1, h)] if self.expert_bias else shapes
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

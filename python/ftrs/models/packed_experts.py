@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -75,8 +76,8 @@ def _read(path: str, name: str) -> torch.Tensor:
         return f.get_tensor(name)
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.contiguous().view(torch.uint8).reshape(-1).numpy())
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    return t.contiguous().view(torch.uint8).reshape(-1).numpy()
 
 
 def write_packed(experts: HostExperts, sources: Sources, dtype: torch.dtype) -> None:

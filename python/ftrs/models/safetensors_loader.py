@@ -103,7 +103,7 @@ def _fp8_formats(files: list[Path], spec: ArchSpec) -> dict[int, ExpertFormat]:
                 if isinstance(key, ExpertKey) and f.get_slice(name).get_dtype() == "F8_E4M3":
                     fp8.add((key.layer, key.tensor))
     block = TensorFormat(FP8_BLOCK, spec.fp8_block)
-    return {la: tuple(block if (la, t) in fp8 else TensorFormat()  # type: ignore[misc]
+    return {la: tuple(block if (la, t) in fp8 else TensorFormat()
                       for t in range(3)) for la in spec.moe_layers}
 
 
@@ -134,8 +134,8 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
     formats = _fp8_formats(files, spec) if block and spec.is_moe else None
     packed: Sources = {}
     if spec.is_moe and spec.expert_bias:
-        for path, name, pkey in sources_in(files):
-            packed.setdefault(pkey.layer, {})[pkey.part] = path
+        for src, _, pkey in sources_in(files):
+            packed.setdefault(pkey.layer, {})[pkey.part] = src
         formats = packed_formats(packed, spec, str(model_dir))
     experts = HostExperts(spec, dtype, formats) if spec.is_moe else None
     fp8: dict[str, tuple[str, torch.Tensor]] = {}  # FP8 weight name -> (file, fp8 tensor)
