@@ -9,7 +9,6 @@ import torch
 from ftrs.config import EngineConfig
 from ftrs.errors import ConfigError
 from ftrs.kvcache.state import state_bytes
-from ftrs.models.arch import FULL_ATTENTION
 from ftrs.models.decoder import Decoder, KVCache
 from ftrs.models.load import load_model
 from ftrs.moe.base import MoEStrategy, create_strategy, import_strategy
@@ -77,7 +76,7 @@ class Runtime:
 
     def _kv_budget_tokens(self) -> int:
         s = self.spec
-        layers = len(s.layers_of(FULL_ATTENTION))  # linear attention layers keep no KV
+        layers = len(s.kv_layers)  # linear attention layers keep no KV
         per_token = 2 * max(1, layers) * s.num_kv_heads * s.head_dim * self.dtype.itemsize
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)

@@ -11,11 +11,20 @@ at `slot_mapping`, then reads each sequence's whole context back by gathering it
   cached, so a chunked prefill computes exactly what one full pass would.
 Everything that depends only on the batch (gathers, masks) is built once per step by
 `engine.batch`, not once per layer.
+
+Two per-layer variants (gpt_oss), both exact in chunked prefill and decode:
+- a sliding window: a query at position p sees keys p - window + 1 .. p only. The cache keeps
+  every key; the window narrows the masks, built once per step per window size
+  (`window_masks`) from the positions implied by the gathers (slot column j is position j);
+- attention sinks: one learned logit per head joins the softmax of every query and is dropped
+  after it (the probabilities of the real keys sum to less than one). Those layers attend with
+  the explicit two-matmul form, which has a column to put it in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +51,13 @@ def prefill_mask(q_len: int, ctx: int, device: torch.device) -> torch.Tensor | N
     return torch.ones(q_len, ctx, dtype=torch.bool, device=device).tril(ctx - q_len)
 
 
+class WindowMasks(NamedTuple):
+    """The masks of one step for one sliding-window size."""
+
+    decode: torch.Tensor | None  # (num_decode, 1, 1, max_ctx) bool; None without decode rows
+    prefills: list[torch.Tensor]  # (q_len, ctx) bool per prefill span
+
+
 @dataclass(slots=True)
 class AttnMetadata:
     """Where this step's tokens go in the KV cache and what each of them attends to."""
@@ -54,6 +70,34 @@ class AttnMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode_only: bool = False  # every row is a decode row, in order (decode_rows = arange)
     linear: LinearMeta | None = None  # state slots of the rows, for linear attention layers
+    windows: dict[int, WindowMasks] = field(default_factory=dict)  # built by `window_masks`
+
+
+def window_masks(meta: AttnMetadata, window: int) -> WindowMasks:
+    """The step's masks narrowed to the last `window` keys of each query (built on first use,
+    then shared by every layer with that window)."""
+    got = meta.windows.get(window)
+    if got is not None:
+        return got
+    decode = None
+    if meta.decode_gather.numel():
+        rows, width = meta.decode_gather.shape
+        device = meta.decode_gather.device
+        col = torch.arange(width, device=device)
+        if meta.decode_mask is None:
+            lens = torch.full((rows, 1), width, device=device)
+        else:
+            lens = meta.decode_mask.view(rows, width).sum(dim=1, keepdim=True)
+        # the query is the last real key, at position lens - 1
+        decode = ((col < lens) & (col >= lens - window)).view(rows, 1, 1, width)
+    prefills = []
+    for span in meta.prefills:
+        ctx = span.gather.numel()
+        causal = torch.ones(span.q_len, ctx, dtype=torch.bool, device=span.gather.device)
+        # query i sits at position ctx - q_len + i; keys j with p - window < j <= p are seen
+        prefills.append(causal.tril(ctx - span.q_len).triu(ctx - span.q_len - window + 1))
+    got = meta.windows[window] = WindowMasks(decode, prefills)
+    return got
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -68,6 +112,7 @@ def decode_attention(
     v: torch.Tensor,  # (B, L, kv_heads, d)
     mask: torch.Tensor | None,  # (B, 1, 1, L) bool, True where a key is real
     scale: float,
+    sinks: torch.Tensor | None = None,  # (heads,) logits that join every softmax
 ) -> torch.Tensor:  # (B, heads, d)
     b, heads, d = q.shape
     kv_heads = k.shape[2]
@@ -76,8 +121,44 @@ def decode_attention(
     scores = torch.matmul(qg, kt) * scale  # (B, kv_heads, group, L)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = _softmax(scores, None if sinks is None else sinks.view(kv_heads, -1, 1))
     return torch.matmul(probs, v.transpose(1, 2)).view(b, heads, d)  # (B, kv_heads, group, d)
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of `scores`; with `sinks` (shaped to broadcast against
+    `scores[..., :1]`), each head's sink joins as one more column, then is dropped."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
+def prefill_attention(
+    q: torch.Tensor,  # (heads, n, d)
+    k: torch.Tensor,  # (kv_heads, ctx, d)
+    v: torch.Tensor,  # (kv_heads, ctx, d)
+    mask: torch.Tensor | None,  # (n, ctx) bool, True where visible; None: plain causal (n == ctx)
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # (heads, n, d)
+    """One prefill chunk: through SDPA, or explicitly (two matmuls) when sinks join the softmax."""
+    heads, n, d = q.shape
+    kv_heads = k.shape[0]
+    if sinks is None:
+        gqa = heads != kv_heads  # grouped-query: each kv head serves several query heads
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                  enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=gqa)
+    if mask is None:
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    qg = q.view(kv_heads, heads // kv_heads, n, d)
+    scores = torch.matmul(qg, k.unsqueeze(1).transpose(-1, -2)) * scale  # (kv, group, n, ctx)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = _softmax(scores, sinks.view(kv_heads, -1, 1, 1))
+    return torch.matmul(probs, v.unsqueeze(1)).view(heads, n, d)
 
 
 def paged_attention(
@@ -88,31 +169,32 @@ def paged_attention(
     v_cache: torch.Tensor,  # (num_slots, kv_heads, head_dim)
     meta: AttnMetadata,
     scale: float,
+    sinks: torch.Tensor | None = None,  # (heads,) attention-sink logits of this layer
+    window: int = 0,  # a sliding-window layer's window; 0: the whole causal context
 ) -> torch.Tensor:  # (tokens, heads, head_dim)
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    wm = window_masks(meta, window) if window else None
+    decode_mask = meta.decode_mask if wm is None else wm.decode
     if meta.decode_only:
         return decode_attention(q, _gather(k_cache, meta.decode_gather),
-                                _gather(v_cache, meta.decode_gather), meta.decode_mask, scale)
-    gqa = q.shape[1] != k.shape[1]  # grouped-query: each kv head serves several query heads
+                                _gather(v_cache, meta.decode_gather), decode_mask, scale, sinks)
     out = torch.empty_like(q)
     if meta.decode_rows.numel():
         od = decode_attention(q.index_select(0, meta.decode_rows),
                               _gather(k_cache, meta.decode_gather),
-                              _gather(v_cache, meta.decode_gather), meta.decode_mask, scale)
+                              _gather(v_cache, meta.decode_gather), decode_mask, scale, sinks)
         out.index_copy_(0, meta.decode_rows, od)
-    for span in meta.prefills:
+    for i, span in enumerate(meta.prefills):
         rows = slice(span.q_start, span.q_start + span.q_len)
         ctx = span.gather.numel()
         qp = q[rows].transpose(0, 1)  # (heads, n, d)
         kp = _gather(k_cache, span.gather).transpose(0, 1)  # (kv_heads, ctx, d)
         vp = _gather(v_cache, span.gather).transpose(0, 1)
-        mask = span.mask if span.mask is not None else prefill_mask(span.q_len, ctx, q.device)
-        if mask is None:
-            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
-                                                enable_gqa=gqa)
-        else:
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
-                                                enable_gqa=gqa)
-        out[rows] = op.transpose(0, 1)
+        mask: torch.Tensor | None = span.mask
+        if wm is not None:
+            mask = wm.prefills[i]
+        elif mask is None:
+            mask = prefill_mask(span.q_len, ctx, q.device)
+        out[rows] = prefill_attention(qp, kp, vp, mask, scale, sinks).transpose(0, 1)
     return out

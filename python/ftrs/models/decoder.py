@@ -1,5 +1,5 @@
-"""The one generic decoder: llama, qwen3, mixtral, qwen3_moe, qwen3_5_moe and qwen3_next differ
-only in their ArchSpec.
+"""The one generic decoder: llama, qwen3, mixtral, qwen3_moe, qwen3_5_moe, qwen3_next and gpt_oss
+differ only in their ArchSpec.
 
 A forward pass takes the flattened tokens of a whole batch (decode tokens and prefill chunks
 mixed), their absolute positions, and the attention metadata that says where each token's
@@ -10,6 +10,9 @@ experts are computed by the MoE strategy, which the decoder never looks inside.
 Each layer is `h += mixer(norm(h)); h += mlp(norm(h))`. The token mixer is chosen per layer by
 `spec.layer_type(layer)` from `MIXERS`: a new kind of layer is one more entry there, with its
 weights named in `names` and its shapes in `safetensors_loader.expected_dense_shapes`.
+"full_attention" sees the whole causal context, "sliding_attention" the last `sliding_window`
+positions; either may add attention sinks (`spec.attention_sinks`, the layer's `sinks` weight).
+Biases are used wherever the checkpoint has them (q, k, v, o, router).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from ftrs.layers.linear import embedding, linear
 from ftrs.layers.moe import route
 from ftrs.layers.norm import rms_norm
 from ftrs.layers.rotary import Rotary, rotate
-from ftrs.models.arch import FULL_ATTENTION, LINEAR_ATTENTION, ArchSpec
+from ftrs.models.arch import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION, ArchSpec
 from ftrs.moe.base import MoEStrategy
 from ftrs.quant.matmul import Weight
 
@@ -46,7 +49,7 @@ class KVCache:
     @classmethod
     def allocate(cls, spec: ArchSpec, num_slots: int, dtype: torch.dtype,
                  device: torch.device, state_slots: int = 0) -> KVCache:
-        shape = (len(spec.layers_of(FULL_ATTENTION)), num_slots, spec.num_kv_heads, spec.head_dim)
+        shape = (len(spec.kv_layers), num_slots, spec.num_kv_heads, spec.head_dim)
         state = (StateCache.allocate(spec, state_slots, dtype, device)
                  if spec.has_linear_attention else None)
         return cls(torch.zeros(shape, dtype=dtype, device=device),
@@ -70,10 +73,11 @@ class Decoder:
                              spec.max_position_embeddings, spec.rope_scaling, device)
         self.scale = spec.head_dim ** -0.5
         self.lm_head = weights["embed"] if spec.tie_word_embeddings else weights["lm_head"]
-        # per layer: its token mixer and its index among the layers of its kind (cache row)
+        # per layer: its token mixer and its row in its cache (KV for attention of either
+        # window, state for linear attention)
         self.mixers = [MIXERS[spec.layer_type(i)] for i in range(spec.num_layers)]
-        self.cache_index = [spec.layers_of(spec.layer_type(i)).index(i)
-                            for i in range(spec.num_layers)]
+        self.cache_index = [(spec.layers_of(LINEAR_ATTENTION) if spec.layer_type(i) == LINEAR_ATTENTION
+                             else spec.kv_layers).index(i) for i in range(spec.num_layers)]
 
     def _norm(self, x: torch.Tensor, key: str) -> torch.Tensor:
         return rms_norm(x, self.w[key], self.spec.rms_norm_eps, self.spec.norm_plus_one)
@@ -95,11 +99,12 @@ class Decoder:
         q = rotate(q, *rope)
         k = rotate(k, *rope)
         i = self.cache_index[layer]
-        o = paged_attention(q, k, v, kv.k[i], kv.v[i], meta, self.scale)
+        o = paged_attention(q, k, v, kv.k[i], kv.v[i], meta, self.scale,
+                            sinks=w.get(p + "sinks"), window=s.window(layer))
         o = o.reshape(t, s.num_heads * s.head_dim)
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(t, s.num_heads * s.head_dim))
-        return linear(o, w[p + "o"])
+        return linear(o, w[p + "o"], w.get(p + "o_bias"))
 
     def _linear_attention(self, layer: int, x: torch.Tensor, rope: Rope, meta: AttnMetadata,
                           kv: KVCache) -> torch.Tensor:
@@ -112,7 +117,8 @@ class Decoder:
         s, w, p = self.spec, self.w, f"{layer}."
         if s.is_moe_layer(layer):
             assert self.moe is not None  # invariant: a MoE spec always gets a strategy
-            ids, weights = route(x, w[p + "router"], s.top_k, s.norm_topk_prob)
+            ids, weights = route(x, w[p + "router"], s.top_k, s.norm_topk_prob,
+                                 w.get(p + "router_bias"), s.router)
             out = self.moe.forward(layer, x, ids, weights)
             if s.shared_expert_intermediate_size:  # dense, always resident, sigmoid-gated
                 shared = linear(F.silu(linear(x, w[p + "shared_gate"]))
@@ -152,5 +158,6 @@ Mixer = Callable[[Decoder, int, torch.Tensor, Rope, AttnMetadata, KVCache], torc
 #: the token mixer of each layer kind (`ArchSpec.layer_types`)
 MIXERS: dict[str, Mixer] = {
     FULL_ATTENTION: Decoder._attention,
+    SLIDING_ATTENTION: Decoder._attention,
     LINEAR_ATTENTION: Decoder._linear_attention,
 }

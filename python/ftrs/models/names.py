@@ -1,8 +1,12 @@
 """Map checkpoint tensor names onto the decoder's own names.
 
 Dense tensors get a short key (`"3.q"`, `"embed"`); routed-expert tensors get an
-`ExpertKey(layer, expert, tensor)` with tensor 0 = gate, 1 = up, 2 = down, which is the order of
-the host expert pool's layout.
+`ExpertKey(layer, expert, tensor)` with tensor 0 = gate, 1 = up, 2 = down (3, 4, 5: their biases,
+where an architecture has them), which is the order of the host expert pool's layout.
+
+gpt_oss ships each layer's experts as a few tensors holding every expert (`mlp.experts.gate_up_proj`
+and its bias, `down_proj` and its bias, or the MXFP4 `*_blocks` and `*_scales`): those map to a
+`PackedExperts(layer, part)`, which `models.packed_experts` cuts into the per-expert tensors.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 GATE, UP, DOWN = 0, 1, 2
+GATE_BIAS, UP_BIAS, DOWN_BIAS = 3, 4, 5
 #: Dense projections (key suffixes) a quantized checkpoint keeps quantized on the CPU: the
 #: decoder computes them through `layers.linear`; the token embedding stays quantized too (the
 #: decoder decodes the rows it looks up, and a tied LM head reads the blocks). Norms and routers
@@ -30,6 +35,18 @@ class ExpertKey(NamedTuple):
     layer: int
     expert: int
     tensor: int
+
+
+class PackedExperts(NamedTuple):
+    """One tensor holding a part of every expert of a layer (gpt_oss)."""
+
+    layer: int
+    part: str  # gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias, *_blocks, *_scales
+
+
+PACKED_PARTS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias",
+                "gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks",
+                "down_proj_scales")
 
 
 _TOP = {
@@ -52,6 +69,8 @@ _LAYER_DENSE = {
     "self_attn.q_proj.bias": "q_bias",
     "self_attn.k_proj.bias": "k_bias",
     "self_attn.v_proj.bias": "v_bias",
+    "self_attn.o_proj.bias": "o_bias",
+    "self_attn.sinks": "sinks",
     "self_attn.q_norm.weight": "q_norm",
     "self_attn.k_norm.weight": "k_norm",
     "mlp.gate_proj.weight": "gate",
@@ -75,10 +94,12 @@ _LAYER_DENSE = {
     "linear_attn.A_log": "lin_a_log",
     "linear_attn.norm.weight": "lin_norm",
     "linear_attn.out_proj.weight": "lin_out",
+    "mlp.router.weight": "router",
+    "mlp.router.bias": "router_bias",
 }
 
 
-def map_hf_name(name: str) -> str | ExpertKey | None:
+def map_hf_name(name: str) -> str | ExpertKey | PackedExperts | None:
     """The decoder's key for an HF tensor name, or None for tensors the decoder does not use
     (a multimodal checkpoint's vision tower, multi-token-prediction heads)."""
     if name.startswith("model.language_model."):
@@ -92,6 +113,9 @@ def map_hf_name(name: str) -> str | ExpertKey | None:
     e = _EXPERT.match(rest)
     if e:
         return ExpertKey(layer, int(e.group(1)), _EXPERT_TENSOR[e.group(2)])
+    part = rest.removeprefix("mlp.experts.")
+    if part != rest and part in PACKED_PARTS:
+        return PackedExperts(layer, part)
     short = _LAYER_DENSE.get(rest)
     return f"{layer}.{short}" if short else None
 
