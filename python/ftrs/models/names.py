@@ -14,8 +14,10 @@ import torch
 
 GATE, UP, DOWN = 0, 1, 2
 #: Dense projections (key suffixes) a quantized checkpoint keeps quantized on the CPU: the
-#: decoder computes them through `layers.linear`. Embeddings, norms and routers are dequantized.
-PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down", "lm_head", "lin_qkv", "lin_z",
+#: decoder computes them through `layers.linear`; the token embedding stays quantized too (the
+#: decoder decodes the rows it looks up, and a tied LM head reads the blocks). Norms and routers
+#: are dequantized.
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down", "lm_head", "embed", "lin_qkv", "lin_z",
                "lin_out", "shared_gate", "shared_up", "shared_down")
 
 
