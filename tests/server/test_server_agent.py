@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -213,3 +214,174 @@ def test_reasoning_content_is_split_from_the_answer(tmp_path: Any) -> None:
         assert (reasoning, content) == ("Paris is in France.", "It is sunny.")
     finally:
         server.stop()
+
+
+# ------------------------------------------------------- live: the tiny model and the demo MoE
+
+LIVE_OPTIONS = ["--device", "cpu", "--dtype", "float32", "--max-n", "20"]
+FORECAST = {"type": "function", "function": {
+    "name": "get_forecast", "description": "Forecast of a city for some days",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+                   "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                                  "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                                  "metric": {"type": "boolean"}}}}}
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                         "tags": {"type": "array", "maxItems": 3,
+                                  "items": {"type": "string", "enum": ["a", "b", "c"]}}}}
+NAMED = {"type": "function", "function": {"name": "get_forecast"}}
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    pytest.importorskip("ftrs.engine.core")
+    from ftrs_server_harness import ServerProcess
+
+    from ftrs.models.tiny import make_tiny
+
+    model = make_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", seed=0)
+    server = ServerProcess(["--model", str(model), "--served-model-name", "tiny", *LIVE_OPTIONS],
+                           api_key=None, backend=None)
+    try:
+        server.wait("ok")
+        yield server
+    finally:
+        server.stop()
+
+
+def _openai(server: Any) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def _check_forced_call(c: Any, model: str, parallel: bool, temperature: float = 1.0) -> None:
+    """A named tool_choice: the call's arguments parse and follow the tool's schema, in the
+    full answer and in the stream (whose pieces add up to the same call)."""
+    import jsonschema
+
+    schema = FORECAST["function"]["parameters"]  # type: ignore[index]
+    msgs = [{"role": "user", "content": "What will the weather be in Oslo for the next 3 days?"}]
+    kw: dict[str, Any] = {"model": model, "messages": msgs, "tools": [FORECAST], "tool_choice": NAMED,
+                          "max_tokens": 200, "temperature": temperature, "seed": 5,
+                          "parallel_tool_calls": parallel}
+    full = c.chat.completions.create(**kw)
+    choice = full.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.tool_calls, choice
+    for call in choice.message.tool_calls:
+        assert call.function.name == "get_forecast"
+        jsonschema.validate(json.loads(call.function.arguments), schema)
+    args: dict[int, str] = defaultdict(str)
+    finish = None
+    for chunk in c.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            for d in ch.delta.tool_calls or []:
+                args[d.index] += d.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls"
+    assert [args[i] for i in sorted(args)] == [call.function.arguments for call in choice.message.tool_calls]
+
+
+def _check_json_schema_samples(c: Any, model: str, n: int) -> None:
+    """`n` seeded samples at temperature 1.0, in one request: each parses and validates."""
+    import jsonschema
+
+    r = c.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        temperature=1.0, seed=123, n=n, max_tokens=120)
+    assert len(r.choices) == n
+    for choice in r.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), PERSON)
+    assert len({choice.message.content for choice in r.choices}) > 1  # they are samples, not copies
+
+
+def test_live_forced_tool_call_validates_against_the_tool_schema(tiny_server: Any) -> None:
+    _check_forced_call(_openai(tiny_server), "tiny", parallel=False)
+
+
+def test_live_json_schema_output_validates_for_20_seeded_samples(tiny_server: Any) -> None:
+    _check_json_schema_samples(_openai(tiny_server), "tiny", 20)
+
+
+def test_live_n_3_choices_are_the_requests_with_distinct_seeds(tiny_server: Any) -> None:
+    import httpx
+
+    def complete(**kw: Any) -> dict[str, Any]:
+        body = {"model": "tiny", "prompt": [5, 9, 33, 71], "max_tokens": 8, "temperature": 1.0,
+                "return_token_ids": True, **kw}
+        r = httpx.post(tiny_server.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    many = complete(seed=77, n=3)
+    ids = [ch["token_ids"] for ch in sorted(many["choices"], key=lambda ch: ch["index"])]
+    alone = [complete(seed=77 + i)["choices"][0]["token_ids"] for i in range(3)]
+    assert ids == alone
+    assert len({tuple(t) for t in ids}) == 3
+    assert many["usage"]["completion_tokens"] == 24
+
+
+def test_live_logit_bias_moves_the_sample(tiny_server: Any) -> None:
+    c = _openai(tiny_server)
+    r = c.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=1.0, seed=1,
+                             logit_bias={"65": 100}, extra_body={"return_token_ids": True})
+    assert r.choices[0].token_ids == [65] * 6  # +100 outweighs any logit gap
+    plain = c.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=1.0, seed=1,
+                                 extra_body={"return_token_ids": True})
+    assert plain.choices[0].token_ids != [65] * 6
+
+
+def test_live_bad_input_is_a_400_naming_the_field_and_the_server_serves_on(tiny_server: Any) -> None:
+    import openai
+
+    c = _openai(tiny_server)
+    msgs = [{"role": "user", "content": "hi"}]
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}}}},
+         "response_format.json_schema.schema"),
+        ({"tools": [{"type": "function", "function": {"parameters": {"type": "object"}}}]}, "tools[0].function.name"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_forecast", "arguments": "city=Oslo"}}]},
+            {"role": "user", "content": "go on"}]}, "messages[0].tool_calls[0].function.arguments"),
+        ({"n": 21}, "n"),
+    ]
+    for extra, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(**{"model": "tiny", "messages": msgs, "max_tokens": 2, **extra})
+        err: dict[str, Any] = e.value.body  # type: ignore[assignment]
+        assert err["param"] == param, (extra, err)
+        ok = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=2)
+        assert ok.usage is not None and ok.usage.completion_tokens >= 1
+
+
+@pytest.fixture(scope="module")
+def demo_server() -> Iterator[Any]:
+    pytest.importorskip("ftrs.engine.core")
+    from ftrs_server_harness import ServerProcess
+
+    from ftrs.models.demo import demo_dir
+
+    if not (demo_dir() / ".complete").is_file():
+        pytest.skip("the demo model is not built (`ftrs models demo`)")
+    server = ServerProcess(["--model", str(demo_dir()), "--served-model-name", "demo", *LIVE_OPTIONS],
+                           api_key=None, backend=None)
+    try:
+        server.wait("ok", timeout=600)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_demo_forced_tool_call_validates_against_the_tool_schema(demo_server: Any) -> None:
+    _check_forced_call(_openai(demo_server), "demo", parallel=True, temperature=0.7)
+
+
+@pytest.mark.slow
+def test_demo_json_schema_output_validates_for_20_seeded_samples(demo_server: Any) -> None:
+    _check_json_schema_samples(_openai(demo_server), "demo", 20)

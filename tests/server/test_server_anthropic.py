@@ -95,6 +95,8 @@ def test_tool_choice_maps_to_openai(choice: dict[str, Any], expected: Any) -> No
      "messages[0].content[0].tool_use_id"),
     ({"messages": [{"role": "user", "content": [
         {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {"x": "a\udc80"}}]}]}, "messages[1].content"),
 ])
 def test_bad_fields_are_named(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as info:

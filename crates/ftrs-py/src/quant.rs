@@ -182,6 +182,17 @@ pub fn quant_set_threads(n: usize) -> PyResult<()> {
     threads::set_default_threads(n).py()
 }
 
+/// Whether the kernels of `kernel` round the activations to int8 per 32-block for `qtype`
+/// (integer products, as ggml's q8 dot products; see `ftrs_core::quant::rounds_activations`).
+#[pyfunction]
+#[pyo3(signature = (qtype, kernel = "auto"))]
+pub fn quant_rounds_activations(qtype: &str, kernel: &str) -> PyResult<bool> {
+    Ok(quant::rounds_activations(
+        QType::parse(qtype).py()?,
+        Isa::parse(kernel).py()?,
+    ))
+}
+
 /// The kernel family `kernel="auto"` picks on this CPU: `"avx2"` or `"portable"`.
 #[pyfunction]
 pub fn quant_kernel() -> &'static str {
@@ -196,5 +207,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_threads, m)?)?;
     m.add_function(wrap_pyfunction!(quant_set_threads, m)?)?;
     m.add_function(wrap_pyfunction!(quant_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_rounds_activations, m)?)?;
     Ok(())
 }

@@ -35,7 +35,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute, APIRouter
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ftrs.errors import FtrsError, InvalidRequest
 from ftrs.server.errors import Unauthorized, param_name
@@ -92,7 +92,7 @@ class InputMessage(_Model):
     content: Text | list[Block]
 
 
-class Tool(_Model):
+class MessagesTool(_Model):
     """A client tool; server tools (`web_search_...`, `bash_...`) are refused by their type."""
 
     type: Literal["custom"] | None = None
@@ -101,13 +101,13 @@ class Tool(_Model):
     input_schema: dict[str, Any]
 
 
-class ToolChoice(_Model):
+class MessagesToolChoice(_Model):
     type: Literal["auto", "any", "tool", "none"]
     name: Text | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class Thinking(_Model):
+class ThinkingConfig(_Model):
     """`disabled`, or a way to think (`enabled`, `adaptive`, ...); a budget is not enforced."""
 
     type: Text
@@ -129,9 +129,9 @@ class CountTokensRequest(_Model):
     model: Text
     messages: list[InputMessage] = Field(min_length=1)
     system: Text | list[TextBlock] | None = None
-    tools: list[Tool] | None = None
-    tool_choice: ToolChoice | None = None
-    thinking: Thinking | None = None
+    tools: list[MessagesTool] | None = None
+    tool_choice: MessagesToolChoice | None = None
+    thinking: ThinkingConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -185,26 +185,31 @@ def _bad(param: str, why: str) -> InvalidRequest:
     return InvalidRequest(f"{param}: {why}", evidence={"param": param})
 
 
+def rename_param(param: str, origins: list[str]) -> str:
+    """The Messages request's name of a chat request's field (for an error's `param`);
+    `origins[k]` is the Messages field chat message k came from."""
+    m = re.match(r"messages\[(\d+)\]", param)
+    if m and int(m.group(1)) < len(origins):
+        return origins[int(m.group(1))]
+    m = re.match(r"tools\[(\d+)\](?:\.function)?(\.\w+)?", param)
+    if m:
+        field = {".parameters": ".input_schema", ".name": ".name", ".description": ".description"}
+        return f"tools[{m.group(1)}]{field.get(m.group(2) or '', '')}"
+    if param.startswith("response_format"):
+        return "output_config.format.schema"
+    return {"stop": "stop_sequences", "max_completion_tokens": "max_tokens",
+            "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}.get(param, param)
+
+
 class Translation:
-    """A Messages request as a chat request, and where each chat field came from."""
+    """A Messages request as a chat request, and where each chat message came from."""
 
     def __init__(self, chat: ChatCompletionRequest, origins: list[str]) -> None:
         self.chat = chat
         self.origins = origins  # origins[k]: the Messages field chat message k came from
 
     def rename(self, param: str) -> str:
-        """The Messages request's name of a chat request's field (for an error's `param`)."""
-        m = re.match(r"messages\[(\d+)\]", param)
-        if m and int(m.group(1)) < len(self.origins):
-            return self.origins[int(m.group(1))]
-        m = re.match(r"tools\[(\d+)\](?:\.function)?(\.\w+)?", param)
-        if m:
-            field = {".parameters": ".input_schema", ".name": ".name", ".description": ".description"}
-            return f"tools[{m.group(1)}]{field.get(m.group(2) or '', '')}"
-        if param.startswith("response_format"):
-            return "output_config.format.schema"
-        return {"stop": "stop_sequences", "max_completion_tokens": "max_tokens",
-                "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}.get(param, param)
+        return rename_param(param, self.origins)
 
 
 def _join(blocks: Iterable[TextBlock]) -> str:
@@ -312,7 +317,13 @@ def to_chat(req: CountTokensRequest) -> Translation:
         for name in ("temperature", "top_p", "top_k"):
             if getattr(req, name) is not None:
                 body[name] = getattr(req, name)
-    return Translation(ChatCompletionRequest.model_validate(body), origins)
+    try:
+        chat = ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:  # e.g. a lone surrogate inside a tool_use input
+        first = exc.errors()[0]
+        param = rename_param(param_name(first["loc"], body) or "messages", origins)
+        raise _bad(param, str(first["msg"])) from None
+    return Translation(chat, origins)
 
 
 # ------------------------------------------------------------------------------------ encoder
