@@ -12,11 +12,17 @@ the sampler's arithmetic stays finite for any finite fp32 logit:
   way, which keeps it finite for any logit below 3.4e36 and is far past the point where the
   penalty decides the draw.
 - `presence_penalty`, `frequency_penalty` in [-2, 2] (OpenAI's range).
+- `logit_bias`: (token id, bias) pairs, bias in [-100, 100] (OpenAI's range), added to the raw
+  logits before anything else; -100 bans a token in practice, +100 all but forces it.
+- `structured`: a grammar the output must follow (`StructuredSpec`); the engine masks every
+  token the grammar forbids (`ftrs.engine.grammar`). Its compilation is checked by the grammar
+  engine, not here: `validate()` checks only the shape.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ftrs.errors import InvalidRequest
@@ -25,6 +31,22 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 TEMPERATURE_MAX = 2.0
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this are sampled as argmax
 REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.01, 100.0
+LOGIT_BIAS_MAX = 100.0
+STRUCTURED_KINDS = ("json_object", "json_schema", "lark")
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """A constraint on the whole output, enforced token by token by the grammar engine.
+
+    `kind` "json_object" (any JSON object; `value` unused, ""), "json_schema" (`value` is the
+    JSON Schema text) or "lark" (`value` is a Lark grammar in llguidance's dialect). `param`
+    is the request field a 400 names when the grammar does not compile ("response_format",
+    "tool_choice", ...)."""
+
+    kind: str
+    value: str = ""
+    param: str = "response_format"
 
 
 @dataclass(frozen=True)
@@ -44,6 +66,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top logprobs to return with each token; None = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); ids < vocab
+    structured: StructuredSpec | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -90,7 +114,45 @@ class SamplingParams:
             not isinstance(t, int) or not 0 <= t < vocab_size for t in self.stop_token_ids
         ):
             raise bad("stop_token_ids", f"every id must be in [0, {vocab_size})")
+        self._validate_logit_bias(vocab_size, bad)
+        self._validate_structured(bad)
         return self
 
+    def _validate_logit_bias(self, vocab_size: int | None,
+                             bad: Callable[[str, str], InvalidRequest]) -> None:
+        if not isinstance(self.logit_bias, tuple):
+            raise bad("logit_bias", "must be a tuple of (token id, bias) pairs")
+        seen: set[int] = set()
+        for pair in self.logit_bias:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise bad("logit_bias", f"each entry must be a (token id, bias) pair, got {pair!r}")
+            tok, bias = pair
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise bad("logit_bias", f"token ids must be integers >= 0, got {tok!r}")
+            if vocab_size is not None and tok >= vocab_size:
+                raise bad("logit_bias", f"token id {tok} is not in [0, {vocab_size})")
+            if tok in seen:
+                raise bad("logit_bias", f"token id {tok} appears twice")
+            seen.add(tok)
+            if (isinstance(bias, bool) or not isinstance(bias, (int, float))
+                    or not math.isfinite(bias) or not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX):
+                raise bad("logit_bias", f"bias of token {tok} must be a number in "
+                          f"[-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], got {bias!r}")
 
-__all__ = ["GREEDY_TEMPERATURE", "SamplingParams"]
+    def _validate_structured(self, bad: Callable[[str, str], InvalidRequest]) -> None:
+        spec = self.structured
+        if spec is None:
+            return
+        if not isinstance(spec, StructuredSpec):
+            raise bad("structured", f"must be a StructuredSpec, got {type(spec).__name__}")
+        param = spec.param if isinstance(spec.param, str) and spec.param else "structured"
+        if spec.kind not in STRUCTURED_KINDS:
+            raise bad(param, f"unknown structured output kind {spec.kind!r} "
+                      f"(one of {', '.join(STRUCTURED_KINDS)})")
+        if not isinstance(spec.value, str):
+            raise bad(param, "the schema or grammar must be text")
+        if spec.kind != "json_object" and not spec.value.strip():
+            raise bad(param, f"{spec.kind}: the schema or grammar is empty")
+
+
+__all__ = ["GREEDY_TEMPERATURE", "LOGIT_BIAS_MAX", "SamplingParams", "StructuredSpec"]

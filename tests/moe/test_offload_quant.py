@@ -46,13 +46,33 @@ def test_quantized_offload_equals_resident(gguf_model: Path, slots: int, prefetc
         moe = llm.engine.rt.moe
         assert moe is not None
         experts = moe.experts  # type: ignore[attr-defined]
-        # one slot is one quantized expert: (Q4_K + Q5_K + max(Q6_K, Q4_K)) blocks, aligned
+        # one slot is the largest quantized expert: (Q4_K + Q5_K + Q6_K) blocks, aligned; a
+        # layer whose down is Q4_K has smaller blocks, and a miss there moves only those
         assert experts.quantized
         assert experts.expert_bytes == sum(-(-256 * b // 256) * 256 for b in (144, 176, 210))
+        small = sum(-(-256 * b // 256) * 256 for b in (144, 176, 144))
+        assert min(experts.block_bytes(la) for la in experts.layer_index) == small
         s = moe.stats()
         assert s["expert_bytes"] == experts.expert_bytes
         landed = s["demand_fetches"] + s["prefetch_issued"] - s["prefetch_cancelled"]
         issued = s["demand_fetches"] + s["prefetch_issued"]
-        assert 0 < landed * s["expert_bytes"] <= s["bytes_h2d"] <= issued * s["expert_bytes"]
+        assert 0 < landed * small <= s["bytes_h2d"] <= issued * s["expert_bytes"]
     finally:
         llm.close()
+
+
+def test_pool_holds_each_layers_experts_at_their_file_size(gguf_model: Path) -> None:
+    import gguf
+
+    llm = LLM(str(gguf_model), kv_tokens=256, dtype="float32", device="cpu",
+              moe_strategy="resident")
+    try:
+        pool = llm.engine.expert_pool_bytes()
+        n = llm.engine.rt.spec.num_experts
+    finally:
+        llm.close()
+    # the oracle: the file's own per-expert tensor sizes, each rounded up to the 256-byte
+    # alignment, per layer: no layer pays for another layer's larger type
+    want = sum(-(-int(t.n_bytes) // n // 256) * 256 * n
+               for t in gguf.GGUFReader(str(gguf_model)).tensors if t.name.endswith("_exps.weight"))
+    assert pool == want

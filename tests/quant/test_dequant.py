@@ -12,6 +12,7 @@ from ftrs.quant import (
     QuantTensor,
     dequantize,
     dequantize_numpy,
+    embedding,
     kernel_types,
     matmul,
     tensor_bytes,
@@ -101,6 +102,19 @@ def test_kernel_matmul_matches_reference(qtype: str) -> None:
     # as ggml's dot products do): relative to the sum of |products|, 1% covers both
     bound = (x.abs().double() @ dequantize(w).abs().double().T) * 1e-2
     assert ((y.double() - ref).abs() <= bound + 1e-6).all()
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+@pytest.mark.parametrize("qtype", [t for t in RANDOM_TYPES if t != FP8_BLOCK])
+def test_embedding_of_a_quantized_table_decodes_the_rows_asked_for(qtype: str,
+                                                                     kernels: bool) -> None:
+    w = _qt(qtype, 11, _cols(qtype), seed=5)
+    ids = torch.tensor([[3, 0], [10, 3]])
+    with use_kernels(kernels):
+        got = embedding(ids, w, torch.float32)
+    want = dequantize_numpy(w)[ids]  # the gguf package's reference, whole table
+    assert got.shape == (2, 2, w.shape[1])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_mxfp4_dequantizer_equals_gguf_reference() -> None:

@@ -6,7 +6,8 @@ multi-byte character yields U+FFFD, exactly the case the incremental detokenizer
 Engine: each request emits one token per step (its whole prompt is "prefilled" in the first
 step). The output is a fixed text with multi-byte characters, read from an offset derived from
 the prompt (greedy), from the seed, or at random (temperature > 0 without a seed). Prompts
-that end in "EOS" emit EOS after 3 tokens; "__refuse__" makes `add_request` raise
+that end in "EOS" emit EOS after 3 tokens; a prompt holding `SAY:<text>` emits the bytes of
+<text> (up to the line's end), then EOS, whatever the sampling; "__refuse__" makes `add_request` raise
 CapacityError (503); a prompt containing "__die__" makes the engine
 process exit with code 86 (as a lost device would) after its first token; a text containing
 "__slow_tokenize__" makes the tokenizer (in the API process) take `SLOW_TOKENIZE_S` seconds. KV usage is the
@@ -16,11 +17,13 @@ before are reported as cached tokens.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import time
 import zlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from ftrs.config import EngineConfig
 from ftrs.engine.protocol import GenerateRequest, StepStats, TokenEvent, TokenLogprob
@@ -56,11 +59,18 @@ class ByteTokenizer:
                 out += b"<s>" if t == BOS else b"</s>"
         return out.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    chat_template: str | None = None  # the parsers are chosen from flags, else the defaults
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
         for m in messages:
-            if m["role"] not in ("system", "user", "assistant"):
+            if m["role"] not in ("system", "user", "assistant", "tool"):
                 raise ValueError(f"unknown role {m['role']!r}")
-        text = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
+        text = f"<|tools|>{json.dumps(tools)}\n" if tools else ""
+        text += f"<|kwargs|>{json.dumps(kwargs, sort_keys=True)}\n" if kwargs else ""
+        for m in messages:
+            extra = {k: m[k] for k in ("tool_calls", "tool_call_id", "name") if k in m}
+            text += f"<|{m['role']}|>{m['content']}{json.dumps(extra) if extra else ''}\n"
         return text + ("<|assistant|>" if add_generation_prompt else "")
 
 
@@ -71,6 +81,7 @@ class _Req:
     out: list[int] = field(default_factory=list)
     prefilled: bool = False
     cached: int = 0
+    script: bytes | None = None  # the output, when the prompt says `SAY:<text>`
 
 
 class FakeEngine:
@@ -96,7 +107,9 @@ class FakeEngine:
             offset = random.Random(p.seed).randrange(1 << 30)
         else:
             offset = random.randrange(1 << 30)
-        self.running[req.request_id] = _Req(req, offset % len(TEXT))
+        prompt = bytes(t % 256 for t in req.prompt_token_ids)
+        script = prompt.split(b"SAY:", 1)[1].split(b"\n", 1)[0] if b"SAY:" in prompt else None
+        self.running[req.request_id] = _Req(req, offset % len(TEXT), script=script)
 
     def abort(self, request_id: str) -> None:
         self.running.pop(request_id, None)
@@ -127,6 +140,8 @@ class FakeEngine:
             else:
                 decode += 1
             tok = TEXT[(r.offset + len(r.out)) % len(TEXT)]
+            if r.script is not None:
+                tok = r.script[len(r.out)] if len(r.out) < len(r.script) else EOS
             if prompt[-3:] == list(b"EOS") and len(r.out) == 3:
                 tok = EOS
             r.out.append(tok)

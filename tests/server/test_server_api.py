@@ -141,7 +141,7 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(fake_server
         ("mistyped field", {"json": {**chat, "max_tokens": "many"}}, 400, "invalid_request"),
         ("negative max_tokens", {"json": {**chat, "max_tokens": -1}}, 400, "invalid_request"),
         ("temperature < 0", {"json": {**chat, "temperature": -0.5}}, 400, "invalid_request"),
-        ("n > 1", {"json": {**chat, "n": 2}}, 400, "invalid_request"),
+        ("n above --max-n", {"json": {**chat, "n": 9}}, 400, "invalid_request"),
         ("prompt too long", {"json": {**chat, "messages": [{"role": "user", "content": "x" * 600}]}}, 400, "context_length_exceeded"),
         ("unknown model", {"json": {**chat, "model": "nope"}}, 404, "model_not_found"),
         ("wrong api key", {"json": chat, "headers": {"Authorization": "Bearer wrong"}}, 401, "invalid_api_key"),

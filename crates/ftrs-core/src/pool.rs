@@ -161,7 +161,7 @@ impl ExpertPool {
     /// layout's size for that tensor.
     pub fn write(&mut self, layer: usize, expert: usize, tensor: usize, data: &[u8]) -> Result<()> {
         let off = self.layout.offset(layer, expert, tensor)?;
-        let want = self.layout.tensor_bytes(tensor);
+        let want = self.layout.tensor_bytes(layer, tensor)?;
         if data.len() != want {
             return Err(CoreError::Config(format!(
                 "tensor {tensor} of (layer {layer}, expert {expert}) is {want} bytes, got {}",
@@ -193,7 +193,7 @@ impl ExpertPool {
                     e.layer, e.expert, e.tensor_index
                 )));
             }
-            spans.push((off, self.layout.tensor_bytes(e.tensor_index), i));
+            spans.push((off, self.layout.tensor_bytes(e.layer, e.tensor_index)?, i));
         }
         let mut file_index: HashMap<&str, usize> = HashMap::new();
         let mut maps = Vec::new();
@@ -300,7 +300,7 @@ fn fill_one(
         }
     };
     let numel: usize = view.shape().iter().product();
-    let want = layout.tensor_bytes(e.tensor_index);
+    let want = layout.tensor_bytes(e.layer, e.tensor_index)?;
     if numel * dtype.size() != want {
         return Err(fail(format!(
             "tensor {:?} has shape {:?} ({numel} elements = {} bytes as {}) but layout tensor {} \

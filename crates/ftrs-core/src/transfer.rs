@@ -20,7 +20,9 @@
 //!   started copy cannot be overtaken, so this bounds how long a new demand waits behind
 //!   prefetches), and the token bucket allows (waiting on the clock; a real clock wait wakes
 //!   early on new work so a demand never waits behind a paced prefetch), and finishes the
-//!   oldest in-flight copy. A transfer lands when all its bytes have.
+//!   oldest in-flight copy. A transfer lands when all its bytes have: its layer's block
+//!   (`ExpertLayout::block_bytes`), which may be smaller than the slot stride (`expert_bytes`,
+//!   the largest block) when layers store their experts in different types.
 //! - `cancel_prefetches`: a prefetch with no chunk in flight is dropped and its slot freed; one
 //!   with a chunk in flight is marked cancelled and its key detached at once (the slot is
 //!   reserved, not published, and freed when the chunk ends), so a cancelled prefetch never
@@ -123,9 +125,11 @@ struct Transfer {
     was_prefetch: bool,
     /// A prefetch that was demanded before landing.
     used: bool,
-    /// Bytes issued to the backend so far; in a queue while below `expert_bytes`.
+    /// Size of the expert's block (its layer's `block_bytes`, <= the slot stride): what it moves.
+    bytes: usize,
+    /// Bytes issued to the backend so far; in a queue while below `bytes`.
     issued: usize,
-    /// Bytes landed so far; the transfer lands at `expert_bytes`.
+    /// Bytes landed so far; the transfer lands at `bytes`.
     landed: usize,
     /// Bytes issued and not finished (the copies in flight; > 0 for each one).
     inflight_bytes: usize,
@@ -497,13 +501,19 @@ impl TransferEngine {
         st.cache.check_invariants()?;
         let eb = self.inner.pool.layout().expert_bytes();
         let bytes: usize = st.transfers.values().map(|t| t.inflight_bytes).sum();
+        if let Some((tid, t)) = st.transfers.iter().find(|(_, t)| t.bytes > eb) {
+            return Err(format!(
+                "transfer {tid} moves {} bytes into a {eb}-byte slot",
+                t.bytes
+            ));
+        }
         if bytes != st.inflight_bytes {
             return Err(format!("inflight_bytes {} != {bytes}", st.inflight_bytes));
         }
         for (tid, t) in &st.transfers {
             let queued = st.demand_q.contains(tid) || st.prefetch_q.contains(tid);
-            let open = t.issued < eb && !t.cancelled && t.error.is_none();
-            if queued != open || t.landed + t.inflight_bytes > t.issued || t.issued > eb {
+            let open = t.issued < t.bytes && !t.cancelled && t.error.is_none();
+            if queued != open || t.landed + t.inflight_bytes > t.issued || t.issued > t.bytes {
                 return Err(format!(
                     "transfer {tid} of {:?}: queued {queued}, issued {}, landed {}, in flight {}",
                     t.key, t.issued, t.landed, t.inflight_bytes
@@ -551,7 +561,8 @@ fn allocate(st: &mut State, key: Key) -> Result<u32> {
     Ok(slot)
 }
 
-fn queue(st: &mut State, key: Key, slot: u32, prio: Prio, ticket: Option<u64>) {
+/// Queues a transfer of `bytes` (the block size of `key`'s layer) into `slot`.
+fn queue(st: &mut State, key: Key, bytes: usize, slot: u32, prio: Prio, ticket: Option<u64>) {
     let tid = st.next_transfer;
     st.next_transfer += 1;
     st.cache.pin(slot);
@@ -561,6 +572,7 @@ fn queue(st: &mut State, key: Key, slot: u32, prio: Prio, ticket: Option<u64>) {
         prio,
         was_prefetch: prio == Prio::Prefetch,
         used: false,
+        bytes,
         issued: 0,
         landed: 0,
         inflight_bytes: 0,

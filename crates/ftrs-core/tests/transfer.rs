@@ -238,3 +238,58 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn per_layer_blocks_move_their_own_bytes_into_slots_of_the_largest() {
+    // Layer 1 is the largest, layer 2 (the last) the smallest: a copy of the region's last block
+    // sized to the slot stride would run past the region's end.
+    let sizes = [vec![100, 60], vec![100, 200], vec![40, 30]];
+    let lay = ftrs_core::ExpertLayout::per_layer(EXPERTS, &sizes, 64).unwrap();
+    let mut pool = ftrs_core::ExpertPool::new(lay, ftrs_core::PoolDtype::F32).unwrap();
+    for (l, s) in sizes.iter().enumerate() {
+        for e in 0..EXPERTS {
+            for (t, &n) in s.iter().enumerate() {
+                let bytes: Vec<u8> = (0..n).map(|i| (l * 64 + e * 7 + t * 3 + i) as u8).collect();
+                pool.write(l, e, t, &bytes).unwrap();
+            }
+        }
+    }
+    let pool = Arc::new(pool);
+    let lay = pool.layout();
+    assert_eq!(lay.expert_bytes(), lay.block_bytes(1).unwrap());
+    let (eng, dst) = engine_chunked(
+        Arc::clone(&pool),
+        4,
+        Arc::new(HostBackend { threads: 1 }),
+        Arc::new(RealClock::new()),
+        0,
+        0.0,
+        48,
+    );
+    let mut want_bytes = 0u64;
+    for l in 0..LAYERS as u32 {
+        for e in (0..EXPERTS as u32).step_by(2) {
+            let next = [(l, e + 1)];
+            let (slots, t) = eng.lookup(l, &[e], &next).unwrap();
+            eng.wait(t).unwrap();
+            let (slots2, t2) = eng.lookup(l, &[e + 1], &[]).unwrap();
+            eng.wait(t2).unwrap();
+            for (x, s) in [(e, slots[0]), (e + 1, slots2[0])] {
+                let bb = lay.block_bytes(l as usize).unwrap();
+                let mut block = vec![0u8; bb];
+                pool.read(
+                    lay.block_offset(l as usize, x as usize).unwrap(),
+                    &mut block,
+                )
+                .unwrap();
+                let at = s as usize * lay.expert_bytes();
+                assert_eq!(&dst.buf[at..at + bb], &block[..], "layer {l} expert {x}");
+                want_bytes += bb as u64;
+            }
+            eng.check_invariants().unwrap();
+            eng.release();
+        }
+    }
+    assert_eq!(eng.stats().bytes_h2d, want_bytes);
+    drop(eng);
+}

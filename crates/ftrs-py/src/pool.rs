@@ -34,17 +34,29 @@ pub struct PyExpertLayout {
 
 #[pymethods]
 impl PyExpertLayout {
+    /// `tensor_bytes`: one list of tensor sizes for every layer, or one list per layer (sizes
+    /// may differ between layers; each layer's blocks are then its own size).
     #[new]
     #[pyo3(signature = (num_layers, num_experts, tensor_bytes, alignment = 256))]
     fn new(
         num_layers: usize,
         num_experts: usize,
-        tensor_bytes: Vec<usize>,
+        tensor_bytes: &Bound<'_, PyAny>,
         alignment: usize,
     ) -> PyResult<Self> {
-        Ok(Self {
-            inner: ExpertLayout::new(num_layers, num_experts, &tensor_bytes, alignment).py()?,
-        })
+        let inner = if let Ok(per_layer) = tensor_bytes.extract::<Vec<Vec<usize>>>() {
+            if per_layer.len() != num_layers {
+                return Err(crate::errors::to_py(CoreError::Config(format!(
+                    "num_layers is {num_layers} but tensor_bytes has {} layers",
+                    per_layer.len()
+                ))));
+            }
+            ExpertLayout::per_layer(num_experts, &per_layer, alignment)
+        } else {
+            let uniform: Vec<usize> = tensor_bytes.extract()?;
+            ExpertLayout::new(num_layers, num_experts, &uniform, alignment)
+        };
+        Ok(Self { inner: inner.py()? })
     }
     #[getter]
     fn num_layers(&self) -> usize {
@@ -58,16 +70,23 @@ impl PyExpertLayout {
     fn num_tensors(&self) -> usize {
         self.inner.num_tensors()
     }
+    /// The largest size of each tensor over the layers (every layer's, for a uniform layout).
     #[getter]
     fn tensor_bytes(&self) -> Vec<usize> {
         (0..self.inner.num_tensors())
-            .map(|t| self.inner.tensor_bytes(t))
+            .map(|t| {
+                (0..self.inner.num_layers())
+                    .filter_map(|l| self.inner.tensor_bytes(l, t).ok())
+                    .max()
+                    .unwrap_or(0)
+            })
             .collect()
     }
     #[getter]
     fn alignment(&self) -> usize {
         self.inner.alignment()
     }
+    /// The largest block of any layer: the device slot stride.
     #[getter]
     fn expert_bytes(&self) -> usize {
         self.inner.expert_bytes()
@@ -76,22 +95,41 @@ impl PyExpertLayout {
     fn total_bytes(&self) -> usize {
         self.inner.total_bytes()
     }
+    /// Whether every layer has the same tensor sizes.
+    #[getter]
+    fn uniform(&self) -> bool {
+        self.inner.is_uniform()
+    }
+    /// Size of one block of `layer` (what a transfer of one of its experts moves).
+    fn block_bytes(&self, layer: usize) -> PyResult<usize> {
+        self.inner.block_bytes(layer).py()
+    }
+    /// The tensor sizes of an expert of `layer`.
+    fn layer_tensor_bytes(&self, layer: usize) -> PyResult<Vec<usize>> {
+        (0..self.inner.num_tensors())
+            .map(|t| self.inner.tensor_bytes(layer, t))
+            .collect::<Result<_, _>>()
+            .py()
+    }
     /// Offset of (layer, expert, tensor) in the pool.
     fn offset(&self, layer: usize, expert: usize, tensor: usize) -> PyResult<usize> {
         self.inner.offset(layer, expert, tensor).py()
     }
-    /// Offset of `tensor` inside an expert block (and inside a device slot).
-    fn tensor_offset(&self, tensor: usize) -> PyResult<usize> {
-        self.inner.tensor_offset(tensor).py()
+    /// Offset of `tensor` inside an expert block of `layer` (and inside a device slot).
+    #[pyo3(signature = (tensor, layer = 0))]
+    fn tensor_offset(&self, tensor: usize, layer: usize) -> PyResult<usize> {
+        self.inner.tensor_offset(layer, tensor).py()
     }
     fn __repr__(&self) -> String {
         format!(
-            "ExpertLayout(num_layers={}, num_experts={}, tensor_bytes={:?}, alignment={}, expert_bytes={})",
+            "ExpertLayout(num_layers={}, num_experts={}, tensor_bytes={:?}, uniform={}, alignment={}, expert_bytes={}, total_bytes={})",
             self.inner.num_layers(),
             self.inner.num_experts(),
             self.tensor_bytes(),
+            self.inner.is_uniform(),
             self.inner.alignment(),
-            self.inner.expert_bytes()
+            self.inner.expert_bytes(),
+            self.inner.total_bytes()
         )
     }
 }

@@ -9,12 +9,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from concurrent import futures
 from typing import Any
 
 import torch
 
 from ftrs.config import EngineConfig
 from ftrs.engine.batch import build_batch
+from ftrs.engine.grammar import GrammarCache, MaskFiller, advance
 from ftrs.engine.protocol import GenerateRequest, StepStats, TokenEvent
 from ftrs.engine.runtime import Runtime
 from ftrs.engine.sampler import sample
@@ -49,6 +51,10 @@ class EngineCore:
         if self.tokenizer is not None:
             eos |= self.tokenizer.eos_token_ids
         self.eos_token_ids = frozenset(eos)
+        # structured output (engine/grammar.py): compiled grammars, one matcher per request
+        self._grammars = GrammarCache(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self._matchers: dict[str, Any] = {}
+        self._masks: MaskFiller | None = None
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -72,11 +78,17 @@ class EngineCore:
             torch.randint(0, 2**62, (1,), generator=self._seed_gen))
         gen = None if params.greedy else torch.Generator().manual_seed(seed)
         seq = Sequence(req.request_id, prompt, len(prompt), params, gen, req.arrival_time)
+        # a grammar that does not compile refuses this request alone (InvalidRequest)
+        matcher = (self._grammars.new_matcher(params.structured)
+                   if params.structured is not None else None)
         self.scheduler.add(seq)
         self._seqs[req.request_id] = seq
+        if matcher is not None:
+            self._matchers[req.request_id] = matcher
 
     def abort(self, request_id: str) -> None:
         seq = self._seqs.pop(request_id, None)
+        self._matchers.pop(request_id, None)
         if seq is not None:
             self.scheduler.finish(seq, "abort")
 
@@ -96,6 +108,7 @@ class EngineCore:
         events = []
         for rid in ids:
             seq = self._seqs.pop(rid, None)
+            self._matchers.pop(rid, None)
             if seq is not None:
                 self.scheduler.finish(seq, "abort")
                 events.append(TokenEvent(rid, [], finish_reason="error", error=error,
@@ -119,19 +132,27 @@ class EngineCore:
         if not work:
             return [], self._stats(t0, "idle", 0, 0)
         batch = build_batch(work, self.pool.page_size, self.rt.device)
+        # the grammar masks of this step's constrained rows, computed while the forward runs
+        g_rows = [r for r, s in enumerate(batch.sample_seqs) if s.request_id in self._matchers]
+        masks = self._start_masks([batch.sample_seqs[r] for r in g_rows]) if g_rows else None
         try:
             hidden = self.rt.decoder.forward(batch.input_ids, batch.positions, batch.meta,
                                              self.rt.kv)
             if self._prompt_logits:
                 self._keep_prompt_logits(work, hidden)
             rows = hidden if batch.sample_all else hidden[batch.sample_rows]
-            sampled = sample(self.rt.decoder.logits(rows), batch.sample_seqs)  # on the device
+            allowed = self._masks.wait(masks) if masks is not None and self._masks else None
+            sampled = sample(self.rt.decoder.logits(rows), batch.sample_seqs,  # on the device
+                             allowed, g_rows)
         except DeviceError as err:  # say what the failed step carried (crash report, OOM)
             err.evidence.setdefault("failed_step", {
                 "step": self._step, "request_ids": [w.seq.request_id for w in work],
                 "prefill_tokens": batch.num_prefill_tokens,
                 "decode_tokens": batch.num_decode_tokens})
             raise
+        finally:
+            if masks is not None:  # the matchers are the worker's until it is done
+                futures.wait([masks])
         for w in work:
             w.seq.num_computed += w.num_tokens
         events = [self._append(seq, tok, rec, why)
@@ -153,7 +174,17 @@ class EngineCore:
         seq.tokens.append(tok)
         p = seq.params
         reason = None
-        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+        matcher = self._matchers.get(seq.request_id)
+        grammar = advance(matcher, tok) if matcher is not None else None
+        if grammar not in (None, "stop"):  # cannot happen while the mask is applied
+            assert p.structured is not None
+            err = InvalidRequest(f"structured output failed: {grammar}",
+                                 evidence={"param": p.structured.param})
+            wire = {**err.to_dict(), "http_status": err.http_status, "code": err.code}
+            failed = self.fail_requests([seq.request_id], wire)
+            return failed[0] if failed else TokenEvent(seq.request_id, [], "error", error=wire)
+        if ((tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids
+                or grammar == "stop"):  # the grammar is complete: nothing more may follow
             reason = "stop"
         elif seq.num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
             reason = "length"
@@ -161,8 +192,15 @@ class EngineCore:
                            seq.num_prompt, seq.num_cached)
         if reason is not None:
             self._seqs.pop(seq.request_id, None)
+            self._matchers.pop(seq.request_id, None)
             self.scheduler.finish(seq, reason)
         return event
+
+    def _start_masks(self, seqs: list[Sequence]) -> futures.Future[torch.Tensor]:
+        """Start filling the grammar masks of `seqs` on the mask worker (engine/grammar.py)."""
+        if self._masks is None:
+            self._masks = MaskFiller(self.vocab_size, self.rt.device)
+        return self._masks.start([self._matchers[s.request_id] for s in seqs])
 
     def _stats(self, t0: float, kind: str, prefill: int, decode: int,
                prefix_hit: int = 0) -> StepStats:
@@ -175,6 +213,8 @@ class EngineCore:
             experts=moe.stats() if moe is not None else {})
 
     def close(self) -> None:
+        if self._masks is not None:
+            self._masks.close()
         self.rt.close()
 
     # --- what the guard, the drills, the benches and `LLM` use (never `.rt`) ------------------
@@ -205,6 +245,11 @@ class EngineCore:
         tensor alignment included; 0 for a dense model."""
         experts = self.rt.loaded.experts
         return int(experts.pool.nbytes) if experts is not None else 0
+
+    def grammar_stats(self) -> dict[str, float]:
+        """Structured output's mask worker: fills, seconds filling, seconds steps waited for a
+        fill after their forward ({} before the first constrained request)."""
+        return self._masks.stats() if self._masks is not None else {}
 
     def expert_stats(self) -> dict[str, Any]:
         """The MoE strategy's counters (what `StepStats.experts` carries); {} for dense models."""

@@ -4,7 +4,14 @@ Order, as in common engines: penalties on the raw logits (repetition over prompt
 presence and frequency over the output), then temperature, then top-k, top-p and min-p
 filtering, then a draw from the request's own seeded generator. Every operation acts on each
 row alone, so a seed gives the same tokens whether the request runs alone or in a batch.
-Temperature 0 is argmax. Reported logprobs are those of the model's raw distribution.
+Temperature 0 is argmax.
+
+Constraints come first, on the logits' device: `logit_bias` is added to the raw logits, then
+the grammar's mask (`ftrs.engine.grammar`) sets every forbidden token to -inf. Everything after
+(penalties, the draw, greedy argmax) sees only allowed tokens. Reported logprobs are those of the
+model's distribution after bias and mask, before penalties and temperature: the sampled token
+always has a finite logprob, and the top alternatives are only tokens that could have been drawn
+(a forbidden token, logprob -inf, is never listed).
 
 Rows split three ways, so the common case costs the least:
 - plain greedy rows (no penalty, no logprobs): argmax on the logits' device, only the ids
@@ -27,6 +34,8 @@ in `SampleOutput.errors`: that request fails alone, the others in the step go on
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence as Sequence_
 from typing import NamedTuple
 
 import torch
@@ -51,8 +60,11 @@ def _plain_greedy(seq: Sequence) -> bool:
             and not p.presence_penalty and not p.frequency_penalty)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
-    """`logits`: (len(seqs), vocab), on any device. One token per sequence."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], allowed: torch.Tensor | None = None,
+           allowed_rows: Sequence_[int] = ()) -> SampleOutput:
+    """`logits`: (len(seqs), vocab) fp32, on any device. One token per sequence. `allowed`:
+    (len(allowed_rows), vocab) bool on the same device, the grammar's mask of those rows."""
+    logits = constrain(logits, seqs, allowed, allowed_rows)
     n = len(seqs)
     tokens: list[int | None] = [None] * n
     records: list[TokenLogprob | None] = [None] * n
@@ -73,6 +85,27 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleOutput:
                logits[torch.tensor(slow, device=logits.device)]).to("cpu", torch.float32)
         _sample_rows(raw, [seqs[i] for i in slow], slow, tokens, records, errors)
     return SampleOutput(tokens, records, errors)
+
+
+def constrain(logits: torch.Tensor, seqs: list[Sequence], allowed: torch.Tensor | None = None,
+              allowed_rows: Sequence_[int] = ()) -> torch.Tensor:
+    """`logits` with each row's `logit_bias` added and the grammar masks applied (a copy when
+    anything changes; the input is never written)."""
+    biased = [i for i, s in enumerate(seqs) if s.params.logit_bias]
+    if not biased and allowed is None:
+        return logits
+    x = logits.clone()
+    if biased:
+        rows = [i for i in biased for _ in seqs[i].params.logit_bias]
+        cols = [t for i in biased for t, _ in seqs[i].params.logit_bias]
+        vals = [float(b) for i in biased for _, b in seqs[i].params.logit_bias]
+        dev = x.device
+        x.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                     torch.tensor(vals, dtype=x.dtype, device=dev), accumulate=True)
+    if allowed is not None and len(allowed_rows):
+        idx = torch.tensor(list(allowed_rows), dtype=torch.long, device=x.device)
+        x[idx] = x[idx].masked_fill(~allowed, -float("inf"))
+    return x
 
 
 def _sample_rows(raw: torch.Tensor, seqs: list[Sequence], where: list[int],
@@ -107,8 +140,9 @@ def _sample_rows(raw: torch.Tensor, seqs: list[Sequence], where: list[int],
             j = lp_rows.index(r)
             want = seqs[r].params.logprobs or 0
             alts: list[tuple[int, float]] = []
-            if top is not None and want:
-                alts = list(zip(top.indices[j, :want].tolist(), top.values[j, :want].tolist()))
+            if top is not None and want:  # a forbidden token (-inf) is no alternative
+                alts = [(t, v) for t, v in zip(top.indices[j, :want].tolist(),
+                                               top.values[j, :want].tolist()) if v > -math.inf]
             records[i] = TokenLogprob(tok, float(lp[j, tok]), alts)
 
 

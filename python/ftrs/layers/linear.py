@@ -4,13 +4,17 @@ A plain tensor goes to `F.linear`; a `QuantTensor` (a weight kept in its file's 
 goes to `ftrs.quant.matmul`: the Rust CPU kernel, or dequantize-then-matmul on a GPU and in the
 reference path. Every projection of attention, the dense MLPs, the routed experts and the LM
 head goes through here, so a quantized checkpoint needs no other change in the model code.
+`embedding` reads rows of a table that may be quantized too (a tied embedding stays in its
+file's format on the CPU, so the LM head streams those bytes, not an fp32 copy).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ftrs.quant.matmul import Weight, matmul
+from ftrs.quant.matmul import Weight, embedding, matmul
+
+__all__ = ["Weight", "embedding", "linear"]
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

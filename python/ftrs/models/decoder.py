@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ftrs.layers.attention import AttnMetadata, paged_attention
-from ftrs.layers.linear import linear
+from ftrs.layers.linear import embedding, linear
 from ftrs.layers.moe import route
 from ftrs.layers.norm import rms_norm
 from ftrs.layers.rotary import Rotary, rotate
@@ -91,7 +91,7 @@ class Decoder:
                 kv: KVCache) -> torch.Tensor:
         """`input_ids`, `positions`: (tokens,) int64. Returns final hidden states (tokens, hidden)."""
         s, w = self.spec, self.w
-        h = F.embedding(input_ids, w["embed"])
+        h = embedding(input_ids, w["embed"], self.dtype)
         rope = self.rotary.table(positions, h.dtype)  # once for every layer
         if self.moe is not None:
             self.moe.begin_forward(num_tokens=int(input_ids.numel()))

@@ -9,8 +9,9 @@ A tensor is stored in the compute dtype, or, for a quantized checkpoint, as the 
 (`ftrs.quant`: GGUF blocks, or FP8 weights followed by their scales): the pool is then the size
 of the file's experts, the link carries those bytes, and the views are `QuantTensor`s over the
 region. A file may quantize one tensor differently in different layers (a `Q4_K_M` GGUF keeps
-some layers' `down` in Q6_K); the layout reserves the largest size of each tensor, and each
-layer's views use that layer's type.
+some layers' `down` in Q6_K): the layout then has per-layer tensor sizes, every block is its
+layer's exact bytes (aligned), and each layer's views use that layer's type. Device slots are
+sized for the largest block (`expert_bytes`); a transfer moves only its own layer's block.
 """
 
 from __future__ import annotations
@@ -52,12 +53,10 @@ class HostExperts:
         self._elt = torch.tensor([], dtype=dtype).element_size()
         sizes = [[self.exact_bytes(layer, t) for t in range(len(self.shapes))]
                  for layer in spec.moe_layers]
-        self.tensor_bytes = [max(col, default=0) for col in zip(*sizes)] or [
-            r * c * self._elt for r, c in self.shapes]
         self.quantized = any(f.qtype is not None for fmt in self.formats.values() for f in fmt)
         from ftrs import _core
 
-        self.layout = _core.ExpertLayout(len(spec.moe_layers), spec.num_experts, self.tensor_bytes)
+        self.layout = _core.ExpertLayout(len(spec.moe_layers), spec.num_experts, sizes)
         self.pool = _core.ExpertPool(self.layout, _DTYPE_NAME[dtype])
 
     def exact_bytes(self, layer: int, t: int) -> int:
@@ -76,8 +75,13 @@ class HostExperts:
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one (layer, expert) block, alignment included: the unit of every transfer."""
+        """The largest (layer, expert) block, alignment included: the device slot stride, and
+        the size of every transfer when all layers store their experts alike."""
         return int(self.layout.expert_bytes)
+
+    def block_bytes(self, layer: int) -> int:
+        """Bytes of one expert block of model layer `layer` (what a transfer of it moves)."""
+        return int(self.layout.block_bytes(self.layer_index[layer]))
 
     @property
     def num_experts_total(self) -> int:
@@ -96,10 +100,6 @@ class HostExperts:
         if raw.size != want:
             raise ValueError(f"expert tensor ({layer}, {expert}, {t}) is {want} bytes, "
                              f"got {raw.size}")
-        if want != self.tensor_bytes[t]:
-            padded = np.zeros(self.tensor_bytes[t], dtype=np.uint8)
-            padded[:want] = raw
-            raw = padded
         self.pool.write(self.layer_index[layer], expert, t, raw)
 
     def host_bytes(self) -> torch.Tensor:
@@ -108,13 +108,13 @@ class HostExperts:
 
     def block_views(self, region: torch.Tensor, base: int, layer: int | None = None
                     ) -> ExpertWeights:
-        """Views of the three tensors of the block that starts at byte `base` of `region`, in
+        """Views of the tensors of the block that starts at byte `base` of `region`, in
         model layer `layer`'s formats (default: the first MoE layer's)."""
-        fmt = self.formats[self.spec.moe_layers[0] if layer is None else layer]
         key = self.spec.moe_layers[0] if layer is None else layer
+        fmt = self.formats[key]
         out: list[Any] = []
         for t, (rows, cols) in enumerate(self.shapes):
-            start = base + int(self.layout.tensor_offset(t))
+            start = base + int(self.layout.tensor_offset(t, self.layer_index[key]))
             raw = region[start:start + self.exact_bytes(key, t)]
             qtype = fmt[t].qtype
             if qtype is None:

@@ -267,8 +267,9 @@ def read_gguf(path: Path, progress: bool = True
 
 def gguf_fetch_model(path: Path) -> Any:
     """The guard's `FetchModel` of a GGUF MoE from its header: the real bytes of one expert
-    block in the pool (the file's encoding, padded to the largest type per tensor, aligned as
-    `ftrs._core.ExpertLayout` aligns), read without loading any weight."""
+    block in the pool (the file's encoding, aligned as `ftrs._core.ExpertLayout` aligns; the
+    mean over layers when layers store their experts in different types), read without loading
+    any weight."""
     from ftrs import _core
     from ftrs.guard.fetch import FetchModel
     from ftrs.models.arch import arch_from_config
@@ -277,9 +278,10 @@ def gguf_fetch_model(path: Path) -> Any:
     spec = arch_from_config(ck.config, str(path))
     if not spec.is_moe:
         return FetchModel(path.name, 0, 0, 0, 0, "gguf")
-    sizes = [max(tensor_bytes(g.qtype, g.shape[1], g.shape[2])
-                 for g in (ck.experts[la][t] for la in spec.moe_layers)) for t in (GATE, UP, DOWN)]
+    sizes = [[tensor_bytes(g.qtype, g.shape[1], g.shape[2])
+              for g in (ck.experts[la][t] for t in (GATE, UP, DOWN))] for la in spec.moe_layers]
     layout = _core.ExpertLayout(len(spec.moe_layers), spec.num_experts, sizes)
     qtypes = sorted({g.qtype for grp in ck.experts.values() for g in grp.values()})
-    return FetchModel(path.name, int(layout.expert_bytes), len(spec.moe_layers),
+    blocks = len(spec.moe_layers) * spec.num_experts
+    return FetchModel(path.name, -(-int(layout.total_bytes) // blocks), len(spec.moe_layers),
                       spec.num_experts, spec.top_k, "+".join(qtypes))

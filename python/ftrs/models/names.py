@@ -17,8 +17,10 @@ from typing import NamedTuple
 GATE, UP, DOWN = 0, 1, 2
 GATE_BIAS, UP_BIAS, DOWN_BIAS = 3, 4, 5
 #: Dense projections (key suffixes) a quantized checkpoint keeps quantized on the CPU: the
-#: decoder computes them through `layers.linear`. Embeddings, norms and routers are dequantized.
-PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down", "lm_head")
+#: decoder computes them through `layers.linear`; the token embedding stays quantized too (the
+#: decoder decodes the rows it looks up, and a tied LM head reads the blocks). Norms and routers
+#: are dequantized.
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down", "lm_head", "embed")
 
 
 def keeps_quantized(key: str, device_type: str) -> bool:

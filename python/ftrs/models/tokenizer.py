@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
+import jinja2.meta
 import jinja2.sandbox
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -22,8 +25,63 @@ from ftrs.errors import InvalidRequest, ModelLoadError
 _CONTROL = 3  # llama.cpp token type of special tokens such as <|im_start|>
 
 
+# Names the renderer sets itself; `chat_template_kwargs` may not override them.
+_RESERVED = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
 def _raise(message: str) -> None:
     raise InvalidRequest(f"chat template: {message}")
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """Templates are written for this `tojson` (plain json.dumps, non-ASCII kept), not for
+    jinja's HTML-safe one that escapes `<`, `>`, `&` and `'`."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):  # OpenAI content parts
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return "" if content is None else str(content)
+
+
+def _bad_message(param: str, why: str) -> InvalidRequest:
+    return InvalidRequest(f"{param}: {why}", evidence={"param": param})
+
+
+def _with_dict_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of `messages` whose tool calls carry their arguments as a dict (templates write
+    them with `tojson`; some test `is string` first, which a dict passes too). Arguments given
+    as JSON text must be a JSON object."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls")
+        if calls:
+            fixed = []
+            for j, call in enumerate(calls):
+                fn = dict(call.get("function") or {})
+                param = f"messages[{i}].tool_calls[{j}].function.arguments"
+                args = fn.get("arguments")
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args)
+                    except ValueError as e:
+                        raise _bad_message(param, f"not valid JSON ({e})") from None
+                elif args is None:
+                    args = {}
+                if not isinstance(args, dict):
+                    raise _bad_message(param, "must be a JSON object")
+                fn["arguments"] = args
+                fixed.append({**call, "function": fn})
+            m = {**m, "tool_calls": fixed}
+        out.append(m)
+    return out
 
 
 class Tokenizer:
@@ -38,9 +96,18 @@ class Tokenizer:
         self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
         self.add_bos = add_bos
         self.bos_token_id = tk.token_to_id(bos_token) if bos_token else None
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        #: the tool-call format (a `ftrs.server.toolcalls` parser name) that a template without
+        #: tools is taught in a system message; None: the one the template suggests.
+        self.tool_parser: str | None = None
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = _strftime_now
+        env.filters["tojson"] = _tojson
         self._template = env.from_string(chat_template) if chat_template else None
+        # Whether the template renders `tools` itself (real tool-calling templates do).
+        self.template_knows_tools = chat_template is not None and "tools" in (
+            jinja2.meta.find_undeclared_variables(env.parse(chat_template)))
 
     @property
     def vocab_size(self) -> int:
@@ -55,16 +122,66 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], /,
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None,
+                            **template_kwargs: Any) -> str:
+        """The prompt text of `messages` (OpenAI-shaped dicts: assistant `tool_calls` with
+        arguments as JSON text or a dict, `role: "tool"` results) offering `tools` (OpenAI tool
+        dicts); `template_kwargs` are further template variables (`enable_thinking`, ...).
+        A template that does not render `tools` gets them, the calls and the results written in
+        the `tool_parser` format into the messages (`_inline_tools`)."""
         if self._template is None:
             raise InvalidRequest("this model has no chat template; use /v1/completions")
+        clash = sorted(_RESERVED & template_kwargs.keys())
+        if clash:
+            raise _bad_message("chat_template_kwargs", f"may not set {', '.join(clash)}")
+        messages = _with_dict_arguments(messages)
+        if not self.template_knows_tools:
+            messages = self._inline_tools(messages, tools or [])
         try:
             return str(self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+                **template_kwargs, messages=messages, tools=tools or None,
+                add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or ""))
         except jinja2.TemplateError as e:
             raise InvalidRequest(f"chat template failed: {e}") from e
+
+    def _inline_tools(self, messages: list[dict[str, Any]],
+                      tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """For a template without tools: the tools described in the (first) system message,
+        each assistant turn's calls appended to its text, and each run of tool results as one
+        user turn, all in the format of the tool parser, so the model can be asked for calls."""
+        if not tools and not any(m.get("tool_calls") or m.get("role") == "tool"
+                                 for m in messages):
+            return messages
+        from ftrs.server.toolcalls import TOOL_PARSERS, choose_tool_parser
+
+        fmt = TOOL_PARSERS[self.tool_parser or choose_tool_parser(None, self.chat_template)]
+        out: list[dict[str, Any]] = []
+        results: list[str] = []
+        for m in messages:
+            if m.get("role") == "tool":
+                results.append(_text(m.get("content")))
+                continue
+            if results:
+                out.append({"role": "user", "content": fmt.format_results(results)})
+                results = []
+            text = _text(m.get("content"))
+            calls = [(c["function"].get("name", ""), c["function"]["arguments"])
+                     for c in m.get("tool_calls") or []]
+            if calls:
+                text = (text + "\n" if text else "") + fmt.format_calls(calls)
+            out.append({k: v for k, v in m.items() if k != "tool_calls"} | {"content": text})
+        if results:
+            out.append({"role": "user", "content": fmt.format_results(results)})
+        if tools:
+            described = fmt.describe_tools(tools)
+            if out and out[0].get("role") == "system":
+                out[0] = out[0] | {"content": out[0]["content"] + "\n\n" + described}
+            else:
+                out.insert(0, {"role": "system", "content": described})
+        return out
 
     # --- construction ---------------------------------------------------------------------
 

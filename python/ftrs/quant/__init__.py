@@ -14,8 +14,8 @@ from ftrs.quant.formats import (
     row_bytes,
     tensor_bytes,
 )
-from ftrs.quant.matmul import Weight, kernel_types, matmul, use_kernels
+from ftrs.quant.matmul import Weight, embedding, kernel_types, matmul, use_kernels
 
 __all__ = ["FLOAT_TYPES", "FP8_BLOCK", "GGUF_FORMATS", "TORCH_TYPES", "BlockFormat",
            "QuantTensor", "Weight", "block_format", "dequantize", "dequantize_numpy",
-           "kernel_types", "matmul", "row_bytes", "tensor_bytes", "use_kernels"]
+           "embedding", "kernel_types", "matmul", "row_bytes", "tensor_bytes", "use_kernels"]

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ftrs.quant.dequant import dequantize
-from ftrs.quant.formats import QuantTensor
+from ftrs.quant.formats import FP8_BLOCK, QuantTensor
 
 Weight = Union[torch.Tensor, QuantTensor]  # noqa: UP007 (a runtime alias, used in isinstance)
 _state = {"kernels": True}
@@ -41,7 +41,7 @@ def kernel_types() -> frozenset[str]:
     core = _core_module()
     if not hasattr(core, "quant_matmul") or not hasattr(core, "quant_block_info"):
         return frozenset()
-    from ftrs.quant.formats import FP8_BLOCK, GGUF_FORMATS
+    from ftrs.quant.formats import GGUF_FORMATS
 
     out = set()
     for name in (*GGUF_FORMATS, FP8_BLOCK):
@@ -70,6 +70,26 @@ def _kernel_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     out = torch.empty(x32.shape[0], rows, dtype=torch.float32)
     _core_module().quant_matmul(w.qtype, w.data.numpy(), x32.numpy(), out.numpy(), rows, cols)
     return out.view(*x.shape[:-1], rows).to(x.dtype)
+
+
+def embedding(ids: torch.Tensor, w: Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows `ids` of the (vocab, hidden) table `w`, in `dtype` (plain: `w`'s dtype). A quantized
+    table (a tied embedding that the LM head reads in its file's format) decodes only the rows
+    asked for: the gathered blocks are a small `QuantTensor` of their own."""
+    if isinstance(w, torch.Tensor):
+        return F.embedding(ids, w)
+    if w.qtype == FP8_BLOCK:
+        raise ValueError("embedding: an FP8 block-scaled table cannot be read by rows")
+    flat = ids.reshape(-1)
+    rows = w.rows_view().index_select(0, flat).reshape(-1)  # (n * row_bytes,) uint8
+    part = QuantTensor(w.qtype, (int(flat.numel()), w.shape[1]), rows)
+    if part.shape[0] and part.device.type == "cpu" and _state["kernels"] \
+            and w.qtype in kernel_types():
+        out = torch.empty(part.shape, dtype=torch.float32)
+        _core_module().quant_dequantize(w.qtype, rows.numpy(), out.numpy(), *part.shape, 1)
+    else:
+        out = dequantize(part, torch.float32)
+    return out.to(dtype).view(*ids.shape, w.shape[1])
 
 
 def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

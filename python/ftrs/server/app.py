@@ -18,7 +18,7 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,9 +36,10 @@ from fastapi.responses import (
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ftrs.config import EngineConfig
-from ftrs.engine.protocol import StepStats
+from ftrs.engine.protocol import StepStats, TokenLogprob
 from ftrs.errors import DeviceLost, DeviceUnhealthy, FtrsError, InvalidRequest
-from ftrs.server.cli import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
+from ftrs.server.anthropic import install_anthropic
+from ftrs.server.cli import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
 from ftrs.server.engine_client import (
     DEFAULT_BACKEND,
     Classifier,
@@ -68,21 +69,22 @@ from ftrs.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DeltaToolCall,
     ErrorResponse,
     ModelCard,
     ModelList,
-    Usage,
-    new_id,
+    ResponseFunction,
+    ResponseToolCall,
 )
 from ftrs.server.serving import (
-    Delta,
-    Generation,
+    ChatRun,
+    ServeContext,
     chat_logprobs,
-    check_model,
     completion_logprobs,
-    prepare_chat,
-    prepare_completion,
+    start_chat,
+    start_completion,
 )
+from ftrs.server.toolcalls import ToolCall, ToolCallDelta
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +112,9 @@ class ServeSettings:
     link_guard: dict[str, Any] | None = None  # the startup guard's decision, shown on /health
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # chat requests without max_tokens
+    max_n: int = DEFAULT_MAX_N  # largest `n` accepted
+    tool_parser: str | None = None  # None: chosen from the chat template
+    reasoning_parser: str | None = None  # None: chosen from the chat template
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -166,6 +171,10 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
     app.state.engine = client
     app.state.metrics = metrics
     app.state.settings = settings
+    ctx = ServeContext(client, metrics, settings.model_names, settings.default_max_tokens,
+                       settings.max_n, settings.tool_parser, settings.reasoning_parser)
+    app.state.ctx = ctx
+    install_anthropic(app, ctx, settings.api_key)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     _install_error_handlers(app, metrics)
 
@@ -176,11 +185,6 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
             raise Unauthorized("Incorrect or missing API key: send `Authorization: Bearer <key>`")
-
-    def ready_engine() -> EngineClient:
-        if client.state != "ready":
-            raise client.unavailable()
-        return client
 
     @app.get("/openapi.json", dependencies=[Depends(authorize)], include_in_schema=False)
     async def openapi_document() -> JSONResponse:
@@ -224,80 +228,14 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
     @app.post("/v1/completions", dependencies=[Depends(authorize)], response_model=None,
               responses={200: {"model": CompletionResponse}, **_ERRORS})
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        check_model(req, settings.model_names)
-        eng = ready_engine()
-        assert eng.info is not None
-        prepared = await asyncio.to_thread(prepare_completion, req, eng.tokenizer, eng.info.vocab_size,
-                                           eng.info.max_model_len)
-        gen = Generation(eng, metrics, new_id("cmpl"), prepared)
-        model = req.model
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-            deltas = await _primed(gen.run(_disconnect_waiter(request)))
-
-            async def events() -> AsyncIterator[str]:
-                offset = 0
-                async for d in deltas:
-                    lp = None
-                    if req.logprobs is not None:
-                        lp = completion_logprobs(eng.tokenizer, d.logprobs, offset)
-                    offset += len(d.text)
-                    choice = CompletionChoice(text=d.text, logprobs=lp, finish_reason=d.finish_reason,
-                                              token_ids=d.token_ids if req.return_token_ids else None)
-                    yield _sse(CompletionResponse(id=gen.request_id, model=model, choices=[choice]))
-                if include_usage:
-                    yield _sse(CompletionResponse(id=gen.request_id, model=model, choices=[], usage=_usage(gen)))
-
-            return _stream(events(), metrics)
-        text, lps = [], []
-        async for d in gen.run(_disconnect_waiter(request)):
-            text.append(d.text)
-            lps.extend(d.logprobs)
-        lp = completion_logprobs(eng.tokenizer, lps, 0) if req.logprobs is not None else None
-        choice = CompletionChoice(text="".join(text), logprobs=lp, finish_reason=gen.finish_reason,
-                                  token_ids=gen.token_ids if req.return_token_ids else None)
-        return _json(CompletionResponse(id=gen.request_id, model=model, choices=[choice], usage=_usage(gen)))
+        run = await start_completion(ctx, req, request)
+        return await _completion_response(ctx, req, run)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)], response_model=None,
               responses={200: {"model": ChatCompletionResponse}, **_ERRORS})
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
-        check_model(req, settings.model_names)
-        eng = ready_engine()
-        assert eng.info is not None
-        prepared = await asyncio.to_thread(prepare_chat, req, eng.tokenizer, eng.info.vocab_size,
-                                           eng.info.max_model_len, settings.default_max_tokens)
-        gen = Generation(eng, metrics, new_id("chatcmpl"), prepared)
-        model = req.model
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-            deltas = await _primed(gen.run(_disconnect_waiter(request)))
-
-            async def events() -> AsyncIterator[str]:
-                first = ChatChunkChoice(delta=ChatDelta(role="assistant", content=""))
-                yield _sse(ChatCompletionChunk(id=gen.request_id, model=model, choices=[first]))
-                async for d in deltas:
-                    lp = chat_logprobs(eng.tokenizer, d.logprobs) if req.logprobs else None
-                    choice = ChatChunkChoice(delta=ChatDelta(content=d.text), logprobs=lp,
-                                             finish_reason=d.finish_reason,
-                                             token_ids=d.token_ids if req.return_token_ids else None)
-                    yield _sse(ChatCompletionChunk(id=gen.request_id, model=model, choices=[choice]))
-                if include_usage:
-                    yield _sse(ChatCompletionChunk(id=gen.request_id, model=model, choices=[], usage=_usage(gen)))
-
-            return _stream(events(), metrics)
-        text, lps = [], []
-        async for d in gen.run(_disconnect_waiter(request)):
-            text.append(d.text)
-            lps.extend(d.logprobs)
-        choice = ChatChoice(
-            message=ChatResponseMessage(content="".join(text)),
-            logprobs=chat_logprobs(eng.tokenizer, lps) if req.logprobs else None,
-            finish_reason=gen.finish_reason,
-            token_ids=gen.token_ids if req.return_token_ids else None,
-        )
-        return _json(ChatCompletionResponse(id=gen.request_id, model=model, choices=[choice], usage=_usage(gen)))
+        run = await start_chat(ctx, req, request)
+        return await _chat_response(ctx, req, run)
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
@@ -337,48 +275,111 @@ def _swagger_page(spec: dict[str, Any]) -> str:
 <script>SwaggerUIBundle({{spec: {inline}, dom_id: "#swagger-ui"}});</script></body></html>"""
 
 
-def _disconnect_waiter(request: Request) -> Callable[[], Awaitable[None]]:
-    """A coroutine function that returns once the client of `request` has disconnected.
-
-    The body was read before the handler ran, so the next ASGI message of this connection is
-    `http.disconnect`; it arrives the moment the server sees the socket close."""
-
-    async def wait() -> None:
-        while True:
-            message = await request.receive()
-            if message.get("type") == "http.disconnect":
-                return
-            await asyncio.sleep(0.05)  # not expected after the body; do not spin
-
-    return wait
-
-
-def _usage(gen: Generation) -> Usage:
-    return Usage.of(gen.num_prompt_tokens, gen.num_completion_tokens, gen.num_cached_tokens)
-
-
 def _json(obj: Any) -> Response:
     return Response(obj.model_dump_json(exclude_none=True), media_type="application/json")
 
 
-async def _primed(deltas: AsyncGenerator[Delta, None]) -> AsyncIterator[Delta]:
-    """Wait for the first delta before the response starts, so that an error the engine raises
-    before the first token (a refused request) is answered with its HTTP status, not as SSE."""
-    try:
-        first = await anext(deltas)
-    except StopAsyncIteration:
-        first = None
+async def _completion_response(ctx: ServeContext, req: CompletionRequest, run: ChatRun) -> Response:
+    """A /v1/completions answer from the run's events: one JSON body, or SSE chunks."""
+    tokenizer = ctx.client.tokenizer
+    events = await run.events()
+    model, n = req.model, run.n
+    want_ids = bool(req.return_token_ids)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
-    async def rest() -> AsyncIterator[Delta]:
-        try:
-            if first is not None:
-                yield first
-            async for d in deltas:
-                yield d
-        finally:
-            await deltas.aclose()
+        async def chunks() -> AsyncIterator[str]:
+            offsets = [0] * n
+            async for e in events:
+                lp = None
+                if req.logprobs is not None:
+                    lp = completion_logprobs(tokenizer, e.logprobs, offsets[e.index])
+                offsets[e.index] += len(e.text)
+                choice = CompletionChoice(index=e.index, text=e.text, logprobs=lp,
+                                          finish_reason=e.finish_reason,
+                                          token_ids=e.token_ids if want_ids else None)
+                yield _sse(CompletionResponse(id=run.request_id, model=model, choices=[choice]))
+            if include_usage:
+                yield _sse(CompletionResponse(id=run.request_id, model=model, choices=[],
+                                              usage=run.usage()))
 
-    return rest()
+        return _stream(chunks(), ctx.metrics)
+    texts: list[list[str]] = [[] for _ in range(n)]
+    lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    async for e in events:
+        texts[e.index].append(e.text)
+        lps[e.index].extend(e.logprobs)
+    choices = [
+        CompletionChoice(index=i, text="".join(texts[i]), finish_reason=run.finish_reason(i),
+                         logprobs=completion_logprobs(tokenizer, lps[i], 0) if req.logprobs is not None else None,
+                         token_ids=run.token_ids(i) if want_ids else None)
+        for i in range(n)
+    ]
+    return _json(CompletionResponse(id=run.request_id, model=model, choices=choices, usage=run.usage()))
+
+
+def _delta_calls(deltas: list[ToolCallDelta]) -> list[DeltaToolCall] | None:
+    if not deltas:
+        return None
+    return [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
+                          function=ResponseFunction(name=d.name, arguments=d.arguments))
+            for d in deltas]
+
+
+def _message_calls(calls: list[ToolCall]) -> list[ResponseToolCall] | None:
+    if not calls:
+        return None
+    return [ResponseToolCall(id=c.id, function=ResponseFunction(name=c.name, arguments=c.arguments))
+            for c in calls]
+
+
+async def _chat_response(ctx: ServeContext, req: ChatCompletionRequest, run: ChatRun) -> Response:
+    """A /v1/chat/completions answer from the run's events: one JSON body, or SSE chunks."""
+    tokenizer = ctx.client.tokenizer
+    events = await run.events()
+    model, n = req.model, run.n
+    want_ids = bool(req.return_token_ids)
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def chunks() -> AsyncIterator[str]:
+            for i in range(n):
+                first = ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+                yield _sse(ChatCompletionChunk(id=run.request_id, model=model, choices=[first]))
+            async for e in events:
+                lp = chat_logprobs(tokenizer, e.logprobs) if req.logprobs else None
+                if not (e.text or e.reasoning or e.tool_calls or e.finish_reason
+                        or (lp and lp.content) or (want_ids and e.token_ids)):
+                    continue  # held back by a parser: nothing to say yet
+                delta = ChatDelta(content=e.text or None, reasoning_content=e.reasoning or None,
+                                  tool_calls=_delta_calls(e.tool_calls))
+                choice = ChatChunkChoice(index=e.index, delta=delta, logprobs=lp,
+                                         finish_reason=e.finish_reason,
+                                         token_ids=e.token_ids if want_ids else None)
+                yield _sse(ChatCompletionChunk(id=run.request_id, model=model, choices=[choice]))
+            if include_usage:
+                yield _sse(ChatCompletionChunk(id=run.request_id, model=model, choices=[],
+                                               usage=run.usage()))
+
+        return _stream(chunks(), ctx.metrics)
+    texts: list[list[str]] = [[] for _ in range(n)]
+    reasoning: list[list[str]] = [[] for _ in range(n)]
+    lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
+    async for e in events:
+        texts[e.index].append(e.text)
+        reasoning[e.index].append(e.reasoning)
+        lps[e.index].extend(e.logprobs)
+    choices = []
+    for i in range(n):
+        calls = _message_calls(run.calls(i))
+        content = "".join(texts[i])
+        message = ChatResponseMessage(content=None if calls and not content else content,
+                                      reasoning_content="".join(reasoning[i]) or None,
+                                      tool_calls=calls)
+        choices.append(ChatChoice(index=i, message=message, finish_reason=run.finish_reason(i),
+                                  logprobs=chat_logprobs(tokenizer, lps[i]) if req.logprobs else None,
+                                  token_ids=run.token_ids(i) if want_ids else None))
+    return _json(ChatCompletionResponse(id=run.request_id, model=model, choices=choices, usage=run.usage()))
 
 
 def _stream(events: AsyncIterator[str], metrics: ServerMetrics) -> StreamingResponse:

@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # larger request bodies get 413
 DEFAULT_MAX_TOKENS = 1024  # of a chat request without max_tokens (OpenAI: the context's rest)
+DEFAULT_MAX_N = 8  # choices one request may ask for (`n`)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +48,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                         help="max_tokens of a chat request that sets none, or what is left of the "
                              f"context if less (default {DEFAULT_MAX_TOKENS})")
+    parser.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
+                        help=f"largest `n` (choices per request) accepted (default {DEFAULT_MAX_N})")
+    parser.add_argument("--tool-parser", default=None,
+                        help="how tool calls are read from the output: hermes, mistral, llama3_json "
+                             "(default: chosen from the chat template)")
+    parser.add_argument("--reasoning-parser", default=None,
+                        help="how reasoning is split from the answer: qwen3, deepseek_r1 "
+                             "(default: chosen from the chat template; none if it has no <think>)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients use (default: the --model value)")
     parser.add_argument("--engine-backend", default=None, help=argparse.SUPPRESS)
@@ -80,6 +89,7 @@ def run_serve(args: argparse.Namespace, classifier: Classifier | None = None) ->
             window_s=getattr(args, "link_guard_window", 0.5))
         api_key = resolve_api_key(args)
         limits = serve_limits(args)
+        check_parser_flags(args)
     except FtrsError as err:
         logger.error("ftrs serve: %s", err.message)
         return err.exit_code
@@ -87,6 +97,8 @@ def run_serve(args: argparse.Namespace, classifier: Classifier | None = None) ->
                              served_model_name=args.served_model_name,
                              backend=args.engine_backend or DEFAULT_BACKEND,
                              link_guard=link_guard.to_dict() if link_guard is not None else None,
+                             tool_parser=getattr(args, "tool_parser", None),
+                             reasoning_parser=getattr(args, "reasoning_parser", None),
                              **limits)
     app = create_app(settings, classifier or classify_engine_exit)
     client: EngineClient = app.state.engine
@@ -133,14 +145,26 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
 
 
 def serve_limits(args: argparse.Namespace) -> dict[str, int]:
-    """`max_request_bytes` and `default_max_tokens` of ServeSettings, checked."""
+    """`max_request_bytes`, `default_max_tokens` and `max_n` of ServeSettings, checked."""
     max_bytes = getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)
     default_max = getattr(args, "default_max_tokens", DEFAULT_MAX_TOKENS)
+    max_n = getattr(args, "max_n", DEFAULT_MAX_N)
     if max_bytes < 1024:
         raise ConfigError(f"max_request_bytes: must be >= 1024, got {max_bytes}")
     if default_max < 1:
         raise ConfigError(f"default_max_tokens: must be >= 1, got {default_max}")
-    return {"max_request_bytes": max_bytes, "default_max_tokens": default_max}
+    if max_n < 1:
+        raise ConfigError(f"max_n: must be >= 1, got {max_n}")
+    return {"max_request_bytes": max_bytes, "default_max_tokens": default_max, "max_n": max_n}
+
+
+def check_parser_flags(args: argparse.Namespace) -> None:
+    """`--tool-parser` and `--reasoning-parser` name known parsers (else ConfigError)."""
+    from ftrs.server.reasoning import choose_reasoning_parser
+    from ftrs.server.toolcalls import choose_tool_parser
+
+    choose_tool_parser(getattr(args, "tool_parser", None), None)
+    choose_reasoning_parser(getattr(args, "reasoning_parser", None), None)
 
 
 async def _report_loading(client: EngineClient, model: str) -> None:
@@ -165,5 +189,5 @@ def main(argv: list[str] | None = None) -> int:
     return run_serve(parser.parse_args(argv))
 
 
-__all__ = ["add_serve_arguments", "engine_config_from_args", "main", "resolve_api_key", "run_serve",
+__all__ = ["add_serve_arguments", "check_parser_flags", "engine_config_from_args", "main", "resolve_api_key", "run_serve",
            "serve_limits"]

@@ -6,8 +6,8 @@ Requests validate types strictly: `"stream": "yes"`, `"max_tokens": true` or a p
 failing later in the tokenizer or the JSON encoder. Value checks (max_tokens >= 1, temperature
 in [0, 2], ...) live in `SamplingParams.validate` so the server and `ftrs.LLM` refuse the same
 things with the same words. Fields the server does not act on yet but that would change the
-output (`tools`, `response_format`, `logit_bias`, ...) are declared loosely here and refused in
-`serving.py` with their name; unknown fields are ignored, as the OpenAI API does for forward
+output (`functions`, `audio`, ...) are declared loosely here and refused in `prepare.py` with
+their name; unknown fields are ignored, as the OpenAI API does for forward
 compatibility. Responses are plain models; `token_ids` on a choice is an ftrs extension, filled
 only when the request sets `return_token_ids`.
 """
@@ -107,12 +107,26 @@ class ContentPart(_Request):
         return self
 
 
+class FunctionCall(_Request):
+    """A call an assistant turn made; `arguments` is JSON text (OpenAI) or an object."""
+
+    name: Text
+    arguments: Text | dict[str, Any]
+
+
+class MessageToolCall(_Request):
+    id: Text | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Role
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
-    tool_calls: list[Any] | None = None  # refused unless empty: tools are not served
-    tool_call_id: Text | None = None
+    tool_calls: list[MessageToolCall] | None = None  # assistant turns
+    tool_call_id: Text | None = None  # tool turns: the call this result answers
+    reasoning_content: Text | None = None  # an earlier answer's reasoning: not sent to the template
 
     def text(self) -> str:
         """The message content as one string; non-text parts are refused by the caller."""
@@ -126,17 +140,54 @@ class ChatMessage(_Request):
         return isinstance(self.content, list) and any(p.type != "text" for p in self.content)
 
 
+class FunctionDefinition(_Request):
+    name: Text
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: Text
+
+
+class NamedToolChoice(_Request):
+    """`{"type": "function", "function": {"name": ...}}`: the model must call this tool."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Request):
+    name: Text | None = None
+    description: Text | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # default true
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extension: extra template variables
     # Declared so they are refused by name (serving.py) rather than silently ignored.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     audio: Any = None
     modalities: list[Text] | None = None
 
@@ -198,9 +249,32 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: `index` is stable; `id`, `type` and the name come on
+    the call's first piece, argument text on the later ones."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ResponseFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -223,6 +297,8 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -282,11 +358,22 @@ __all__ = [
     "CompletionRequest",
     "CompletionResponse",
     "ContentPart",
+    "DeltaToolCall",
     "ErrorBody",
     "ErrorResponse",
+    "FunctionCall",
+    "FunctionDefinition",
+    "JsonSchemaFormat",
+    "MessageToolCall",
     "ModelCard",
     "ModelList",
+    "NamedFunction",
+    "NamedToolChoice",
+    "ResponseFormat",
+    "ResponseFunction",
+    "ResponseToolCall",
     "StreamOptions",
+    "Tool",
     "TopLogprob",
     "Usage",
     "new_id",

@@ -1,30 +1,43 @@
-"""From an OpenAI request to engine tokens and back.
+"""The one request → generation → response path of every endpoint.
 
-`prepare_*` turn a validated request into prompt ids and `SamplingParams` (raising typed errors
-for what the protocol allows but ftrs refuses, each naming its field as `messages[0].content`).
-They tokenize and render the chat template, so the app runs them in a worker thread, never on
-the event loop. `Generation` runs one request: it submits it, feeds each `TokenEvent` through
-the incremental detokenizer and the stop-string checker, and yields `Delta`s; it aborts the
-request in the engine when a stop string matches, when its consumer goes away, or as soon as
-`wait_disconnect` returns (the client closed the connection: the abort reaches the engine
-before its next step), and records the request's metrics exactly once.
+Protocol adapters (the OpenAI routes in `app.py`, the Anthropic routes) translate their request
+into a `ChatCompletionRequest` or `CompletionRequest`, call `start_chat` / `start_completion`,
+and encode the `ChoiceEvent`s that `ChatRun.events()` yields in their own wire format. The
+engine sees one request type, `GenerateRequest`, one per choice.
+
+`start_*` checks the model, renders and tokenizes in a worker thread (`prepare.py`), then
+submits the request's choices to the engine together, so the engine may prefill their shared
+prompt once. `Generation` runs one choice: it feeds each `TokenEvent` through the incremental
+detokenizer and the stop-string checker and yields `Delta`s; it aborts its engine request when
+a stop string matches, when its consumer goes away, or when the client disconnects (the abort
+reaches the engine before its next step), and records the request's metrics exactly once.
+`ChatRun` merges its choices' deltas into `ChoiceEvent`s, each tagged with its choice index.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ftrs.engine.protocol import GenerateRequest, TokenLogprob
-from ftrs.errors import ContextLengthExceeded, FtrsError, InvalidRequest
-from ftrs.sampling import SamplingParams
+from ftrs.errors import FtrsError
+from ftrs.server.cli import DEFAULT_MAX_N
 from ftrs.server.detokenize import IncrementalDetokenizer, StopChecker
 from ftrs.server.engine_client import EngineClient
-from ftrs.server.errors import ModelNotFound, error_from_dict
+from ftrs.server.errors import error_from_dict
 from ftrs.server.metrics import ServerMetrics
+from ftrs.server.prepare import (
+    Limits,
+    Plan,
+    check_model,
+    prepare_chat,
+    prepare_completion,
+    render_chat,
+)
 from ftrs.server.protocol import (
     ChatCompletionRequest,
     ChatLogprobs,
@@ -32,12 +45,38 @@ from ftrs.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     TopLogprob,
-    _SamplingFields,
+    Usage,
+    new_id,
 )
+from ftrs.server.reasoning import REASONING_PARSERS, ReasoningParser
+from ftrs.server.toolcalls import TOOL_PARSERS, ToolCall, ToolCallDelta, ToolParser
+
+WaitDisconnect = Callable[[], Awaitable[None]]
 
 
-def _bad(param: str, why: str) -> InvalidRequest:
-    return InvalidRequest(f"{param}: {why}", evidence={"param": param})
+@dataclass(frozen=True)
+class ServeContext:
+    """What every endpoint shares: the engine client, the metrics and the serve options."""
+
+    client: EngineClient
+    metrics: ServerMetrics
+    model_names: tuple[str, ...]  # accepted in `model`; the first is the listed one
+    default_max_tokens: int  # of a chat request without max_tokens
+    max_n: int = DEFAULT_MAX_N
+    tool_parser: str | None = None  # `--tool-parser`; None: chosen from the chat template
+    reasoning_parser: str | None = None  # `--reasoning-parser`; None: chosen from the template
+
+    def ready(self) -> EngineClient:
+        """The engine client, or the typed error (503) of why it does not serve now."""
+        if self.client.state != "ready" or self.client.info is None:
+            raise self.client.unavailable()
+        return self.client
+
+    def limits(self) -> Limits:
+        info = self.ready().info
+        assert info is not None
+        return Limits(info.vocab_size, info.max_model_len, self.default_max_tokens, self.max_n,
+                      self.tool_parser, self.reasoning_parser)
 
 
 class _NoText:
@@ -45,162 +84,6 @@ class _NoText:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return ""
-
-
-def _require_tokenizer(tokenizer: Any, param: str) -> Any:
-    if tokenizer is None:
-        raise _bad(param, "this model has no tokenizer: send token ids to /v1/completions")
-    return tokenizer
-
-
-@dataclass(frozen=True)
-class Prepared:
-    prompt_ids: list[int]
-    params: SamplingParams
-
-
-def check_model(req: _SamplingFields, served: tuple[str, ...]) -> None:
-    if req.model not in served:
-        raise ModelNotFound(
-            f"The model `{req.model}` does not exist; this server serves {', '.join(served)}",
-            evidence={"param": "model"},
-        )
-
-
-def _common_checks(req: _SamplingFields) -> None:
-    if req.n not in (None, 1):
-        raise _bad("n", f"only n=1 is supported, got {req.n}")
-    if req.stream_options is not None and not req.stream:
-        raise _bad("stream_options", "only allowed when stream is true")
-    if req.logit_bias:
-        raise _bad("logit_bias", "logit_bias is not supported")
-
-
-def _unsupported_chat_fields(req: ChatCompletionRequest) -> None:
-    """Fields that would change the output but are not served yet: a 400 naming the field."""
-    if req.tools:
-        raise _bad("tools", "tool calling is not supported")
-    if req.tool_choice not in (None, "none"):
-        raise _bad("tool_choice", 'only "none" is supported')
-    if req.functions:
-        raise _bad("functions", "function calling is not supported")
-    if req.function_call not in (None, "none"):
-        raise _bad("function_call", 'only "none" is supported')
-    if req.response_format is not None and req.response_format != {"type": "text"}:
-        raise _bad("response_format", 'only {"type": "text"} is supported')
-    if req.audio is not None:
-        raise _bad("audio", "audio output is not supported")
-    if req.modalities not in (None, [], ["text"]):
-        raise _bad("modalities", 'only ["text"] is supported')
-    for i, m in enumerate(req.messages):
-        if m.tool_calls:
-            raise _bad(f"messages[{i}].tool_calls", "tool calls are not supported")
-
-
-def _params(req: _SamplingFields, max_tokens: int, logprobs: int | None, vocab: int) -> SamplingParams:
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=req.top_k or 0,
-        min_p=req.min_p or 0.0,
-        seed=req.seed,
-        stop=stop,
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-        ignore_eos=bool(req.ignore_eos),
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        logprobs=logprobs,
-    ).validate(vocab)
-
-
-def _check_context(prompt_len: int, max_tokens: int, max_model_len: int, prompt_param: str) -> None:
-    if prompt_len == 0:
-        raise _bad("prompt", "the prompt is empty")
-    if prompt_len >= max_model_len:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{prompt_len} tokens",
-            evidence={"param": prompt_param,
-                      "prompt_tokens": prompt_len, "max_model_len": max_model_len},
-        )
-    if prompt_len + max_tokens > max_model_len:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{prompt_len} tokens and max_tokens is {max_tokens}",
-            evidence={"param": "max_tokens", "prompt_tokens": prompt_len,
-                      "max_model_len": max_model_len},
-        )
-
-
-def prepare_completion(req: CompletionRequest, tokenizer: Any, vocab: int, max_model_len: int) -> Prepared:
-    """Prompt ids and params of a /v1/completions request; `max_tokens` defaults to 16 (OpenAI)."""
-    _common_checks(req)
-    if req.echo:
-        raise _bad("echo", "echo is not supported")
-    if req.suffix:
-        raise _bad("suffix", "suffix is not supported")
-    if req.best_of not in (None, 1):
-        raise _bad("best_of", "only best_of=1 is supported")
-    prompt: Any = req.prompt
-    param = "prompt"
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise _bad("prompt", f"one prompt per request is supported, got {len(prompt)}")
-        prompt, param = prompt[0], "prompt[0]"
-    if isinstance(prompt, str):
-        ids = list(_require_tokenizer(tokenizer, param).encode(prompt, add_special_tokens=True))
-    else:
-        ids = [int(t) for t in prompt]
-        if any(not 0 <= t < vocab for t in ids):
-            raise _bad(param, f"token ids must be in [0, {vocab})")
-    max_tokens = 16 if req.max_tokens is None else req.max_tokens
-    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
-        raise _bad("logprobs", f"must be in [0, 20], got {req.logprobs}")
-    params = _params(req, max_tokens, req.logprobs, vocab)
-    _check_context(len(ids), max_tokens, max_model_len, "prompt")
-    return Prepared(ids, params)
-
-
-def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, vocab: int, max_model_len: int,
-                 default_max_tokens: int) -> Prepared:
-    """Prompt ids and params of a chat request. Without `max_tokens`/`max_completion_tokens`
-    the request may generate `default_max_tokens`, or what is left of the context if less."""
-    _common_checks(req)
-    _unsupported_chat_fields(req)
-    _require_tokenizer(tokenizer, "messages")
-    messages: list[dict[str, Any]] = []
-    for i, m in enumerate(req.messages):
-        if m.has_non_text_parts():
-            raise _bad(f"messages[{i}].content", "only text content parts are supported")
-        # `developer` is OpenAI's newer name for `system`; chat templates know only the latter.
-        role = "system" if m.role == "developer" else m.role
-        messages.append({"role": role, "content": m.text()})
-    try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except FtrsError:
-        raise
-    except Exception as exc:  # a template error is the request's fault (roles, order)
-        raise _bad("messages", f"chat template failed: {exc}") from exc
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
-    if req.top_logprobs is not None and not req.logprobs:
-        raise _bad("top_logprobs", "requires logprobs to be true")
-    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
-        raise _bad("top_logprobs", f"must be in [0, 20], got {req.top_logprobs}")
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    if requested is None:
-        max_tokens = max(min(default_max_tokens, max_model_len - len(ids)), 1)
-    else:
-        max_tokens = requested
-    params = _params(req, max_tokens, logprobs, vocab)
-    _check_context(len(ids), max_tokens, max_model_len, "messages")
-    return Prepared(ids, params)
-
-
-# ------------------------------------------------------------------------------------ running
 
 
 _GONE = object()  # put on a request's queue when its client disconnects
@@ -218,32 +101,44 @@ class Delta:
 
 @dataclass(slots=True)
 class Generation:
+    """One choice of a request: one engine request. `start()` submits it, `run()` reads it."""
+
     client: EngineClient
     metrics: ServerMetrics
     request_id: str
-    prepared: Prepared
+    prompt_ids: list[int]
+    params: Any  # SamplingParams
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_sequence: str | None = None  # the stop string that ended it
+    _queue: asyncio.Queue[Any] | None = None
     _arrival: float = field(default_factory=time.monotonic)
 
     @property
     def num_completion_tokens(self) -> int:
         return len(self.token_ids)
 
-    async def run(self, wait_disconnect: Callable[[], Awaitable[None]] | None = None) -> AsyncGenerator[Delta, None]:
-        """Yield deltas until the request finishes. Raises the request's `FtrsError`.
+    def start(self) -> None:
+        """Submit to the engine (raises the engine's unavailability at once)."""
+        self.num_prompt_tokens = len(self.prompt_ids)
+        self._queue = self.client.submit(GenerateRequest(self.request_id, self.prompt_ids, self.params))
 
-        `wait_disconnect` returns when the client has gone; the request is then aborted at once
-        (the engine drops it before its next step) and the generator ends without a finish."""
-        params = self.prepared.params
+    def gone(self) -> None:
+        """The client went away: abort in the engine now, end `run()` without a finish."""
+        self.client.abort(self.request_id)
+        if self._queue is not None:
+            self._queue.put_nowait(_GONE)
+
+    async def run(self) -> AsyncGenerator[Delta, None]:
+        """Yield deltas until the request finishes. Raises the request's `FtrsError`."""
+        if self._queue is None:
+            self.start()
+        queue = self._queue
+        assert queue is not None
         detok = IncrementalDetokenizer(self.client.tokenizer or _NoText())
-        stop = StopChecker(params.stop)
-        self.num_prompt_tokens = len(self.prepared.prompt_ids)
-        queue = self.client.submit(GenerateRequest(self.request_id, self.prepared.prompt_ids, params))
-        watcher = None if wait_disconnect is None else asyncio.ensure_future(
-            self._watch(wait_disconnect, queue))
+        stop = StopChecker(self.params.stop)
         status: str | None = "aborted"
         last = self._arrival
         try:
@@ -272,7 +167,7 @@ class Generation:
                     text += detok.flush()
                 out = stop.feed(text)
                 if stop.stopped:
-                    self.finish_reason = "stop"
+                    self.finish_reason, self.stop_sequence = "stop", stop.matched
                     if item.finish_reason is None:
                         self.client.abort(self.request_id)
                 elif item.finish_reason is not None:
@@ -288,8 +183,6 @@ class Generation:
             status = None  # counted where the error is answered (HTTP error or SSE event)
             raise
         finally:
-            if watcher is not None:
-                watcher.cancel()
             if self.finish_reason is None:
                 self.client.abort(self.request_id)
             else:
@@ -297,10 +190,227 @@ class Generation:
             self.metrics.request_done(status, self.num_prompt_tokens, len(self.token_ids),
                                       time.monotonic() - self._arrival if status == "success" else None)
 
-    async def _watch(self, wait_disconnect: Callable[[], Awaitable[None]], queue: asyncio.Queue[Any]) -> None:
+
+@dataclass(slots=True)
+class ChoiceEvent:
+    """What one step adds to one choice, protocol-neutral; `finish_reason` on its last event
+    ("stop" | "length" | "tool_calls" | "abort")."""
+
+    index: int  # the choice (n > 1)
+    text: str = ""  # content delta
+    reasoning: str = ""  # reasoning delta
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class _Choice:
+    """The output parsers of one choice: text → reasoning parser → content → tool parser."""
+
+    reasoning: ReasoningParser | None = None
+    tools: ToolParser | None = None
+    max_calls: int | None = None  # parallel_tool_calls false: 1
+    finish_reason: str | None = None
+
+    @classmethod
+    def of(cls, plan: Plan) -> _Choice:
+        tools = None
+        if plan.tools is not None and plan.tool_parser is not None:
+            tools = TOOL_PARSERS[plan.tool_parser](plan.tools)
+        reasoning = None
+        if plan.reasoning_parser is not None:
+            reasoning = REASONING_PARSERS[plan.reasoning_parser](plan.starts_in_reasoning)
+        return cls(reasoning, tools, None if plan.parallel_tool_calls else 1)
+
+    def calls(self) -> list[ToolCall]:
+        calls = list(self.tools.calls) if self.tools is not None else []
+        return calls if self.max_calls is None else calls[:self.max_calls]
+
+    def event(self, index: int, d: Delta) -> ChoiceEvent:
+        reasoning, content = "", d.text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.feed(d.text)
+            if d.finish_reason is not None:
+                r, c = self.reasoning.finish()
+                reasoning, content = reasoning + r, content + c
+        calls: list[ToolCallDelta] = []
+        if self.tools is not None:
+            content, calls = self.tools.feed(content)
+            if d.finish_reason is not None:
+                c, more = self.tools.finish()
+                content, calls = content + c, calls + more
+            if self.max_calls is not None:
+                calls = [c for c in calls if c.index < self.max_calls]
+        finish = d.finish_reason
+        if finish == "stop" and self.calls():
+            finish = "tool_calls"
+        self.finish_reason = finish
+        return ChoiceEvent(index, content, reasoning, calls, d.token_ids, d.logprobs, finish)
+
+
+_END = object()  # a choice's generator is done
+
+
+class ChatRun:
+    """One request's `n` choices, running together in the engine.
+
+    `events()` is primed: it returns only once every choice has produced its first delta (or
+    finished), so an error the engine raises before the first token (a refused request) is
+    raised there, before the caller sends any byte. An error after that is raised from the
+    iteration. Leaving the iteration early aborts the choices still running."""
+
+    def __init__(self, ctx: ServeContext, request_id: str, plan: Plan,
+                 wait_disconnect: WaitDisconnect | None = None) -> None:
+        self.request_id = request_id
+        self.n = len(plan.params)
+        self.plan = plan
+        self._gens = [
+            Generation(ctx.client, ctx.metrics, request_id if self.n == 1 else f"{request_id}-{i}",
+                       plan.prompt_ids, params)
+            for i, params in enumerate(plan.params)
+        ]
+        self._choices = [_Choice.of(plan) for _ in range(self.n)]
+        self._wait_disconnect = wait_disconnect
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        """Submit every choice to the engine, back to back (no await between them)."""
+        started: list[Generation] = []
+        try:
+            for g in self._gens:
+                g.start()
+                started.append(g)
+        except BaseException:
+            for g in started:
+                g.client.abort(g.request_id)
+            raise
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def pump(i: int, gen: Generation) -> None:
+            try:
+                async for d in gen.run():
+                    queue.put_nowait((i, d))
+            except FtrsError as err:
+                queue.put_nowait((i, err))
+            finally:
+                queue.put_nowait((i, _END))
+
+        self._tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(self._gens)]
+        if self._wait_disconnect is not None:
+            self._tasks.append(asyncio.ensure_future(self._watch(self._wait_disconnect)))
+        primed: list[tuple[int, Any]] = []
+        waiting = set(range(self.n))
+        try:
+            while waiting:
+                i, item = await queue.get()
+                if isinstance(item, FtrsError):
+                    raise item
+                primed.append((i, item))
+                waiting.discard(i)
+        except BaseException:
+            await self.close()
+            raise
+        return self._rest(primed, queue)
+
+    async def _rest(self, primed: list[tuple[int, Any]],
+                    queue: asyncio.Queue[tuple[int, Any]]) -> AsyncIterator[ChoiceEvent]:
+        open_choices = self.n
+        try:
+            pending = list(primed)
+            while open_choices:
+                i, item = pending.pop(0) if pending else await queue.get()
+                if item is _END:
+                    open_choices -= 1
+                elif isinstance(item, FtrsError):
+                    raise item
+                else:
+                    yield self._choices[i].event(i, item)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Stop every choice still running (aborting it in the engine) and the watcher."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, FtrsError):
+                await t
+
+    async def _watch(self, wait_disconnect: WaitDisconnect) -> None:
         await wait_disconnect()
-        self.client.abort(self.request_id)  # now, not when the consumer next wakes
-        queue.put_nowait(_GONE)
+        for g in self._gens:
+            g.gone()  # now, not when the consumer next wakes
+
+    def usage(self) -> Usage:
+        """Prompt tokens once, completion tokens of all choices, the prompt's cached tokens."""
+        first = self._gens[0]
+        return Usage.of(first.num_prompt_tokens, sum(g.num_completion_tokens for g in self._gens),
+                        min(g.num_cached_tokens for g in self._gens))
+
+    def token_ids(self, index: int) -> list[int]:
+        return self._gens[index].token_ids
+
+    def calls(self, index: int) -> list[ToolCall]:
+        """The complete tool calls of choice `index`."""
+        return self._choices[index].calls()
+
+    def stop_sequence(self, index: int) -> str | None:
+        """The stop string that ended choice `index`, if one did."""
+        return self._gens[index].stop_sequence
+
+    def finish_reason(self, index: int) -> str | None:
+        return self._choices[index].finish_reason
+
+
+async def start_chat(ctx: ServeContext, req: ChatCompletionRequest, request: Any,
+                     id_prefix: str = "chatcmpl") -> ChatRun:
+    """Check, render and submit a chat request; `request` (a Starlette `Request` or None) is
+    watched for a disconnect, which aborts the run."""
+    check_model(req, ctx.model_names)
+    eng = ctx.ready()
+    plan = await asyncio.to_thread(prepare_chat, req, eng.tokenizer, ctx.limits())
+    run = ChatRun(ctx, new_id(id_prefix), plan, disconnect_waiter(request))
+    run.start()
+    return run
+
+
+async def start_completion(ctx: ServeContext, req: CompletionRequest, request: Any,
+                           id_prefix: str = "cmpl") -> ChatRun:
+    """`start_chat` for /v1/completions: the prompt is used as given, the output is not parsed."""
+    check_model(req, ctx.model_names)
+    eng = ctx.ready()
+    plan = await asyncio.to_thread(prepare_completion, req, eng.tokenizer, ctx.limits())
+    run = ChatRun(ctx, new_id(id_prefix), plan, disconnect_waiter(request))
+    run.start()
+    return run
+
+
+def render_chat_prompt(ctx: ServeContext, req: ChatCompletionRequest) -> list[int]:
+    """The prompt ids `start_chat` would submit (for count_tokens). Tokenizes: call it from a
+    worker thread (`asyncio.to_thread`)."""
+    return render_chat(req, ctx.ready().tokenizer, ctx.limits())[0]
+
+
+def disconnect_waiter(request: Any) -> WaitDisconnect | None:
+    """A coroutine function that returns once the client of `request` has disconnected.
+
+    The body was read before the handler ran, so the next ASGI message of this connection is
+    `http.disconnect`; it arrives the moment the server sees the socket close."""
+    if request is None:
+        return None
+
+    async def wait() -> None:
+        while True:
+            message = await request.receive()
+            if message.get("type") == "http.disconnect":
+                return
+            await asyncio.sleep(0.05)  # not expected after the body; do not spin
+
+    return wait
 
 
 # ---------------------------------------------------------------------------------- logprobs
@@ -338,12 +448,15 @@ def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], offset: int) ->
 
 
 __all__ = [
+    "ChatRun",
+    "ChoiceEvent",
     "Delta",
     "Generation",
-    "Prepared",
+    "ServeContext",
     "chat_logprobs",
-    "check_model",
     "completion_logprobs",
-    "prepare_chat",
-    "prepare_completion",
+    "disconnect_waiter",
+    "render_chat_prompt",
+    "start_chat",
+    "start_completion",
 ]

@@ -21,6 +21,8 @@ impl TransferEngine {
         for &(l, e) in prefetch {
             layout.check(l as usize, e as usize)?;
         }
+        // checked above: every key's layer is in range
+        let bytes_of = |k: Key| layout.block_bytes(k.0 as usize).unwrap_or(0);
         let mut st = lock(&self.inner.state);
         let st = &mut *st;
         if let Some(e) = &st.dead {
@@ -128,7 +130,7 @@ impl TransferEngine {
             let slot = allocate(st, key).expect("capacity checked above");
             st.cache.pin(slot);
             pinned_now.push(slot);
-            queue(st, key, slot, Prio::Demand, Some(ticket));
+            queue(st, key, bytes_of(key), slot, Prio::Demand, Some(ticket));
             st.stats.demand_fetches += 1;
             remaining += 1;
         }
@@ -150,7 +152,7 @@ impl TransferEngine {
                 continue;
             }
             let slot = allocate(st, key).expect("an evictable slot exists");
-            queue(st, key, slot, Prio::Prefetch, None);
+            queue(st, key, bytes_of(key), slot, Prio::Prefetch, None);
             st.stats.prefetch_issued += 1;
         }
         let slots = demand

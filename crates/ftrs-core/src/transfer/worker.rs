@@ -99,7 +99,7 @@ fn worker_loop(inner: &Inner, pending: &mut Pending) {
                     .front()
                     .or(st.prefetch_q.front().filter(|_| prefetch_room))
                     .copied()
-                    .map(|tid| (tid, next_len(&st, tid, eb)));
+                    .map(|tid| (tid, next_len(&st, tid)));
                 let fits = |len: usize| {
                     inner.max_inflight_bytes == 0
                         || st.inflight_bytes == 0
@@ -133,7 +133,7 @@ fn worker_loop(inner: &Inner, pending: &mut Pending) {
                     t.issued += len;
                     t.inflight_bytes += len;
                     t.inflight_prefetch_chunks += usize::from(prefetch);
-                    if t.issued == eb {
+                    if t.issued == t.bytes {
                         if st.demand_q.front() == Some(&tid) {
                             st.demand_q.pop_front();
                         } else {
@@ -209,7 +209,7 @@ fn worker_loop(inner: &Inner, pending: &mut Pending) {
             Step::Finish => {
                 let (issued, c) = pending.pop_front().expect("pending is non-empty");
                 let r = c.and_then(|c| inner.backend.finish(c));
-                complete(inner, &issued, r, eb);
+                complete(inner, &issued, r);
             }
             Step::Exit => return,
         }
@@ -217,9 +217,9 @@ fn worker_loop(inner: &Inner, pending: &mut Pending) {
 }
 
 /// Bytes of the next copy of queued transfer `tid`: a prefetch's next chunk, or all that is left.
-fn next_len(st: &State, tid: u64, eb: usize) -> usize {
+fn next_len(st: &State, tid: u64) -> usize {
     let t = &st.transfers[&tid];
-    let left = eb - t.issued;
+    let left = t.bytes - t.issued;
     match (t.prio, st.prefetch_chunk_bytes) {
         (Prio::Prefetch, c) if c > 0 => c.min(left),
         _ => left,
@@ -228,7 +228,7 @@ fn next_len(st: &State, tid: u64, eb: usize) -> usize {
 
 /// One copy ended (`r`): counts its bytes; the transfer ends once none of its copies is in
 /// flight and it landed whole, failed or was cancelled.
-fn complete(inner: &Inner, c: &Issued, r: Result<()>, eb: usize) {
+fn complete(inner: &Inner, c: &Issued, r: Result<()>) {
     let mut st = lock(&inner.state);
     let st = &mut *st;
     st.inflight_bytes -= c.len;
@@ -249,13 +249,13 @@ fn complete(inner: &Inner, c: &Issued, r: Result<()>, eb: usize) {
                 t.error = Some(e);
             }
             // nothing more of it is issued
-            if t.issued < eb && !t.cancelled {
+            if t.issued < t.bytes && !t.cancelled {
                 st.demand_q.retain(|&x| x != c.tid);
                 st.prefetch_q.retain(|&x| x != c.tid);
             }
         }
     }
-    let ended = t.inflight_bytes == 0 && (t.landed == eb || t.cancelled || t.error.is_some());
+    let ended = t.inflight_bytes == 0 && (t.landed == t.bytes || t.cancelled || t.error.is_some());
     if !ended {
         return;
     }

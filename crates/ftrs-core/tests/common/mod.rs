@@ -111,7 +111,7 @@ pub fn host_engine_chunked(
 pub fn slot_byte(dst: &Dst, pool: &ExpertPool, slot: u32) -> u8 {
     let lay = pool.layout();
     let base = slot as usize * lay.expert_bytes();
-    let t1 = lay.tensor_offset(1).unwrap();
+    let t1 = lay.tensor_offset(0, 1).unwrap();
     let b: Vec<u8> = dst.buf[base..base + 100]
         .iter()
         .chain(&dst.buf[base + t1..base + t1 + 60])

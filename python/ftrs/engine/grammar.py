@@ -1,0 +1,232 @@
+"""Structured output: grammars compiled by llguidance, one matcher per request, masks per step.
+
+A request's `StructuredSpec` becomes an llguidance grammar: "json_object" is the JSON Schema
+`{"type": "object"}`, "json_schema" the request's schema, "lark" a Lark grammar in llguidance's
+dialect (which may embed schemas with `%json`). JSON is generated compact-but-readable and
+without free whitespace (`", "` and `": "` separators): a sampled model cannot loop on blank
+lines, and the grammar ends at the closing brace.
+
+Two places compile a spec:
+- the API process calls `check(spec, tokenizer)` before queueing the request, so a schema the
+  engine cannot compile is a 400 naming `spec.param` (results cached by (kind, value));
+- the engine process calls `new_matcher` when the request is added: compiled grammars are
+  cached by (kind, value) as matchers in their start state, and each request gets a copy. An
+  error there is an `InvalidRequest` for that request alone.
+
+Per step (`MaskFiller`): the bitmasks of the step's constrained rows are filled by llguidance's
+parallel executor (native threads, GIL released) on a worker thread started *before* the
+forward, since a mask depends only on the tokens consumed so far; the step joins it before
+sampling. After sampling, each matcher consumes its token; a grammar that cannot go on
+(`done`) finishes its request with "stop", and EOS is allowed by the mask only where the
+grammar is complete.
+
+The llguidance tokenizer (its token trie, ~1-2 s to build for 50k tokens) is built once per
+tokenizer object and vocabulary size.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import llguidance
+import numpy as np
+import torch
+
+from ftrs.errors import InvalidRequest
+from ftrs.sampling import StructuredSpec
+
+#: How JSON is laid out: json.dumps' separators, no other whitespace (see the module doc).
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ",
+                                "key_separator": ": "}
+_CACHE_SIZE = 256
+
+_lock = threading.Lock()
+_tokenizers: weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]],
+                                                 llguidance.LLTokenizer]] = (
+    weakref.WeakKeyDictionary())
+_checked: OrderedDict[tuple[str, str], str] = OrderedDict()  # (kind, value) -> error or ""
+
+
+def _bad(spec: StructuredSpec, why: str) -> InvalidRequest:
+    what = {"json_object": "JSON object", "json_schema": "JSON schema", "lark": "grammar"}
+    return InvalidRequest(f"{spec.param}: the {what.get(spec.kind, spec.kind)} cannot be used "
+                          f"for structured output: {why}", evidence={"param": spec.param})
+
+
+def grammar_text(spec: StructuredSpec) -> str:
+    """The llguidance grammar (its JSON form) of `spec`; InvalidRequest naming `spec.param` when
+    it is not even well-formed (a schema that is not JSON). Compilation errors come later."""
+    try:
+        return _grammar_text(spec)
+    except ValueError as e:
+        raise _bad(spec, str(e)) from None
+
+
+def _grammar_text(spec: StructuredSpec) -> str:
+    if spec.kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
+                                                             defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+    if spec.kind == "json_schema":
+        try:
+            schema = json.loads(spec.value)
+        except ValueError as e:
+            raise ValueError(f"not valid JSON ({e})") from None
+        if isinstance(schema, bool):  # true: anything; false: nothing
+            schema = {} if schema else {"not": {}}
+        if not isinstance(schema, dict):
+            raise ValueError("a schema must be a JSON object")
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(
+                schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+        except TypeError as e:
+            raise ValueError(str(e)) from None
+    if spec.kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(spec.value)
+    raise ValueError(f"unknown kind {spec.kind!r}")
+
+
+def ll_tokenizer(tokenizer: Any, vocab_size: int | None = None,
+                 eos_token_ids: Iterable[int] | None = None) -> llguidance.LLTokenizer:
+    """llguidance's view of `tokenizer` (an `ftrs.models.tokenizer.Tokenizer`), built once per
+    (tokenizer, vocabulary size, EOS ids). `vocab_size` is the model's: mask rows have that many
+    entries (ids the tokenizer lacks are never allowed); default the tokenizer's own size."""
+    n_tok = int(tokenizer.tk.get_vocab_size(with_added_tokens=True))
+    n_vocab = max(vocab_size or 0, n_tok)
+    eos = tuple(sorted(eos_token_ids if eos_token_ids is not None else tokenizer.eos_token_ids))
+    key = (n_vocab, eos)
+    with _lock:
+        per = _tokenizers.setdefault(tokenizer, {})
+        if key not in per:
+            per[key] = llguidance.LLTokenizer(tokenizer.tk.to_str(), n_vocab=n_vocab,
+                                              eos_token=list(eos) or None)
+        return per[key]
+
+
+def check(spec: StructuredSpec, tokenizer: Any | None) -> None:
+    """Compile `spec` as the engine will; InvalidRequest naming `spec.param` when it cannot be.
+    For the API process, before the request is queued. Results are cached by (kind, value)."""
+    key = (spec.kind, spec.value)
+    with _lock:
+        err = _checked.get(key)
+        if err is not None:
+            _checked.move_to_end(key)
+    if err is None:
+        try:
+            text = _grammar_text(spec)
+            lltok = ll_tokenizer(tokenizer) if tokenizer is not None else None
+            err = llguidance.LLMatcher.validate_grammar(text, lltok)
+        except ValueError as e:
+            err = str(e) or "invalid"
+        with _lock:
+            _checked[key] = err
+            while len(_checked) > _CACHE_SIZE:
+                _checked.popitem(last=False)
+    if err and not err.startswith("WARNING"):
+        raise _bad(spec, err.strip())
+
+
+class GrammarCache:
+    """Compiled grammars of one engine, as matchers in their start state, by (kind, value)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
+                 size: int = 64) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(sorted(eos_token_ids))
+        self.size = size
+        self._templates: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+
+    def new_matcher(self, spec: StructuredSpec) -> llguidance.LLMatcher:
+        """A fresh matcher for one request; InvalidRequest naming `spec.param` when `spec` does
+        not compile (or the model has no tokenizer)."""
+        if self.tokenizer is None:
+            raise InvalidRequest(f"{spec.param}: structured output needs the model's tokenizer, "
+                                 "and this model has none", evidence={"param": spec.param})
+        key = (spec.kind, spec.value)
+        template = self._templates.get(key)
+        if template is None:
+            lltok = ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            template = llguidance.LLMatcher(lltok, grammar_text(spec), log_level=0)
+            if template.is_error():
+                raise _bad(spec, template.get_error().strip())
+            self._templates[key] = template
+            while len(self._templates) > self.size:
+                self._templates.popitem(last=False)
+        else:
+            self._templates.move_to_end(key)
+        return template.deep_copy()
+
+
+def advance(matcher: llguidance.LLMatcher, token: int) -> str | None:
+    """Consume the sampled token. Returns None to go on, "stop" when the grammar is complete
+    (it accepts nothing more), or an error message (a token outside the mask)."""
+    if not matcher.consume_token(token):
+        return f"the grammar refused token {token}: {matcher.get_error()}"
+    return "stop" if matcher.is_stopped() else None
+
+
+class MaskFiller:
+    """Fills the allowed-token bitmasks of a step's constrained rows on a worker thread.
+
+    `start(matchers)` returns a future of the (rows, vocab) bool mask, on `device`; the
+    matchers must not consume tokens until it is done (the step joins it before sampling, with
+    `wait`). `stats()`: fills, seconds spent filling, seconds the steps waited for a fill."""
+
+    def __init__(self, vocab_size: int, device: torch.device, threads: int | None = None) -> None:
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self.device = device
+        self._executor = llguidance.LLExecutor(threads)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrs-grammar")
+        self.fills = 0
+        self.fill_s = 0.0
+        self.wait_s = 0.0
+
+    def start(self, matchers: Sequence[llguidance.LLMatcher]) -> Future[torch.Tensor]:
+        return self._thread.submit(self.fill, list(matchers))
+
+    def wait(self, masks: Future[torch.Tensor]) -> torch.Tensor:
+        """The result of `start`, timing how long the caller waited for it."""
+        t0 = time.perf_counter()
+        out = masks.result()
+        self.wait_s += time.perf_counter() - t0
+        return out
+
+    def fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
+        """The masks now, on the calling thread: (len(matchers), vocab) bool on `device`."""
+        t0 = time.perf_counter()
+        bits = np.full((len(matchers), self.words), -1, dtype=np.int32)  # (rows, words)
+        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
+                                               bits.ctypes.data, self.words * 4, len(matchers))
+        out = unpack(bits, self.vocab_size, self.device)
+        self.fills += 1
+        self.fill_s += time.perf_counter() - t0
+        return out
+
+    def stats(self) -> dict[str, float]:
+        return {"fills": self.fills, "fill_s": self.fill_s, "wait_s": self.wait_s}
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+
+def unpack(bits: np.ndarray, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """(rows, words) int32 bitmask, bit j of word w = token 32w + j -> (rows, vocab) bool."""
+    if device.type == "cpu":
+        flat = np.unpackbits(bits.astype("<i4", copy=False).view(np.uint8), axis=1,
+                             bitorder="little")
+        return torch.from_numpy(flat[:, :vocab_size]).bool()
+    words = torch.from_numpy(bits).to(device, non_blocking=False)
+    shifts = torch.arange(32, dtype=torch.int32, device=device)
+    return ((words[:, :, None] >> shifts) & 1).bool().reshape(bits.shape[0], -1)[:, :vocab_size]
+
+
+__all__ = ["GrammarCache", "MaskFiller", "advance", "check", "grammar_text", "ll_tokenizer",
+           "unpack"]

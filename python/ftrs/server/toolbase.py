@@ -1,0 +1,309 @@
+"""The machinery under the tool-call parsers (`toolcalls`): the call and delta types, one call
+streamed from its JSON (`CallStream`), the `ToolParser` base (content shown with whitespace held
+before a possible call, malformed calls back to content), and the schemas of forced calls."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ftrs.errors import InvalidRequest
+from ftrs.server.jsonecho import JsonEcho
+
+log = logging.getLogger(__name__)
+
+_ARG_KEYS = ("arguments", "parameters")
+# JSON in forced calls is laid out as json.dumps writes it (as engine.grammar.JSON_OPTIONS does):
+# what the model is made to write is then what the parser streams.
+_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text of an object: json.dumps(arguments)
+
+
+@dataclass
+class ToolCallDelta:
+    index: int
+    id: str | None  # set on the call's first delta only, with `name`
+    name: str | None
+    arguments: str  # the next piece of the arguments' JSON text
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag`."""
+    for n in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def split_at_tag(text: str, tag: str) -> tuple[str, str | None, str]:
+    """(before, after, held): `after` is None when `tag` is not in `text`; then `held` is the end
+    of `text` that might still become the tag."""
+    i = text.find(tag)
+    if i >= 0:
+        return text[:i], text[i + len(tag):], ""
+    keep = partial_suffix(text, tag)
+    return text[: len(text) - keep], None, text[len(text) - keep:]
+
+
+def arguments_of(obj: Any) -> str | None:
+    """json.dumps of a call object's arguments, or None if they are not an object."""
+    args: Any = next((obj[k] for k in _ARG_KEYS if k in obj), {})
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args, strict=False)
+        except ValueError:
+            return None
+    return json.dumps(args) if isinstance(args, dict) else None
+
+
+def parse_object_call(text: str) -> tuple[str, str] | None:
+    """(name, arguments JSON) of `{"name": .., "arguments"|"parameters": {..}}`, else None."""
+    try:
+        obj = json.loads(text, strict=False)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = arguments_of(obj)
+    return None if args is None else (obj["name"], args)
+
+
+class CallStream:
+    """One call as it arrives: a call object `{"name": .., "arguments": {..}}`, or (when the name
+    is known already, as in Mistral's `name[ARGS]{..}`) just the arguments object."""
+
+    def __init__(self, take_index: Callable[[], int], name: str | None = None) -> None:
+        self._take_index = take_index
+        self.id = new_call_id()
+        self.index = -1  # given when the first delta is sent
+        self.echo = JsonEcho()
+        self._raw: list[str] = []
+        self._bare_args = name is not None
+        self.name = name
+        self._name_json = ""
+        self._args_kind = ""  # "" undecided, "{" streamed, "x" held for the end
+        self._pending: list[str] = []  # echoed arguments not yet sent
+        self._sent: list[str] = []  # arguments text sent so far
+
+    @property
+    def done(self) -> bool:
+        return self.echo.done
+
+    @property
+    def error(self) -> bool:
+        return self.echo.error
+
+    def feed(self, text: str) -> tuple[int, list[ToolCallDelta]]:
+        """Consume `text` up to the end of the object; return how much was consumed, and deltas."""
+        used, pieces = self.echo.feed(text)
+        self._raw.append(text[:used])
+        for piece, member in pieces:
+            if self._bare_args:
+                self._pending.append(piece)
+            elif member == "name":
+                self._name_json += piece
+            elif member in _ARG_KEYS:
+                if not self._args_kind:
+                    self._args_kind = "{" if piece == "{" else "x"
+                if self._args_kind == "{":
+                    self._pending.append(piece)
+        if self.name is None and self._name_json and self.echo.member != "name":
+            name = json.loads(self._name_json)
+            self.name = name if isinstance(name, str) and name else ""
+        return used, self._flush()
+
+    @property
+    def raw(self) -> str:
+        """The text consumed (up to the object's closing brace)."""
+        return "".join(self._raw)
+
+    def _flush(self) -> list[ToolCallDelta]:
+        if not self.name or self.echo.error:
+            return []
+        pending = "".join(self._pending)
+        self._pending = []
+        if self.index < 0:
+            self.index = self._take_index()
+            self._sent = [pending]
+            return [ToolCallDelta(self.index, self.id, self.name, pending)]
+        if not pending:
+            return []
+        self._sent.append(pending)
+        return [ToolCallDelta(self.index, None, None, pending)]
+
+    def complete(self, name: str, arguments: str) -> tuple[ToolCall, list[ToolCallDelta]]:
+        """The call, once its text parsed as `name` and `arguments`; the deltas still owed."""
+        deltas: list[ToolCallDelta] = []
+        sent = "".join(self._sent)
+        if self.index < 0:
+            self.index = self._take_index()
+            deltas.append(ToolCallDelta(self.index, self.id, name, arguments))
+        elif arguments.startswith(sent):
+            if len(arguments) > len(sent):
+                deltas.append(ToolCallDelta(self.index, None, None, arguments[len(sent):]))
+        else:  # a key repeated in the arguments: the streamed text kept both
+            log.warning("tool call %s: streamed arguments differ from the parsed ones", self.id)
+        if self.name and self.name != name:
+            log.warning("tool call %s: streamed name %r, parsed %r", self.id, self.name, name)
+        return ToolCall(self.id, name, arguments), deltas
+
+
+def _tool_functions(tools: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(name, parameters schema) of each OpenAI-shaped tool; typed errors for bad ones."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not name:
+            raise InvalidRequest(f"tools[{i}].function.name: a tool needs a name",
+                                 evidence={"param": f"tools[{i}].function.name"})
+        params = fn.get("parameters") if isinstance(fn, dict) else None
+        out.append((name, params if isinstance(params, dict) else {"type": "object"}))
+    return out
+
+
+def chosen_functions(tools: list[dict[str, Any]],
+                      choice: str | dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    fns = _tool_functions(tools)
+    if not fns:
+        raise InvalidRequest("tools: tool_choice needs at least one tool", evidence={"param": "tools"})
+    if choice == "required":
+        return fns
+    name = None
+    if isinstance(choice, dict) and isinstance(choice.get("function"), dict):
+        name = choice["function"].get("name")
+    chosen = [f for f in fns if f[0] == name]
+    if not chosen:
+        raise InvalidRequest(f"tool_choice: no tool named {name!r} among the tools",
+                             evidence={"param": "tool_choice"})
+    return chosen
+
+
+def call_schema(fns: list[tuple[str, dict[str, Any]]], args_key: str) -> str:
+    """JSON Schema (as text) of one call object of any of `fns`, name first."""
+    options = [{"type": "object",
+                "properties": {"name": {"const": name}, args_key: params},
+                "required": ["name", args_key], "additionalProperties": False}
+               for name, params in fns]
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    return json.dumps({**schema, "x-guidance": _JSON_LAYOUT})
+
+
+class ToolParser:
+    """Base of the families; one instance per generation. `calls`: the complete calls so far."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, tools: list[dict[str, Any]]) -> None:
+        self.tools = tools
+        self.calls: list[ToolCall] = []
+        self._buf = ""  # text received, not yet decided
+        self._ws = ""  # whitespace held at the end of the content shown so far
+        self._before = ""  # the whitespace dropped before the current call, if it fails
+        self._next_index = 0
+        self._content: list[str] = []
+        self._deltas: list[ToolCallDelta] = []
+
+    # --- the incremental interface ----------------------------------------------------------
+
+    def feed(self, text: str) -> tuple[str, list[ToolCallDelta]]:
+        self._buf += text
+        self._content, self._deltas = [], []
+        self._advance()
+        return "".join(self._content), self._deltas
+
+    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+        self._content, self._deltas = [], []
+        self._advance()
+        self._close()
+        if not self.calls:
+            self._content.append(self._ws)
+        self._ws = ""
+        return "".join(self._content), self._deltas
+
+    def _advance(self) -> None:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        raise NotImplementedError
+
+    # --- helpers for the families -----------------------------------------------------------
+
+    def _take_index(self) -> int:
+        self._next_index += 1
+        return self._next_index - 1
+
+    def _show(self, text: str) -> None:
+        """Content, with trailing whitespace held (dropped if a call follows it)."""
+        if not text:
+            return
+        text = self._ws + text
+        kept = text.rstrip()
+        self._ws = text[len(kept):]
+        if kept:
+            self._content.append(kept)
+
+    def _enter_call(self) -> None:
+        """A call section begins: the whitespace before it is dropped unless the call fails."""
+        self._before, self._ws = self._ws, ""
+
+    def _malformed(self, raw: str) -> None:
+        self._content.append(self._before + raw)
+        self._before = ""
+
+    def _finish_call(self, stream: CallStream, parsed: tuple[str, str] | None,
+                     raw: str) -> bool:
+        """Record the call if it parsed, else show its raw text as content."""
+        if parsed is None:
+            self._malformed(raw)
+            return False
+        self._before = ""
+        call, deltas = stream.complete(*parsed)
+        self.calls.append(call)
+        self._deltas.extend(deltas)
+        return True
+
+    def _stream(self, stream: CallStream, text: str) -> int:
+        used, deltas = stream.feed(text)
+        self._deltas.extend(deltas)
+        return used
+
+    # --- the format, for templates and grammars ---------------------------------------------
+
+    @staticmethod
+    def forced_grammar(tools: list[dict[str, Any]], choice: str | dict[str, Any],
+                       parallel: bool) -> str:
+        raise NotImplementedError
+
+    @classmethod
+    def describe_tools(cls, tools: list[dict[str, Any]]) -> str:
+        """A system-prompt text that offers `tools` in this format (for templates without tools)."""
+        raise NotImplementedError
+
+    @classmethod
+    def format_calls(cls, calls: list[tuple[str, dict[str, Any]]]) -> str:
+        """An assistant turn's calls, (name, arguments), written as the model writes them."""
+        raise NotImplementedError
+
+    @classmethod
+    def format_results(cls, results: list[str]) -> str:
+        """Tool results, as the user turn that returns them to the model."""
+        raise NotImplementedError
+
+
+__all__ = ["CallStream", "ToolCall", "ToolCallDelta", "ToolParser", "arguments_of",
+           "call_schema", "chosen_functions", "new_call_id", "parse_object_call", "split_at_tag"]

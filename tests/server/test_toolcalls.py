@@ -1,0 +1,285 @@
+"""Tool-call parsers: hand-written model outputs, fed whole and in every piece size; arguments
+checked against json.loads / json.dumps; forced grammars compiled and run by llguidance."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from typing import Any
+
+import llguidance
+import pytest
+
+from ftrs.errors import ConfigError, InvalidRequest
+from ftrs.models.tiny import tiny_tokenizer
+from ftrs.server.toolcalls import TOOL_PARSERS, ToolCallDelta, choose_tool_parser
+
+CHUNKS = (1, 2, 3, 7, 10_000)
+ID = re.compile(r"call_[0-9a-f]{24}")
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather <today> & tomorrow",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+NOW = {"type": "function", "function": {"name": "now"}}
+TOOLS = [WEATHER, NOW]
+
+
+def run(parser: str, text: str, chunk: int) -> tuple[str, list[tuple[str, str, str]],
+                                                      list[ToolCallDelta]]:
+    """(content, calls as (id, name, arguments), deltas) of `text` fed in `chunk`-sized pieces."""
+    p = TOOL_PARSERS[parser](TOOLS)
+    content, deltas = "", []
+    for i in range(0, len(text), chunk):
+        c, d = p.feed(text[i:i + chunk])
+        content += c
+        deltas += d
+    c, d = p.finish()
+    return content + c, [(x.id, x.name, x.arguments) for x in p.calls], deltas + d
+
+
+def assemble(deltas: list[ToolCallDelta]) -> list[tuple[str, str, str]]:
+    """What a streaming client builds: per index, the first delta's id and name, and the
+    concatenated arguments; indices must come 0, 1, ... in order."""
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        if d.index not in calls:
+            assert d.index == len(calls), "indices are dense and in order"
+            assert d.id is not None and ID.fullmatch(d.id) and d.name
+            calls[d.index] = [d.id, d.name, ""]
+        else:
+            assert d.id is None and d.name is None, "id and name come once"
+        calls[d.index][2] += d.arguments
+    return [(a, b, c) for a, b, c in calls.values()]
+
+
+def check(parser: str, text: str, content: str,
+          calls: list[tuple[str, dict[str, Any]]]) -> None:
+    for chunk in CHUNKS:
+        got_content, got_calls, deltas = run(parser, text, chunk)
+        assert got_content == content, chunk
+        assert [(n, json.loads(a)) for _, n, a in got_calls] == calls, chunk
+        for call_id, _, args in got_calls:
+            assert ID.fullmatch(call_id)
+            assert args == json.dumps(json.loads(args))  # laid out as json.dumps writes it
+        if calls or not deltas:  # (a malformed call may have streamed its start)
+            assert assemble(deltas) == got_calls, chunk
+
+
+# --- hermes -------------------------------------------------------------------------------
+
+def test_hermes_parallel_calls_and_the_text_before_them() -> None:
+    text = ('Let me look that up.\n\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris", "days": 2}}\n</tool_call>\n<tool_call>\n{"name": "now", '
+            '"arguments": {}}\n</tool_call>')
+    check("hermes", text, "Let me look that up.",
+          [("get_weather", {"city": "Paris", "days": 2}), ("now", {})])
+
+
+def test_hermes_arguments_are_rewritten_as_json_dumps_writes_them() -> None:
+    text = ('<tool_call>{"name":"f","arguments":{"s":"caf\\u00e9 \\/ \u00e9\\n","x":1E2,'
+            '"y":[true,null,-0.50],"z":{ }}}</tool_call>')
+    _, calls, deltas = run("hermes", text, 1)
+    expected = '{"s": "caf\\u00e9 / \\u00e9\\n", "x": 100.0, "y": [true, null, -0.5], "z": {}}'
+    assert calls[0][2] == expected
+    assert "".join(d.arguments for d in deltas) == expected
+    assert len(deltas) > 10  # streamed in pieces, not at the end
+
+
+def test_hermes_name_is_streamed_before_the_arguments_are_complete() -> None:
+    p = TOOL_PARSERS["hermes"](TOOLS)
+    content, deltas = p.feed('Sure. <tool_call>\n{"name": "get_weather", "arguments": {"ci')
+    assert content == "Sure."
+    assert len(deltas) == 1 and deltas[0].name == "get_weather" and deltas[0].index == 0
+    assert deltas[0].arguments == '{"ci'
+    content, deltas = p.feed('ty": "Oslo"}}\n</tool_call>')
+    assert content == "" and "".join(d.arguments for d in deltas) == 'ty": "Oslo"}'
+    assert p.calls[0].arguments == '{"city": "Oslo"}'
+
+
+def test_hermes_holds_back_what_might_be_a_tag_and_releases_it_when_not() -> None:
+    p = TOOL_PARSERS["hermes"](TOOLS)
+    assert p.feed("Use <tool")[0] == "Use"
+    assert p.feed("s> wisely")[0] == " <tools> wisely"
+    assert p.finish() == ("", [])
+
+
+@pytest.mark.parametrize("text", [
+    "Plain answer.\n", "a < b and <b>bold</b>, <tool_cal", "  spaced  \n\n", "</tool_call> stray",
+])
+def test_text_without_calls_is_content_unchanged(text: str) -> None:
+    for parser in TOOL_PARSERS:
+        if parser == "llama3_json" and text.lstrip().startswith("{"):
+            continue
+        for chunk in CHUNKS:
+            content, calls, deltas = run(parser, text, chunk)
+            assert (content, calls, deltas) == (text, [], []), (parser, chunk)
+
+
+def test_hermes_malformed_call_is_content_not_lost() -> None:
+    text = "Try <tool_call>{not json}</tool_call> again"
+    check("hermes", text, text, [])
+    text = '<tool_call>{"arguments": {"a": 1}}</tool_call>'  # no name
+    check("hermes", text, text, [])
+    text = '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'  # arguments not an object
+    check("hermes", text, text, [])
+
+
+def test_hermes_cut_off_call_is_content_unless_its_object_is_complete() -> None:
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    for chunk in CHUNKS:
+        content, calls, _ = run("hermes", cut, chunk)
+        assert (content, calls) == (cut, [])
+    whole = '<tool_call>\n{"name": "now", "arguments": {}}\n'
+    check("hermes", whole, "", [("now", {})])
+
+
+def test_hermes_arguments_as_a_string_and_name_after_arguments() -> None:
+    text = ('<tool_call>{"arguments": "{\\"city\\": \\"Rome\\"}", "name": "get_weather"}'
+            '</tool_call><tool_call>{"arguments": {"b": [1, 2]}, "name": "g"}</tool_call>')
+    check("hermes", text, "", [("get_weather", {"city": "Rome"}), ("g", {"b": [1, 2]})])
+
+
+def test_hermes_random_arguments_round_trip() -> None:
+    rng = random.Random(7)
+
+    def value(depth: int) -> Any:
+        r = rng.random()
+        if depth > 2 or r < 0.4:
+            return rng.choice([0, -3, 2.5, 1e21, "x\"y\\z\u00e9\U0001F600\t", "", True, None])
+        if r < 0.7:
+            return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+        return {f"k{rng.randint(0, 9)}\u00fc": value(depth + 1) for _ in range(rng.randint(0, 3))}
+
+    for _ in range(200):
+        args = {"a": value(0), "b": value(0)}
+        written = json.dumps({"name": "f", "arguments": args}, indent=rng.choice([None, 2]),
+                             ensure_ascii=rng.random() < 0.5)
+        _, calls, deltas = run("hermes", f"<tool_call>{written}</tool_call>", rng.randint(1, 9))
+        assert json.loads(calls[0][2]) == args
+        assert calls[0][2] == json.dumps(args)
+        assert "".join(d.arguments for d in deltas) == json.dumps(args)
+
+
+# --- mistral and llama3_json --------------------------------------------------------------
+
+def test_mistral_list_format() -> None:
+    text = ('Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Lyon"}}, '
+            '{"name": "now", "arguments": {}}]')
+    check("mistral", text, "Checking.", [("get_weather", {"city": "Lyon"}), ("now", {})])
+    unclosed = '[TOOL_CALLS][{"name": "now", "arguments": {}}'  # cut before "]": the call stands
+    check("mistral", unclosed, "", [("now", {})])
+
+
+def test_mistral_name_args_format_with_and_without_call_id() -> None:
+    text = ('[TOOL_CALLS]get_weather[ARGS]{"city":"Nice","days":1}'
+            '[TOOL_CALLS]now[CALL_ID]a1b2c3d4e[ARGS]{}')
+    check("mistral", text, "", [("get_weather", {"city": "Nice", "days": 1}), ("now", {})])
+
+
+def test_mistral_malformed_is_content() -> None:
+    text = "[TOOL_CALLS][{\"name\": oops}]"
+    check("mistral", text, text, [])
+    text = "[TOOL_CALLS]get_weather[ARGS]{\"city\": "
+    check("mistral", text, text, [])
+
+
+def test_llama3_json_bare_and_after_python_tag() -> None:
+    text = ' {"name": "get_weather", "parameters": {"city": "Bern"}}; {"name": "now", "parameters": {}}'
+    check("llama3_json", text, "", [("get_weather", {"city": "Bern"}), ("now", {})])
+    text = 'One moment. <|python_tag|>{"name": "now", "parameters": {}}'
+    check("llama3_json", text, "One moment.", [("now", {})])
+
+
+def test_llama3_json_malformed_is_content() -> None:
+    text = '{"name": "now", "parameters": {} trailing'
+    check("llama3_json", text, text, [])
+
+
+# --- choosing a parser --------------------------------------------------------------------
+
+def test_choose_tool_parser_flag_wins_and_unknown_names_the_known_ones() -> None:
+    assert choose_tool_parser("mistral", "<tool_call>") == "mistral"
+    with pytest.raises(ConfigError) as e:
+        choose_tool_parser("qwen", None)
+    for name in ("hermes", "mistral", "llama3_json"):
+        assert name in str(e.value)
+
+
+@pytest.mark.parametrize(("template", "expected"), [
+    ("{{ '<tool_call>' }}{{ tools | tojson }}", "hermes"),
+    ("{% if tools %}[AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]", "mistral"),
+    ("<|start_header_id|>ipython<|end_header_id|><|python_tag|>", "llama3_json"),
+    ("{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}", "hermes"),
+    (None, "hermes"),
+])
+def test_choose_tool_parser_from_the_template(template: str | None, expected: str) -> None:
+    assert choose_tool_parser(None, template) == expected
+
+
+# --- forced grammars ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lltok() -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(tiny_tokenizer(512).tk.to_str(), eos_token=2)
+
+
+def accepts(lltok: llguidance.LLTokenizer, grammar: str, text: str) -> bool:
+    m = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+    assert not m.is_error(), m.get_error()
+    return bool(m.consume_tokens(lltok.tokenize_str(text))) and m.is_accepting()
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+FORCED = [  # (parser, choice, parallel, accepted, rejected)
+    ("hermes", NAMED, False,
+     ['<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'],
+     ['<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
+      '<tool_call>\n{"name": "get_weather", "arguments": {"days": 2}}\n</tool_call>',
+      'Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+      '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>']),
+    ("hermes", "required", True,
+     ['<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\n<tool_call>\n'
+      '{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>'],
+     ["", '<tool_call>\n{"name": "later", "arguments": {}}\n</tool_call>']),
+    ("mistral", NAMED, False,
+     ['[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Lyon"}}]'],
+     ['[TOOL_CALLS][{"name": "now", "arguments": {}}]']),
+    ("llama3_json", "required", True,
+     ['{"name": "now", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "X"}}'],
+     ['{"name": "now", "arguments": {}}']),
+]
+
+
+@pytest.mark.parametrize(("parser", "choice", "parallel", "good", "bad"), FORCED)
+def test_forced_grammar_compiles_accepts_its_format_and_rejects_others(
+        lltok: llguidance.LLTokenizer, parser: str, choice: Any, parallel: bool,
+        good: list[str], bad: list[str]) -> None:
+    grammar = TOOL_PARSERS[parser].forced_grammar(TOOLS, choice, parallel)
+    assert llguidance.LLMatcher.validate_grammar(
+        llguidance.LLMatcher.grammar_from_lark(grammar), lltok) == ""
+    for text in good:
+        assert accepts(lltok, grammar, text), text
+        _, calls, _ = run(parser, text, 3)  # and the parser reads what the grammar forces
+        assert calls and all(json.loads(a) is not None for _, _, a in calls)
+    for text in bad:
+        assert not accepts(lltok, grammar, text), text
+
+
+def test_forced_grammar_single_call_when_not_parallel(lltok: llguidance.LLTokenizer) -> None:
+    grammar = TOOL_PARSERS["hermes"].forced_grammar(TOOLS, "required", False)
+    one = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    assert accepts(lltok, grammar, one)
+    assert not accepts(lltok, grammar, one + "\n" + one)
+
+
+def test_forced_grammar_bad_choice_or_tools_are_typed_errors() -> None:
+    hermes = TOOL_PARSERS["hermes"]
+    with pytest.raises(InvalidRequest, match="tool_choice"):
+        hermes.forced_grammar(TOOLS, {"type": "function", "function": {"name": "nope"}}, False)
+    with pytest.raises(InvalidRequest, match=r"tools\[1\]\.function\.name"):
+        hermes.forced_grammar([WEATHER, {"type": "function", "function": {}}], "required", False)
+    with pytest.raises(InvalidRequest, match="tools"):
+        hermes.forced_grammar([], "required", False)
