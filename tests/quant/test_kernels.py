@@ -82,10 +82,18 @@ def offsets(qtype: str, w: np.ndarray) -> np.ndarray:
     return reference(qtype, zeroed.reshape(w.shape))
 
 
-def tolerance(x: np.ndarray, wf: np.ndarray, off: np.ndarray) -> np.ndarray:
+def tolerance(x: np.ndarray, wf: np.ndarray, off: np.ndarray, x8: bool = False) -> np.ndarray:
+    """fp32 accumulation over `cols` products; with `x8` (the kernel rounds x to int8 per
+    32-block, `core.quant_rounds_activations`) also half a rounding step, max|x over the block|
+    / 254, per element, times the weight without its min (the min meets the exact block sum)."""
     cols = x.shape[1]
     mag = np.abs(x.astype(np.float64)) @ (np.abs(wf) + 2 * np.abs(off)).astype(np.float64).T
-    return (cols + 4) * np.finfo(np.float32).eps * mag
+    tol = (cols + 4) * np.finfo(np.float32).eps * mag
+    if x8:
+        amax = np.abs(x.astype(np.float64)).reshape(x.shape[0], -1, 32).max(axis=2)
+        step = np.repeat(amax / 254, 32, axis=1)  # (n, cols)
+        tol = tol + step @ np.abs(wf.astype(np.float64) - off).T * (1 + 1e-6)
+    return tol
 
 
 @pytest.mark.parametrize("qtype", TYPES)
@@ -116,7 +124,7 @@ def test_matmul_equals_dequantize_then_float64_matmul(qtype: str, kernel: str) -
         wf = reference(qtype, w)
         exact = x.astype(np.float64) @ wf.astype(np.float64).T
         err = np.abs(out - exact)
-        tol = tolerance(x, wf, offsets(qtype, w))
+        tol = tolerance(x, wf, offsets(qtype, w), core.quant_rounds_activations(qtype, kernel))
         assert (err <= tol).all(), (
             f"{qtype} {kernel} rows={rows} n={n}: max err {err.max():.3g}, "
             f"worst err/tol {(err / tol).max():.3g}")

@@ -39,8 +39,14 @@ fn buffer<T: Element>(
     Ok(buf)
 }
 
-/// The weight as bytes, whatever its element type (`memoryview(obj).cast("B")`).
+/// The weight as bytes, whatever its element type (`memoryview(obj).cast("B")`); a buffer that
+/// already is C-contiguous bytes (a uint8 numpy array) is taken as it is, without the cast.
 fn weight_bytes(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<PyBuffer<u8>> {
+    if let Ok(buf) = PyBuffer::<u8>::get(obj) {
+        if buf.is_c_contiguous() {
+            return Ok(buf);
+        }
+    }
     let view = py
         .import("builtins")?
         .getattr("memoryview")?
@@ -182,6 +188,17 @@ pub fn quant_set_threads(n: usize) -> PyResult<()> {
     threads::set_default_threads(n).py()
 }
 
+/// Whether the kernels of `kernel` round the activations to int8 per 32-block for `qtype`
+/// (integer products, as ggml's q8 dot products; see `ftrs_core::quant::rounds_activations`).
+#[pyfunction]
+#[pyo3(signature = (qtype, kernel = "auto"))]
+pub fn quant_rounds_activations(qtype: &str, kernel: &str) -> PyResult<bool> {
+    Ok(quant::rounds_activations(
+        QType::parse(qtype).py()?,
+        Isa::parse(kernel).py()?,
+    ))
+}
+
 /// The kernel family `kernel="auto"` picks on this CPU: `"avx2"` or `"portable"`.
 #[pyfunction]
 pub fn quant_kernel() -> &'static str {
@@ -196,5 +213,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_threads, m)?)?;
     m.add_function(wrap_pyfunction!(quant_set_threads, m)?)?;
     m.add_function(wrap_pyfunction!(quant_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_rounds_activations, m)?)?;
     Ok(())
 }

@@ -312,34 +312,6 @@ mod x86 {
         }
     }
 
-    /// Q8_0: 32 signed bytes widened to floats, times d.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn q8_0<const NX: usize, const C: usize>(
-        w: &[u8],
-        xr: &[&[f32]; NX],
-        _xs: &[&[f32]; NX],
-        n: usize,
-        out: &mut [f32],
-        g0: usize,
-    ) {
-        let cols = xr[0].len();
-        let rb = cols / 32 * 34;
-        for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
-            let mut acc = [[_mm256_setzero_ps(); C]; NX];
-            for (bi, b) in row.chunks_exact(34).enumerate() {
-                let xb = block_x::<NX, 32>(xr, bi);
-                let d = _mm256_set1_ps(f16(b, 0));
-                let f = i8x32_to_ps(ld32(&b[2..]));
-                for (k, &fk) in f.iter().enumerate() {
-                    fma_rows(_mm256_mul_ps(fk, d), &xb, 8 * k, &mut acc);
-                }
-            }
-            for i in 0..NX {
-                o[g0 + i] = hsum_chains(&acc[i]);
-            }
-        }
-    }
-
     /// The 32-element legacy blocks, by `KIND`: 0 = Q4_0, 1 = Q4_1, 2 = Q5_0, 3 = Q5_1. The 16
     /// bytes of nibbles (low: elements 0-15, high: 16-31) plus, for Q5, bit j of the u32 `qh`
     /// as bit 4 of element j (spread to bytes by a shuffle and a bit mask); minus 8 (Q4_0) or
@@ -409,6 +381,189 @@ mod x86 {
                 o[g0 + i] = hsum_chains(&acc[i]) + mins[i];
             }
         }
+    }
+
+    /// Activation rows rounded to int8 per 32-element block, as ggml's `q8_0`/`q8_1` dot
+    /// products do: `q[j] = round(x[j] / d)`, `d = max|x over the block| / 127` (0 for an
+    /// all-zero block), plus the exact fp32 sum of each block (for the mins of Q4_1/Q5_1).
+    struct X8 {
+        /// `n * cols` quantized activations, row-major.
+        q: Vec<i8>,
+        /// `n * cols / 32` block scales.
+        d: Vec<f32>,
+        /// `n * cols / 32` exact block sums.
+        s: Vec<f32>,
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn quantize_x8(x: &[f32], n: usize, cols: usize) -> X8 {
+        let blocks = n * cols / 32;
+        let mut out = X8 {
+            q: vec![0; n * cols],
+            d: vec![0.0; blocks],
+            s: vec![0.0; blocks],
+        };
+        for (b, (xb, qb)) in x[..n * cols]
+            .chunks_exact(32)
+            .zip(out.q.chunks_exact_mut(32))
+            .enumerate()
+        {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut sum = [0f32; 8];
+            for (k, (&v, q)) in xb.iter().zip(qb.iter_mut()).enumerate() {
+                *q = (v * inv).round() as i8;
+                sum[k % 8] += v;
+            }
+            out.d[b] = d;
+            out.s[b] = kernel::hsum8(&sum);
+        }
+        out
+    }
+
+    /// `sum over 32 lanes of u[j] * s[j]` as 8 i32 lanes, then fp32 (`u` unsigned 0..=127,
+    /// `s` signed: pairs never saturate the i16 step, 2 * 127 * 127 < 32767).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn dot_u8i8(u: __m256i, s: __m256i) -> __m256 {
+        let pairs = _mm256_maddubs_epi16(u, s);
+        _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    }
+
+    /// One group of `NX` activation rows (int8, see [`X8`]) against every weight row of `w`.
+    type GroupI8Fn<const NX: usize> =
+        fn(&[u8], &[&[i8]; NX], &[&[f32]; NX], &[&[f32]; NX], usize, &mut [f32], usize);
+
+    /// Q8_0 against int8 activations: `d_w * d_x * sum(q_w * q_x)` per block, the signed
+    /// product taken as `|q_w| * (q_x with q_w's sign)` so `maddubs` can form it.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn q8_0_i8<const NX: usize>(
+        w: &[u8],
+        xq: &[&[i8]; NX],
+        xd: &[&[f32]; NX],
+        _xs: &[&[f32]; NX],
+        n: usize,
+        out: &mut [f32],
+        g0: usize,
+    ) {
+        let cols = xq[0].len();
+        let rb = cols / 32 * 34;
+        for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
+            let mut acc = [[_mm256_setzero_ps(); 2]; NX];
+            for (bi, b) in row.chunks_exact(34).enumerate() {
+                let d = f16(b, 0);
+                let q = ld32(&b[2..]);
+                let aq = _mm256_sign_epi8(q, q);
+                for i in 0..NX {
+                    let xv = ld32_i8(&xq[i][bi * 32..]);
+                    let p = dot_u8i8(aq, _mm256_sign_epi8(xv, q));
+                    let j = bi % 2;
+                    acc[i][j] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * xd[i][bi]), acc[i][j]);
+                }
+            }
+            for i in 0..NX {
+                o[g0 + i] = hsum_chains(&acc[i]);
+            }
+        }
+    }
+
+    /// Q4_1 (`FIVE` false) and Q5_1 against int8 activations: the unsigned quants (0..=15 or
+    /// 0..=31, assembled as in [`q32`]) times `q_x`, times `d_w * d_x`, plus `m_w * sum(x)`
+    /// with the exact block sum.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn q41_i8<const NX: usize, const FIVE: bool>(
+        w: &[u8],
+        xq: &[&[i8]; NX],
+        xd: &[&[f32]; NX],
+        xs: &[&[f32]; NX],
+        n: usize,
+        out: &mut [f32],
+        g0: usize,
+    ) {
+        let (bb, qs_at) = if FIVE { (24, 8) } else { (20, 4) };
+        let cols = xq[0].len();
+        let rb = cols / 32 * bb;
+        let m4 = _mm_set1_epi8(0x0F);
+        let pick = _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, //
+            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+        );
+        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let b16 = _mm256_set1_epi8(0x10);
+        for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
+            let mut acc = [[_mm256_setzero_ps(); 2]; NX];
+            let mut mins = [0f32; NX];
+            for (bi, b) in row.chunks_exact(bb).enumerate() {
+                let (d, m) = (f16(b, 0), f16(b, 2));
+                let v = ld16(&b[qs_at..]);
+                let lo = _mm_and_si128(v, m4);
+                let hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+                let mut q = _mm256_set_m128i(hi, lo);
+                if FIVE {
+                    let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+                    let spread = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), pick);
+                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+                    q = _mm256_or_si256(q, _mm256_and_si256(set, b16));
+                }
+                for i in 0..NX {
+                    let p = dot_u8i8(q, ld32_i8(&xq[i][bi * 32..]));
+                    let j = bi % 2;
+                    acc[i][j] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * xd[i][bi]), acc[i][j]);
+                    mins[i] = m.mul_add(xs[i][bi], mins[i]);
+                }
+            }
+            for i in 0..NX {
+                o[g0 + i] = hsum_chains(&acc[i]) + mins[i];
+            }
+        }
+    }
+
+    /// The 32 signed bytes at `s[..32]`.
+    #[inline(always)]
+    fn ld32_i8(s: &[i8]) -> __m256i {
+        let s = &s[..32];
+        // SAFETY: 32 readable bytes (sliced above); loadu accepts any alignment.
+        unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
+    }
+
+    /// Runs `f::<NX>` for the int8 group of activation rows `g0..g0 + NX`.
+    #[inline(always)]
+    fn group_i8<const NX: usize>(
+        f: GroupI8Fn<NX>,
+        w: &[u8],
+        x8: &X8,
+        n: usize,
+        cols: usize,
+        g0: usize,
+        out: &mut [f32],
+    ) {
+        let per = cols / 32;
+        let xq: [&[i8]; NX] = std::array::from_fn(|i| &x8.q[(g0 + i) * cols..][..cols]);
+        let xd: [&[f32]; NX] = std::array::from_fn(|i| &x8.d[(g0 + i) * per..][..per]);
+        let xs: [&[f32]; NX] = std::array::from_fn(|i| &x8.s[(g0 + i) * per..][..per]);
+        f(w, &xq, &xd, &xs, n, out, g0);
+    }
+
+    /// Runs int8 kernel `$kern` over the activation rows in groups of up to 8.
+    macro_rules! dispatch_i8 {
+        ($kern:ident $(, $extra:expr)?; $w:expr, $x8:expr, $n:expr, $cols:expr, $out:expr) => {{
+            let mut g0 = 0;
+            while g0 < $n {
+                let g = ($n - g0).min(MAX_NX);
+                match g {
+                    1 => group_i8::<1>($kern::<1 $(, $extra)?>, $w, $x8, $n, $cols, g0, $out),
+                    2 => group_i8::<2>($kern::<2 $(, $extra)?>, $w, $x8, $n, $cols, g0, $out),
+                    3 => group_i8::<3>($kern::<3 $(, $extra)?>, $w, $x8, $n, $cols, g0, $out),
+                    4 => group_i8::<4>($kern::<4 $(, $extra)?>, $w, $x8, $n, $cols, g0, $out),
+                    5 => group_i8::<5>($kern::<5 $(, $extra)?>, $w, $x8, $n, $cols, g0, $out),
+                    6 => group_i8::<6>($kern::<6 $(, $extra)?>, $w, $x8, $n, $cols, g0, $out),
+                    7 => group_i8::<7>($kern::<7 $(, $extra)?>, $w, $x8, $n, $cols, g0, $out),
+                    _ => group_i8::<8>($kern::<8 $(, $extra)?>, $w, $x8, $n, $cols, g0, $out),
+                }
+                g0 += g;
+            }
+        }};
     }
 
     /// F32, F16 (F16C) and BF16 (shifted into the high half): 8 weights per step.
@@ -520,16 +675,19 @@ mod x86 {
                 dispatch!(qk45, true; w, x, &sums, n, cols, out)
             }
             QType::Q6K => dispatch!(q6k; w, x, &[], n, cols, out),
-            QType::Q8_0 => dispatch!(q8_0; w, x, &[], n, cols, out),
+            QType::Q8_0 => {
+                let x8 = quantize_x8(x, n, cols);
+                dispatch_i8!(q8_0_i8; w, &x8, n, cols, out)
+            }
             QType::Q4_0 => dispatch!(q32, 0; w, x, &[], n, cols, out),
             QType::Q5_0 => dispatch!(q32, 2; w, x, &[], n, cols, out),
             QType::Q4_1 => {
-                let sums = sums32(x, n, cols);
-                dispatch!(q32, 1; w, x, &sums, n, cols, out)
+                let x8 = quantize_x8(x, n, cols);
+                dispatch_i8!(q41_i8, false; w, &x8, n, cols, out)
             }
             QType::Q5_1 => {
-                let sums = sums32(x, n, cols);
-                dispatch!(q32, 3; w, x, &sums, n, cols, out)
+                let x8 = quantize_x8(x, n, cols);
+                dispatch_i8!(q41_i8, true; w, &x8, n, cols, out)
             }
             QType::F32 => dispatch!(float, 0; w, x, &[], n, cols, out),
             QType::F16 => dispatch!(float, 1; w, x, &[], n, cols, out),
