@@ -15,6 +15,12 @@ activations, greedy, EOS ignored.
 - `pool_bytes`: the host expert pool (`EngineCore.expert_pool_bytes()`), alignment included.
 - `file_expert_bytes`: the routed experts' bytes in the file: the GGUF's `*_exps` tensors
   (`gguf.GGUFReader`, `n_bytes`), or the safetensors header's `.experts.` tensors.
+- `--threads N` (default 1): torch's intra-op threads and the quantized kernels' threads, and
+  llama.cpp's, so every engine decodes on the same number of cores (on a host shared with other
+  jobs, 1 is faster than 2 for every format: a second thread mostly waits for its core).
+- `llama_cpp` (when `llama-cpp-python` is installed, the `bench` extra): llama.cpp's decode
+  tok/s at batch 1 on the same Q4_K_M file, same chat prompt, same token count, same threads,
+  and `ftrs_vs_llama_cpp`: ftrs's Q4_K_M batch-1 figure over it.
 - `pcie_mb_per_token`: offload decode with `--cache-rate` of the experts as slots, lru,
   prefetch on, over the simulated link `simulated:--link` (GB/s): bytes the transfer engine
   moved (`bytes_h2d`, prefetches included) during the decode steps, per decode token; one
@@ -96,12 +102,12 @@ def link_bytes(path: Path, tokens: int, rate: float, link: float) -> dict[str, A
         llm.close()
 
 
-def llama_cpp_row(path: Path, prompt: str, tokens: int) -> dict[str, Any] | str:
+def llama_cpp_row(path: Path, prompt: str, tokens: int, threads: int) -> dict[str, Any] | str:
     try:
         from llama_cpp import Llama
     except ImportError:
         return "llama-cpp-python not installed"
-    llm = Llama(model_path=str(path), n_ctx=1024, n_threads=torch.get_num_threads(),
+    llm = Llama(model_path=str(path), n_ctx=1024, n_threads=threads, n_threads_batch=threads,
                 verbose=False)
     llm(prompt, max_tokens=2)  # warm-up
     t0 = time.perf_counter()
@@ -123,8 +129,14 @@ def main() -> None:
     ap.add_argument("--link", type=float, default=2.0, help="simulated link, GB/s")
     ap.add_argument("--cache-rate", type=float, default=0.5)
     ap.add_argument("--link-tokens", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="threads of torch, of the quantized kernels and of llama.cpp")
     args = ap.parse_args()
     t_start = time.perf_counter()
+    from ftrs import _core
+
+    torch.set_num_threads(args.threads)
+    _core.quant_set_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     paths = {f: model_path(f) for f in FORMATS}
     rows: dict[str, dict[str, Any]] = {f: {"file": paths[f].name} for f in FORMATS}
@@ -162,14 +174,20 @@ def main() -> None:
         for f in ("Q4_K_M", "Q8_0"):
             ratios[f"{f}_vs_F32_decode_b{b}"] = round(statistics.median(
                 q / x for q, x in zip(runs[f, b], runs["F32", b])), 3)
-    report = {"bench": "quantized", "device": "cpu", "activations": "float32",
-              "strategy": "resident", "torch_threads": torch.get_num_threads(),
-              "decode_tokens_per_sequence": args.tokens - 1, "rounds": args.rounds,
-              "prompt_tokens": {b: len(prompts[b][0]) for b in batches},
-              "decode_timing": "summed durations of steps without prefill tokens",
-              "link": f"simulated:{args.link:g}", "cache_rate": args.cache_rate,
-              "ratios": ratios, "formats": rows,
-              "llama_cpp": llama_cpp_row(paths["Q4_K_M"], chat, args.tokens)}
+    report: dict[str, Any] = {
+        "bench": "quantized", "device": "cpu", "activations": "float32",
+        "strategy": "resident", "torch_threads": torch.get_num_threads(),
+        "kernel_threads": _core.quant_threads(),
+        "decode_tokens_per_sequence": args.tokens - 1, "rounds": args.rounds,
+        "prompt_tokens": {b: len(prompts[b][0]) for b in batches},
+        "decode_timing": "summed durations of steps without prefill tokens",
+        "link": f"simulated:{args.link:g}", "cache_rate": args.cache_rate,
+        "ratios": ratios, "formats": rows,
+        "llama_cpp": llama_cpp_row(paths["Q4_K_M"], chat, args.tokens, args.threads)}
+    lc = report["llama_cpp"]
+    if isinstance(lc, dict):
+        report["ftrs_vs_llama_cpp"] = round(
+            rows["Q4_K_M"]["decode_b1_tok_per_s"] / lc["llama_cpp_batch1_tok_per_s"], 3)
     report["wall_s"] = round(time.perf_counter() - t_start, 1)
     print(json.dumps(report, indent=1))
 

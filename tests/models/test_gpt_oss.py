@@ -262,3 +262,45 @@ def test_a_missing_expert_bias_is_refused(model: Path, tmp_path: Path) -> None:
     save_file(t, str(d / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"layer 1: no mlp\.experts\.down_proj_bias"):
         load_model(str(d), torch.device("cpu"), torch.float32, progress=False)
+
+
+@pytest.mark.parametrize("window", [0, 4, 9, 64])
+def test_paged_attention_with_a_window_and_sinks_is_the_definition(window: int) -> None:
+    """A mixed batch (two padded decode rows, one of them shorter than the window, and a
+    prefill chunk ending a longer context) against attention written out per query."""
+    from ftrs.layers.attention import paged_attention
+
+    g = torch.Generator().manual_seed(11)
+    heads, kv_heads, d, slots = 4, 2, 8, 128
+    lens, chunk, ctx = [5, 20], 6, 30  # decode contexts; the prefill chunk ends a 30-key context
+    perm = torch.randperm(slots, generator=g)
+    places = [perm[:5], perm[5:25], perm[25:55]]  # each sequence's slots, position order
+    k_cache, v_cache = torch.randn(slots, kv_heads, d, generator=g), torch.randn(
+        slots, kv_heads, d, generator=g)
+    tokens = 2 + chunk
+    q = torch.randn(tokens, heads, d, generator=g)
+    k, v = torch.randn(tokens, kv_heads, d, generator=g), torch.randn(tokens, kv_heads, d, generator=g)
+    sinks = torch.randn(heads, generator=g)
+    gather = torch.zeros(2, 20, dtype=torch.long)
+    gather[0, :5], gather[1] = places[0], places[1]
+    real = torch.arange(20) < torch.tensor(lens)[:, None]
+    meta = AttnMetadata(
+        slot_mapping=torch.cat([places[0][4:5], places[1][19:20], places[2][ctx - chunk:]]),
+        decode_rows=torch.tensor([0, 1]), decode_gather=gather, decode_mask=real[:, None, None, :],
+        prefills=[PrefillSpan(2, chunk, places[2], prefill_mask(chunk, ctx, torch.device("cpu")))])
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.3, sinks=sinks, window=window)
+
+    def one(row: int, seq: int, pos: int) -> torch.Tensor:  # (heads, d)
+        lo = max(0, pos - window + 1) if window else 0
+        keys = k_cache[places[seq][lo:pos + 1]]  # (n, kv_heads, d)
+        vals = v_cache[places[seq][lo:pos + 1]]
+        res = torch.empty(heads, d)
+        for h in range(heads):
+            kh = h // (heads // kv_heads)
+            s = keys[:, kh] @ q[row, h] * 0.3
+            e = torch.exp(torch.cat([s, sinks[h:h + 1]]) - torch.cat([s, sinks[h:h + 1]]).max())
+            res[h] = (e[:-1] / e.sum()) @ vals[:, kh]
+        return res
+
+    want = [one(0, 0, 4), one(1, 1, 19)] + [one(2 + i, 2, ctx - chunk + i) for i in range(chunk)]
+    torch.testing.assert_close(out, torch.stack(want), rtol=1e-5, atol=1e-5)

@@ -28,6 +28,29 @@ def test_choice_seeds_are_distinct_and_stay_in_range() -> None:
     assert [choice_seed(5, i) for i in range(3)] == [5, 6, 7]
 
 
+def test_the_tool_parser_flag_picks_the_format_tools_are_offered_in() -> None:
+    import argparse
+
+    from ftrs.errors import ConfigError
+    from ftrs.models.tiny import tiny_tokenizer
+    from ftrs.server.cli import check_parser_flags
+    from ftrs.server.prepare import Limits, render_chat
+    from ftrs.server.protocol import ChatCompletionRequest
+
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": MSGS, "tools": [
+        {"type": "function", "function": {"name": "get_time"}}]})
+    texts = {}
+    for flag in ("hermes", "mistral"):
+        tok = tiny_tokenizer(512)  # ChatML without tools: they are described in a system message
+        texts[flag] = render_chat(req, tok, Limits(512, 2048, 16, tool_parser=flag))[1]
+    assert "<tool_call>" in texts["hermes"] and "[TOOL_CALLS]" not in texts["hermes"]
+    assert "[TOOL_CALLS]" in texts["mistral"] and "<tool_call>" not in texts["mistral"]
+    assert all("get_time" in t for t in texts.values())
+    for bad in ({"tool_parser": "nope"}, {"reasoning_parser": "nope"}):
+        with pytest.raises(ConfigError):
+            check_parser_flags(argparse.Namespace(**bad))
+
+
 def test_n_choices_are_the_requests_seeded_seed_plus_index(client: Any) -> None:
     many = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=6, temperature=1.0,
                                           seed=40, n=3)
@@ -301,6 +324,21 @@ def _check_json_schema_samples(c: Any, model: str, n: int) -> None:
 
 def test_live_forced_tool_call_validates_against_the_tool_schema(tiny_server: Any) -> None:
     _check_forced_call(_openai(tiny_server), "tiny", parallel=False)
+
+
+def test_live_required_tool_choice_calls_one_of_the_tools_by_its_schema(tiny_server: Any) -> None:
+    import jsonschema
+
+    schemas = {"get_forecast": FORECAST["function"]["parameters"],  # type: ignore[index]
+               "get_person": PERSON}
+    tools = [FORECAST, {"type": "function", "function": {"name": "get_person", "parameters": PERSON}}]
+    r = _openai(tiny_server).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Use a tool."}], tools=tools,
+        tool_choice="required", parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=8)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    (call,) = choice.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
 def test_live_json_schema_output_validates_for_20_seeded_samples(tiny_server: Any) -> None:

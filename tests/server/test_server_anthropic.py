@@ -12,18 +12,14 @@ from typing import Any
 
 import anthropic
 import httpx
+import jsonschema
 import openai
 import pytest
 from ftrs_server_harness import ServerProcess
 
 from ftrs.errors import InvalidRequest
-from ftrs.server.anthropic import (
-    BlockEncoder,
-    CountTokensRequest,
-    MessagesRequest,
-    error_type,
-    to_chat,
-)
+from ftrs.server.anthropic import BlockEncoder, error_type
+from ftrs.server.anthropic_protocol import CountTokensRequest, MessagesRequest, to_chat
 from ftrs.server.serving import ChoiceEvent
 from ftrs.server.toolcalls import ToolCall, ToolCallDelta
 
@@ -219,16 +215,12 @@ def test_non_stream_keeps_only_complete_calls() -> None:
 # ------------------------------------------------------------------------ live: tiny model
 
 TINY_KEY = "anthropic-test-key"
+LIVE_OPTIONS = ["--device", "cpu", "--dtype", "float32"]
 FORECAST = {"name": "forecast", "description": "Weather forecast for a city",
             "input_schema": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
                              "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "metric": {"type": "boolean"},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}
-
-
-def _valid_forecast(value: Any) -> bool:
-    """FORECAST's input_schema, checked by hand."""
-    return (isinstance(value, dict) and set(value) == {"city", "days"} and isinstance(value["city"], str)
-            and len(value["city"]) <= 12 and type(value["days"]) is int and 1 <= value["days"] <= 7)
 
 
 @pytest.fixture(scope="module")
@@ -236,11 +228,26 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from ftrs.models.tiny import make_tiny
 
     model = make_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", seed=0)
-    server = ServerProcess(["--model", str(model), "--served-model-name", "tiny", "--device", "cpu",
-                            "--dtype", "float32"], api_key=TINY_KEY, backend=None)
+    server = ServerProcess(["--model", str(model), "--served-model-name", "tiny", *LIVE_OPTIONS],
+                           api_key=TINY_KEY, backend=None)
     try:
         server.wait("ok")
         server.model_dir = model
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def demo_server() -> Any:
+    from ftrs.models.demo import demo_dir
+
+    if not (demo_dir() / ".complete").is_file():
+        pytest.skip("the demo model is not built (`ftrs models demo`)")
+    server = ServerProcess(["--model", str(demo_dir()), "--served-model-name", "demo", *LIVE_OPTIONS],
+                           api_key=TINY_KEY, backend=None)
+    try:
+        server.wait("ok", timeout=600)
         yield server
     finally:
         server.stop()
@@ -328,15 +335,17 @@ def test_count_tokens_equals_the_input_tokens_then_reported(tiny_server: Any) ->
     assert counted > plain.input_tokens  # the tools and the tool turns are in the prompt
 
 
-def test_forced_tool_returns_tool_use_whose_input_validates(tiny_server: Any) -> None:
-    client = _anthropic(tiny_server)
-    args: dict[str, Any] = {"model": "tiny", "max_tokens": 200, "tools": [FORECAST],
+def _check_forced_tool(client: Any, model: str, **extra: Any) -> None:
+    """A tool forced by name: one tool_use block whose input validates against input_schema, in
+    the body and in the stream (whose input_json_delta pieces join to the same input)."""
+    args: dict[str, Any] = {"model": model, "max_tokens": 200, "tools": [FORECAST],
                             "tool_choice": {"type": "tool", "name": "forecast", "disable_parallel_tool_use": True},
-                            "messages": [{"role": "user", "content": "Weather in Oslo for 3 days?"}]}
+                            "messages": [{"role": "user", "content": "Weather in Oslo for 3 days?"}], **extra}
     msg = client.messages.create(**args)
     uses = [b for b in msg.content if b.type == "tool_use"]
     assert msg.stop_reason == "tool_use", msg
-    assert len(uses) == 1 and uses[0].name == "forecast" and _valid_forecast(uses[0].input), msg
+    assert len(uses) == 1 and uses[0].name == "forecast", msg
+    jsonschema.validate(uses[0].input, FORECAST["input_schema"])
 
     with client.messages.stream(**args) as stream:
         events = list(stream)
@@ -353,8 +362,26 @@ def test_forced_tool_returns_tool_use_whose_input_validates(tiny_server: Any) ->
     assert len(tool_blocks) == 1 and set(pieces) == set(tool_blocks)
     for i, block in tool_blocks.items():
         joined = json.loads("".join(pieces[i]))
-        assert _valid_forecast(joined) and joined == block.input
+        jsonschema.validate(joined, FORECAST["input_schema"])
+        assert joined == block.input
     assert final.stop_reason == "tool_use"
+
+
+def test_forced_tool_returns_tool_use_whose_input_validates(tiny_server: Any) -> None:
+    _check_forced_tool(_anthropic(tiny_server), "tiny")
+
+
+@pytest.mark.slow
+def test_demo_forced_tool_and_text_stream(demo_server: Any) -> None:
+    client = _anthropic(demo_server)
+    _check_forced_tool(client, "demo", extra_body={"temperature": 0.7})
+    events = list(client.messages.create(model="demo", max_tokens=16, stream=True,
+                                         messages=[{"role": "user", "content": "What is the capital of France?"}]))
+    assert _block_order_ok([e.type for e in events])
+    counted = client.messages.count_tokens(model="demo", messages=[
+        {"role": "user", "content": "What is the capital of France?"}]).input_tokens
+    assert events[0].message.usage.input_tokens == counted
+    assert next(e for e in events if e.type == "message_delta").usage.output_tokens >= 1
 
 
 def test_x_api_key_and_bearer_are_accepted_a_wrong_key_is_refused(tiny_server: Any) -> None:
@@ -451,5 +478,73 @@ def test_an_error_after_the_stream_started_is_an_error_event() -> None:
         data = json.loads(next(line for line in reversed(rest) if line.startswith("data: "))[6:])
         assert data["type"] == "error" and data["error"]["type"] == "overloaded_error"
         assert r.status_code == 503 and r.json()["error"]["type"] == "overloaded_error"
+    finally:
+        server.stop()
+
+
+def test_a_body_over_the_cap_is_a_413_in_each_routes_shape(fake_server: ServerProcess) -> None:
+    big = {"model": "fake", "max_tokens": 1, "messages": [{"role": "user", "content": "x" * (5 << 20)}]}
+    r = httpx.post(fake_server.url + "/v1/messages", json=big, headers=fake_server.headers, timeout=60)
+    assert r.status_code == 413
+    assert r.json()["type"] == "error" and r.json()["error"]["type"] == "request_too_large"
+    r = httpx.post(fake_server.url + "/v1/chat/completions", json=big, headers=fake_server.headers, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def _say(text: str) -> list[dict[str, Any]]:
+    """Messages that make the fake engine answer `text` (fake_backend: `SAY:<text>`)."""
+    return [{"role": "user", "content": f"SAY:{text}"}]
+
+
+def _blocks(content: list[Any]) -> list[dict[str, Any]]:
+    """Content blocks without their ids (random per answer) and the SDK's empty fields."""
+    return [{k: v for k, v in b.model_dump(exclude_none=True).items() if k != "id"} for b in content]
+
+
+def test_text_and_tool_use_blocks_from_the_output_and_back(fake_server: ServerProcess) -> None:
+    client = anthropic.Anthropic(base_url=fake_server.url, api_key=fake_server.api_key, max_retries=0)
+    out = 'Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    args: dict[str, Any] = {"model": "fake", "max_tokens": 120, "tools": [WEATHER], "messages": _say(out)}
+    msg = client.messages.create(**args)
+    assert msg.stop_reason == "tool_use"
+    assert _blocks(msg.content) == [
+        {"type": "text", "text": "Let me check."},
+        {"type": "tool_use", "name": "get_weather", "input": {"city": "Paris"}}]
+    with client.messages.stream(**args) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert [e.content_block.type for e in events if e.type == "content_block_start"] == ["text", "tool_use"]
+    pieces = "".join(e.delta.partial_json for e in events
+                     if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
+    assert json.loads(pieces) == {"city": "Paris"}
+    assert _blocks(final.content) == _blocks(msg.content) and final.stop_reason == "tool_use"
+    # The answer goes back as history with a tool_result for its tool_use.
+    use = msg.content[1]
+    history: Any = [{"role": "user", "content": "Weather?"},
+                    {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "18C"}]}]
+    again = client.messages.create(model="fake", max_tokens=4, messages=history)
+    counted = client.messages.count_tokens(model="fake", messages=history)
+    assert again.usage.input_tokens == counted.input_tokens
+    short = client.messages.count_tokens(model="fake", messages=history[:1]).input_tokens
+    assert counted.input_tokens > short + len("Let me check.18C")  # the turns are in the prompt
+
+
+def test_reasoning_becomes_a_thinking_block() -> None:
+    server = ServerProcess(["--model", "fake", "--reasoning-parser", "qwen3"], api_key=None)
+    try:
+        server.wait("ok")
+        client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
+        args: dict[str, Any] = {"model": "fake", "max_tokens": 100,
+                                "messages": _say("<think>Paris is in France.</think>It is sunny.")}
+        msg = client.messages.create(**args)
+        assert _blocks(msg.content) == [{"type": "thinking", "thinking": "Paris is in France.", "signature": ""},
+                                        {"type": "text", "text": "It is sunny."}]
+        events = list(client.messages.create(**args, stream=True))
+        assert _block_order_ok([e.type for e in events])
+        deltas = [(e.index, e.delta.type) for e in events if e.type == "content_block_delta"]
+        assert {d for d in deltas} == {(0, "thinking_delta"), (1, "text_delta")}
+        assert "".join(e.delta.thinking for e in events
+                       if e.type == "content_block_delta" and e.delta.type == "thinking_delta") == "Paris is in France."
     finally:
         server.stop()

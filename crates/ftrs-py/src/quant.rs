@@ -39,8 +39,14 @@ fn buffer<T: Element>(
     Ok(buf)
 }
 
-/// The weight as bytes, whatever its element type (`memoryview(obj).cast("B")`).
+/// The weight as bytes, whatever its element type (`memoryview(obj).cast("B")`); a buffer that
+/// already is C-contiguous bytes (a uint8 numpy array) is taken as it is, without the cast.
 fn weight_bytes(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<PyBuffer<u8>> {
+    if let Ok(buf) = PyBuffer::<u8>::get(obj) {
+        if buf.is_c_contiguous() {
+            return Ok(buf);
+        }
+    }
     let view = py
         .import("builtins")?
         .getattr("memoryview")?

@@ -20,8 +20,11 @@ sampling. After sampling, each matcher consumes its token; a grammar that cannot
 (`done`) finishes its request with "stop", and EOS is allowed by the mask only where the
 grammar is complete.
 
-The llguidance tokenizer (its token trie, ~1-2 s to build for 50k tokens) is built once per
-tokenizer object and vocabulary size.
+The llguidance tokenizer (its token trie, ~1-2 s to build for 50k tokens, holding the GIL) is
+built once per tokenizer object and vocabulary size; `warm` builds it ahead (the server does at
+start, in both processes), so the first structured request stalls nothing.
+
+This module imports torch only where masks are made: the API process uses `check` alone.
 """
 
 from __future__ import annotations
@@ -33,14 +36,16 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import numpy as np
-import torch
 
 from ftrs.errors import InvalidRequest
 from ftrs.sampling import StructuredSpec
+
+if TYPE_CHECKING:  # the API process calls `check` and never imports torch
+    import torch
 
 #: How JSON is laid out: json.dumps' separators, no other whitespace (see the module doc).
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ",
@@ -109,6 +114,13 @@ def ll_tokenizer(tokenizer: Any, vocab_size: int | None = None,
         return per[key]
 
 
+def warm(tokenizer: Any, vocab_size: int | None = None,
+         eos_token_ids: Iterable[int] | None = None) -> None:
+    """Build `ll_tokenizer`'s view now (nothing without a tokenizer)."""
+    if tokenizer is not None:
+        ll_tokenizer(tokenizer, vocab_size, eos_token_ids)
+
+
 def check(spec: StructuredSpec, tokenizer: Any | None) -> None:
     """Compile `spec` as the engine will; InvalidRequest naming `spec.param` when it cannot be.
     For the API process, before the request is queued. Results are cached by (kind, value)."""
@@ -142,6 +154,10 @@ class GrammarCache:
         self.eos_token_ids = tuple(sorted(eos_token_ids))
         self.size = size
         self._templates: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+
+    def warm(self) -> None:
+        """Build the tokenizer view now rather than at the first structured request."""
+        warm(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     def new_matcher(self, spec: StructuredSpec) -> llguidance.LLMatcher:
         """A fresh matcher for one request; InvalidRequest naming `spec.param` when `spec` does
@@ -190,6 +206,7 @@ class MaskFiller:
         self.wait_s = 0.0
 
     def start(self, matchers: Sequence[llguidance.LLMatcher]) -> Future[torch.Tensor]:
+        """Fill the masks of `matchers` on the worker thread."""
         return self._thread.submit(self.fill, list(matchers))
 
     def wait(self, masks: Future[torch.Tensor]) -> torch.Tensor:
@@ -219,6 +236,8 @@ class MaskFiller:
 
 def unpack(bits: np.ndarray, vocab_size: int, device: torch.device) -> torch.Tensor:
     """(rows, words) int32 bitmask, bit j of word w = token 32w + j -> (rows, vocab) bool."""
+    import torch
+
     if device.type == "cpu":
         flat = np.unpackbits(bits.astype("<i4", copy=False).view(np.uint8), axis=1,
                              bitorder="little")
@@ -229,4 +248,4 @@ def unpack(bits: np.ndarray, vocab_size: int, device: torch.device) -> torch.Ten
 
 
 __all__ = ["GrammarCache", "MaskFiller", "advance", "check", "grammar_text", "ll_tokenizer",
-           "unpack"]
+           "unpack", "warm"]

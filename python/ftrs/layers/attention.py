@@ -14,8 +14,9 @@ Everything that depends only on the batch (gathers, masks) is built once per ste
 
 Two per-layer variants (gpt_oss), both exact in chunked prefill and decode:
 - a sliding window: a query at position p sees keys p - window + 1 .. p only. The cache keeps
-  every key; the window narrows the masks, built once per step per window size
-  (`window_masks`) from the positions implied by the gathers (slot column j is position j);
+  every key; a sliding layer gathers only the slots its queries can see, with masks to match,
+  cut once per step per window size (`window_view`) from the positions the gathers imply
+  (column j of a context's slots is position j);
 - attention sinks: one learned logit per head joins the softmax of every query and is dropped
   after it (the probabilities of the real keys sum to less than one). Those layers attend with
   the explicit two-matmul form, which has a column to put it in.
@@ -51,11 +52,12 @@ def prefill_mask(q_len: int, ctx: int, device: torch.device) -> torch.Tensor | N
     return torch.ones(q_len, ctx, dtype=torch.bool, device=device).tril(ctx - q_len)
 
 
-class WindowMasks(NamedTuple):
-    """The masks of one step for one sliding-window size."""
+class WindowView(NamedTuple):
+    """One step's keys for one sliding-window size: only the slots a query can see."""
 
-    decode: torch.Tensor | None  # (num_decode, 1, 1, max_ctx) bool; None without decode rows
-    prefills: list[torch.Tensor]  # (q_len, ctx) bool per prefill span
+    decode_gather: torch.Tensor  # (num_decode, w) slots, w = min(window, max_ctx)
+    decode_mask: torch.Tensor | None  # (num_decode, 1, 1, w) bool; None without decode rows
+    prefills: list[tuple[torch.Tensor, torch.Tensor]]  # per span: (slots, (q_len, slots) mask)
 
 
 @dataclass(slots=True)
@@ -70,33 +72,37 @@ class AttnMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode_only: bool = False  # every row is a decode row, in order (decode_rows = arange)
     linear: LinearMeta | None = None  # state slots of the rows, for linear attention layers
-    windows: dict[int, WindowMasks] = field(default_factory=dict)  # built by `window_masks`
+    windows: dict[int, WindowView] = field(default_factory=dict)  # built by `window_view`
 
 
-def window_masks(meta: AttnMetadata, window: int) -> WindowMasks:
-    """The step's masks narrowed to the last `window` keys of each query (built on first use,
-    then shared by every layer with that window)."""
+def window_view(meta: AttnMetadata, window: int) -> WindowView:
+    """The step's gathers and masks cut to the last `window` keys of each query (built on first
+    use, then shared by every layer with that window): a sliding layer reads O(window) keys."""
     got = meta.windows.get(window)
     if got is not None:
         return got
-    decode = None
-    if meta.decode_gather.numel():
-        rows, width = meta.decode_gather.shape
-        device = meta.decode_gather.device
-        col = torch.arange(width, device=device)
+    gather, mask = meta.decode_gather, None
+    if gather.numel():
+        rows, width = gather.shape
+        w = min(window, width)
         if meta.decode_mask is None:
-            lens = torch.full((rows, 1), width, device=device)
+            lens = torch.full((rows, 1), width, device=gather.device)
         else:
             lens = meta.decode_mask.view(rows, width).sum(dim=1, keepdim=True)
-        # the query is the last real key, at position lens - 1
-        decode = ((col < lens) & (col >= lens - window)).view(rows, 1, 1, width)
+        # a decode query is its row's last real key, at position lens - 1: it sees lens - w ..
+        # lens - 1, the negative positions of a short row masked out
+        pos = lens - w + torch.arange(w, device=gather.device)
+        gather = gather.gather(1, pos.clamp(min=0))
+        mask = (pos >= 0).view(rows, 1, 1, w)
     prefills = []
     for span in meta.prefills:
         ctx = span.gather.numel()
-        causal = torch.ones(span.q_len, ctx, dtype=torch.bool, device=span.gather.device)
-        # query i sits at position ctx - q_len + i; keys j with p - window < j <= p are seen
-        prefills.append(causal.tril(ctx - span.q_len).triu(ctx - span.q_len - window + 1))
-    got = meta.windows[window] = WindowMasks(decode, prefills)
+        first = ctx - span.q_len  # position of the chunk's first query
+        lo = max(0, first - window + 1)  # the oldest key any query of the chunk sees
+        vis = torch.ones(span.q_len, ctx - lo, dtype=torch.bool, device=span.gather.device)
+        # query i (position first + i) sees keys j with first + i - window < j <= first + i
+        prefills.append((span.gather[lo:], vis.tril(first - lo).triu(first - lo - window + 1)))
+    got = meta.windows[window] = WindowView(gather, mask, prefills)
     return got
 
 
@@ -174,27 +180,25 @@ def paged_attention(
 ) -> torch.Tensor:  # (tokens, heads, head_dim)
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
-    wm = window_masks(meta, window) if window else None
-    decode_mask = meta.decode_mask if wm is None else wm.decode
+    wv = window_view(meta, window) if window else None
+    gather, decode_mask = (meta.decode_gather, meta.decode_mask) if wv is None else wv[:2]
     if meta.decode_only:
-        return decode_attention(q, _gather(k_cache, meta.decode_gather),
-                                _gather(v_cache, meta.decode_gather), decode_mask, scale, sinks)
+        return decode_attention(q, _gather(k_cache, gather), _gather(v_cache, gather),
+                                decode_mask, scale, sinks)
     out = torch.empty_like(q)
     if meta.decode_rows.numel():
-        od = decode_attention(q.index_select(0, meta.decode_rows),
-                              _gather(k_cache, meta.decode_gather),
-                              _gather(v_cache, meta.decode_gather), decode_mask, scale, sinks)
+        od = decode_attention(q.index_select(0, meta.decode_rows), _gather(k_cache, gather),
+                              _gather(v_cache, gather), decode_mask, scale, sinks)
         out.index_copy_(0, meta.decode_rows, od)
     for i, span in enumerate(meta.prefills):
         rows = slice(span.q_start, span.q_start + span.q_len)
-        ctx = span.gather.numel()
-        qp = q[rows].transpose(0, 1)  # (heads, n, d)
-        kp = _gather(k_cache, span.gather).transpose(0, 1)  # (kv_heads, ctx, d)
-        vp = _gather(v_cache, span.gather).transpose(0, 1)
-        mask: torch.Tensor | None = span.mask
-        if wm is not None:
-            mask = wm.prefills[i]
+        slots, mask = span.gather, span.mask
+        if wv is not None:
+            slots, mask = wv.prefills[i]
         elif mask is None:
-            mask = prefill_mask(span.q_len, ctx, q.device)
+            mask = prefill_mask(span.q_len, slots.numel(), q.device)
+        qp = q[rows].transpose(0, 1)  # (heads, n, d)
+        kp = _gather(k_cache, slots).transpose(0, 1)  # (kv_heads, keys, d)
+        vp = _gather(v_cache, slots).transpose(0, 1)
         out[rows] = prefill_attention(qp, kp, vp, mask, scale, sinks).transpose(0, 1)
     return out

@@ -108,7 +108,7 @@ class HostExperts:
 
     def block_views(self, region: torch.Tensor, base: int, layer: int | None = None
                     ) -> ExpertWeights:
-        """Views of the three tensors of the block that starts at byte `base` of `region`, in
+        """Views of the tensors of the block that starts at byte `base` of `region`, in
         model layer `layer`'s formats (default: the first MoE layer's)."""
         key = self.spec.moe_layers[0] if layer is None else layer
         fmt = self.formats[key]

@@ -21,9 +21,11 @@ share one code path.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 
@@ -106,6 +108,11 @@ class QuantTensor:
     @property
     def device(self) -> torch.device:
         return self.data.device
+
+    @functools.cached_property
+    def host_array(self) -> np.ndarray:
+        """The bytes as a numpy view (CPU only), made once: what the Rust kernels read."""
+        return self.data.numpy()
 
     @property
     def nbytes(self) -> int:

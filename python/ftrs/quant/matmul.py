@@ -65,11 +65,19 @@ def use_kernels(enabled: bool) -> Iterator[None]:
 
 
 def _kernel_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    # The hot path of a quantized decode (ten calls per layer): no copy or cast that is not
+    # needed, the weight's numpy view made once (`QuantTensor.host_array`).
     rows, cols = w.shape
-    x32 = x.reshape(-1, cols).to(torch.float32).contiguous()
-    out = torch.empty(x32.shape[0], rows, dtype=torch.float32)
-    _core_module().quant_matmul(w.qtype, w.data.numpy(), x32.numpy(), out.numpy(), rows, cols)
-    return out.view(*x.shape[:-1], rows).to(x.dtype)
+    fp32 = x.dtype == torch.float32
+    x32 = x if fp32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+    out = torch.empty((*x.shape[:-1], rows), dtype=torch.float32)
+    _quant_matmul()(w.qtype, w.host_array, x32.numpy(), out.numpy(), rows, cols)
+    return out if fp32 else out.to(x.dtype)
+
+
+@functools.cache
+def _quant_matmul() -> Any:
+    return _core_module().quant_matmul
 
 
 def embedding(ids: torch.Tensor, w: Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -13,6 +13,12 @@ Models with linear attention layers also hold a state slot per running sequence 
 taken when the sequence starts running, given back with its pages when it finishes or is
 preempted (its state is recomputed with its KV). Such models run without the prefix cache
 (`prefix_cache=False`): a cached prefix would need the state at that point too.
+
+Shared prompts (n > 1, or several requests with one system prompt): a running prefill publishes
+its prompt's full pages to the prefix cache as they are computed, not only when it finishes; a
+waiting request whose prompt shares more full pages with such a prefill than it has published
+yet waits (the requests behind it go ahead), then takes those pages from the cache instead of
+computing them again.
 """
 
 from __future__ import annotations
@@ -45,6 +51,8 @@ class Scheduler:
         self.max_running = max_running
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # running prefills whose prompt pages are not all published, by their first page
+        self._prefilling: dict[tuple[int, ...], Sequence] = {}
 
     # --- queue ------------------------------------------------------------------------------
 
@@ -106,10 +114,50 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    # --- shared prompts ---------------------------------------------------------------------
+
+    def _first_page(self, seq: Sequence) -> tuple[int, ...] | None:
+        """The key of `seq` among shared prefills: its first page, when it has a full page that
+        the prefix cache could serve (one token is always computed)."""
+        ps = self.pool.page_size
+        if self.radix is None or seq.prompt_logits or seq.num_prompt - 1 < ps:
+            return None
+        return tuple(seq.tokens[:ps])
+
+    def _publish(self) -> None:
+        """Put the computed full prompt pages of running prefills into the prefix cache."""
+        assert self.radix is not None or not self._prefilling
+        ps = self.pool.page_size
+        for key, seq in list(self._prefilling.items()):
+            if seq.status is not Status.RUNNING:  # preempted or finished: it publishes no more
+                del self._prefilling[key]
+                continue
+            full = min(seq.num_computed, seq.num_prompt) // ps
+            if self.radix is not None and full:
+                self.radix.insert(seq.tokens[: full * ps], seq.pages[:full])
+            if seq.num_computed >= seq.num_prompt:
+                del self._prefilling[key]
+
+    def _should_wait(self, seq: Sequence) -> bool:
+        """Whether `seq` should wait for a running prefill that will publish pages it shares."""
+        key = self._first_page(seq)
+        other = self._prefilling.get(key) if key is not None else None
+        if other is None or other is seq or other.status is not Status.RUNNING:
+            return False
+        ps = self.pool.page_size
+        limit = min((len(seq.tokens) - 1) // ps, other.num_prompt // ps)
+        shared = 0
+        while shared < limit and (seq.tokens[shared * ps:(shared + 1) * ps]
+                                  == other.tokens[shared * ps:(shared + 1) * ps]):
+            shared += 1
+        return shared > min(other.num_computed, other.num_prompt) // ps
+
     # --- the step ---------------------------------------------------------------------------
 
     def schedule(self) -> list[Work]:
         budget = self.budget
+        if self._prefilling:
+            self._publish()
         work: list[Work] = []
         for seq in list(self.running):
             if budget == 0:
@@ -125,8 +173,12 @@ class Scheduler:
             if seq.status is Status.RUNNING:
                 work.append(Work(seq, n))
                 budget -= n
+        held: list[Sequence] = []  # waiting for a shared prefill; they keep their place
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
+            if self._should_wait(seq):
+                held.append(self.waiting.popleft())
+                continue
             if self.radix is not None and not seq.prompt_logits:
                 max_pages = (len(seq.tokens) - 1) // self.pool.page_size  # compute >= 1 token
                 seq.pages = self.radix.match(seq.tokens, max_pages)
@@ -146,6 +198,10 @@ class Scheduler:
             self.running.append(seq)
             work.append(Work(seq, n))
             budget -= n
+            key = self._first_page(seq)
+            if key is not None and seq.num_computed < seq.num_prompt and key not in self._prefilling:
+                self._prefilling[key] = seq  # it computes prompt pages others may share
+        self.waiting.extendleft(reversed(held))
         return work
 
     def finish(self, seq: Sequence, reason: str) -> None:

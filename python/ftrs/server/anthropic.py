@@ -1,14 +1,12 @@
 """Anthropic's Messages API (`POST /v1/messages`, `POST /v1/messages/count_tokens`) over the
 shared generation path.
 
-The adapter is a translator at both ends of `serving.start_chat`: `to_chat` turns a Messages
-request into the `ChatCompletionRequest` every route runs (system → a system message, tool_use
-blocks → assistant `tool_calls`, tool_result blocks → `role: "tool"` messages, thinking blocks
-dropped, `input_schema` → `parameters`, `tool_choice` auto/any/tool/none → auto/required/named/
-none, `stop_sequences` → `stop`), and `BlockEncoder` turns the run's `ChoiceEvent`s into content
-blocks, one open at a time: reasoning → a thinking block, text → a text block, each tool call →
-a tool_use block whose `input` arrives as `input_json_delta` pieces. The same encoder builds the
-streamed events and the non-stream body, so the two always agree.
+The adapter is a translator at both ends of `serving.start_chat`: `anthropic_protocol.to_chat`
+turns a Messages request into the `ChatCompletionRequest` every route runs, and `BlockEncoder`
+turns the run's `ChoiceEvent`s into content blocks, one open at a time: reasoning → a thinking
+block, text → a text block, each tool call → a tool_use block whose `input` arrives as
+`input_json_delta` pieces. The same encoder builds the streamed events and the non-stream body,
+so the two always agree (the body keeps only the calls the parser completed).
 
 Errors on these routes leave in Anthropic's shape, `{"type": "error", "error": {"type",
 "message"}}`: the routes are an `APIRoute` subclass that catches its own errors (validation,
@@ -26,305 +24,33 @@ import asyncio
 import hmac
 import json
 import logging
-import re
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
-from typing import Annotated, Any, Literal
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute, APIRouter
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ftrs.errors import FtrsError, InvalidRequest
+from ftrs.server.anthropic_protocol import (
+    AnthropicError,
+    AnthropicUsage,
+    CountTokensRequest,
+    CountTokensResponse,
+    MessagesRequest,
+    MessagesResponse,
+    Translation,
+    to_chat,
+)
 from ftrs.server.errors import Unauthorized, param_name
 from ftrs.server.prepare import check_model
-from ftrs.server.protocol import ChatCompletionRequest, Text
 from ftrs.server.serving import ChatRun, ChoiceEvent, ServeContext, render_chat_prompt, start_chat
 
 logger = logging.getLogger(__name__)
 
-# ----------------------------------------------------------------------------------- requests
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class TextBlock(_Model):
-    type: Literal["text"]
-    text: Text
-
-
-class ToolUseBlock(_Model):
-    type: Literal["tool_use"]
-    id: Text = Field(min_length=1)
-    name: Text = Field(min_length=1)
-    input: dict[str, Any]
-
-
-class ToolResultBlock(_Model):
-    type: Literal["tool_result"]
-    tool_use_id: Text = Field(min_length=1)
-    content: Text | list[TextBlock] | None = None
-    is_error: bool | None = None
-
-    def text(self) -> str:
-        if self.content is None or isinstance(self.content, str):
-            body = self.content or ""
-        else:
-            body = _join(self.content)
-        return f"Error: {body}" if self.is_error else body
-
-
-class ThinkingBlock(_Model):
-    """Reasoning of an earlier turn: accepted in the history and dropped."""
-
-    type: Literal["thinking", "redacted_thinking"]
-
-
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
-
-
-class InputMessage(_Model):
-    role: Literal["user", "assistant"]
-    content: Text | list[Block]
-
-
-class MessagesTool(_Model):
-    """A client tool; server tools (`web_search_...`, `bash_...`) are refused by their type."""
-
-    type: Literal["custom"] | None = None
-    name: Text = Field(min_length=1, max_length=128)
-    description: Text | None = None
-    input_schema: dict[str, Any]
-
-
-class MessagesToolChoice(_Model):
-    type: Literal["auto", "any", "tool", "none"]
-    name: Text | None = None
-    disable_parallel_tool_use: bool | None = None
-
-
-class ThinkingConfig(_Model):
-    """`disabled`, or a way to think (`enabled`, `adaptive`, ...); a budget is not enforced."""
-
-    type: Text
-
-
-class OutputFormat(_Model):
-    type: Literal["json_schema"]
-    schema_: dict[str, Any] = Field(alias="schema")
-
-
-class OutputConfig(_Model):
-    format: OutputFormat | None = None
-    effort: Text | None = None  # accepted, ignored
-
-
-class CountTokensRequest(_Model):
-    """The body of /v1/messages/count_tokens, and everything a Messages request shares with it."""
-
-    model: Text
-    messages: list[InputMessage] = Field(min_length=1)
-    system: Text | list[TextBlock] | None = None
-    tools: list[MessagesTool] | None = None
-    tool_choice: MessagesToolChoice | None = None
-    thinking: ThinkingConfig | None = None
-
-
-class MessagesRequest(CountTokensRequest):
-    max_tokens: int
-    stop_sequences: list[Text] | None = None
-    stream: bool | None = False
-    temperature: float | None = None  # Anthropic's range: [0, 1]
-    top_p: float | None = None
-    top_k: int | None = None
-    metadata: dict[str, Any] | None = None  # accepted, ignored
-    output_config: OutputConfig | None = None  # format → the chat path's json_schema
-
-
-# ---------------------------------------------------------------------------------- responses
-
-
-class AnthropicUsage(BaseModel):
-    input_tokens: int
-    output_tokens: int
-
-
-class MessagesResponse(BaseModel):
-    id: str
-    type: Literal["message"] = "message"
-    role: Literal["assistant"] = "assistant"
-    model: str
-    content: list[dict[str, Any]]
-    stop_reason: str | None
-    stop_sequence: str | None
-    usage: AnthropicUsage
-
-
-class CountTokensResponse(BaseModel):
-    input_tokens: int
-
-
-class AnthropicErrorBody(BaseModel):
-    type: str
-    message: str
-
-
-class AnthropicError(BaseModel):
-    type: Literal["error"] = "error"
-    error: AnthropicErrorBody
-
-
-# -------------------------------------------------------------------------------- translation
-
-
-def _bad(param: str, why: str) -> InvalidRequest:
-    return InvalidRequest(f"{param}: {why}", evidence={"param": param})
-
-
-def rename_param(param: str, origins: list[str]) -> str:
-    """The Messages request's name of a chat request's field (for an error's `param`);
-    `origins[k]` is the Messages field chat message k came from."""
-    m = re.match(r"messages\[(\d+)\]", param)
-    if m and int(m.group(1)) < len(origins):
-        return origins[int(m.group(1))]
-    m = re.match(r"tools\[(\d+)\](?:\.function)?(\.\w+)?", param)
-    if m:
-        field = {".parameters": ".input_schema", ".name": ".name", ".description": ".description"}
-        return f"tools[{m.group(1)}]{field.get(m.group(2) or '', '')}"
-    if param.startswith("response_format"):
-        return "output_config.format.schema"
-    return {"stop": "stop_sequences", "max_completion_tokens": "max_tokens",
-            "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}.get(param, param)
-
-
-class Translation:
-    """A Messages request as a chat request, and where each chat message came from."""
-
-    def __init__(self, chat: ChatCompletionRequest, origins: list[str]) -> None:
-        self.chat = chat
-        self.origins = origins  # origins[k]: the Messages field chat message k came from
-
-    def rename(self, param: str) -> str:
-        return rename_param(param, self.origins)
-
-
-def _join(blocks: Iterable[TextBlock]) -> str:
-    """Text blocks as one message text, a newline between blocks."""
-    return "\n".join(b.text for b in blocks)
-
-
-def _tool_calls(blocks: list[ToolUseBlock]) -> list[dict[str, Any]]:
-    return [{"id": b.id, "type": "function",
-             "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}}
-            for b in blocks]
-
-
-def _messages(req: CountTokensRequest) -> tuple[list[dict[str, Any]], list[str]]:
-    """Chat messages of the request, each with its origin in the Messages request."""
-    out: list[dict[str, Any]] = []
-    origins: list[str] = []
-    if req.system:
-        system = req.system if isinstance(req.system, str) else _join(req.system)
-        out.append({"role": "system", "content": system})
-        origins.append("system")
-    known: set[str] = set()  # tool_use ids of the assistant turns so far
-    for i, msg in enumerate(req.messages):
-        where = f"messages[{i}]"
-        if isinstance(msg.content, str):
-            out.append({"role": msg.role, "content": msg.content})
-            origins.append(f"{where}.content")
-            continue
-        if msg.role == "assistant":
-            text = _join(b for b in msg.content if isinstance(b, TextBlock))
-            uses = [b for b in msg.content if isinstance(b, ToolUseBlock)]
-            for j, b in enumerate(msg.content):
-                if isinstance(b, ToolResultBlock):
-                    raise _bad(f"{where}.content[{j}]", "tool_result blocks belong in user messages")
-            turn: dict[str, Any] = {"role": "assistant", "content": text}
-            if uses:
-                turn["tool_calls"] = _tool_calls(uses)
-                known.update(b.id for b in uses)
-            out.append(turn)
-            origins.append(f"{where}.content")
-            continue
-        texts: list[TextBlock] = []
-        for j, b in enumerate(msg.content):
-            if isinstance(b, ToolUseBlock):
-                raise _bad(f"{where}.content[{j}]", "tool_use blocks belong in assistant messages")
-            if isinstance(b, ToolResultBlock):
-                if b.tool_use_id not in known:
-                    raise _bad(f"{where}.content[{j}].tool_use_id",
-                               f"no earlier tool_use block has the id {b.tool_use_id!r}")
-                out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
-                origins.append(f"{where}.content[{j}]")
-            elif isinstance(b, TextBlock):
-                texts.append(b)
-        if texts:
-            out.append({"role": "user", "content": _join(texts)})
-            origins.append(f"{where}.content")
-    return out, origins
-
-
-def _tools(req: CountTokensRequest) -> dict[str, Any]:
-    """`tools`, `tool_choice` and `parallel_tool_calls` of the chat request."""
-    tools = req.tools or []
-    names = [t.name for t in tools]
-    fields: dict[str, Any] = {}
-    if tools:
-        fields["tools"] = [{"type": "function", "function": {
-            "name": t.name, **({"description": t.description} if t.description else {}),
-            "parameters": t.input_schema}} for t in tools]
-    choice = req.tool_choice
-    if choice is None:
-        return fields
-    if choice.type in ("any", "tool") and not tools:
-        raise _bad("tool_choice", f'"{choice.type}" needs `tools`')
-    if choice.type == "tool":
-        if not choice.name:
-            raise _bad("tool_choice.name", 'required when type is "tool"')
-        if choice.name not in names:
-            raise _bad("tool_choice.name", f"no tool is named {choice.name!r}")
-        fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
-    else:
-        fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
-    if choice.disable_parallel_tool_use and tools:
-        fields["parallel_tool_calls"] = False
-    return fields
-
-
-def to_chat(req: CountTokensRequest) -> Translation:
-    """The chat request that runs `req` (a `MessagesRequest`, or a count_tokens body)."""
-    messages, origins = _messages(req)
-    if not messages:
-        raise _bad("messages", "no message has content")
-    body: dict[str, Any] = {"model": req.model, "messages": messages, **_tools(req)}
-    if req.thinking is not None:
-        body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
-    if isinstance(req, MessagesRequest):
-        if req.temperature is not None and not 0.0 <= req.temperature <= 1.0:
-            raise _bad("temperature", f"must be in [0, 1], got {req.temperature}")
-        body.update(max_tokens=req.max_tokens, stream=bool(req.stream))
-        if req.stop_sequences:
-            body["stop"] = list(req.stop_sequences)
-        fmt = req.output_config.format if req.output_config else None
-        if fmt is not None:
-            body["response_format"] = {"type": "json_schema",
-                                       "json_schema": {"name": "output", "schema": fmt.schema_}}
-        for name in ("temperature", "top_p", "top_k"):
-            if getattr(req, name) is not None:
-                body[name] = getattr(req, name)
-    try:
-        chat = ChatCompletionRequest.model_validate(body)
-    except ValidationError as exc:  # e.g. a lone surrogate inside a tool_use input
-        first = exc.errors()[0]
-        param = rename_param(param_name(first["loc"], body) or "messages", origins)
-        raise _bad(param, str(first["msg"])) from None
-    return Translation(chat, origins)
-
+PATH_PREFIX = "/v1/messages"  # the routes whose errors leave in Anthropic's shape
 
 # ------------------------------------------------------------------------------------ encoder
 
@@ -414,19 +140,6 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def _stop_sequence(ctx: ServeContext, run: ChatRun, req: MessagesRequest) -> str | None:
-    """The stop string that ended the choice: the first one in its decoded output."""
-    if run.finish_reason(0) != "stop" or not req.stop_sequences:
-        return None
-    seen = getattr(run, "stop_sequence", None)
-    if callable(seen):
-        return seen(0)
-    tokenizer = ctx.client.tokenizer
-    text = tokenizer.decode(run.token_ids(0), skip_special_tokens=True) if tokenizer else ""
-    hits = [(text.find(s), -len(s), s) for s in req.stop_sequences if s and s in text]
-    return min(hits)[2] if hits else None
-
-
 def _sse(event: dict[str, Any]) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
@@ -445,6 +158,10 @@ def error_type(status: int) -> str:
 def error_body(err: FtrsError) -> dict[str, Any]:
     message = err.message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"type": "error", "error": {"type": error_type(err.http_status), "message": message}}
+
+
+def error_response(err: FtrsError) -> JSONResponse:
+    return JSONResponse(error_body(err), status_code=err.http_status)
 
 
 def _validation_error(exc: RequestValidationError) -> InvalidRequest:
@@ -492,7 +209,7 @@ def _route_class(ctx: ServeContext) -> type[APIRoute]:
                     logger.exception("unhandled error: %s", exc)
                     err = FtrsError(f"internal server error: {type(exc).__name__}")
                 ctx.metrics.request_failed(err.http_status)
-                return JSONResponse(error_body(err), status_code=err.http_status)
+                return error_response(err)
 
             return route
 
@@ -527,7 +244,7 @@ def install_anthropic(app: FastAPI, ctx: ServeContext, api_key: str | None) -> N
 
     router = APIRouter(route_class=_route_class(ctx), dependencies=[Depends(authorize)])
 
-    @router.post("/v1/messages", response_model=None,
+    @router.post(PATH_PREFIX, response_model=None,
                  responses={200: {"model": MessagesResponse}, **_ERRORS})
     async def messages(req: MessagesRequest, request: Request) -> Response:
         tr = to_chat(req)
@@ -545,14 +262,14 @@ def install_anthropic(app: FastAPI, ctx: ServeContext, api_key: str | None) -> N
         blocks.close()
         blocks.keep_calls(run.calls(0))
         usage = run.usage()
-        seq = _stop_sequence(ctx, run, req)
+        seq = run.stop_sequence(0)
         body = MessagesResponse(id=msg_id, model=req.model, content=blocks.content,
                                 stop_reason=_stop_reason(run.finish_reason(0), seq), stop_sequence=seq,
                                 usage=AnthropicUsage(input_tokens=usage.prompt_tokens,
                                                      output_tokens=usage.completion_tokens))
         return Response(body.model_dump_json(), media_type="application/json")
 
-    @router.post("/v1/messages/count_tokens", response_model=None,
+    @router.post(f"{PATH_PREFIX}/count_tokens", response_model=None,
                  responses={200: {"model": CountTokensResponse}, **_ERRORS})
     async def count_tokens(req: CountTokensRequest) -> CountTokensResponse:
         tr = to_chat(req)
@@ -590,7 +307,7 @@ def _stream(ctx: ServeContext, req: MessagesRequest, run: ChatRun,
         for event in blocks.close():
             yield _sse(event)
         usage = run.usage()
-        seq = _stop_sequence(ctx, run, req)
+        seq = run.stop_sequence(0)
         yield _sse({"type": "message_delta",
                     "delta": {"stop_reason": _stop_reason(run.finish_reason(0), seq), "stop_sequence": seq},
                     "usage": {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens}})
@@ -601,13 +318,10 @@ def _stream(ctx: ServeContext, req: MessagesRequest, run: ChatRun,
 
 
 __all__ = [
+    "PATH_PREFIX",
     "BlockEncoder",
-    "CountTokensRequest",
-    "MessagesRequest",
-    "MessagesResponse",
-    "Translation",
     "error_body",
+    "error_response",
     "error_type",
     "install_anthropic",
-    "to_chat",
 ]

@@ -31,12 +31,11 @@ from fastapi.responses import (
     JSONResponse,
     PlainTextResponse,
     Response,
-    StreamingResponse,
 )
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ftrs.config import EngineConfig
-from ftrs.engine.protocol import StepStats, TokenLogprob
+from ftrs.engine.protocol import StepStats
 from ftrs.errors import DeviceLost, DeviceUnhealthy, FtrsError, InvalidRequest
 from ftrs.server.anthropic import install_anthropic
 from ftrs.server.cli import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
@@ -50,7 +49,6 @@ from ftrs.server.engine_process import EngineReady
 from ftrs.server.errors import (
     ModelNotFound,
     Unauthorized,
-    error_body,
     error_response,
     param_name,
     public_error,
@@ -59,32 +57,20 @@ from ftrs.server.errors import (
 from ftrs.server.limits import BodyLimit
 from ftrs.server.metrics import CONTENT_TYPE, ServerMetrics
 from ftrs.server.protocol import (
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatDelta,
-    ChatResponseMessage,
-    CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    DeltaToolCall,
     ErrorResponse,
     ModelCard,
     ModelList,
-    ResponseFunction,
-    ResponseToolCall,
 )
+from ftrs.server.responses import chat_response, completion_response
 from ftrs.server.serving import (
-    ChatRun,
     ServeContext,
-    chat_logprobs,
-    completion_logprobs,
     start_chat,
     start_completion,
 )
-from ftrs.server.toolcalls import ToolCall, ToolCallDelta
 
 logger = logging.getLogger(__name__)
 
@@ -123,11 +109,6 @@ class ServeSettings:
         if self.engine.model not in names:
             names.append(self.engine.model)
         return tuple(names)
-
-
-def _sse(obj: Any) -> str:
-    data = obj.model_dump_json(exclude_none=True) if hasattr(obj, "model_dump_json") else json.dumps(obj)
-    return f"data: {data}\n\n"
 
 
 def create_app(settings: ServeSettings, classifier: Classifier = classify_engine_exit) -> FastAPI:
@@ -229,13 +210,13 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
               responses={200: {"model": CompletionResponse}, **_ERRORS})
     async def completions(req: CompletionRequest, request: Request) -> Response:
         run = await start_completion(ctx, req, request)
-        return await _completion_response(ctx, req, run)
+        return await completion_response(ctx, req, run)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)], response_model=None,
               responses={200: {"model": ChatCompletionResponse}, **_ERRORS})
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         run = await start_chat(ctx, req, request)
-        return await _chat_response(ctx, req, run)
+        return await chat_response(ctx, req, run)
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
@@ -273,129 +254,6 @@ def _swagger_page(spec: dict[str, Any]) -> str:
 <body><div id="swagger-ui"></div>
 <script src="https://cdn.jsdelivr.net/npm/swagger-ui-dist@5/swagger-ui-bundle.js"></script>
 <script>SwaggerUIBundle({{spec: {inline}, dom_id: "#swagger-ui"}});</script></body></html>"""
-
-
-def _json(obj: Any) -> Response:
-    return Response(obj.model_dump_json(exclude_none=True), media_type="application/json")
-
-
-async def _completion_response(ctx: ServeContext, req: CompletionRequest, run: ChatRun) -> Response:
-    """A /v1/completions answer from the run's events: one JSON body, or SSE chunks."""
-    tokenizer = ctx.client.tokenizer
-    events = await run.events()
-    model, n = req.model, run.n
-    want_ids = bool(req.return_token_ids)
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        async def chunks() -> AsyncIterator[str]:
-            offsets = [0] * n
-            async for e in events:
-                lp = None
-                if req.logprobs is not None:
-                    lp = completion_logprobs(tokenizer, e.logprobs, offsets[e.index])
-                offsets[e.index] += len(e.text)
-                choice = CompletionChoice(index=e.index, text=e.text, logprobs=lp,
-                                          finish_reason=e.finish_reason,
-                                          token_ids=e.token_ids if want_ids else None)
-                yield _sse(CompletionResponse(id=run.request_id, model=model, choices=[choice]))
-            if include_usage:
-                yield _sse(CompletionResponse(id=run.request_id, model=model, choices=[],
-                                              usage=run.usage()))
-
-        return _stream(chunks(), ctx.metrics)
-    texts: list[list[str]] = [[] for _ in range(n)]
-    lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
-    async for e in events:
-        texts[e.index].append(e.text)
-        lps[e.index].extend(e.logprobs)
-    choices = [
-        CompletionChoice(index=i, text="".join(texts[i]), finish_reason=run.finish_reason(i),
-                         logprobs=completion_logprobs(tokenizer, lps[i], 0) if req.logprobs is not None else None,
-                         token_ids=run.token_ids(i) if want_ids else None)
-        for i in range(n)
-    ]
-    return _json(CompletionResponse(id=run.request_id, model=model, choices=choices, usage=run.usage()))
-
-
-def _delta_calls(deltas: list[ToolCallDelta]) -> list[DeltaToolCall] | None:
-    if not deltas:
-        return None
-    return [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
-                          function=ResponseFunction(name=d.name, arguments=d.arguments))
-            for d in deltas]
-
-
-def _message_calls(calls: list[ToolCall]) -> list[ResponseToolCall] | None:
-    if not calls:
-        return None
-    return [ResponseToolCall(id=c.id, function=ResponseFunction(name=c.name, arguments=c.arguments))
-            for c in calls]
-
-
-async def _chat_response(ctx: ServeContext, req: ChatCompletionRequest, run: ChatRun) -> Response:
-    """A /v1/chat/completions answer from the run's events: one JSON body, or SSE chunks."""
-    tokenizer = ctx.client.tokenizer
-    events = await run.events()
-    model, n = req.model, run.n
-    want_ids = bool(req.return_token_ids)
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        async def chunks() -> AsyncIterator[str]:
-            for i in range(n):
-                first = ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
-                yield _sse(ChatCompletionChunk(id=run.request_id, model=model, choices=[first]))
-            async for e in events:
-                lp = chat_logprobs(tokenizer, e.logprobs) if req.logprobs else None
-                if not (e.text or e.reasoning or e.tool_calls or e.finish_reason
-                        or (lp and lp.content) or (want_ids and e.token_ids)):
-                    continue  # held back by a parser: nothing to say yet
-                delta = ChatDelta(content=e.text or None, reasoning_content=e.reasoning or None,
-                                  tool_calls=_delta_calls(e.tool_calls))
-                choice = ChatChunkChoice(index=e.index, delta=delta, logprobs=lp,
-                                         finish_reason=e.finish_reason,
-                                         token_ids=e.token_ids if want_ids else None)
-                yield _sse(ChatCompletionChunk(id=run.request_id, model=model, choices=[choice]))
-            if include_usage:
-                yield _sse(ChatCompletionChunk(id=run.request_id, model=model, choices=[],
-                                               usage=run.usage()))
-
-        return _stream(chunks(), ctx.metrics)
-    texts: list[list[str]] = [[] for _ in range(n)]
-    reasoning: list[list[str]] = [[] for _ in range(n)]
-    lps: list[list[TokenLogprob]] = [[] for _ in range(n)]
-    async for e in events:
-        texts[e.index].append(e.text)
-        reasoning[e.index].append(e.reasoning)
-        lps[e.index].extend(e.logprobs)
-    choices = []
-    for i in range(n):
-        calls = _message_calls(run.calls(i))
-        content = "".join(texts[i])
-        message = ChatResponseMessage(content=None if calls and not content else content,
-                                      reasoning_content="".join(reasoning[i]) or None,
-                                      tool_calls=calls)
-        choices.append(ChatChoice(index=i, message=message, finish_reason=run.finish_reason(i),
-                                  logprobs=chat_logprobs(tokenizer, lps[i]) if req.logprobs else None,
-                                  token_ids=run.token_ids(i) if want_ids else None))
-    return _json(ChatCompletionResponse(id=run.request_id, model=model, choices=choices, usage=run.usage()))
-
-
-def _stream(events: AsyncIterator[str], metrics: ServerMetrics) -> StreamingResponse:
-    """SSE; an error after the response started becomes an `error` event, then `[DONE]`."""
-
-    async def body() -> AsyncIterator[str]:
-        try:
-            async for chunk in events:
-                yield chunk
-        except FtrsError as err:
-            metrics.request_failed(err.http_status)
-            yield f"data: {json.dumps(error_body(err))}\n\n"
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:

@@ -21,6 +21,7 @@ def load(config: EngineConfig) -> LoadedEngine:
     from ftrs.engine.core import EngineCore
 
     engine = EngineCore(config, progress=True)
+    engine.warm_grammar()  # structured output's token trie, built before requests come
     tok = engine.tokenizer
     source = None
     if tok is not None:
@@ -35,11 +36,14 @@ def load_tokenizer(source: Any) -> Any:
         return None
     from tokenizers import Tokenizer as HFTokenizer
 
+    from ftrs.engine import grammar
     from ftrs.models.tokenizer import Tokenizer
 
-    return Tokenizer(HFTokenizer.from_str(source["json"]), source["chat_template"],
-                     source["bos_token"], source["eos_token"], source["eos_token_ids"],
-                     add_bos=source["add_bos"])
+    tok = Tokenizer(HFTokenizer.from_str(source["json"]), source["chat_template"],
+                    source["bos_token"], source["eos_token"], source["eos_token_ids"],
+                    add_bos=source["add_bos"])
+    grammar.warm(tok)  # `grammar.check` compiles against it: build its token trie now
+    return tok
 
 
 __all__ = ["load", "load_tokenizer"]

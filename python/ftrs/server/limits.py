@@ -2,9 +2,9 @@
 
 `BodyLimit` reads the whole body of a request (a `Content-Length` over the cap is refused before
 a byte is read; a chunked body is counted as it arrives), answers 413 in the OpenAI error shape
-when it exceeds `max_bytes`, and otherwise hands the app a `receive` that replays the body once
-and then passes the connection's own messages through, so `http.disconnect` still reaches the
-request's disconnect watcher.
+(Anthropic's under `/v1/messages`) when it exceeds `max_bytes`, and otherwise hands the app a
+`receive` that replays the body once and then passes the connection's own messages through, so
+`http.disconnect` still reaches the request's disconnect watcher.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from ftrs.errors import FtrsError, InvalidRequest
+from ftrs.server import anthropic
 from ftrs.server.errors import RequestTooLarge, error_response
 
 Message = MutableMapping[str, Any]
@@ -77,7 +78,8 @@ def _replay(first: list[Message], receive: Receive) -> Receive:
 
 
 async def _answer(scope: MutableMapping[str, Any], send: Send, err: FtrsError) -> None:
-    response = error_response(err)
+    path = str(scope.get("path", ""))
+    response = anthropic.error_response(err) if path.startswith(anthropic.PATH_PREFIX) else error_response(err)
     response.headers["connection"] = "close"  # the unread rest of the body is not drained
 
     async def no_body() -> Message:

@@ -40,11 +40,7 @@ from ftrs.server.prepare import (
 )
 from ftrs.server.protocol import (
     ChatCompletionRequest,
-    ChatLogprobs,
-    ChatTokenLogprob,
-    CompletionLogprobs,
     CompletionRequest,
-    TopLogprob,
     Usage,
     new_id,
 )
@@ -413,48 +409,12 @@ def disconnect_waiter(request: Any) -> WaitDisconnect | None:
     return wait
 
 
-# ---------------------------------------------------------------------------------- logprobs
-
-
-def _token_str(tokenizer: Any, token_id: int) -> str:
-    if tokenizer is None:
-        return f"token_id:{token_id}"
-    return str(tokenizer.decode([token_id], skip_special_tokens=False))
-
-
-def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob]) -> ChatLogprobs:
-    content = []
-    for lp in lps:
-        tok = _token_str(tokenizer, lp.token_id)
-        top = [
-            TopLogprob(token=(t := _token_str(tokenizer, tid)), logprob=v, bytes=list(t.encode()))
-            for tid, v in lp.top
-        ]
-        content.append(ChatTokenLogprob(token=tok, logprob=lp.logprob, bytes=list(tok.encode()),
-                                        top_logprobs=top))
-    return ChatLogprobs(content=content)
-
-
-def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], offset: int) -> CompletionLogprobs:
-    out = CompletionLogprobs()
-    for lp in lps:
-        tok = _token_str(tokenizer, lp.token_id)
-        out.tokens.append(tok)
-        out.token_logprobs.append(lp.logprob)
-        out.top_logprobs.append({_token_str(tokenizer, t): v for t, v in lp.top})
-        out.text_offset.append(offset)
-        offset += len(tok)
-    return out
-
-
 __all__ = [
     "ChatRun",
     "ChoiceEvent",
     "Delta",
     "Generation",
     "ServeContext",
-    "chat_logprobs",
-    "completion_logprobs",
     "disconnect_waiter",
     "render_chat_prompt",
     "start_chat",
