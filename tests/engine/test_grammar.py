@@ -119,6 +119,18 @@ def test_a_complete_grammar_stops_without_eos_and_max_tokens_still_cuts(llm: LLM
     assert not eng._matchers  # every matcher is released with its request
 
 
+def test_eos_is_allowed_only_where_the_grammar_is_complete(llm: LLM) -> None:
+    eng = llm.engine
+    eos = min(eng.eos_token_ids)
+    a = byte_id(llm, "a")
+    spec = StructuredSpec("lark", 'start: "a"+')  # complete after one "a", may go on
+    params = SamplingParams(max_tokens=8, temperature=0.0, logit_bias=((eos, 100.0),),
+                            structured=spec)
+    out = run(eng, {"e": params})
+    assert tokens(out["e"]) == [a, eos]  # EOS, however favoured, waited for the first "a"
+    assert out["e"][-1].finish_reason == "stop"
+
+
 def test_greedy_and_logprobs_follow_the_masked_distribution(llm: LLM) -> None:
     a, b = byte_id(llm, "a"), byte_id(llm, "b")
     spec = StructuredSpec("lark", 'start: ("a" | "b") "c"')
@@ -228,7 +240,7 @@ def test_bad_structured_spec_is_refused_naming_its_param() -> None:
 def test_unpack_reads_bit_j_of_word_w_as_token_32w_plus_j() -> None:
     rng = np.random.default_rng(0)
     bits = rng.integers(-2**31, 2**31, size=(3, 4), dtype=np.int64).astype(np.int32)
-    got = grammar.unpack(bits, 100, torch.device("cpu"))
+    got = grammar.unpack(bits, 100)
     want = [[bool((int(bits[r, t // 32]) >> (t % 32)) & 1) for t in range(100)] for r in range(3)]
     assert got.tolist() == want
 

@@ -83,16 +83,17 @@ def offsets(qtype: str, w: np.ndarray) -> np.ndarray:
 
 
 def tolerance(x: np.ndarray, wf: np.ndarray, off: np.ndarray, x8: bool = False) -> np.ndarray:
-    """fp32 accumulation over `cols` products; with `x8` (the kernel rounds x to int8 per
-    32-block, `core.quant_rounds_activations`) also half a rounding step, max|x over the block|
-    / 254, per element, times the weight without its min (the min meets the exact block sum)."""
+    """fp32 accumulation over `cols` products; with `x8` (the kernel takes x as two int8 digits
+    per 32-block, `core.quant_rounds_activations`) also half a step of the low digit,
+    max|x over the block| / (127 * 508), per element (1 % more for the fp32 rounding of x / d),
+    times the weight without its min (the min meets the exact block sum)."""
     cols = x.shape[1]
     mag = np.abs(x.astype(np.float64)) @ (np.abs(wf) + 2 * np.abs(off)).astype(np.float64).T
     tol = (cols + 4) * np.finfo(np.float32).eps * mag
     if x8:
         amax = np.abs(x.astype(np.float64)).reshape(x.shape[0], -1, 32).max(axis=2)
-        step = np.repeat(amax / 254, 32, axis=1)  # (n, cols)
-        tol = tol + step @ np.abs(wf.astype(np.float64) - off).T * (1 + 1e-6)
+        step = np.repeat(amax / 64516 * 1.01, 32, axis=1)  # (n, cols)
+        tol = tol + step @ np.abs(wf.astype(np.float64) - off).T
     return tol
 
 

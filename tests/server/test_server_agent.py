@@ -95,6 +95,21 @@ def test_n_choices_stream_with_their_index(client: Any) -> None:
     assert content[0] != content[1] and all(len(content[i]) > 0 for i in (0, 1))
 
 
+def test_a_request_of_n_choices_counts_once_with_every_choices_tokens(client: Any, fake_server: Any) -> None:
+    from ftrs_server_harness import scrape
+
+    before = scrape(fake_server.url)
+    r = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5, n=3, seed=2)
+    after = scrape(fake_server.url)
+
+    def grew(name: str) -> float:
+        return after[name] - before[name]
+
+    assert grew("ftrs_requests_total{status=success}") == 1
+    assert grew("ftrs_prompt_tokens_total") == r.usage.prompt_tokens
+    assert grew("ftrs_generation_tokens_total") == 15 == r.usage.completion_tokens
+
+
 def test_n_above_max_n_is_a_400_and_the_server_serves_on(client: Any) -> None:
     import openai
 
@@ -345,22 +360,33 @@ def test_live_json_schema_output_validates_for_20_seeded_samples(tiny_server: An
     _check_json_schema_samples(_openai(tiny_server), "tiny", 20)
 
 
-def test_live_n_3_choices_are_the_requests_with_distinct_seeds(tiny_server: Any) -> None:
+def _check_n_3(server: Any, model: str, prompt: list[int], exact: bool = True) -> None:
+    """n=3 with a seed: choice i is the request alone with seed + i; the three differ.
+
+    `exact=False` (the demo MoE): a batch of 3 and a batch of 1 round differently on the CPU,
+    which can flip a near-tie a few tokens in, so only the first token is compared."""
     import httpx
 
     def complete(**kw: Any) -> dict[str, Any]:
-        body = {"model": "tiny", "prompt": [5, 9, 33, 71], "max_tokens": 8, "temperature": 1.0,
+        body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 1.0,
                 "return_token_ids": True, **kw}
-        r = httpx.post(tiny_server.url + "/v1/completions", json=body, timeout=120)
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
         return dict(r.json())
 
     many = complete(seed=77, n=3)
     ids = [ch["token_ids"] for ch in sorted(many["choices"], key=lambda ch: ch["index"])]
     alone = [complete(seed=77 + i)["choices"][0]["token_ids"] for i in range(3)]
-    assert ids == alone
+    if exact:
+        assert ids == alone
+    else:
+        assert [t[:1] for t in ids] == [t[:1] for t in alone]
     assert len({tuple(t) for t in ids}) == 3
-    assert many["usage"]["completion_tokens"] == 24
+    assert many["usage"]["completion_tokens"] == sum(len(t) for t in ids)
+
+
+def test_live_n_3_choices_are_the_requests_with_distinct_seeds(tiny_server: Any) -> None:
+    _check_n_3(tiny_server, "tiny", [5, 9, 33, 71])
 
 
 def test_live_logit_bias_moves_the_sample(tiny_server: Any) -> None:
@@ -423,3 +449,8 @@ def test_demo_forced_tool_call_validates_against_the_tool_schema(demo_server: An
 @pytest.mark.slow
 def test_demo_json_schema_output_validates_for_20_seeded_samples(demo_server: Any) -> None:
     _check_json_schema_samples(_openai(demo_server), "demo", 20)
+
+
+@pytest.mark.slow
+def test_demo_n_3_choices_are_the_requests_with_distinct_seeds(demo_server: Any) -> None:
+    _check_n_3(demo_server, "demo", [504, 3458, 314, 4700, 282], exact=False)

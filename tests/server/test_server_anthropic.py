@@ -138,6 +138,19 @@ def test_error_types_follow_anthropic() -> None:
         "api_error", "overloaded_error"]
 
 
+def test_openapi_documents_the_anthropic_error_shape_on_its_routes_only() -> None:
+    from ftrs.server.app import ServeSettings, create_app
+
+    doc = create_app(ServeSettings()).openapi()
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        responses = doc["paths"][path]["post"]["responses"]
+        assert "422" not in responses
+        for status in ("400", "401", "404", "503"):
+            assert responses[status]["content"]["application/json"]["schema"]["$ref"].endswith("/AnthropicError")
+    chat = doc["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert chat["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+
+
 # ----------------------------------------------------------------------------------- encoder
 
 

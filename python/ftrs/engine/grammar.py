@@ -16,9 +16,14 @@ Two places compile a spec:
 Per step (`MaskFiller`): the bitmasks of the step's constrained rows are filled by llguidance's
 parallel executor (native threads, GIL released) on a worker thread started *before* the
 forward, since a mask depends only on the tokens consumed so far; the step joins it before
-sampling. After sampling, each matcher consumes its token; a grammar that cannot go on
-(`done`) finishes its request with "stop", and EOS is allowed by the mask only where the
+sampling. After sampling, each matcher consumes its token (`advance`); a grammar that accepts
+nothing more finishes its request with "stop", and EOS is allowed by the mask only where the
 grammar is complete.
+
+Compilation in the engine runs between steps, on the loop: a few milliseconds for a typical
+schema (bench/structured.py), once per distinct spec thanks to the cache. A schema that took
+much longer would delay the running streams once (the API process's `check` compiled it in
+another process, so the engine's cache starts empty).
 
 The llguidance tokenizer (its token trie, ~1-2 s to build for 50k tokens, holding the GIL) is
 built once per tokenizer object and vocabulary size; `warm` builds it ahead (the server does at
@@ -191,9 +196,10 @@ def advance(matcher: llguidance.LLMatcher, token: int) -> str | None:
 class MaskFiller:
     """Fills the allowed-token bitmasks of a step's constrained rows on a worker thread.
 
-    `start(matchers)` returns a future of the (rows, vocab) bool mask, on `device`; the
-    matchers must not consume tokens until it is done (the step joins it before sampling, with
-    `wait`). `stats()`: fills, seconds spent filling, seconds the steps waited for a fill."""
+    `start(matchers)` returns a future of the (rows, vocab) bool mask on the host; `wait` takes
+    it to `device` on the calling thread (the worker never touches the device, so it never
+    queues behind the forward's kernels). The matchers must not consume tokens until the fill is
+    done. `stats()`: fills, seconds spent filling, seconds the steps waited for a fill."""
 
     def __init__(self, vocab_size: int, device: torch.device, threads: int | None = None) -> None:
         self.vocab_size = vocab_size
@@ -210,19 +216,19 @@ class MaskFiller:
         return self._thread.submit(self.fill, list(matchers))
 
     def wait(self, masks: Future[torch.Tensor]) -> torch.Tensor:
-        """The result of `start`, timing how long the caller waited for it."""
+        """The result of `start` on `device`, timing how long the caller waited for the fill."""
         t0 = time.perf_counter()
         out = masks.result()
         self.wait_s += time.perf_counter() - t0
-        return out
+        return out if self.device.type == "cpu" else out.to(self.device)
 
     def fill(self, matchers: list[llguidance.LLMatcher]) -> torch.Tensor:
-        """The masks now, on the calling thread: (len(matchers), vocab) bool on `device`."""
+        """The masks now, on the calling thread: (len(matchers), vocab) bool on the host."""
         t0 = time.perf_counter()
         bits = np.full((len(matchers), self.words), -1, dtype=np.int32)  # (rows, words)
         self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
                                                bits.ctypes.data, self.words * 4, len(matchers))
-        out = unpack(bits, self.vocab_size, self.device)
+        out = unpack(bits, self.vocab_size)
         self.fills += 1
         self.fill_s += time.perf_counter() - t0
         return out
@@ -234,17 +240,14 @@ class MaskFiller:
         self._thread.shutdown(wait=True)
 
 
-def unpack(bits: np.ndarray, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """(rows, words) int32 bitmask, bit j of word w = token 32w + j -> (rows, vocab) bool."""
+def unpack(bits: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """(rows, words) int32 bitmask, bit j of word w = token 32w + j -> (rows, vocab) bool on
+    the host (read as little-endian words whatever the host's order)."""
     import torch
 
-    if device.type == "cpu":
-        flat = np.unpackbits(bits.astype("<i4", copy=False).view(np.uint8), axis=1,
-                             bitorder="little")
-        return torch.from_numpy(flat[:, :vocab_size]).bool()
-    words = torch.from_numpy(bits).to(device, non_blocking=False)
-    shifts = torch.arange(32, dtype=torch.int32, device=device)
-    return ((words[:, :, None] >> shifts) & 1).bool().reshape(bits.shape[0], -1)[:, :vocab_size]
+    flat = np.unpackbits(bits.astype("<i4", copy=False).view(np.uint8), axis=1,
+                         bitorder="little")
+    return torch.from_numpy(flat[:, :vocab_size]).bool()
 
 
 __all__ = ["GrammarCache", "MaskFiller", "advance", "check", "grammar_text", "ll_tokenizer",

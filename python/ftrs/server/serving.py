@@ -10,8 +10,9 @@ submits the request's choices to the engine together, so the engine may prefill 
 prompt once. `Generation` runs one choice: it feeds each `TokenEvent` through the incremental
 detokenizer and the stop-string checker and yields `Delta`s; it aborts its engine request when
 a stop string matches, when its consumer goes away, or when the client disconnects (the abort
-reaches the engine before its next step), and records the request's metrics exactly once.
-`ChatRun` merges its choices' deltas into `ChoiceEvent`s, each tagged with its choice index.
+reaches the engine before its next step), and records the request's metrics exactly once: a
+request of `n` choices counts once (choice 0's outcome, TTFT and latency), its prompt once, and
+the tokens of every choice. `ChatRun` merges its choices' deltas into `ChoiceEvent`s, each tagged with its choice index.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ class Generation:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_sequence: str | None = None  # the stop string that ended it
+    primary: bool = True  # choice 0: counts the request, its prompt, TTFT and latency in metrics
     _queue: asyncio.Queue[Any] | None = None
     _arrival: float = field(default_factory=time.monotonic)
 
@@ -149,7 +151,8 @@ class Generation:
                 now = time.monotonic()
                 if item.new_token_ids:
                     if not self.token_ids:
-                        self.metrics.ttft.observe(now - self._arrival)
+                        if self.primary:
+                            self.metrics.ttft.observe(now - self._arrival)
                     else:
                         gap = (now - last) / len(item.new_token_ids)
                         for _ in item.new_token_ids:
@@ -183,8 +186,11 @@ class Generation:
                 self.client.abort(self.request_id)
             else:
                 self.client.release(self.request_id)
-            self.metrics.request_done(status, self.num_prompt_tokens, len(self.token_ids),
-                                      time.monotonic() - self._arrival if status == "success" else None)
+            if self.primary:
+                self.metrics.request_done(status, self.num_prompt_tokens, len(self.token_ids),
+                                          time.monotonic() - self._arrival if status == "success" else None)
+            else:  # another choice of the same request: its tokens only
+                self.metrics.request_done(None, 0, len(self.token_ids), None)
 
 
 @dataclass(slots=True)
@@ -264,7 +270,7 @@ class ChatRun:
         self.plan = plan
         self._gens = [
             Generation(ctx.client, ctx.metrics, request_id if self.n == 1 else f"{request_id}-{i}",
-                       plan.prompt_ids, params)
+                       plan.prompt_ids, params, primary=i == 0)
             for i, params in enumerate(plan.params)
         ]
         self._choices = [_Choice.of(plan) for _ in range(self.n)]

@@ -14,8 +14,8 @@
 //! to fp32 as a whole: each block is decoded into registers or a stack buffer of at most
 //! [`blocks::QK_K`] floats right before its products. Accumulation is fp32, in 8 lanes, except
 //! where [`rounds_activations`] says the AVX2 kernel takes integer products against the
-//! activations rounded to int8 per 32-block (Q8_0, Q4_1, Q5_1: twice the speed of decoding to
-//! fp32, at an error bounded by the rounding).
+//! activations as two int8 digits per 32-block (Q8_0, Q4_1, Q5_1, Q4_K: faster than decoding
+//! to fp32, at an error bounded by the rounding).
 
 pub mod blocks;
 pub mod kernel;
@@ -72,11 +72,12 @@ impl Isa {
     }
 }
 
-/// Whether the kernels of `isa` round the activations to int8 per 32-element block for type `t`
-/// (ggml's `q8` dot products: integer products, one fp32 scale per block). The result then
-/// differs from the fp32 dot by at most `sum over blocks of max|x| / 254 * sum |w - min|`.
+/// Whether the kernels of `isa` round the activations per 32-element block for type `t`:
+/// integer products against x as two int8 digits (`x = d/254 (254 q + r)`, a 15-bit value; one
+/// digit, as ggml's q8 dot products use, flips greedy tokens of small models). The result then
+/// differs from the fp32 dot by at most `sum over blocks of max|x| / 64516 * sum |w - min|`.
 pub fn rounds_activations(t: QType, isa: Isa) -> bool {
-    isa == Isa::Avx2 && matches!(t, QType::Q8_0 | QType::Q4_1 | QType::Q5_1)
+    isa == Isa::Avx2 && matches!(t, QType::Q8_0 | QType::Q4_1 | QType::Q5_1 | QType::Q4K)
 }
 
 /// Bytes of one encoded row of `cols` weights; `cols` must be a positive multiple of the block.

@@ -95,6 +95,15 @@ mod x86 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
     }
 
+    /// The two fp16 at `b[0..4]` as fp32 (one F16C conversion).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn f16x2(b: &[u8]) -> (f32, f32) {
+        let h = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(h as i32));
+        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1)))
+    }
+
     /// Sum of the 8 lanes.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -383,13 +392,17 @@ mod x86 {
         }
     }
 
-    /// Activation rows rounded to int8 per 32-element block, as ggml's `q8_0`/`q8_1` dot
-    /// products do: `q[j] = round(x[j] / d)`, `d = max|x over the block| / 127` (0 for an
-    /// all-zero block), plus the exact fp32 sum of each block (for the mins of Q4_1/Q5_1).
+    /// Activation rows as two int8 digits per value, per 32-element block: `q = round(x / d)`
+    /// with `d = max|x over the block| / 127`, then the remainder `r = round((x - d q) / (d /
+    /// 254))`, so `x = (d / 254) (254 q + r)` to within `d / 508` (a 15-bit activation: the
+    /// integer products stay exact, and the rounding is far below what flips a greedy token).
+    /// Plus the exact fp32 sum of each block (for the mins of Q4_1/Q5_1/Q4_K).
     struct X8 {
-        /// `n * cols` quantized activations, row-major.
+        /// `n * cols` high digits, row-major.
         q: Vec<i8>,
-        /// `n * cols / 32` block scales.
+        /// `n * cols` low digits.
+        r: Vec<i8>,
+        /// `n * cols / 32` units `d / 254` (0 for an all-zero block).
         d: Vec<f32>,
         /// `n * cols / 32` exact block sums.
         s: Vec<f32>,
@@ -400,47 +413,66 @@ mod x86 {
         let blocks = n * cols / 32;
         let mut out = X8 {
             q: vec![0; n * cols],
+            r: vec![0; n * cols],
             d: vec![0.0; blocks],
             s: vec![0.0; blocks],
         };
-        for (b, (xb, qb)) in x[..n * cols]
+        for (b, ((xb, qb), rb)) in x[..n * cols]
             .chunks_exact(32)
             .zip(out.q.chunks_exact_mut(32))
+            .zip(out.r.chunks_exact_mut(32))
             .enumerate()
         {
             let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;
             let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
             let mut sum = [0f32; 8];
-            for (k, (&v, q)) in xb.iter().zip(qb.iter_mut()).enumerate() {
-                *q = (v * inv).round() as i8;
+            for (k, ((&v, q), r)) in xb.iter().zip(qb.iter_mut()).zip(rb.iter_mut()).enumerate() {
+                let hi = (v * inv).round();
+                *q = hi as i8;
+                *r = ((v * inv - hi) * 254.0).round() as i8;
                 sum[k % 8] += v;
             }
-            out.d[b] = d;
+            out.d[b] = d / 254.0;
             out.s[b] = kernel::hsum8(&sum);
         }
         out
     }
 
-    /// `sum over 32 lanes of u[j] * s[j]` as 8 i32 lanes, then fp32 (`u` unsigned 0..=127,
-    /// `s` signed: pairs never saturate the i16 step, 2 * 127 * 127 < 32767).
+    /// `sum over 32 lanes of u[j] * (254 q[j] + r[j])` as 8 lanes of fp32 (`u` unsigned
+    /// 0..=127; pairs never saturate the i16 step, 2 * 127 * 127 < 32767; the i32 total stays
+    /// below 2^31).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn dot_u8i8(u: __m256i, s: __m256i) -> __m256 {
-        let pairs = _mm256_maddubs_epi16(u, s);
-        _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
+    fn dot_u8i8(u: __m256i, q: __m256i, r: __m256i) -> __m256 {
+        let ones = _mm256_set1_epi16(1);
+        let hi = _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones);
+        let lo = _mm256_madd_epi16(_mm256_maddubs_epi16(u, r), ones);
+        let hi254 = _mm256_sub_epi32(_mm256_slli_epi32(hi, 8), _mm256_slli_epi32(hi, 1));
+        _mm256_cvtepi32_ps(_mm256_add_epi32(hi254, lo))
     }
 
     /// One group of `NX` activation rows (int8, see [`X8`]) against every weight row of `w`.
-    type GroupI8Fn<const NX: usize> =
-        fn(&[u8], &[&[i8]; NX], &[&[f32]; NX], &[&[f32]; NX], usize, &mut [f32], usize);
+    type GroupI8Fn<const NX: usize> = fn(
+        &[u8],
+        &[&[i8]; NX],
+        &[&[i8]; NX],
+        &[&[f32]; NX],
+        &[&[f32]; NX],
+        usize,
+        &mut [f32],
+        usize,
+    );
 
-    /// Q8_0 against int8 activations: `d_w * d_x * sum(q_w * q_x)` per block, the signed
-    /// product taken as `|q_w| * (q_x with q_w's sign)` so `maddubs` can form it.
+    /// Q8_0 against the two-digit activations ([`X8`]): `d_w * d_x * sum(q_w * x digits)` per
+    /// block, each signed product taken as `|q_w| * (digit with q_w's sign)` so `maddubs` can
+    /// form it.
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn q8_0_i8<const NX: usize>(
         w: &[u8],
         xq: &[&[i8]; NX],
+        xr: &[&[i8]; NX],
         xd: &[&[f32]; NX],
         _xs: &[&[f32]; NX],
         n: usize,
@@ -457,7 +489,8 @@ mod x86 {
                 let aq = _mm256_sign_epi8(q, q);
                 for i in 0..NX {
                     let xv = ld32_i8(&xq[i][bi * 32..]);
-                    let p = dot_u8i8(aq, _mm256_sign_epi8(xv, q));
+                    let rv = ld32_i8(&xr[i][bi * 32..]);
+                    let p = dot_u8i8(aq, _mm256_sign_epi8(xv, q), _mm256_sign_epi8(rv, q));
                     let j = bi % 2;
                     acc[i][j] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * xd[i][bi]), acc[i][j]);
                 }
@@ -471,10 +504,12 @@ mod x86 {
     /// Q4_1 (`FIVE` false) and Q5_1 against int8 activations: the unsigned quants (0..=15 or
     /// 0..=31, assembled as in [`q32`]) times `q_x`, times `d_w * d_x`, plus `m_w * sum(x)`
     /// with the exact block sum.
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn q41_i8<const NX: usize, const FIVE: bool>(
         w: &[u8],
         xq: &[&[i8]; NX],
+        xr: &[&[i8]; NX],
         xd: &[&[f32]; NX],
         xs: &[&[f32]; NX],
         n: usize,
@@ -495,7 +530,7 @@ mod x86 {
             let mut acc = [[_mm256_setzero_ps(); 2]; NX];
             let mut mins = [0f32; NX];
             for (bi, b) in row.chunks_exact(bb).enumerate() {
-                let (d, m) = (f16(b, 0), f16(b, 2));
+                let (d, m) = f16x2(b);
                 let v = ld16(&b[qs_at..]);
                 let lo = _mm_and_si128(v, m4);
                 let hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
@@ -507,14 +542,71 @@ mod x86 {
                     q = _mm256_or_si256(q, _mm256_and_si256(set, b16));
                 }
                 for i in 0..NX {
-                    let p = dot_u8i8(q, ld32_i8(&xq[i][bi * 32..]));
+                    let p = dot_u8i8(q, ld32_i8(&xq[i][bi * 32..]), ld32_i8(&xr[i][bi * 32..]));
                     let j = bi % 2;
                     acc[i][j] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * xd[i][bi]), acc[i][j]);
-                    mins[i] = m.mul_add(xs[i][bi], mins[i]);
+                    mins[i] += m * xs[i][bi];
                 }
             }
             for i in 0..NX {
                 o[g0 + i] = hsum_chains(&acc[i]) + mins[i];
+            }
+        }
+    }
+
+    /// Q4_K against int8 activations: each 32-value sub-block's nibbles (low nibbles of a
+    /// 32-byte run: sub-block 2c, high: 2c + 1) times `q_x`, times `d * sc * d_x`; the mins
+    /// enter as `dmin * m * sum(x over the sub-block)` with the exact sums.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn q4k_i8<const NX: usize>(
+        w: &[u8],
+        xq: &[&[i8]; NX],
+        xr: &[&[i8]; NX],
+        xd: &[&[f32]; NX],
+        xs: &[&[f32]; NX],
+        n: usize,
+        out: &mut [f32],
+        g0: usize,
+    ) {
+        let cols = xq[0].len();
+        let rb = cols / 256 * 144;
+        let m4 = _mm256_set1_epi8(0x0F);
+        for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
+            let mut acc = [[_mm256_setzero_ps(); 2]; NX];
+            let mut mins = [0f32; NX];
+            for (bi, b) in row.chunks_exact(144).enumerate() {
+                let (d, dmin) = f16x2(b);
+                let mut sc = [0f32; 8];
+                let mut mn = [0f32; 8];
+                for j in 0..8 {
+                    let (s, m) = scale_min_k4(&b[4..16], j);
+                    sc[j] = d * s as f32;
+                    mn[j] = dmin * m as f32;
+                }
+                for c in 0..4 {
+                    let v = ld32(&b[16 + 32 * c..]);
+                    let lo = _mm256_and_si256(v, m4);
+                    let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    let xb = bi * 8 + 2 * c;
+                    for i in 0..NX {
+                        let (at0, at1) = (xb * 32, xb * 32 + 32);
+                        let p0 = dot_u8i8(lo, ld32_i8(&xq[i][at0..]), ld32_i8(&xr[i][at0..]));
+                        let p1 = dot_u8i8(hi, ld32_i8(&xq[i][at1..]), ld32_i8(&xr[i][at1..]));
+                        let (s0, s1) = (sc[2 * c] * xd[i][xb], sc[2 * c + 1] * xd[i][xb + 1]);
+                        acc[i][0] = _mm256_fmadd_ps(p0, _mm256_set1_ps(s0), acc[i][0]);
+                        acc[i][1] = _mm256_fmadd_ps(p1, _mm256_set1_ps(s1), acc[i][1]);
+                    }
+                }
+                for i in 0..NX {
+                    let sums = &xs[i][bi * 8..bi * 8 + 8];
+                    for j in 0..8 {
+                        mins[i] += mn[j] * sums[j];
+                    }
+                }
+            }
+            for i in 0..NX {
+                o[g0 + i] = hsum_chains(&acc[i]) - mins[i];
             }
         }
     }
@@ -540,9 +632,10 @@ mod x86 {
     ) {
         let per = cols / 32;
         let xq: [&[i8]; NX] = std::array::from_fn(|i| &x8.q[(g0 + i) * cols..][..cols]);
+        let xr: [&[i8]; NX] = std::array::from_fn(|i| &x8.r[(g0 + i) * cols..][..cols]);
         let xd: [&[f32]; NX] = std::array::from_fn(|i| &x8.d[(g0 + i) * per..][..per]);
         let xs: [&[f32]; NX] = std::array::from_fn(|i| &x8.s[(g0 + i) * per..][..per]);
-        f(w, &xq, &xd, &xs, n, out, g0);
+        f(w, &xq, &xr, &xd, &xs, n, out, g0);
     }
 
     /// Runs int8 kernel `$kern` over the activation rows in groups of up to 8.
@@ -667,8 +760,8 @@ mod x86 {
     pub fn rows_x86(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32]) {
         match t {
             QType::Q4K => {
-                let sums = sums32(x, n, cols);
-                dispatch!(qk45, false; w, x, &sums, n, cols, out)
+                let x8 = quantize_x8(x, n, cols);
+                dispatch_i8!(q4k_i8; w, &x8, n, cols, out)
             }
             QType::Q5K => {
                 let sums = sums32(x, n, cols);

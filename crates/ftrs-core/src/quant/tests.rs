@@ -105,11 +105,12 @@ fn check_kernel(t: QType, isa: Isa, rows: usize, cols: usize, n: usize, seed: u6
                 exact += xv * wv;
                 mag += xv.abs() * (wv.abs() + 2.0 * (off[r * cols + c] as f64).abs());
                 if x8 {
-                    // x rounded to int8 per 32-block: off by at most half a step, amax / 254,
-                    // times the weight without its min (the min meets the exact block sum)
+                    // x as two int8 digits per 32-block: off by at most half a step of the low
+                    // digit, amax / (127 * 508), times the weight without its min (the min
+                    // meets the exact block sum); 1 % for the fp32 rounding of x / d
                     let b = &x[i * cols + c / 32 * 32..][..32];
                     let amax = b.iter().fold(0f64, |m, v| m.max(v.abs() as f64));
-                    round += amax / 254.0 * (wv - off[r * cols + c] as f64).abs();
+                    round += amax / 64516.0 * 1.01 * (wv - off[r * cols + c] as f64).abs();
                 }
             }
             let got = out[i * rows + r] as f64;
