@@ -27,6 +27,17 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def hybrid_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny qwen3_5_moe and qwen3_next checkpoints written by transformers (tests/hybrid_models)."""
+    pytest.importorskip("transformers.models.qwen3_5_moe")
+    pytest.importorskip("transformers.models.qwen3_next")
+    from hybrid_models import build
+
+    root = tmp_path_factory.mktemp("hybrid")
+    return {arch: build(arch, root / arch) for arch in ("qwen3_5_moe", "qwen3_next")}
+
+
+@pytest.fixture(scope="session")
 def smollm_gguf() -> Path:
     from ftrs.models.demo import demo_gguf
 

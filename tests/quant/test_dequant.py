@@ -115,3 +115,47 @@ def test_embedding_of_a_quantized_table_decodes_the_rows_asked_for(qtype: str,
     want = dequantize_numpy(w)[ids]  # the gguf package's reference, whole table
     assert got.shape == (2, 2, w.shape[1])
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_mxfp4_dequantizer_equals_gguf_reference() -> None:
+    # random bytes are valid MXFP4 blocks; exponents 0..254 include the subnormal halves (0, 1)
+    rng = np.random.default_rng(5)
+    raw = rng.integers(0, 256, size=(7 * 3, 17), dtype=np.uint8)
+    raw[:, 0] = rng.integers(0, 255, size=7 * 3)
+    raw[:4, 0] = [0, 1, 2, 127]
+    w = QuantTensor("MXFP4", (7, 96), torch.from_numpy(raw.reshape(-1).copy()))
+    ours, ref = dequantize(w), dequantize_numpy(w)
+    assert torch.isfinite(ref).all() and ref.abs().max() > 0
+    assert torch.equal(ours, ref)
+
+
+def test_shipped_mxfp4_blocks_decode_as_transformers_does() -> None:
+    from ftrs.quant.mxfp4 import from_blocks
+
+    convert_moe_packed_tensors = pytest.importorskip(
+        "transformers.integrations.mxfp4").convert_moe_packed_tensors
+
+    rng = np.random.default_rng(6)
+    blocks = torch.from_numpy(rng.integers(0, 256, size=(3, 5, 2, 16), dtype=np.uint8))
+    scales = torch.from_numpy(rng.integers(110, 140, size=(3, 5, 2), dtype=np.uint8))
+    ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # (E, cols, rows)
+    rows = from_blocks(blocks, scales)
+    assert rows.shape == (3, 5, 2 * 17)
+    for e in range(3):
+        w = QuantTensor("MXFP4", (5, 64), rows[e].reshape(-1).contiguous())
+        assert torch.equal(dequantize(w), ref[e].t())
+    with pytest.raises(ValueError, match="do not match"):
+        from_blocks(blocks, scales[..., :1])
+
+
+def test_mxfp4_matmul_falls_back_to_the_reference() -> None:
+    rng = np.random.default_rng(8)
+    raw = rng.integers(0, 256, size=(4 * 2, 17), dtype=np.uint8)
+    raw[:, 0] = rng.integers(120, 130, size=8)
+    w = QuantTensor("MXFP4", (4, 64), torch.from_numpy(raw.reshape(-1).copy()))
+    x = torch.randn(3, 64)
+    ref = torch.nn.functional.linear(x, dequantize(w))
+    if "MXFP4" in kernel_types():  # a Rust kernel sums in its own order
+        torch.testing.assert_close(matmul(x, w), ref)
+    else:  # none yet: dequantize, then F.linear
+        assert torch.equal(matmul(x, w), ref)

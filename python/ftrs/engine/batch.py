@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ftrs.layers.attention import AttnMetadata, PrefillSpan, prefill_mask
+from ftrs.layers.deltanet import LinearMeta
 from ftrs.scheduler.scheduler import Work
 from ftrs.scheduler.sequence import Sequence
 
@@ -50,7 +51,9 @@ def context_slots(seq: Sequence, end: int, page_size: int, device: torch.device)
     return table[:end]
 
 
-def build_batch(work: list[Work], page_size: int, device: torch.device) -> Batch:
+def build_batch(work: list[Work], page_size: int, device: torch.device,
+                states: bool = False) -> Batch:
+    """`states`: the model has linear attention layers; every sequence holds a state slot."""
     ids: list[int] = []
     slot_parts: list[torch.Tensor] = []
     pos_parts: list[torch.Tensor] = []
@@ -83,10 +86,12 @@ def build_batch(work: list[Work], page_size: int, device: torch.device) -> Batch
             sample_seqs.append(seq)
     gather, mask = _decode_gather(decode_ctx, device)
     decode_only = len(decode_rows) == len(ids)
+    rows_t = torch.tensor(decode_rows, dtype=torch.long, device=device)
     meta = AttnMetadata(
         slot_mapping=torch.cat(slot_parts),
-        decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
-        decode_gather=gather, decode_mask=mask, prefills=prefills, decode_only=decode_only)
+        decode_rows=rows_t,
+        decode_gather=gather, decode_mask=mask, prefills=prefills, decode_only=decode_only,
+        linear=_linear_meta(work, rows_t, device) if states else None)
     return Batch(torch.tensor(ids, dtype=torch.long, device=device),
                  torch.cat(pos_parts).to(device), meta,
                  torch.tensor(sample_rows, dtype=torch.long, device=device), sample_seqs,
@@ -108,3 +113,21 @@ def _decode_gather(ctx: list[torch.Tensor], device: torch.device
         gather[i, : c.numel()] = c
     real = torch.arange(width, device=device) < torch.tensor(lens, device=device)[:, None]
     return gather, real[:, None, None, :]
+
+
+def _linear_meta(work: list[Work], decode_rows: torch.Tensor, device: torch.device) -> LinearMeta:
+    """State slots of the step's rows: one-token rows (the decode rows, same order) take the
+    recurrent step, longer chunks the chunked form; sequences at token 0 start from zero."""
+    slots, spans, fresh = [], [], []
+    row = 0
+    for seq, n in work:
+        assert seq.state_slot is not None, "a running sequence holds a state slot"
+        if n == 1:
+            slots.append(seq.state_slot)
+        else:
+            spans.append((row, n, seq.state_slot))
+        if seq.num_computed == 0:
+            fresh.append(seq.state_slot)
+        row += n
+    return LinearMeta(decode_rows, torch.tensor(slots, dtype=torch.long, device=device), spans,
+                      torch.tensor(fresh, dtype=torch.long, device=device))

@@ -22,6 +22,7 @@ from ftrs.engine.runtime import Runtime
 from ftrs.engine.sampler import sample
 from ftrs.errors import ConfigError, ContextLengthExceeded, DeviceError, FtrsError, InvalidRequest
 from ftrs.kvcache.pages import PagePool
+from ftrs.kvcache.state import StateSlots
 from ftrs.sampling import SamplingParams
 from ftrs.scheduler.scheduler import Scheduler, Work
 from ftrs.scheduler.sequence import Sequence
@@ -40,8 +41,14 @@ class EngineCore:
         # What one request can use: the model's context, capped by the KV pool.
         self.max_model_len = min(self.rt.max_model_len, self.rt.num_pages * config.page_size)
         self.pool = PagePool(self.rt.num_pages, config.page_size)
-        self.scheduler = Scheduler(self.pool, config.max_prefill_length,
-                                   config.max_running_requests)
+        self.has_states = self.spec.has_linear_attention
+        if self.has_states:
+            log.info("prefix cache off: %s has linear attention layers, whose state at a cached "
+                     "prefix is not kept", self.spec.arch)
+        self.scheduler = Scheduler(
+            self.pool, config.max_prefill_length, config.max_running_requests,
+            prefix_cache=not self.has_states,
+            states=StateSlots(self.rt.state_slots) if self.has_states else None)
         self._seqs: dict[str, Sequence] = {}
         self._prompt_logits: dict[str, dict[int, torch.Tensor]] = {}  # see `logits`
         self._step = 0
@@ -131,7 +138,7 @@ class EngineCore:
         self._step += 1
         if not work:
             return [], self._stats(t0, "idle", 0, 0)
-        batch = build_batch(work, self.pool.page_size, self.rt.device)
+        batch = build_batch(work, self.pool.page_size, self.rt.device, states=self.has_states)
         # the grammar masks of this step's constrained rows, computed while the forward runs
         g_rows = [r for r, s in enumerate(batch.sample_seqs) if s.request_id in self._matchers]
         masks = self._start_masks([batch.sample_seqs[r] for r in g_rows]) if g_rows else None

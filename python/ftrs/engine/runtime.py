@@ -8,6 +8,7 @@ import torch
 
 from ftrs.config import EngineConfig
 from ftrs.errors import ConfigError
+from ftrs.kvcache.state import state_bytes
 from ftrs.models.decoder import Decoder, KVCache
 from ftrs.models.load import load_model
 from ftrs.moe.base import MoEStrategy, create_strategy, import_strategy
@@ -56,10 +57,11 @@ class Runtime:
         self.decoder = Decoder(self.spec, self.loaded.dense, self.moe, self.device, self.dtype)
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
+        self.state_slots = config.max_running_requests  # one per running sequence
         kv_tokens = config.kv_tokens or self._kv_budget_tokens()
         self.num_pages = max(1, kv_tokens // config.page_size)
         self.kv = KVCache.allocate(self.spec, self.num_pages * config.page_size, self.dtype,
-                                   self.device)
+                                   self.device, state_slots=self.state_slots)
         log.info("model %s: %s, %d layers, %s on %s; KV cache %d tokens", config.model,
                  self.spec.arch, self.spec.num_layers, str(self.dtype).removeprefix("torch."),
                  self.device, self.num_pages * config.page_size)
@@ -74,9 +76,11 @@ class Runtime:
 
     def _kv_budget_tokens(self) -> int:
         s = self.spec
-        per_token = 2 * s.num_layers * s.num_kv_heads * s.head_dim * self.dtype.itemsize
+        layers = len(s.kv_layers)  # linear attention layers keep no KV
+        per_token = 2 * max(1, layers) * s.num_kv_heads * s.head_dim * self.dtype.itemsize
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
+            free -= state_bytes(s, self.state_slots, self.dtype)  # allocated beside the KV
             return max(1024, int(free * 0.5) // per_token)
         budget = 2 * 2**30  # 2 GiB of host memory for KV on the CPU device
         return max(1024, min(DEFAULT_KV_TOKENS_CPU, budget // per_token))

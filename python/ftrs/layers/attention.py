@@ -11,14 +11,26 @@ at `slot_mapping`, then reads each sequence's whole context back by gathering it
   cached, so a chunked prefill computes exactly what one full pass would.
 Everything that depends only on the batch (gathers, masks) is built once per step by
 `engine.batch`, not once per layer.
+
+Two per-layer variants (gpt_oss), both exact in chunked prefill and decode:
+- a sliding window: a query at position p sees keys p - window + 1 .. p only. The cache keeps
+  every key; a sliding layer gathers only the slots its queries can see, with masks to match,
+  cut once per step per window size (`window_view`) from the positions the gathers imply
+  (column j of a context's slots is position j);
+- attention sinks: one learned logit per head joins the softmax of every query and is dropped
+  after it (the probabilities of the real keys sum to less than one). Those layers attend with
+  the explicit two-matmul form, which has a column to put it in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from ftrs.layers.deltanet import LinearMeta
 
 
 @dataclass(slots=True)
@@ -40,6 +52,14 @@ def prefill_mask(q_len: int, ctx: int, device: torch.device) -> torch.Tensor | N
     return torch.ones(q_len, ctx, dtype=torch.bool, device=device).tril(ctx - q_len)
 
 
+class WindowView(NamedTuple):
+    """One step's keys for one sliding-window size: only the slots a query can see."""
+
+    decode_gather: torch.Tensor  # (num_decode, w) slots, w = min(window, max_ctx)
+    decode_mask: torch.Tensor | None  # (num_decode, 1, 1, w) bool; None without decode rows
+    prefills: list[tuple[torch.Tensor, torch.Tensor]]  # per span: (slots, (q_len, slots) mask)
+
+
 @dataclass(slots=True)
 class AttnMetadata:
     """Where this step's tokens go in the KV cache and what each of them attends to."""
@@ -51,6 +71,39 @@ class AttnMetadata:
     decode_mask: torch.Tensor | None
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode_only: bool = False  # every row is a decode row, in order (decode_rows = arange)
+    linear: LinearMeta | None = None  # state slots of the rows, for linear attention layers
+    windows: dict[int, WindowView] = field(default_factory=dict)  # built by `window_view`
+
+
+def window_view(meta: AttnMetadata, window: int) -> WindowView:
+    """The step's gathers and masks cut to the last `window` keys of each query (built on first
+    use, then shared by every layer with that window): a sliding layer reads O(window) keys."""
+    got = meta.windows.get(window)
+    if got is not None:
+        return got
+    gather, mask = meta.decode_gather, None
+    if gather.numel():
+        rows, width = gather.shape
+        w = min(window, width)
+        if meta.decode_mask is None:
+            lens = torch.full((rows, 1), width, device=gather.device)
+        else:
+            lens = meta.decode_mask.view(rows, width).sum(dim=1, keepdim=True)
+        # a decode query is its row's last real key, at position lens - 1: it sees lens - w ..
+        # lens - 1, the negative positions of a short row masked out
+        pos = lens - w + torch.arange(w, device=gather.device)
+        gather = gather.gather(1, pos.clamp(min=0))
+        mask = (pos >= 0).view(rows, 1, 1, w)
+    prefills = []
+    for span in meta.prefills:
+        ctx = span.gather.numel()
+        first = ctx - span.q_len  # position of the chunk's first query
+        lo = max(0, first - window + 1)  # the oldest key any query of the chunk sees
+        vis = torch.ones(span.q_len, ctx - lo, dtype=torch.bool, device=span.gather.device)
+        # query i (position first + i) sees keys j with first + i - window < j <= first + i
+        prefills.append((span.gather[lo:], vis.tril(first - lo).triu(first - lo - window + 1)))
+    got = meta.windows[window] = WindowView(gather, mask, prefills)
+    return got
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -65,6 +118,7 @@ def decode_attention(
     v: torch.Tensor,  # (B, L, kv_heads, d)
     mask: torch.Tensor | None,  # (B, 1, 1, L) bool, True where a key is real
     scale: float,
+    sinks: torch.Tensor | None = None,  # (heads,) logits that join every softmax
 ) -> torch.Tensor:  # (B, heads, d)
     b, heads, d = q.shape
     kv_heads = k.shape[2]
@@ -73,8 +127,44 @@ def decode_attention(
     scores = torch.matmul(qg, kt) * scale  # (B, kv_heads, group, L)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = _softmax(scores, None if sinks is None else sinks.view(kv_heads, -1, 1))
     return torch.matmul(probs, v.transpose(1, 2)).view(b, heads, d)  # (B, kv_heads, group, d)
+
+
+def _softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of `scores`; with `sinks` (shaped to broadcast against
+    `scores[..., :1]`), each head's sink joins as one more column, then is dropped."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
+def prefill_attention(
+    q: torch.Tensor,  # (heads, n, d)
+    k: torch.Tensor,  # (kv_heads, ctx, d)
+    v: torch.Tensor,  # (kv_heads, ctx, d)
+    mask: torch.Tensor | None,  # (n, ctx) bool, True where visible; None: plain causal (n == ctx)
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # (heads, n, d)
+    """One prefill chunk: through SDPA, or explicitly (two matmuls) when sinks join the softmax."""
+    heads, n, d = q.shape
+    kv_heads = k.shape[0]
+    if sinks is None:
+        gqa = heads != kv_heads  # grouped-query: each kv head serves several query heads
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                  enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=gqa)
+    if mask is None:
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    qg = q.view(kv_heads, heads // kv_heads, n, d)
+    scores = torch.matmul(qg, k.unsqueeze(1).transpose(-1, -2)) * scale  # (kv, group, n, ctx)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = _softmax(scores, sinks.view(kv_heads, -1, 1, 1))
+    return torch.matmul(probs, v.unsqueeze(1)).view(heads, n, d)
 
 
 def paged_attention(
@@ -85,31 +175,30 @@ def paged_attention(
     v_cache: torch.Tensor,  # (num_slots, kv_heads, head_dim)
     meta: AttnMetadata,
     scale: float,
+    sinks: torch.Tensor | None = None,  # (heads,) attention-sink logits of this layer
+    window: int = 0,  # a sliding-window layer's window; 0: the whole causal context
 ) -> torch.Tensor:  # (tokens, heads, head_dim)
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    wv = window_view(meta, window) if window else None
+    gather, decode_mask = (meta.decode_gather, meta.decode_mask) if wv is None else wv[:2]
     if meta.decode_only:
-        return decode_attention(q, _gather(k_cache, meta.decode_gather),
-                                _gather(v_cache, meta.decode_gather), meta.decode_mask, scale)
-    gqa = q.shape[1] != k.shape[1]  # grouped-query: each kv head serves several query heads
+        return decode_attention(q, _gather(k_cache, gather), _gather(v_cache, gather),
+                                decode_mask, scale, sinks)
     out = torch.empty_like(q)
     if meta.decode_rows.numel():
-        od = decode_attention(q.index_select(0, meta.decode_rows),
-                              _gather(k_cache, meta.decode_gather),
-                              _gather(v_cache, meta.decode_gather), meta.decode_mask, scale)
+        od = decode_attention(q.index_select(0, meta.decode_rows), _gather(k_cache, gather),
+                              _gather(v_cache, gather), decode_mask, scale, sinks)
         out.index_copy_(0, meta.decode_rows, od)
-    for span in meta.prefills:
+    for i, span in enumerate(meta.prefills):
         rows = slice(span.q_start, span.q_start + span.q_len)
-        ctx = span.gather.numel()
+        slots, mask = span.gather, span.mask
+        if wv is not None:
+            slots, mask = wv.prefills[i]
+        elif mask is None:
+            mask = prefill_mask(span.q_len, slots.numel(), q.device)
         qp = q[rows].transpose(0, 1)  # (heads, n, d)
-        kp = _gather(k_cache, span.gather).transpose(0, 1)  # (kv_heads, ctx, d)
-        vp = _gather(v_cache, span.gather).transpose(0, 1)
-        mask = span.mask if span.mask is not None else prefill_mask(span.q_len, ctx, q.device)
-        if mask is None:
-            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale,
-                                                enable_gqa=gqa)
-        else:
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale,
-                                                enable_gqa=gqa)
-        out[rows] = op.transpose(0, 1)
+        kp = _gather(k_cache, slots).transpose(0, 1)  # (kv_heads, keys, d)
+        vp = _gather(v_cache, slots).transpose(0, 1)
+        out[rows] = prefill_attention(qp, kp, vp, mask, scale, sinks).transpose(0, 1)
     return out

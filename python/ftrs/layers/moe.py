@@ -1,7 +1,8 @@
 """MoE routing and the expert computation every strategy shares.
 
 Routing follows the reference: router logits, softmax in fp32 over all experts, top-k, then
-(when the architecture says so) renormalisation of the k weights to sum to one.
+(when the architecture says so) renormalisation of the k weights to sum to one. gpt_oss routes
+otherwise (`topk_softmax`): router logits with a bias, top-k of the logits, softmax over those k.
 
 `plan_experts` sorts the (token, slot) pairs of a layer by expert once (one stable argsort and
 one bincount), so each expert's tokens are a slice of that order, in ascending token, the order
@@ -12,7 +13,9 @@ which is why offload equals resident bit for bit. Each expert's contribution dep
 other expert, so a strategy may compute them in any order (`expert_contribution`) as long as it
 adds them in ascending id (`accumulate`).
 
-`expert_mlp` is the one place an expert's FFN is computed (gate, up, SiLU times up, down).
+`expert_mlp` is the one place an expert's FFN is computed: gate, up, the activation
+(`ExpertAct`: SiLU times up, or gpt_oss's clamped SwiGLU), down; with biases when the expert's
+weights carry them (tensors 3..5 of its pool block).
 """
 
 from __future__ import annotations
@@ -27,14 +30,31 @@ from ftrs.layers.linear import linear
 from ftrs.quant.matmul import Weight
 
 SMALL_ROWS = 32  # below this, accumulate by indexing instead of index_add_
-ExpertWeights = tuple[Weight, Weight, Weight]  # gate (I,H), up (I,H), down (H,I)
+#: gate (I,H), up (I,H), down (H,I); with expert biases also gate (1,I), up (1,I), down (1,H) rows
+ExpertWeights = tuple[Weight, ...]
+
+
+class ExpertAct(NamedTuple):
+    """An expert's activation: "silu" (silu(gate) * up) or "swiglu_clamp" (gpt_oss: gate
+    clamped above and up on both sides at `limit`, then (up + 1) * gate * sigmoid(alpha gate))."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+SILU = ExpertAct()
 
 
 def route(
-    x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool
+    x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
+    bias: torch.Tensor | None = None, kind: str = "softmax",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`x`: (tokens, hidden). Returns top-k ids (tokens, k) int64 and weights (tokens, k) x.dtype."""
-    logits = F.linear(x, router)
+    logits = F.linear(x, router, bias)
+    if kind == "topk_softmax":
+        top, ids = torch.topk(logits.float(), top_k, dim=-1)
+        return ids, torch.softmax(top, dim=-1).to(x.dtype)
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -68,6 +88,14 @@ def plan_experts(ids: torch.Tensor, weights: torch.Tensor, num_experts: int) -> 
                       weights.reshape(-1).index_select(0, order).unsqueeze(1))
 
 
+def _bias(w: ExpertWeights, t: int) -> torch.Tensor | None:
+    if len(w) <= t:
+        return None
+    b = w[t]
+    assert isinstance(b, torch.Tensor)  # invariant: biases are stored in the compute dtype
+    return b.reshape(-1)
+
+
 def gate_up_matrix(gate: Weight, up: Weight) -> torch.Tensor | None:
     """`gate` and `up` as one (2I, H) matrix when `up`'s bytes follow `gate`'s in one storage
     (the host pool and its slots lay every expert out so); else None.
@@ -89,22 +117,32 @@ def gate_up_matrix(gate: Weight, up: Weight) -> torch.Tensor | None:
     return gate.as_strided((2 * rows, cols), (cols, 1))
 
 
-def expert_mlp(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
-    """The FFN of one expert on its rows: `down(silu(gate x) * up x)`."""
-    gate, up, down = w
-    gu = gate_up_matrix(gate, up)
+def expert_mlp(x: torch.Tensor, w: ExpertWeights, act: ExpertAct = SILU) -> torch.Tensor:
+    """The FFN of one expert on its rows: `down(act(gate x, up x))`, quantized or not; gate and
+    up as one matmul when they lie side by side and carry no biases."""
+    gate, up, down = w[0], w[1], w[2]
+    gate_b, up_b = _bias(w, 3), _bias(w, 4)
+    gu = gate_up_matrix(gate, up) if gate_b is None and up_b is None else None
     if gu is None:
-        return linear(F.silu(linear(x, gate)) * linear(x, up), down)  # quantized or not
-    both = linear(x, gu)  # (rows, 2I): gate's outputs, then up's
-    inter = gu.shape[0] // 2
-    return linear(F.silu(both[..., :inter]) * both[..., inter:], down)
+        g, u = linear(x, gate, gate_b), linear(x, up, up_b)
+    else:
+        both = linear(x, gu)  # (rows, 2I): gate's outputs, then up's
+        inter = gu.shape[0] // 2
+        g, u = both[..., :inter], both[..., inter:]
+    if act.kind == "swiglu_clamp":
+        g = g.clamp(max=act.limit)
+        u = u.clamp(min=-act.limit, max=act.limit)
+        h = (u + 1) * (g * torch.sigmoid(g * act.alpha))
+    else:
+        h = F.silu(g) * u
+    return linear(h, down, _bias(w, 5))
 
 
 Contribution = tuple[torch.Tensor, torch.Tensor]  # (token rows, their weighted expert output)
 
 
 def expert_contribution(x: torch.Tensor, plan: ExpertPlan, e: int,
-                        w: ExpertWeights) -> Contribution | None:
+                        w: ExpertWeights, act: ExpertAct = SILU) -> Contribution | None:
     """Expert `e`'s weighted output for the tokens routed to it; None when there are none.
     Independent of every other expert: a strategy may compute these in any order."""
     n = plan.counts[e]
@@ -113,7 +151,7 @@ def expert_contribution(x: torch.Tensor, plan: ExpertPlan, e: int,
     s = plan.starts[e]
     tok = plan.tokens[s:s + n]
     rows = x if n == x.shape[0] else x.index_select(0, tok)  # all rows: tok is 0..n-1
-    return tok, expert_mlp(rows, w) * plan.weights[s:s + n]
+    return tok, expert_mlp(rows, w, act) * plan.weights[s:s + n]
 
 
 def accumulate(out: torch.Tensor, part: Contribution | None) -> None:
@@ -139,6 +177,7 @@ def combine_experts(
     experts: Iterable[int],  # ascending expert ids to compute now
     weights_of: Callable[[int], ExpertWeights],
     out: torch.Tensor,  # (tokens, hidden), accumulated in place
+    act: ExpertAct = SILU,
 ) -> None:
     if isinstance(ids, ExpertPlan):
         plan = ids
@@ -146,4 +185,4 @@ def combine_experts(
         assert weights is not None
         plan = plan_experts(ids, weights, int(ids.max()) + 1 if ids.numel() else 1)
     for e in experts:
-        accumulate(out, expert_contribution(x, plan, e, weights_of(e)))
+        accumulate(out, expert_contribution(x, plan, e, weights_of(e), act))

@@ -1,8 +1,18 @@
 """ArchSpec: everything the generic decoder needs to know about an architecture.
 
-One decoder serves llama, qwen3, mixtral and qwen3_moe. The differences are data, read here
-from the Hugging Face `config.json`, accepting both spellings seen in real files
-(`num_experts` / `num_local_experts`, top-level `rope_theta` / `rope_parameters`).
+One decoder serves llama, qwen3, mixtral, qwen3_moe, qwen3_5_moe, qwen3_next and gpt_oss. The
+differences are data, read here from the Hugging Face `config.json`, accepting both spellings
+seen in real files (`num_experts` / `num_local_experts`, top-level `rope_theta` /
+`rope_parameters`, a multimodal config's `text_config`).
+
+`layer_types` says what each layer's token mixer is, in HF's own words (`config.layer_types`):
+"full_attention" (softmax attention over the paged KV cache), "sliding_attention" (causal, and
+only the last `sliding_window` positions, the query's own included) or "linear_attention" (a
+Gated DeltaNet with a per-sequence recurrent state). The MLP kind of a layer is `is_moe_layer`.
+gpt_oss adds attention sinks (one learned logit per head that joins every softmax and is
+dropped after it), a router with a bias that takes the softmax of the top-k logits only
+(`router="topk_softmax"`), and experts with biases whose activation is a clamped SwiGLU
+(`expert_act="swiglu_clamp"`).
 """
 
 from __future__ import annotations
@@ -14,7 +24,37 @@ from typing import Any
 
 from ftrs.errors import ModelLoadError
 
-SUPPORTED = ("llama", "qwen3", "mixtral", "qwen3_moe")
+SUPPORTED = ("llama", "qwen3", "mixtral", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss")
+FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)  # the hybrids' kinds
+WINDOWED_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)  # the other architectures' kinds
+QUANT_METHODS = ("fp8", "mxfp4")
+_HYBRID = ("qwen3_5_moe", "qwen3_next")  # Gated DeltaNet + gated attention + shared expert
+
+
+@dataclass(frozen=True)
+class LinearAttnSpec:
+    """Shapes of a Gated DeltaNet layer (`linear_*` fields of the HF config)."""
+
+    num_k_heads: int
+    num_v_heads: int  # a multiple of num_k_heads: each q/k head serves a group of value heads
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int  # causal depthwise conv width; the conv state keeps the last kernel-1 inputs
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the conv: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
 
 
 @dataclass(frozen=True)
@@ -42,8 +82,21 @@ class ArchSpec:
     moe_layers: tuple[int, ...] = ()  # indices of layers whose MLP is routed
     rope_scaling: dict[str, Any] | None = None
     fp8_block: tuple[int, int] | None = None  # FP8 checkpoint: the weight_scale_inv tile
+    #: token mixer of each layer (HF's `config.layer_types` strings); () means all full attention
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int = 0  # keys a "sliding_attention" query sees, its own included
+    attention_sinks: bool = False  # gpt_oss: one learned logit per head in every softmax
+    router: str = "softmax"  # "softmax" over all experts, or "topk_softmax" over the top-k logits
+    expert_act: str = "silu"  # "silu": silu(gate)*up; "swiglu_clamp": gpt_oss (with biases)
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    linear: LinearAttnSpec | None = None  # set when some layer is linear attention
+    rotary_dim: int = 0  # partial rotary: the leading dims of each head rotated; 0: all of them
+    attn_output_gate: bool = False  # q_proj also yields a per-channel sigmoid gate of the output
+    norm_plus_one: bool = False  # RMSNorm weights stored centred on zero: scale by (1 + w)
+    shared_expert_intermediate_size: int = 0  # >0: a gated dense expert beside the routed ones
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -53,11 +106,37 @@ class ArchSpec:
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
 
+    def layer_type(self, layer: int) -> str:
+        return self.layer_types[layer] if self.layer_types else FULL_ATTENTION
+
+    def layers_of(self, kind: str) -> tuple[int, ...]:
+        """Indices of the layers whose token mixer is `kind`, ascending."""
+        return tuple(i for i in range(self.num_layers) if self.layer_type(i) == kind)
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep keys and values in the paged KV cache (full or sliding window)."""
+        return tuple(i for i in range(self.num_layers) if self.layer_type(i) != LINEAR_ATTENTION)
+
+    @property
+    def has_linear_attention(self) -> bool:
+        return LINEAR_ATTENTION in self.layer_types
+
+    def window(self, layer: int) -> int:
+        """Keys a query of `layer` sees (0: the whole causal context)."""
+        return self.sliding_window if self.layer_type(layer) == SLIDING_ATTENTION else 0
+
+    @property
+    def expert_bias(self) -> bool:
+        return self.expert_act == "swiglu_clamp"
+
     @property
     def expert_shapes(self) -> list[tuple[int, int]]:
-        """Shapes of the three tensors of one routed expert: gate (I,H), up (I,H), down (H,I)."""
+        """Shapes of the tensors of one routed expert: gate (I,H), up (I,H), down (H,I), and
+        with expert biases their bias rows (1,I), (1,I), (1,H)."""
         i, h = self.moe_intermediate_size, self.hidden_size
-        return [(i, h), (i, h), (h, i)]
+        shapes = [(i, h), (i, h), (h, i)]
+        return [*shapes, (1, i), (1, i), (1, h)] if self.expert_bias else shapes
 
 
 def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -79,9 +158,11 @@ def _fp8_block(qc: Any, source: str) -> tuple[int, int] | None:
     if qc is None:
         return None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
-    if method != "fp8":
+    if method not in QUANT_METHODS:
         raise ModelLoadError(source, f"unsupported quantization method {method!r} "
-                             "(supported: fp8 with block scales)")
+                             "(supported: fp8 with block scales, mxfp4)")
+    if method == "mxfp4":  # the tensors say which weights are MXFP4 (`*_blocks`, `*_scales`)
+        return None
     block = qc.get("weight_block_size")
     if (not isinstance(block, list) or len(block) != 2
             or not all(isinstance(b, int) and b > 0 for b in block)):
@@ -95,6 +176,15 @@ def _fp8_block(qc: Any, source: str) -> tuple[int, int] | None:
 def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSpec:
     """Build the spec from a parsed HF config; raise ModelLoadError naming what is wrong."""
     arch = cfg.get("model_type")
+    if arch in ("qwen3_5_moe", "qwen3_5_moe_text"):
+        # the multimodal checkpoint nests the language model's fields; ids may sit at the top
+        text = cfg.get("text_config")
+        if arch == "qwen3_5_moe" and not isinstance(text, dict):
+            raise ModelLoadError(source, "qwen3_5_moe config without a text_config")
+        top: dict[str, Any] = {k: cfg[k] for k in ("bos_token_id", "eos_token_id",
+                                                   "tie_word_embeddings") if k in cfg}
+        cfg = {**top, **(text or cfg), "model_type": "qwen3_5_moe"}
+        arch = "qwen3_5_moe"
     if arch not in SUPPORTED:
         raise ModelLoadError(
             source, f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED)})"
@@ -113,7 +203,7 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
     if heads % kv_heads:
         raise ModelLoadError(source, f"num_attention_heads {heads} not a multiple of kv heads {kv_heads}")
     theta, scaling = _rope(cfg)
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) != "llama3":
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "yarn"):
         raise ModelLoadError(source, f"unsupported rope scaling {scaling!r}")
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
@@ -124,21 +214,29 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
     moe_inter = 0
     moe_layers: tuple[int, ...] = ()
     norm_topk = True
-    if arch in ("mixtral", "qwen3_moe"):
+    if arch in ("mixtral", "qwen3_moe", "gpt_oss", *_HYBRID):
         num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
         top_k = int(cfg.get("num_experts_per_tok") or 0)
         if num_experts < 1 or not 1 <= top_k <= num_experts:
             raise ModelLoadError(source, f"bad MoE shape: {num_experts} experts, top-{top_k}")
-        if arch == "mixtral":
+        if arch in ("mixtral", "gpt_oss"):
             moe_inter = int(need("intermediate_size"))
+            moe_layers = tuple(range(layers))
+        elif arch == "qwen3_5_moe":  # every layer routed, weights always renormalised
+            moe_inter = int(need("moe_intermediate_size"))
             moe_layers = tuple(range(layers))
         else:
             moe_inter = int(cfg.get("moe_intermediate_size") or need("intermediate_size"))
-            norm_topk = bool(cfg.get("norm_topk_prob", False))
+            norm_topk = bool(cfg.get("norm_topk_prob", arch == "qwen3_next"))
             step = int(cfg.get("decoder_sparse_step", 1) or 1)
             only = set(cfg.get("mlp_only_layers") or [])
             moe_layers = tuple(i for i in range(layers) if i not in only and (i + 1) % step == 0)
 
+    gpt_oss = arch == "gpt_oss"
+    if gpt_oss:  # transformers' defaults for configs that leave these out
+        cfg = {"sliding_window": 128, "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]} | cfg
+    layer_types, window = ((), 0) if arch in _HYBRID else _layer_types(cfg, layers, source)
     return ArchSpec(
         arch=arch,
         vocab_size=int(need("vocab_size")),
@@ -147,13 +245,13 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        intermediate_size=int(cfg.get("intermediate_size") or 0),
+        intermediate_size=0 if gpt_oss else int(cfg.get("intermediate_size") or 0),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qk_norm=arch in ("qwen3", "qwen3_moe"),
-        attention_bias=bool(cfg.get("attention_bias", False)),
+        qk_norm=arch in ("qwen3", "qwen3_moe", *_HYBRID),
+        attention_bias=bool(cfg.get("attention_bias", gpt_oss)),
         num_experts=num_experts,
         top_k=top_k,
         moe_intermediate_size=moe_inter,
@@ -163,7 +261,70 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
         fp8_block=fp8_block,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        sliding_window=window,
+        attention_sinks=gpt_oss,
+        router="topk_softmax" if gpt_oss else "softmax",
+        expert_act="swiglu_clamp" if gpt_oss else "silu",
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        **_hybrid_fields(cfg, arch, layers, head_dim, source, layer_types),
     )
+
+
+def _layer_types(cfg: dict[str, Any], layers: int, source: str) -> tuple[tuple[str, ...], int]:
+    """`config.layer_types` (every layer "full_attention" without one) and the sliding window
+    (0 unless a layer slides)."""
+    kinds = cfg.get("layer_types")
+    if kinds is None:
+        return ("full_attention",) * layers, 0
+    if not isinstance(kinds, list) or len(kinds) != layers:
+        raise ModelLoadError(source, f"layer_types must list {layers} layer kinds, got {kinds!r}")
+    bad = sorted({k for k in kinds if k not in WINDOWED_TYPES}, key=str)
+    if bad:
+        raise ModelLoadError(source, f"unsupported layer type {bad[0]!r} "
+                             f"(supported: {', '.join(WINDOWED_TYPES)})")
+    if "sliding_attention" not in kinds:
+        return tuple(kinds), 0
+    window = cfg.get("sliding_window")
+    if not isinstance(window, int) or window < 1:
+        raise ModelLoadError(source, f"sliding_attention layers need sliding_window >= 1, "
+                             f"got {window!r}")
+    return tuple(kinds), window
+
+
+def _hybrid_fields(cfg: dict[str, Any], arch: str, layers: int, head_dim: int,
+                   source: str, layer_types: tuple[str, ...]) -> dict[str, Any]:
+    """The ArchSpec fields of the Gated DeltaNet hybrids (qwen3_5_moe, qwen3_next)."""
+    if arch not in _HYBRID:
+        return {"layer_types": layer_types}
+    types = cfg.get("layer_types")
+    if types is None:  # the older spelling: one full attention layer every N
+        every = int(cfg.get("full_attention_interval", 4))
+        types = [FULL_ATTENTION if (i + 1) % every == 0 else LINEAR_ATTENTION
+                 for i in range(layers)]
+    if (not isinstance(types, list) or len(types) != layers
+            or any(t not in LAYER_TYPES for t in types)):
+        raise ModelLoadError(source, f"layer_types must list {layers} of {', '.join(LAYER_TYPES)}, "
+                             f"got {types!r}")
+    try:
+        lin = LinearAttnSpec(int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"]),
+                             int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"]),
+                             int(cfg.get("linear_conv_kernel_dim", 4)))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(source, f"bad or missing linear attention field: {e}") from e
+    if min(lin.num_k_heads, lin.k_head_dim, lin.v_head_dim) < 1 or lin.conv_kernel < 2 \
+            or lin.num_v_heads % lin.num_k_heads:
+        raise ModelLoadError(source, f"bad linear attention shape: {lin}")
+    rope = cfg.get("rope_parameters")
+    params: dict[str, Any] = rope if isinstance(rope, dict) else {}
+    factor = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+    rotary = int(head_dim * factor)  # frequencies over this many dims, as the reference does
+    if not 1 < rotary <= head_dim:
+        raise ModelLoadError(source, f"partial_rotary_factor {factor} gives no rotary dims")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    return {"layer_types": tuple(types), "linear": lin, "rotary_dim": rotary,
+            "attn_output_gate": True, "norm_plus_one": True,
+            "shared_expert_intermediate_size": shared}
 
 
 def load_arch(model_dir: Path) -> ArchSpec:

@@ -1,43 +1,62 @@
-"""The one generic decoder: llama, qwen3, mixtral and qwen3_moe differ only in their ArchSpec.
+"""The one generic decoder: llama, qwen3, mixtral, qwen3_moe, qwen3_5_moe, qwen3_next and gpt_oss
+differ only in their ArchSpec.
 
 A forward pass takes the flattened tokens of a whole batch (decode tokens and prefill chunks
 mixed), their absolute positions, and the attention metadata that says where each token's
-keys go in the paged KV cache. Dense weights live in a dict keyed by `names.map_hf_name`;
-routed experts are computed by the MoE strategy, which the decoder never looks inside.
+keys go in the paged KV cache (and, for linear attention layers, which state slot each
+sequence's rows use). Dense weights live in a dict keyed by `names.map_hf_name`; routed
+experts are computed by the MoE strategy, which the decoder never looks inside.
+
+Each layer is `h += mixer(norm(h)); h += mlp(norm(h))`. The token mixer is chosen per layer by
+`spec.layer_type(layer)` from `MIXERS`: a new kind of layer is one more entry there, with its
+weights named in `names` and its shapes in `safetensors_loader.expected_dense_shapes`.
+"full_attention" sees the whole causal context, "sliding_attention" the last `sliding_window`
+positions; either may add attention sinks (`spec.attention_sinks`, the layer's `sinks` weight).
+Biases are used wherever the checkpoint has them (q, k, v, o, router).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ftrs.kvcache.state import StateCache
 from ftrs.layers.attention import AttnMetadata, paged_attention
+from ftrs.layers.deltanet import gated_deltanet
 from ftrs.layers.linear import embedding, linear
 from ftrs.layers.moe import route
 from ftrs.layers.norm import rms_norm
 from ftrs.layers.rotary import Rotary, rotate
-from ftrs.models.arch import ArchSpec
+from ftrs.models.arch import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION, ArchSpec
 from ftrs.moe.base import MoEStrategy
 from ftrs.quant.matmul import Weight
 
 
 @dataclass(slots=True)
 class KVCache:
-    """Keys and values of every layer: (layers, num_slots, kv_heads, head_dim)."""
+    """Keys and values of the full attention layers: (attention layers, num_slots, kv_heads,
+    head_dim), the i-th attention layer of the model at index i; and the state of the linear
+    attention layers, when the model has any."""
 
     k: torch.Tensor
     v: torch.Tensor
+    state: StateCache | None = None
 
     @classmethod
     def allocate(cls, spec: ArchSpec, num_slots: int, dtype: torch.dtype,
-                 device: torch.device) -> KVCache:
-        shape = (spec.num_layers, num_slots, spec.num_kv_heads, spec.head_dim)
+                 device: torch.device, state_slots: int = 0) -> KVCache:
+        shape = (len(spec.kv_layers), num_slots, spec.num_kv_heads, spec.head_dim)
+        state = (StateCache.allocate(spec, state_slots, dtype, device)
+                 if spec.has_linear_attention else None)
         return cls(torch.zeros(shape, dtype=dtype, device=device),
-                   torch.zeros(shape, dtype=dtype, device=device))
+                   torch.zeros(shape, dtype=dtype, device=device), state)
+
+
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 class Decoder:
@@ -50,32 +69,62 @@ class Decoder:
         self.moe = moe
         self.device = device
         self.dtype = dtype
-        self.rotary = Rotary(spec.head_dim, spec.rope_theta, spec.max_position_embeddings,
-                             spec.rope_scaling, device)
+        self.rotary = Rotary(spec.rotary_dim or spec.head_dim, spec.rope_theta,
+                             spec.max_position_embeddings, spec.rope_scaling, device)
         self.scale = spec.head_dim ** -0.5
         self.lm_head = weights["embed"] if spec.tie_word_embeddings else weights["lm_head"]
+        # per layer: its token mixer and its row in its cache (KV for attention of either
+        # window, state for linear attention)
+        self.mixers = [MIXERS[spec.layer_type(i)] for i in range(spec.num_layers)]
+        self.cache_index = [(spec.layers_of(LINEAR_ATTENTION) if spec.layer_type(i) == LINEAR_ATTENTION
+                             else spec.kv_layers).index(i) for i in range(spec.num_layers)]
 
-    def _attention(self, layer: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                   meta: AttnMetadata, kv: KVCache) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, key: str) -> torch.Tensor:
+        return rms_norm(x, self.w[key], self.spec.rms_norm_eps, self.spec.norm_plus_one)
+
+    def _attention(self, layer: int, x: torch.Tensor, rope: Rope, meta: AttnMetadata,
+                   kv: KVCache) -> torch.Tensor:
         s, w, p = self.spec, self.w, f"{layer}."
         t = x.shape[0]
-        q = linear(x, w[p + "q"], w.get(p + "q_bias")).view(t, s.num_heads, s.head_dim)
+        q = linear(x, w[p + "q"], w.get(p + "q_bias"))
+        gate = None
+        if s.attn_output_gate:  # per head: [query | gate of the output]
+            q, gate = q.view(t, s.num_heads, 2 * s.head_dim).split(s.head_dim, dim=-1)
+        q = q.view(t, s.num_heads, s.head_dim)
         k = linear(x, w[p + "k"], w.get(p + "k_bias")).view(t, s.num_kv_heads, s.head_dim)
         v = linear(x, w[p + "v"], w.get(p + "v_bias")).view(t, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
-            q = rms_norm(q, w[p + "q_norm"], s.rms_norm_eps)
-            k = rms_norm(k, w[p + "k_norm"], s.rms_norm_eps)
+            q = self._norm(q, p + "q_norm")
+            k = self._norm(k, p + "k_norm")
         q = rotate(q, *rope)
         k = rotate(k, *rope)
-        o = paged_attention(q, k, v, kv.k[layer], kv.v[layer], meta, self.scale)
-        return linear(o.reshape(t, s.num_heads * s.head_dim), w[p + "o"])
+        i = self.cache_index[layer]
+        o = paged_attention(q, k, v, kv.k[i], kv.v[i], meta, self.scale,
+                            sinks=w.get(p + "sinks"), window=s.window(layer))
+        o = o.reshape(t, s.num_heads * s.head_dim)
+        if gate is not None:
+            o = o * torch.sigmoid(gate.reshape(t, s.num_heads * s.head_dim))
+        return linear(o, w[p + "o"], w.get(p + "o_bias"))
+
+    def _linear_attention(self, layer: int, x: torch.Tensor, rope: Rope, meta: AttnMetadata,
+                          kv: KVCache) -> torch.Tensor:
+        s, i = self.spec, self.cache_index[layer]
+        assert s.linear is not None and kv.state is not None and meta.linear is not None
+        return gated_deltanet(x, self.w, f"{layer}.", s.linear, s.rms_norm_eps, meta.linear,
+                              kv.state.conv[i], kv.state.recurrent[i])
 
     def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         s, w, p = self.spec, self.w, f"{layer}."
         if s.is_moe_layer(layer):
             assert self.moe is not None  # invariant: a MoE spec always gets a strategy
-            ids, weights = route(x, w[p + "router"], s.top_k, s.norm_topk_prob)
-            return self.moe.forward(layer, x, ids, weights)
+            ids, weights = route(x, w[p + "router"], s.top_k, s.norm_topk_prob,
+                                 w.get(p + "router_bias"), s.router)
+            out = self.moe.forward(layer, x, ids, weights)
+            if s.shared_expert_intermediate_size:  # dense, always resident, sigmoid-gated
+                shared = linear(F.silu(linear(x, w[p + "shared_gate"]))
+                                * linear(x, w[p + "shared_up"]), w[p + "shared_down"])
+                out = out + torch.sigmoid(linear(x, w[p + "shared_expert_gate"])) * shared
+            return out
         return linear(F.silu(linear(x, w[p + "gate"])) * linear(x, w[p + "up"]), w[p + "down"])
 
     @torch.inference_mode()
@@ -87,17 +136,28 @@ class Decoder:
         rope = self.rotary.table(positions, h.dtype)  # once for every layer
         if self.moe is not None:
             self.moe.begin_forward(num_tokens=int(input_ids.numel()))
+        if kv.state is not None and meta.linear is not None:
+            kv.state.reset(meta.linear.fresh_slots)
         for layer in range(s.num_layers):
             p = f"{layer}."
-            x = rms_norm(h, w[p + "input_norm"], s.rms_norm_eps)
-            h = h + self._attention(layer, x, rope, meta, kv)
-            x = rms_norm(h, w[p + "post_norm"], s.rms_norm_eps)
+            x = self._norm(h, p + "input_norm")
+            h = h + self.mixers[layer](self, layer, x, rope, meta, kv)
+            x = self._norm(h, p + "post_norm")
             h = h + self._mlp(layer, x)
         if self.moe is not None:
             self.moe.end_forward()
-        return rms_norm(h, w["norm"], s.rms_norm_eps)
+        return self._norm(h, "norm")
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(n, hidden) -> (n, vocab) fp32."""
         return linear(hidden, self.lm_head).float()
+
+
+Mixer = Callable[[Decoder, int, torch.Tensor, Rope, AttnMetadata, KVCache], torch.Tensor]
+#: the token mixer of each layer kind (`ArchSpec.layer_types`)
+MIXERS: dict[str, Mixer] = {
+    FULL_ATTENTION: Decoder._attention,
+    SLIDING_ATTENTION: Decoder._attention,
+    LINEAR_ATTENTION: Decoder._linear_attention,
+}

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ftrs.layers.moe import ExpertWeights
+from ftrs.layers.moe import ExpertAct, ExpertWeights
 from ftrs.models.arch import ArchSpec
 from ftrs.quant.formats import QuantTensor, tensor_bytes
 
@@ -36,8 +36,7 @@ class TensorFormat(NamedTuple):
     fp8_block: tuple[int, int] | None = None
 
 
-ExpertFormat = tuple[TensorFormat, TensorFormat, TensorFormat]  # gate, up, down
-PLAIN: ExpertFormat = (TensorFormat(), TensorFormat(), TensorFormat())
+ExpertFormat = tuple[TensorFormat, ...]  # gate, up, down (and their biases, always plain)
 
 
 class HostExperts:
@@ -49,9 +48,11 @@ class HostExperts:
         self.dtype = dtype
         self.shapes = spec.expert_shapes
         self.layer_index = {layer: i for i, layer in enumerate(spec.moe_layers)}
-        self.formats = {layer: (formats or {}).get(layer, PLAIN) for layer in spec.moe_layers}
+        plain = tuple(TensorFormat() for _ in self.shapes)
+        self.formats = {layer: (formats or {}).get(layer, plain) for layer in spec.moe_layers}
         self._elt = torch.tensor([], dtype=dtype).element_size()
-        sizes = [[self.exact_bytes(layer, t) for t in range(3)] for layer in spec.moe_layers]
+        sizes = [[self.exact_bytes(layer, t) for t in range(len(self.shapes))]
+                 for layer in spec.moe_layers]
         self.quantized = any(f.qtype is not None for fmt in self.formats.values() for f in fmt)
         from ftrs import _core
 
@@ -65,6 +66,12 @@ class HostExperts:
         if fmt.qtype is None:
             return rows * cols * self._elt
         return tensor_bytes(fmt.qtype, rows, cols, fmt.fp8_block)
+
+    @property
+    def act(self) -> ExpertAct:
+        """The activation every expert of this model applies."""
+        s = self.spec
+        return ExpertAct(s.expert_act, s.swiglu_alpha, s.swiglu_limit)
 
     @property
     def expert_bytes(self) -> int:
@@ -82,8 +89,8 @@ class HostExperts:
 
     def payload_bytes(self) -> int:
         """The experts' own bytes (what the checkpoint file holds), without padding."""
-        return self.spec.num_experts * sum(self.exact_bytes(la, t)
-                                           for la in self.spec.moe_layers for t in range(3))
+        return self.spec.num_experts * sum(self.exact_bytes(la, t) for la in self.spec.moe_layers
+                                           for t in range(len(self.shapes)))
 
     def write(self, layer: int, expert: int, t: int, data: Any) -> None:
         """Store tensor `t` of (model layer, expert): its bytes in the layer's format (a buffer
@@ -101,7 +108,7 @@ class HostExperts:
 
     def block_views(self, region: torch.Tensor, base: int, layer: int | None = None
                     ) -> ExpertWeights:
-        """Views of the three tensors of the block that starts at byte `base` of `region`, in
+        """Views of the tensors of the block that starts at byte `base` of `region`, in
         model layer `layer`'s formats (default: the first MoE layer's)."""
         key = self.spec.moe_layers[0] if layer is None else layer
         fmt = self.formats[key]
@@ -114,7 +121,7 @@ class HostExperts:
                 out.append(raw.view(self.dtype).view(rows, cols))
             else:
                 out.append(QuantTensor(qtype, (rows, cols), raw, fmt[t].fp8_block))
-        return out[0], out[1], out[2]
+        return tuple(out)
 
     def views(self, region: torch.Tensor) -> dict[int, list[ExpertWeights]]:
         """Per model layer, per expert, the weight views into `region` (the pool or its device copy)."""

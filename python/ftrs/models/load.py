@@ -99,7 +99,7 @@ def _gguf_experts(ck: GGUFCheckpoint, spec: ArchSpec, dtype: torch.dtype,
             if gt.shape != want:
                 raise ModelLoadError(src, f"tensor {gt.name} has shape {list(gt.shape)}, "
                                      f"expected {list(want)}")
-        formats[layer] = tuple(  # type: ignore[assignment]
+        formats[layer] = tuple(
             TensorFormat(None if group[t].qtype in FLOAT_TYPES else group[t].qtype)
             for t in range(3))
     extra = sorted(set(ck.experts) - set(spec.moe_layers))

@@ -9,6 +9,9 @@ FP8 checkpoints (`quantization_config.quant_method == "fp8"`: `float8_e4m3fn` we
 a `weight_scale_inv` per `weight_block_size` tile) stay FP8: each weight and its scales become
 one `FP8_BLOCK` byte buffer (`ftrs.quant`), in the expert pool for experts, a `QuantTensor` for
 dense projections on the CPU (dequantized once at load on a GPU).
+
+gpt_oss packs each layer's experts into a few tensors (MXFP4 `*_blocks` + `*_scales`, or plain)
+with biases: `models.packed_experts` checks them here and cuts them into the pool.
 """
 
 from __future__ import annotations
@@ -22,9 +25,22 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ftrs.errors import ModelLoadError
-from ftrs.models.arch import ArchSpec
+from ftrs.models.arch import LINEAR_ATTENTION, ArchSpec
 from ftrs.models.experts import ExpertFormat, HostExperts, TensorFormat
-from ftrs.models.names import ExpertKey, keeps_quantized, map_hf_name
+from ftrs.models.names import (
+    ExpertKey,
+    PackedExperts,
+    keeps_quantized,
+    map_hf_name,
+    split_grouped_qkvz,
+)
+from ftrs.models.packed_experts import (
+    Sources,
+    check_part,
+    packed_formats,
+    sources_in,
+    write_packed,
+)
 from ftrs.quant.dequant import dequantize
 from ftrs.quant.formats import FP8_BLOCK, QuantTensor, fp8_scale_grid
 from ftrs.quant.matmul import Weight
@@ -57,20 +73,51 @@ def expected_dense_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
                                           "norm": (s.hidden_size,)}
     if not s.tie_word_embeddings:
         shapes["lm_head"] = (s.vocab_size, s.hidden_size)
+    h = s.hidden_size
     for layer in range(s.num_layers):
         p = f"{layer}."
-        shapes |= {p + "input_norm": (s.hidden_size,), p + "post_norm": (s.hidden_size,),
-                   p + "q": (q_out, s.hidden_size), p + "k": (kv_out, s.hidden_size),
-                   p + "v": (kv_out, s.hidden_size), p + "o": (s.hidden_size, q_out)}
-        if s.qk_norm:
-            shapes |= {p + "q_norm": (s.head_dim,), p + "k_norm": (s.head_dim,)}
+        shapes |= {p + "input_norm": (h,), p + "post_norm": (h,)}
+        if s.layer_type(layer) == LINEAR_ATTENTION:
+            shapes |= _linear_attn_shapes(s, p)
+        else:
+            shapes |= {p + "q": (q_out * (2 if s.attn_output_gate else 1), h),
+                       p + "k": (kv_out, h), p + "v": (kv_out, h), p + "o": (h, q_out)}
+            if s.qk_norm:
+                shapes |= {p + "q_norm": (s.head_dim,), p + "k_norm": (s.head_dim,)}
+            if s.attention_bias:
+                shapes |= {p + "q_bias": (q_out,), p + "k_bias": (kv_out,),
+                           p + "v_bias": (kv_out,), p + "o_bias": (h,)}
+            if s.attention_sinks:
+                shapes[p + "sinks"] = (s.num_heads,)
         if s.is_moe_layer(layer):
-            shapes[p + "router"] = (s.num_experts, s.hidden_size)
+            shapes[p + "router"] = (s.num_experts, h)
+            if s.router == "topk_softmax":
+                shapes[p + "router_bias"] = (s.num_experts,)
+            si = s.shared_expert_intermediate_size
+            if si:
+                shapes |= {p + "shared_gate": (si, h), p + "shared_up": (si, h),
+                           p + "shared_down": (h, si), p + "shared_expert_gate": (1, h)}
         else:
             i = s.intermediate_size
             shapes |= {p + "gate": (i, s.hidden_size), p + "up": (i, s.hidden_size),
                        p + "down": (s.hidden_size, i)}
     return shapes
+
+
+def _linear_attn_shapes(s: ArchSpec, p: str) -> dict[str, tuple[int, ...]]:
+    """A Gated DeltaNet layer's tensors; qwen3_next ships its input projections grouped per
+    key head (`lin_qkvz`, `lin_ba`), split after loading (`names.split_grouped_qkvz`)."""
+    lin, h = s.linear, s.hidden_size
+    assert lin is not None  # invariant: a spec with linear layers has their shapes
+    out: dict[str, tuple[int, ...]] = {
+        p + "lin_conv": (lin.conv_dim, 1, lin.conv_kernel), p + "lin_dt_bias": (lin.num_v_heads,),
+        p + "lin_a_log": (lin.num_v_heads,), p + "lin_norm": (lin.v_head_dim,),
+        p + "lin_out": (h, lin.value_dim)}
+    if s.arch == "qwen3_next":
+        return out | {p + "lin_qkvz": (2 * lin.key_dim + 2 * lin.value_dim, h),
+                      p + "lin_ba": (2 * lin.num_v_heads, h)}
+    return out | {p + "lin_qkv": (lin.conv_dim, h), p + "lin_z": (lin.value_dim, h),
+                  p + "lin_b": (lin.num_v_heads, h), p + "lin_a": (lin.num_v_heads, h)}
 
 
 SCALE_SUFFIX = ".weight_scale_inv"
@@ -86,7 +133,7 @@ def _fp8_formats(files: list[Path], spec: ArchSpec) -> dict[int, ExpertFormat]:
                 if isinstance(key, ExpertKey) and f.get_slice(name).get_dtype() == "F8_E4M3":
                     fp8.add((key.layer, key.tensor))
     block = TensorFormat(FP8_BLOCK, spec.fp8_block)
-    return {la: tuple(block if (la, t) in fp8 else TensorFormat()  # type: ignore[misc]
+    return {la: tuple(block if (la, t) in fp8 else TensorFormat()
                       for t in range(3)) for la in spec.moe_layers}
 
 
@@ -115,6 +162,11 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
     seen_experts: set[ExpertKey] = set()
     block = spec.fp8_block
     formats = _fp8_formats(files, spec) if block and spec.is_moe else None
+    packed: Sources = {}
+    if spec.is_moe and spec.expert_bias:
+        for src, _, pkey in sources_in(files):
+            packed.setdefault(pkey.layer, {})[pkey.part] = src
+        formats = packed_formats(packed, spec, str(model_dir))
     experts = HostExperts(spec, dtype, formats) if spec.is_moe else None
     fp8: dict[str, tuple[str, torch.Tensor]] = {}  # FP8 weight name -> (file, fp8 tensor)
     scales: dict[str, torch.Tensor] = {}  # weight name -> its weight_scale_inv
@@ -139,6 +191,9 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
                 if is_fp8 and not block:
                     raise ModelLoadError(str(path), f"tensor {name} is FP8 but config.json has "
                                          "no fp8 quantization_config")
+                if isinstance(key, PackedExperts):
+                    check_part(key, shape, spec, str(path), name)
+                    continue
                 if isinstance(key, ExpertKey):
                     if experts is None or key.layer not in layer_index or not 0 <= key.expert < spec.num_experts:
                         raise ModelLoadError(str(path), f"unexpected expert tensor {name}")
@@ -173,7 +228,11 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
     if missing:
         raise ModelLoadError(str(model_dir), f"missing tensors: {', '.join(missing[:5])}"
                              + (" ..." if len(missing) > 5 else ""))
-    if experts is not None:
+    if experts is not None and packed:
+        log.info("filling the expert pool from packed experts: %.1f MiB",
+                 experts.pool.nbytes / 2**20)
+        write_packed(experts, packed, dtype)
+    elif experts is not None:
         need = len(spec.moe_layers) * spec.num_experts * 3
         if len(seen_experts) != need:
             raise ModelLoadError(str(model_dir),
@@ -192,4 +251,19 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
         assert isinstance(key, str)
         qt = QuantTensor(FP8_BLOCK, (int(w.shape[0]), int(w.shape[1])), data, block)
         dense[key] = qt if keeps_quantized(key, device.type) else dequantize(qt.to(device), dtype)
+    if spec.arch == "qwen3_next":
+        _split_grouped(spec, dense)
     return dense, experts
+
+
+def _split_grouped(spec: ArchSpec, dense: dict[str, Weight]) -> None:
+    """qwen3_next's grouped DeltaNet projections -> the flat keys the decoder reads."""
+    lin = spec.linear
+    assert lin is not None
+    for layer in spec.layers_of(LINEAR_ATTENTION):
+        p = f"{layer}."
+        qkvz, ba = dense.pop(p + "lin_qkvz"), dense.pop(p + "lin_ba")
+        assert isinstance(qkvz, torch.Tensor) and isinstance(ba, torch.Tensor)  # dequantized
+        parts = split_grouped_qkvz(qkvz, ba, lin.num_k_heads, lin.k_head_dim, lin.v_head_dim,
+                                   lin.num_v_heads // lin.num_k_heads)
+        dense |= {p + k: v for k, v in parts.items()}

@@ -184,7 +184,7 @@ def layer_format(experts: HostExperts, layer: int) -> str:
     fmt = experts.formats[layer]
     if all(f.qtype is None for f in fmt):
         return str(experts.dtype).removeprefix("torch.")
-    return "/".join(f.qtype or "plain" for f in fmt)
+    return "/".join(f.qtype or "plain" for f in fmt[:3])  # the matrices (biases are plain)
 
 
 def _kernel_weight(w: Any) -> Any:
@@ -209,8 +209,8 @@ class HybridStrategy(OffloadStrategy):
         self.prefetch = self.prefetch and not on_cpu  # module docstring
         views = experts.views(experts.host_bytes())
         self.host_weights: dict[int, list[ExpertWeights]] = views if on_cpu else {
-            layer: [(_kernel_weight(g), _kernel_weight(u), _kernel_weight(d))
-                    for g, u, d in ws] for layer, ws in views.items()}
+            layer: [(*(_kernel_weight(m) for m in w[:3]), *w[3:])  # biases stay tensors
+                    for w in ws] for layer, ws in views.items()}
         self.formats = {layer: layer_format(experts, layer) for layer in self.spec.moe_layers}
         rate, latency = seed_link(self.backend)
         self.cost = CostModel(rate, latency,
@@ -283,14 +283,14 @@ class HybridStrategy(OffloadStrategy):
                       slots: list[int], ticket: int) -> dict[int, Contribution | None]:
         """The slots' experts: those landed first, the rest after the ticket's copies."""
         landed = self.engine.ready(slots)
-        parts = {e: expert_contribution(x, plan, e, self._slot_views[s])
+        parts = {e: expert_contribution(x, plan, e, self._slot_views[s], self.act)
                  for e, s, now in zip(device, slots, landed) if now}
         t0 = self.clock()
         self.engine.wait(ticket)
         self._wait_s += self.clock() - t0
         for e, s, now in zip(device, slots, landed):
             if not now:
-                parts[e] = expert_contribution(x, plan, e, self._slot_views[s])
+                parts[e] = expert_contribution(x, plan, e, self._slot_views[s], self.act)
         return parts
 
     def _cpu_parts(self, layer: int, x: torch.Tensor, plan: ExpertPlan,
@@ -300,7 +300,7 @@ class HybridStrategy(OffloadStrategy):
         parts: dict[int, Contribution | None] = {}
         for e in experts:
             t0 = time.perf_counter()
-            part = expert_contribution(x, plan, e, host[e])
+            part = expert_contribution(x, plan, e, host[e], self.act)
             self.cost.observe_cpu(fmt, plan.counts[e], time.perf_counter() - t0)
             parts[e] = part
         return parts

@@ -160,6 +160,7 @@ class OffloadStrategy(MoEStrategy):
         self.slot_weights: dict[int, list[ExpertWeights]] = experts.slot_views(
             self.buffer, self.num_slots)
         self._slot_views = self.slot_weights[self.spec.moe_layers[0]]
+        self.act = experts.act
         # Prefetch only into room beyond one token's working set (every MoE layer's top-k): in a
         # smaller cache each prefetch evicts an expert the next token is about to need again
         # (measured on the demo at 25% capacity: 2x the bytes per token and a slower decode).
@@ -257,13 +258,13 @@ class OffloadStrategy(MoEStrategy):
         parts: dict[int, Contribution | None] = {}
         for e, s, now in zip(wave, slots, landed):
             if now:
-                parts[e] = expert_contribution(x, plan, e, self._slot_views[s])
+                parts[e] = expert_contribution(x, plan, e, self._slot_views[s], self.act)
         t0 = self.clock()
         self.engine.wait(ticket)
         self._wait_s += self.clock() - t0
         for e, s, now in zip(wave, slots, landed):
             if not now:
-                parts[e] = expert_contribution(x, plan, e, self._slot_views[s])
+                parts[e] = expert_contribution(x, plan, e, self._slot_views[s], self.act)
         for e in wave:  # ascending
             accumulate(out, parts[e])
 

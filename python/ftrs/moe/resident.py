@@ -20,11 +20,12 @@ class ResidentStrategy(MoEStrategy):
         self._region = host if device.type == "cpu" else host.to(device)
         self._weights = experts.views(self._region)
         self._num_experts = experts.spec.num_experts
+        self._act = experts.act
 
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         plan = plan_experts(ids, weights, self._num_experts)
         per_layer = self._weights[layer]
-        combine_experts(x, plan, None, plan.experts, lambda e: per_layer[e], out)
+        combine_experts(x, plan, None, plan.experts, lambda e: per_layer[e], out, self._act)
         return out

@@ -157,6 +157,26 @@ def _q3_k(b: torch.Tensor) -> torch.Tensor:
     return (dl * q.float()).view(n, 256)
 
 
+#: e2m1 values, doubled (the block scale below is halved to match), as ggml and gguf-py keep them
+_E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """e8m0 exponent bytes -> 2**(e - 128) in fp32, built from its bits (exact, subnormals
+    included, as ggml's `ggml_e8m0_to_fp32_half`)."""
+    e = e.int()
+    bits = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+@_register("MXFP4")
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    d = e8m0_half(b[:, 0:1])
+    lut = torch.tensor(_E2M1_X2, dtype=torch.float32, device=b.device)
+    q = b[:, 1:17].int()
+    return d * lut[torch.cat([q & 0xF, q >> 4], dim=1)]
+
+
 TORCH_TYPES = frozenset(_TORCH) | frozenset(FLOAT_TYPES) | {FP8_BLOCK}
 
 

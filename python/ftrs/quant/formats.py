@@ -9,6 +9,14 @@ bytes. Every block carries its own scales: no tensor-wide side data.
 weight, plus one fp32 scale per (br x bc) tile of the matrix. A `QuantTensor` of this type keeps
 both in one byte buffer: the rows*cols weight bytes, then the scales as fp32, row-major over the
 tile grid, so the expert pool and the link carry them together.
+
+`MXFP4` (gpt-oss's experts; the OCP microscaling format: 32 e2m1 values sharing one e8m0
+power-of-two scale) is kept in ggml's `block_mxfp4` layout, a row/block encoding like the others:
+per 32 values, the scale byte, then 16 bytes whose low nibbles are values 0..15 and high nibbles
+values 16..31. Safetensors ship it as `*_blocks` (two values per byte, in order) and `*_scales`
+tensors; `quant.mxfp4.from_blocks` rearranges those bytes into this layout without changing a
+value, so whole rows can be sliced (gpt-oss interleaves gate and up rows) and the block types
+share one code path.
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ GGUF_FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
     BlockFormat("Q4_K", 256, 144),
     BlockFormat("Q5_K", 256, 176),
     BlockFormat("Q6_K", 256, 210),
+    BlockFormat("MXFP4", 32, 17),
 )}
 #: Types whose bytes are a plain float array: they load as ordinary tensors.
 FLOAT_TYPES = ("F32", "F16", "BF16")

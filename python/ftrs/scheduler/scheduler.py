@@ -9,6 +9,11 @@ KV pages come from the free pool, then from evicting unreferenced prefix-cache p
 are exhausted a running request is preempted (newest first): its pages are released and it goes
 back to the head of the queue with its generated tokens, to be recomputed later. Never dropped.
 
+Models with linear attention layers also hold a state slot per running sequence (`StateSlots`):
+taken when the sequence starts running, given back with its pages when it finishes or is
+preempted (its state is recomputed with its KV). Such models run without the prefix cache
+(`prefix_cache=False`): a cached prefix would need the state at that point too.
+
 Shared prompts (n > 1, or several requests with one system prompt): a running prefill publishes
 its prompt's full pages to the prefix cache as they are computed, not only when it finishes; a
 waiting request whose prompt shares more full pages with such a prefill than it has published
@@ -25,6 +30,7 @@ from typing import NamedTuple
 from ftrs.errors import ContextLengthExceeded
 from ftrs.kvcache.pages import PagePool
 from ftrs.kvcache.radix import RadixCache
+from ftrs.kvcache.state import StateSlots
 from ftrs.scheduler.sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
@@ -37,9 +43,10 @@ class Work(NamedTuple):
 
 class Scheduler:
     def __init__(self, pool: PagePool, max_prefill_length: int, max_running: int,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, states: StateSlots | None = None) -> None:
         self.pool = pool
         self.radix = RadixCache(pool) if prefix_cache else None
+        self.states = states  # linear attention state slots, at least `max_running` of them
         self.budget = max_prefill_length
         self.max_running = max_running
         self.waiting: deque[Sequence] = deque()
@@ -92,6 +99,10 @@ class Scheduler:
             self.pool.unref(p)
         seq.pages = []
         seq.slot_table = seq.slot_pages = None
+        if seq.state_slot is not None:
+            assert self.states is not None
+            self.states.free(seq.state_slot)
+            seq.state_slot = None
 
     def _preempt(self, seq: Sequence) -> None:
         log.info("preempting %s (%d tokens) to free KV pages", seq.request_id, len(seq.tokens))
@@ -180,6 +191,9 @@ class Scheduler:
                 seq.num_computed = seq.num_cached = 0
                 break
             self.waiting.popleft()
+            if self.states is not None:
+                seq.state_slot = self.states.alloc()
+                assert seq.state_slot is not None, "fewer state slots than running requests"
             seq.status = Status.RUNNING
             self.running.append(seq)
             work.append(Work(seq, n))

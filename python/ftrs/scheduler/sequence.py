@@ -39,6 +39,8 @@ class Sequence:
     #: `EngineCore.logits`: every prompt position's logits are wanted, so the prompt is
     #: computed in full, never taken from the prefix cache.
     prompt_logits: bool = False
+    #: slot of the linear attention state (`kvcache.state`) while running; None otherwise
+    state_slot: int | None = None
 
     @property
     def num_output(self) -> int:
