@@ -18,17 +18,18 @@ from __future__ import annotations
 import torch
 
 from ftrs.kernels._triton import next_pow2, triton_importable
+from ftrs.layers.norm import rms_norm
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`x`: (..., hidden). With `residual`, normalises `residual + x` and returns it as the new
-    residual: (normed, residual + x); without, (normed, None). Same math as `layers.norm`."""
+    residual: (normed, residual + x); without, (normed, None). The norm is `layers.norm`'s
+    itself, so the decoder's torch path rounds exactly as it did before the residual add was
+    fused into it (`residual + x` is the add the decoder did, in the same dtype)."""
     if residual is not None:
         x = residual + x
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype), (x if residual is not None else None)
+    return rms_norm(x, weight, eps), (x if residual is not None else None)
 
 
 def rotary_ref_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

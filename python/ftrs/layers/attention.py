@@ -10,7 +10,10 @@ at `slot_mapping`, then reads each sequence's whole context back by gathering it
 - each prefill chunk is attended on its own with a causal mask shifted by the tokens already
   cached, so a chunked prefill computes exactly what one full pass would.
 Everything that depends only on the batch (gathers, masks) is built once per step by
-`engine.batch`, not once per layer.
+`engine.batch`, not once per layer. On the Triton path (`ftrs.kernels`) the decoder calls the
+paged attention kernel instead for its full-attention layers, which reads the cache through
+the block tables of `AttnMetadata.paged`; the layers below serve the torch path and the
+sliding-window and sink layers, which the kernel does not cover.
 
 Two per-layer variants (gpt_oss), both exact in chunked prefill and decode:
 - a sliding window: a query at position p sees keys p - window + 1 .. p only. The cache keeps
@@ -25,12 +28,15 @@ Two per-layer variants (gpt_oss), both exact in chunked prefill and decode:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from ftrs.layers.deltanet import LinearMeta
+
+if TYPE_CHECKING:  # the kernel modules import Triton: loaded only when a kernel is chosen
+    from ftrs.kernels.attention import PagedMeta
 
 
 @dataclass(slots=True)
@@ -73,6 +79,8 @@ class AttnMetadata:
     decode_only: bool = False  # every row is a decode row, in order (decode_rows = arange)
     linear: LinearMeta | None = None  # state slots of the rows, for linear attention layers
     windows: dict[int, WindowView] = field(default_factory=dict)  # built by `window_view`
+    # block tables of the step's sequences, for the paged attention kernel (the Triton path only)
+    paged: PagedMeta | None = None
 
 
 def window_view(meta: AttnMetadata, window: int) -> WindowView:

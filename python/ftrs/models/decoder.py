@@ -13,6 +13,20 @@ weights named in `names` and its shapes in `safetensors_loader.expected_dense_sh
 "full_attention" sees the whole causal context, "sliding_attention" the last `sliding_window`
 positions; either may add attention sinks (`spec.attention_sinks`, the layer's `sinks` weight).
 Biases are used wherever the checkpoint has them (q, k, v, o, router).
+
+The ops with a kernel go through the `Kernels` the runtime chose (`ftrs.kernels`), decided once
+per model in `__init__`, never per step:
+- every norm is `kernels.rms_norm` with the residual add fused into it: the layer's output is
+  added to `h` by the next norm (`x, h = norm(out, w, eps, residual=h)`), the same `h + out` the
+  loop did before, so the torch references give today's numbers bit for bit. The zero-centred
+  norms of the Gated DeltaNet hybrids have no kernel: they keep the torch norm (same signature);
+- rotary runs in place on q and k through `kernels.rotary_` on the Triton path when every
+  channel rotates; partial rotary, and the torch path, keep `layers.rotary.rotate` with the
+  table gathered once per forward (the reference's math bit for bit, at a fraction of its
+  per-layer cost on the CPU);
+- on the Triton path, full-attention layers without sinks write K/V at the slot mapping and
+  call the paged attention kernel over the block tables of `meta.paged`; sliding-window and
+  sink layers, linear attention layers and the torch path keep `layers.attention`.
 """
 
 from __future__ import annotations
@@ -24,6 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ftrs.kernels import Kernels, select_kernels
 from ftrs.kvcache.state import StateCache
 from ftrs.layers.attention import AttnMetadata, paged_attention
 from ftrs.layers.deltanet import gated_deltanet
@@ -56,14 +71,34 @@ class KVCache:
                    torch.zeros(shape, dtype=dtype, device=device), state)
 
 
-Rope = tuple[torch.Tensor, torch.Tensor]
+@dataclass(slots=True)
+class Rope:
+    """One forward's rotary inputs: positions, and on the torch path the cos and signed sin of
+    each token (`Rotary.table`), gathered once for every layer."""
+
+    positions: torch.Tensor  # (tokens,) int64
+    table: tuple[torch.Tensor, torch.Tensor] | None  # None: the kernel rotates from positions
+
+
+Norm = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def rms_norm_plus_one(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                      residual: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The zero-centred norm (scale `1 + w`) in `Kernels.rms_norm`'s signature: no kernel
+    covers it, so it stays the torch norm, with the residual add in front as the kernel does."""
+    if residual is not None:
+        x = residual + x
+    return rms_norm(x, weight, eps, plus_one=True), (x if residual is not None else None)
 
 
 class Decoder:
     """Forward pass of a decoder-only transformer over a paged KV cache."""
 
     def __init__(self, spec: ArchSpec, weights: Mapping[str, Weight], moe: MoEStrategy | None,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, kernels: Kernels | None = None) -> None:
+        """`kernels`: the ops `select_kernels` chose (the runtime's); None: the torch references."""
         self.spec = spec
         self.w: Mapping[str, Any] = weights  # projections may be QuantTensors
         self.moe = moe
@@ -78,9 +113,27 @@ class Decoder:
         self.mixers = [MIXERS[spec.layer_type(i)] for i in range(spec.num_layers)]
         self.cache_index = [(spec.layers_of(LINEAR_ATTENTION) if spec.layer_type(i) == LINEAR_ATTENTION
                              else spec.kv_layers).index(i) for i in range(spec.num_layers)]
+        k = self.kernels = kernels if kernels is not None else select_kernels("torch", device)
+        triton = k.name == "triton"
+        self.norm: Norm = rms_norm_plus_one if spec.norm_plus_one else k.rms_norm
+        # in place on q and k from the fp32 tables; the kernel rotates whole heads only
+        full_rotary = spec.rotary_dim in (0, spec.head_dim)
+        self.rotary_ = k.rotary_ if triton and full_rotary else None
+        # per layer: attention through the paged kernel (no window, no sinks: it has neither)
+        self.paged_kernel = [triton and spec.layer_type(i) == FULL_ATTENTION
+                             and not spec.attention_sinks for i in range(spec.num_layers)]
+        # the norm each layer's MLP output is added in front of: the next layer's input norm
+        self.next_norm = [f"{i + 1}.input_norm" for i in range(spec.num_layers - 1)] + ["norm"]
+        #: the batches must carry block tables (`AttnMetadata.paged`)
+        self.uses_paged_kernel = any(self.paged_kernel)
 
-    def _norm(self, x: torch.Tensor, key: str) -> torch.Tensor:
-        return rms_norm(x, self.w[key], self.spec.rms_norm_eps, self.spec.norm_plus_one)
+    def _add_norm(self, out: torch.Tensor, h: torch.Tensor, key: str
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`h + out` (the residual add the layer loop did) and its norm under `key`, in one op:
+        (normed, new h)."""
+        x, total = self.norm(out, self.w[key], self.spec.rms_norm_eps, residual=h)
+        assert total is not None  # a norm given a residual returns the sum
+        return x, total
 
     def _attention(self, layer: int, x: torch.Tensor, rope: Rope, meta: AttnMetadata,
                    kv: KVCache) -> torch.Tensor:
@@ -94,13 +147,24 @@ class Decoder:
         k = linear(x, w[p + "k"], w.get(p + "k_bias")).view(t, s.num_kv_heads, s.head_dim)
         v = linear(x, w[p + "v"], w.get(p + "v_bias")).view(t, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
-            q = self._norm(q, p + "q_norm")
-            k = self._norm(k, p + "k_norm")
-        q = rotate(q, *rope)
-        k = rotate(k, *rope)
+            q = self.norm(q, w[p + "q_norm"], s.rms_norm_eps)[0]
+            k = self.norm(k, w[p + "k_norm"], s.rms_norm_eps)[0]
+        if rope.table is None:
+            assert self.rotary_ is not None
+            self.rotary_(q, k, self.rotary.cos, self.rotary.sin, rope.positions)
+        else:
+            q = rotate(q, *rope.table)
+            k = rotate(k, *rope.table)
         i = self.cache_index[layer]
-        o = paged_attention(q, k, v, kv.k[i], kv.v[i], meta, self.scale,
-                            sinks=w.get(p + "sinks"), window=s.window(layer))
+        if self.paged_kernel[layer]:
+            assert meta.paged is not None, "the Triton path needs block tables (build_batch paged=True)"
+            k_cache, v_cache = kv.k[i], kv.v[i]
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
+            o = self.kernels.paged_attention(q, k_cache, v_cache, meta.paged, self.scale)
+        else:
+            o = paged_attention(q, k, v, kv.k[i], kv.v[i], meta, self.scale,
+                                sinks=w.get(p + "sinks"), window=s.window(layer))
         o = o.reshape(t, s.num_heads * s.head_dim)
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(t, s.num_heads * s.head_dim))
@@ -133,20 +197,20 @@ class Decoder:
         """`input_ids`, `positions`: (tokens,) int64. Returns final hidden states (tokens, hidden)."""
         s, w = self.spec, self.w
         h = embedding(input_ids, w["embed"], self.dtype)
-        rope = self.rotary.table(positions, h.dtype)  # once for every layer
+        rope = Rope(positions, None if self.rotary_ is not None
+                    else self.rotary.table(positions, h.dtype))  # once for every layer
         if self.moe is not None:
             self.moe.begin_forward(num_tokens=int(input_ids.numel()))
         if kv.state is not None and meta.linear is not None:
             kv.state.reset(meta.linear.fresh_slots)
+        x = self.norm(h, w["0.input_norm"], s.rms_norm_eps)[0]
         for layer in range(s.num_layers):
-            p = f"{layer}."
-            x = self._norm(h, p + "input_norm")
-            h = h + self.mixers[layer](self, layer, x, rope, meta, kv)
-            x = self._norm(h, p + "post_norm")
-            h = h + self._mlp(layer, x)
+            x, h = self._add_norm(self.mixers[layer](self, layer, x, rope, meta, kv), h,
+                                  f"{layer}.post_norm")
+            x, h = self._add_norm(self._mlp(layer, x), h, self.next_norm[layer])
         if self.moe is not None:
             self.moe.end_forward()
-        return self._norm(h, "norm")
+        return x
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
