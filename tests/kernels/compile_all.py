@@ -42,7 +42,7 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                     {"HAS_RES": True, "BLOCK": 1024}))
         out.append((f"rotary {dt}", norm._rotary_kernel,
                     {"*": f"*{dt}", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64"},
-                    {"HALF": 64, "BLOCK": 64}))
+                    {"HALF": 64, "BLOCK": 64, "BLOCK_H": 16}))
         prec = "ieee" if dt == "fp32" else "tf32"
         out.append((f"paged_attention {dt}", attention._paged_attn_kernel,
                     {"*": f"*{dt}", "table_ptr": "*i32", "q_start_ptr": "*i32",

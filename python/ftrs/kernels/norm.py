@@ -71,32 +71,44 @@ if triton_importable():
 
     @triton.jit
     def _rotary_kernel(q_ptr, k_ptr, cos_ptr, sin_ptr, pos_ptr, q_tok_stride, q_head_stride,
-                       k_tok_stride, k_head_stride, table_stride, num_q_heads,
-                       HALF: tl.constexpr, BLOCK: tl.constexpr):
+                       k_tok_stride, k_head_stride, table_stride, num_q_heads, num_k_heads,
+                       HALF: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+        # one program per token and tensor (q or k): every head of it at once, the token's
+        # cos/sin row read once and broadcast over the heads
         tok = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        if head < num_q_heads:
-            base = q_ptr + tok * q_tok_stride + head * q_head_stride
+        if tl.program_id(1) == 0:
+            base = q_ptr + tok * q_tok_stride
+            head_stride = q_head_stride
+            heads = num_q_heads
         else:
-            base = k_ptr + tok * k_tok_stride + (head - num_q_heads) * k_head_stride
+            base = k_ptr + tok * k_tok_stride
+            head_stride = k_head_stride
+            heads = num_k_heads
         cols = tl.arange(0, BLOCK)
-        mask = cols < HALF
+        hs = tl.arange(0, BLOCK_H)
+        col_ok = cols < HALF
         pos = tl.load(pos_ptr + tok).to(tl.int64)
-        x1 = tl.load(base + cols, mask=mask, other=0.0)
-        x2 = tl.load(base + HALF + cols, mask=mask, other=0.0)
-        dt = x1.dtype
         row = pos * table_stride
-        c1 = round_to(tl.load(cos_ptr + row + cols, mask=mask, other=0.0), dt).to(tl.float32)
-        c2 = round_to(tl.load(cos_ptr + row + HALF + cols, mask=mask, other=0.0), dt).to(tl.float32)
-        s1 = round_to(tl.load(sin_ptr + row + cols, mask=mask, other=0.0), dt).to(tl.float32)
-        s2 = round_to(tl.load(sin_ptr + row + HALF + cols, mask=mask, other=0.0), dt).to(tl.float32)
+        c1 = tl.load(cos_ptr + row + cols, mask=col_ok, other=0.0)
+        c2 = tl.load(cos_ptr + row + HALF + cols, mask=col_ok, other=0.0)
+        s1 = tl.load(sin_ptr + row + cols, mask=col_ok, other=0.0)
+        s2 = tl.load(sin_ptr + row + HALF + cols, mask=col_ok, other=0.0)
+        off = hs[:, None].to(tl.int64) * head_stride + cols[None, :]
+        mask = (hs[:, None] < heads) & col_ok[None, :]
+        x1 = tl.load(base + off, mask=mask, other=0.0)
+        x2 = tl.load(base + HALF + off, mask=mask, other=0.0)
+        dt = x1.dtype
+        c1 = round_to(c1, dt).to(tl.float32)[None, :]
+        c2 = round_to(c2, dt).to(tl.float32)[None, :]
+        s1 = round_to(s1, dt).to(tl.float32)[None, :]
+        s2 = round_to(s2, dt).to(tl.float32)[None, :]
         a = x1.to(tl.float32)
         b = x2.to(tl.float32)
         # each product rounds to the model dtype before the sum, as the reference's ops do
         o1 = round_to(a * c1, dt).to(tl.float32) + round_to(-b * s1, dt).to(tl.float32)
         o2 = round_to(b * c2, dt).to(tl.float32) + round_to(a * s2, dt).to(tl.float32)
-        tl.store(base + cols, round_to(o1, dt), mask=mask)
-        tl.store(base + HALF + cols, round_to(o2, dt), mask=mask)
+        tl.store(base + off, round_to(o1, dt), mask=mask)
+        tl.store(base + HALF + off, round_to(o2, dt), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -138,6 +150,7 @@ def rotary_triton_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
         raise ValueError("rotary: q, k and the tables need a unit last stride")
     if tokens == 0:
         return
-    _rotary_kernel[(tokens, hq + hk)](
+    _rotary_kernel[(tokens, 2)](
         q, k, cos, sin, positions, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos.stride(0), hq, HALF=d // 2, BLOCK=next_pow2(d // 2), enable_fp_fusion=False)
+        cos.stride(0), hq, hk, HALF=d // 2, BLOCK=next_pow2(d // 2),
+        BLOCK_H=next_pow2(max(hq, hk)), enable_fp_fusion=False)
