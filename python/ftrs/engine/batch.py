@@ -4,11 +4,19 @@ Each sequence keeps its context's cache slots as a tensor that grows with its pa
 (`context_slots`), so a step costs O(new pages), not O(context), per sequence: a decode row's
 slots are a view of that tensor, its new token's slot one element of it. The causal masks of
 prefill chunks and the decode padding mask are built here, once per step, for every layer.
+
+On the Triton path (`paged=True`) the step also carries `PagedMeta`: each sequence's block
+table row (page ids) and where its query rows and context end. The rows are kept on the
+sequence as host int32 tensors extended by the new pages only (`block_row`); a step copies
+them into one table, in pinned memory on CUDA, and sends it with the per-sequence ints by two
+non-blocking copies (torch's pinned allocator reuses a buffer only once its copy is done). On
+the CPU they are plain tensors and nothing is copied.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,6 +24,9 @@ from ftrs.layers.attention import AttnMetadata, PrefillSpan, prefill_mask
 from ftrs.layers.deltanet import LinearMeta
 from ftrs.scheduler.scheduler import Work
 from ftrs.scheduler.sequence import Sequence
+
+if TYPE_CHECKING:  # imports Triton: loaded only on the Triton path
+    from ftrs.kernels.attention import PagedMeta
 
 
 @dataclass(slots=True)
@@ -51,9 +62,54 @@ def context_slots(seq: Sequence, end: int, page_size: int, device: torch.device)
     return table[:end]
 
 
+def block_row(seq: Sequence, num_pages: int) -> torch.Tensor:
+    """The first `num_pages` page ids of `seq`, (num_pages,) int32 on the host.
+
+    Kept on the sequence and extended by the pages added since it was last filled (its
+    capacity doubles, so growth costs O(new pages) amortised); a page table replaced by the
+    scheduler (preemption, a prefix-cache match at admission) is listed afresh."""
+    row, have = seq.block_row, seq.block_filled
+    if row is None or seq.block_pages is not seq.pages or have > len(seq.pages):
+        row, have = None, 0
+    if have < num_pages:
+        want = len(seq.pages)
+        if row is None or row.numel() < want:
+            grown = torch.empty(max(want, 2 * (0 if row is None else row.numel())), dtype=torch.int32)
+            if row is not None:
+                grown[:have] = row[:have]
+            row = grown
+        row[have:want] = torch.tensor(seq.pages[have:want], dtype=torch.int32)
+        seq.block_row, seq.block_pages, seq.block_filled = row, seq.pages, want
+        have = want
+    assert row is not None and have >= num_pages, "KV pages do not cover the context"
+    return row[:num_pages]
+
+
+def paged_meta(work: list[Work], page_size: int, device: torch.device) -> PagedMeta:
+    """The block tables and per-sequence extents of one step, for `kernels.paged_attention`."""
+    from ftrs.kernels.attention import PagedMeta
+
+    pin = device.type == "cuda"
+    ends = [seq.num_computed + n for seq, n in work]
+    pages = [-(-end // page_size) for end in ends]
+    table = torch.zeros(len(work), max(pages, default=1), dtype=torch.int32, pin_memory=pin)
+    starts, row = [], 0
+    for i, ((seq, n), k) in enumerate(zip(work, pages)):
+        table[i, :k] = block_row(seq, k)
+        starts.append(row)
+        row += n
+    lens = [n for _, n in work]
+    ints = torch.tensor([starts, lens, ends], dtype=torch.int32, pin_memory=pin)
+    ints = ints.to(device, non_blocking=True)
+    return PagedMeta(table.to(device, non_blocking=True), ints[0], ints[1], ints[2],
+                     max(lens, default=0), page_size)
+
+
 def build_batch(work: list[Work], page_size: int, device: torch.device,
-                states: bool = False) -> Batch:
-    """`states`: the model has linear attention layers; every sequence holds a state slot."""
+                states: bool = False, paged: bool = False) -> Batch:
+    """`states`: the model has linear attention layers; every sequence holds a state slot.
+    `paged`: the decoder runs the paged attention kernel (`Decoder.uses_paged_kernel`); the
+    step carries block tables (`AttnMetadata.paged`)."""
     ids: list[int] = []
     slot_parts: list[torch.Tensor] = []
     pos_parts: list[torch.Tensor] = []
@@ -91,7 +147,8 @@ def build_batch(work: list[Work], page_size: int, device: torch.device,
         slot_mapping=torch.cat(slot_parts),
         decode_rows=rows_t,
         decode_gather=gather, decode_mask=mask, prefills=prefills, decode_only=decode_only,
-        linear=_linear_meta(work, rows_t, device) if states else None)
+        linear=_linear_meta(work, rows_t, device) if states else None,
+        paged=paged_meta(work, page_size, device) if paged else None)
     return Batch(torch.tensor(ids, dtype=torch.long, device=device),
                  torch.cat(pos_parts).to(device), meta,
                  torch.tensor(sample_rows, dtype=torch.long, device=device), sample_seqs,

@@ -138,7 +138,8 @@ class EngineCore:
         self._step += 1
         if not work:
             return [], self._stats(t0, "idle", 0, 0)
-        batch = build_batch(work, self.pool.page_size, self.rt.device, states=self.has_states)
+        batch = build_batch(work, self.pool.page_size, self.rt.device, states=self.has_states,
+                            paged=self.rt.decoder.uses_paged_kernel)
         # the grammar masks of this step's constrained rows, computed while the forward runs
         g_rows = [r for r, s in enumerate(batch.sample_seqs) if s.request_id in self._matchers]
         masks = self._start_masks([batch.sample_seqs[r] for r in g_rows]) if g_rows else None

@@ -1,4 +1,5 @@
-"""Runtime: resolve device and dtype, load the model, pick the MoE strategy, size the KV cache."""
+"""Runtime: resolve device and dtype, choose the kernels, load the model, pick the MoE strategy,
+size the KV cache."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from ftrs.config import EngineConfig
 from ftrs.errors import ConfigError
+from ftrs.kernels import Kernels, select_kernels
 from ftrs.kvcache.state import state_bytes
 from ftrs.models.decoder import Decoder, KVCache
 from ftrs.models.load import load_model
@@ -42,6 +44,9 @@ class Runtime:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        # before the model loads, so `--kernels triton` where it cannot run fails at once;
+        # `kernels.name` ("triton" | "torch") says which side runs
+        self.kernels: Kernels = select_kernels(config.kernels, self.device)
         self.loaded = load_model(config.model, self.device, self.dtype, progress=progress)
         self.spec = self.loaded.spec
         self.moe: MoEStrategy | None = None
@@ -53,8 +58,10 @@ class Runtime:
             strategy = "resident" if config.moe_strategy == "auto" else config.moe_strategy
             import_strategy(strategy)
             self.moe = create_strategy(strategy, experts=self.loaded.experts, device=self.device,
-                                       config=config, routers=self._routers())
-        self.decoder = Decoder(self.spec, self.loaded.dense, self.moe, self.device, self.dtype)
+                                       config=config, routers=self._routers(),
+                                       kernels=self.kernels)
+        self.decoder = Decoder(self.spec, self.loaded.dense, self.moe, self.device, self.dtype,
+                               kernels=self.kernels)
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         self.state_slots = config.max_running_requests  # one per running sequence
@@ -62,9 +69,10 @@ class Runtime:
         self.num_pages = max(1, kv_tokens // config.page_size)
         self.kv = KVCache.allocate(self.spec, self.num_pages * config.page_size, self.dtype,
                                    self.device, state_slots=self.state_slots)
-        log.info("model %s: %s, %d layers, %s on %s; KV cache %d tokens", config.model,
-                 self.spec.arch, self.spec.num_layers, str(self.dtype).removeprefix("torch."),
-                 self.device, self.num_pages * config.page_size)
+        log.info("model %s: %s, %d layers, %s on %s, %s kernels; KV cache %d tokens",
+                 config.model, self.spec.arch, self.spec.num_layers,
+                 str(self.dtype).removeprefix("torch."), self.device, self.kernels.name,
+                 self.num_pages * config.page_size)
 
     def _routers(self) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}

@@ -99,6 +99,7 @@ class Scheduler:
             self.pool.unref(p)
         seq.pages = []
         seq.slot_table = seq.slot_pages = None
+        seq.block_row = seq.block_pages = None
         if seq.state_slot is not None:
             assert self.states is not None
             self.states.free(seq.state_slot)

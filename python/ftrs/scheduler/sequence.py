@@ -36,6 +36,11 @@ class Sequence:
     # they were expanded from: a new list (preemption, admission) is expanded afresh
     slot_table: torch.Tensor | None = None
     slot_pages: list[int] | None = None
+    # the same pages as a host int32 row of the paged attention kernel's block table
+    # (engine.batch.block_row): its first `block_filled` entries are `block_pages[:block_filled]`
+    block_row: torch.Tensor | None = None
+    block_pages: list[int] | None = None
+    block_filled: int = 0
     #: `EngineCore.logits`: every prompt position's logits are wanted, so the prompt is
     #: computed in full, never taken from the prefix cache.
     prompt_logits: bool = False
