@@ -61,7 +61,7 @@ def test_decoder_with_kernels_equals_the_references(tiny_models: dict[str, Path]
     assert tri.uses_paged_kernel and tri.rotary_ is not None and not ref.uses_paged_kernel
     a = _seq("a", PROMPT, [9, 2, 14, 5])
     b = _seq("b", PROMPT[2:5], [7, 11])
-    c = _seq("c", PROMPT[:4] + [400, 401], [9, 3])  # a's first page cached
+    c = _seq("c", [*PROMPT[:4], 400, 401], [9, 3])  # a's first page cached
     c.num_computed = c.num_cached = 4
     steps = [[Work(a, 6), Work(b, 3)], [Work(a, 4), Work(b, 1), Work(c, 2)],
              [Work(a, 1), Work(b, 1), Work(c, 1)]]
