@@ -60,10 +60,10 @@ def select_kernels(mode: str, device: torch.device) -> Kernels:
     from ftrs.kernels import attention, moe, norm
 
     if use:
-        log.info("kernels: triton on %s", device)
+        log.debug("kernels: triton on %s", device)
         return Kernels("triton", norm.rms_norm_triton, norm.rotary_triton_, moe.fused_moe_triton,
                        attention.paged_attention_triton)
-    log.info("kernels: torch references on %s", device)
+    log.debug("kernels: torch references on %s", device)
     return Kernels("torch", norm.rms_norm_ref, norm.rotary_ref_, moe.fused_moe_ref,
                    attention.paged_attention_ref)
 
