@@ -50,7 +50,7 @@ def test_auto_on_a_cpu_without_the_interpreter_picks_torch(tiny_models: dict[str
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     _no_interpreter(monkeypatch)
     llm = LLM(str(tiny_models["llama"]), kv_tokens=256, device="cpu")  # kernels="auto"
-    assert llm.engine.rt.kernels.name == "torch"
+    assert llm.engine.rt.kernels.name == llm.engine.kernels == "torch"
     assert not llm.engine.rt.decoder.uses_paged_kernel
     llm.close()
 
@@ -75,7 +75,7 @@ def test_triton_under_the_interpreter_wires_every_kernel(tiny_models: dict[str, 
         pytest.skip("needs TRITON_INTERPRET=1 (set by tests/conftest.py without a GPU)")
     llm = LLM(str(tiny_models["llama"]), kv_tokens=256, device="cpu", kernels="triton")
     dec = llm.engine.rt.decoder
-    assert llm.engine.rt.kernels.name == "triton"
+    assert llm.engine.rt.kernels.name == llm.engine.kernels == "triton"
     assert dec.norm is norm.rms_norm_triton and dec.rotary_ is norm.rotary_triton_
     assert dec.uses_paged_kernel and all(dec.paged_kernel)
     llm.close()

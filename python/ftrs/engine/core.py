@@ -232,6 +232,11 @@ class EngineCore:
         """The compute device."""
         return self.rt.device
 
+    @property
+    def kernels(self) -> str:
+        """Which side runs the ops with a kernel: "triton" or "torch" (`ftrs.kernels`)."""
+        return self.rt.kernels.name
+
     def set_step_budget(self, tokens: int) -> None:
         """Tokens one step may compute (prefill chunks and decodes together): the adaptive
         guard's live prefill ceiling. Applies from the next step; call it from the thread that
