@@ -9,7 +9,8 @@ bit for bit (the reference numbers are pinned against transformers in tests/mode
 
 Tolerance (measured): the hidden states differ by at most 2.4e-6 (llama 2.4e-6, qwen3 1.6e-6,
 mixtral 2.4e-6; the norms' sums and the online softmax run in another order); the test allows
-2e-5. Under the interpreter one model takes ~8 s of CPU.
+2e-5. Under the interpreter one model takes ~8 s of CPU. The newer architectures (slow), through
+the whole engine: logits within the same 2e-5 (measured gpt_oss 1.7e-6, qwen3_next 3.9e-6).
 """
 
 from __future__ import annotations
@@ -80,3 +81,42 @@ def test_decoder_with_kernels_equals_the_references(tiny_models: dict[str, Path]
     # every slot either side wrote holds the same keys and values
     torch.testing.assert_close(tri_kv.k, ref_kv.k, rtol=TOL, atol=TOL)
     torch.testing.assert_close(tri_kv.v, ref_kv.v, rtol=TOL, atol=TOL)
+
+
+def _through_the_engine(path: Path, kernels: str
+                        ) -> tuple[torch.Tensor, list[list[int]], tuple[bool, bool]]:
+    from ftrs.llm import LLM
+
+    llm = LLM(str(path), kv_tokens=256, dtype="float32", device="cpu", kernels=kernels,
+              max_prefill_length=6, page_size=4)
+    assert llm.engine.kernels == kernels
+    dec = llm.engine.rt.decoder
+    wired = (dec.rotary_ is not None, dec.uses_paged_kernel)
+    logits = llm.logits(PROMPT)  # chunked: 6 + 4
+    outs = llm.generate([PROMPT, PROMPT[:3]], SamplingParams(max_tokens=3, temperature=0,
+                                                             ignore_eos=True))
+    llm.close()
+    return logits, [o.token_ids for o in outs], wired
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_next"])
+def test_newer_archs_keep_their_torch_parts_under_the_kernels(
+        tmp_path: Path, hybrid_models: dict[str, Path], arch: str, device: str) -> None:
+    """gpt_oss: rotary through the kernel, attention (sinks, sliding window) on the torch path;
+    qwen3_next: zero-centred norms and partial rotary torch, its gated full attention through
+    the paged kernel beside Gated DeltaNet layers. The whole engine, both sides."""
+    if device != "cpu":
+        pytest.skip("the engine test runs on the interpreter's CPU")
+    if arch == "gpt_oss":
+        pytest.importorskip("transformers")
+        from gpt_oss_models import build
+
+        path = build(tmp_path / "gpt_oss")
+    else:
+        path = hybrid_models[arch]
+    want_logits, want_tokens, _ = _through_the_engine(path, "torch")
+    got_logits, got_tokens, wired = _through_the_engine(path, "triton")
+    assert wired == ((True, False) if arch == "gpt_oss" else (False, True))
+    torch.testing.assert_close(got_logits, want_logits, rtol=TOL, atol=TOL)
+    assert got_tokens == want_tokens
