@@ -200,7 +200,7 @@ class HybridStrategy(OffloadStrategy):
     name = "hybrid"
 
     def __init__(self, experts: HostExperts, device: torch.device, config: EngineConfig,
-                 routers: dict[int, torch.Tensor], **kw: object) -> None:
+                 routers: dict[int, torch.Tensor], **kw: Any) -> None:
         super().__init__(experts, device, config, routers, **kw)
         self.device = device
         self.threads = config.cpu_expert_threads or int(_core.quant_threads())

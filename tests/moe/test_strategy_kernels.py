@@ -1,0 +1,175 @@
+"""The MoE strategies on the fused Triton kernel (`moe.fused`), layer by layer on tiny models.
+
+Run under Triton's interpreter on the CPU (tests/conftest.py sets it without a GPU), compiled on
+a GPU. Oracles:
+- `resident` on the torch path (today's per-expert code) for the kernel's numbers: fp32 to
+  1e-5 of the largest output (the dot products sum in another order; measured: 4.8e-7);
+- `resident` on the kernel for `offload` on the kernel: bit for bit, whatever the cache holds,
+  the experts that landed first and the waves;
+- for a quantized GGUF, the reference path (`use_kernels(False)`: dequantized in fp32, then
+  `F.linear`), and bit-equality with the torch path for the layers the kernel leaves alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ftrs.config import EngineConfig
+from ftrs.kernels import Kernels, select_kernels, triton_runs_on
+from ftrs.layers.moe import route
+from ftrs.models.load import LoadedModel, load_model
+from ftrs.moe.base import MoEStrategy, create_strategy, import_strategy
+from ftrs.quant.matmul import use_kernels
+
+pytest.importorskip("triton")
+MOE_ARCHS = ("mixtral", "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def device() -> torch.device:
+    if triton_runs_on(torch.device("cpu")):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        pytest.skip("the kernels need CUDA or TRITON_INTERPRET=1")
+    return torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def kern(device: torch.device) -> Kernels:
+    return select_kernels("triton", device)
+
+
+def strategy(name: str, loaded: LoadedModel, device: torch.device, **options: Any) -> MoEStrategy:
+    import_strategy(name)
+    assert loaded.experts is not None
+    kernels = options.pop("kernels", None)
+    config = EngineConfig(model=str(loaded.path), moe_strategy=name, **options)
+    routers = {la: loaded.dense[f"{la}.router"] for la in loaded.spec.moe_layers}
+    return create_strategy(name, experts=loaded.experts, device=device, config=config,
+                           routers=routers, kernels=kernels)
+
+
+def steps(loaded: LoadedModel, device: torch.device, widths: tuple[int, ...],
+          seed: int = 0) -> Iterator[list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """Per forward, the (layer, x, ids, weights) of each MoE layer: random hidden states routed
+    by the model's own routers (so a prefetch guess from x is a real guess)."""
+    s = loaded.spec
+    g = torch.Generator().manual_seed(seed)
+    for t in widths:
+        x = torch.randn(t, s.hidden_size, generator=g).to(device)
+        step = []
+        for layer in s.moe_layers:
+            router = loaded.dense[f"{layer}.router"]
+            assert isinstance(router, torch.Tensor)
+            ids, w = route(x, router, s.top_k, s.norm_topk_prob)
+            step.append((layer, x, ids, w))
+            x = x + 0.5 * torch.randn(x.shape, generator=g).to(device)
+        yield step
+
+
+def outputs(moe: MoEStrategy, forwards: list[list[Any]]) -> list[torch.Tensor]:
+    out = []
+    try:
+        for step in forwards:
+            moe.begin_forward(step[0][1].shape[0])
+            out += [moe.forward(layer, x, ids, w).cpu() for layer, x, ids, w in step]
+            moe.end_forward()
+    finally:
+        moe.close()
+    return out
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_resident_kernel_matches_the_torch_path(tiny_models: dict[str, Path], arch: str,
+                                                device: torch.device, kern: Kernels) -> None:
+    loaded = load_model(str(tiny_models[arch]), device, torch.float32, progress=False)
+    forwards = list(steps(loaded, device, (9, 1)))
+    want = outputs(strategy("resident", loaded, device), forwards)
+    got_moe = strategy("resident", loaded, device, kernels=kern)
+    assert set(got_moe._fused) == set(loaded.spec.moe_layers)  # type: ignore[attr-defined]
+    got = outputs(got_moe, forwards)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+    # the torch side of the selector is today's path, bit for bit
+    torch_side = outputs(strategy("resident", loaded, device,
+                                  kernels=select_kernels("torch", device)), forwards)
+    assert all(torch.equal(a, b) for a, b in zip(torch_side, want, strict=True))
+
+
+@pytest.mark.parametrize("arch,rate,prefetch", [
+    ("mixtral", 0.25, True), ("qwen3_moe", 0.5, False),
+    pytest.param("mixtral", 0.5, False, marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", 0.25, True, marks=pytest.mark.slow)])
+def test_offload_with_kernels_equals_resident_bit_for_bit(
+        tiny_models: dict[str, Path], arch: str, rate: float, prefetch: bool,
+        device: torch.device, kern: Kernels, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ftrs.kernels import moe as kmoe
+
+    loaded = load_model(str(tiny_models[arch]), device, torch.float32, progress=False)
+    forwards = list(steps(loaded, device, (1, 7, 1, 1)))
+    want = outputs(strategy("resident", loaded, device, kernels=kern), forwards)
+    tables: list[list[int]] = []
+    real = kmoe.moe_pairs_triton
+
+    def recording(*a: Any, **kw: Any) -> torch.Tensor:
+        tables.append(a[3].tolist())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(kmoe, "moe_pairs_triton", recording)
+    moe = strategy("offload", loaded, device, kernels=kern, moe_cache_rate=rate,
+                   moe_prefetch=prefetch, copy_backend="simulated:1:300")
+    slots = moe.num_slots  # type: ignore[attr-defined]
+    got = outputs(moe, forwards)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"forward {i}: max diff {(a - b).abs().max().item()}"
+    # every call named at most a cache's worth of experts; some layers took two calls or more
+    # (landed first, then the rest; or waves), and no call named an expert twice
+    layers = sum(len(s) for s in forwards)
+    assert all(0 < sum(s >= 0 for s in t) <= slots for t in tables)
+    assert len(tables) > layers
+    assert all(len({s for s in t if s >= 0}) == sum(s >= 0 for s in t) for t in tables)
+
+
+def test_offload_waves_with_kernels(tiny_models: dict[str, Path], device: torch.device,
+                                    kern: Kernels) -> None:
+    """A cache of top_k slots: a wide forward runs in several waves, still exact."""
+    loaded = load_model(str(tiny_models["mixtral"]), device, torch.float32, progress=False)
+    forwards = list(steps(loaded, device, (1, 7), seed=3))  # distinct_per_layer: the last
+    want = outputs(strategy("resident", loaded, device, kernels=kern), forwards)
+    moe = strategy("offload", loaded, device, kernels=kern, moe_cache_size=loaded.spec.top_k,
+                   copy_backend="host")
+    got = outputs(moe, forwards)
+    assert max(moe.distinct_per_layer) > loaded.spec.top_k  # type: ignore[attr-defined]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.fixture(scope="module")
+def q8_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny qwen3moe GGUF (MoE layers 0 and 2): experts Q8_0, but layer 0's `down` Q6_K."""
+    from quant_models import build
+
+    types = {"layers.0.mlp.experts.0.down": "Q6_K", "experts": "Q8_0"}
+    return build("qwen3_moe", types, tmp_path_factory.mktemp("q8"))[0]
+
+
+def test_quantized_kernel_matches_the_reference(q8_model: Path, device: torch.device,
+                                                kern: Kernels) -> None:
+    loaded = load_model(str(q8_model), device, torch.float32, progress=False)
+    forwards = list(steps(loaded, device, (3,), seed=5))
+    with use_kernels(False):  # the reference: dequantized in fp32, then F.linear
+        want = outputs(strategy("resident", loaded, device), forwards)
+        moe = strategy("resident", loaded, device, kernels=kern)
+        assert set(moe._fused) == {2}  # type: ignore[attr-defined]  # layer 0 mixes types
+        assert moe._fused[2].qtype == "Q8_0"  # type: ignore[attr-defined]
+        got = outputs(moe, forwards)
+        off = outputs(strategy("offload", loaded, device, kernels=kern, moe_cache_rate=0.5,
+                               copy_backend="simulated:1:300"), forwards)
+    (l0, l2), (w0, w2) = got, want
+    assert torch.equal(l0, w0)  # the torch path, untouched
+    torch.testing.assert_close(l2, w2, rtol=1e-5, atol=1e-5 * float(w2.abs().max()))
+    assert all(torch.equal(a, b) for a, b in zip(off, got, strict=True))
