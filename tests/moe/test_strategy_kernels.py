@@ -173,3 +173,27 @@ def test_quantized_kernel_matches_the_reference(q8_model: Path, device: torch.de
     assert torch.equal(l0, w0)  # the torch path, untouched
     torch.testing.assert_close(l2, w2, rtol=1e-5, atol=1e-5 * float(w2.abs().max()))
     assert all(torch.equal(a, b) for a, b in zip(off, got, strict=True))
+
+
+@pytest.mark.parametrize("link", ["fast", "by-tokens"])
+def test_hybrid_device_part_on_the_kernel(tiny_models: dict[str, Path], device: torch.device,
+                                          kern: Kernels, link: str) -> None:
+    """Every miss fetched (a free link): hybrid equals resident on the kernel bit for bit. Split
+    by tokens (single-token experts on the CPU's torch path): within the kernel's tolerance."""
+    from ftrs.moe.hybrid import CostModel, HybridStrategy
+
+    loaded = load_model(str(tiny_models["qwen3_moe"]), device, torch.float32, progress=False)
+    forwards = list(steps(loaded, device, (5, 1, 1), seed=7))
+    want = outputs(strategy("resident", loaded, device, kernels=kern), forwards)
+    moe = strategy("hybrid", loaded, device, kernels=kern, moe_cache_rate=0.5,
+                   cpu_expert_threads=1)
+    assert isinstance(moe, HybridStrategy)
+    moe.cost = (CostModel(1e15, 0.0, cpu_s_per_token=1.0, learn=False) if link == "fast"
+                else CostModel(1e12, 2.5e-6, cpu_s_per_token=2e-6, learn=False))
+    got = outputs(moe, forwards)
+    assert moe.fetched > 0 and (moe.cpu_computed == 0) == (link == "fast")
+    for a, b in zip(got, want, strict=True):
+        if link == "fast":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))

@@ -301,8 +301,7 @@ class OffloadStrategy(MoEStrategy):
         experts whose bytes have landed, one after the ticket for the rest, each with a slot
         table naming only its experts (-1 elsewhere). Every pair's row of `y` is written by
         exactly one call, so the sum equals one call over all experts, bit for bit."""
-        from ftrs.kernels.moe import combine_pairs, moe_pairs_triton
-        from ftrs.moe.fused import slot_table
+        from ftrs.kernels.moe import combine_pairs
 
         li = self.experts.layer_index[layer]
         num_experts = self.spec.num_experts
@@ -320,22 +319,30 @@ class OffloadStrategy(MoEStrategy):
                 torch.cuda.current_stream(x.device).synchronize()
             try:
                 slots, ticket = self._lookup(li, wave, prefetch if start == 0 else [])
-                landed = (self.engine.ready(slots) if COMPUTE_LANDED_FIRST
-                          else [False] * len(slots))
-                first, rest = [-1] * num_experts, [-1] * num_experts
-                for e, s, now in zip(wave, slots, landed):
-                    (first if now else rest)[e] = s
-                if any(landed):
-                    moe_pairs_triton(x, ids, weights, slot_table(first, x.device), sw, y=y)
-                t0 = self.clock()
-                self.engine.wait(ticket)
-                self._wait_s += self.clock() - t0
-                if not all(landed):
-                    moe_pairs_triton(x, ids, weights, slot_table(rest, x.device), sw, y=y)
+                self._fused_wave(x, ids, weights, sw, wave, slots, ticket, y)
             finally:
                 self.engine.release()  # a failed wave must not leave its slots pinned
         self._t_end = self.clock()
         return combine_pairs(y, ids, torch.zeros_like(x))
+
+    def _fused_wave(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    sw: SlotWeights, wave: list[int], slots: list[int], ticket: int,
+                    y: torch.Tensor) -> None:
+        """The pair rows of `wave`'s experts into `y`: those landed, then, after `ticket`, the rest."""
+        from ftrs.kernels.moe import moe_pairs_triton
+        from ftrs.moe.fused import slot_table
+
+        landed = self.engine.ready(slots) if COMPUTE_LANDED_FIRST else [False] * len(slots)
+        first, rest = [-1] * self.spec.num_experts, [-1] * self.spec.num_experts
+        for e, s, now in zip(wave, slots, landed):
+            (first if now else rest)[e] = s
+        if any(landed):
+            moe_pairs_triton(x, ids, weights, slot_table(first, x.device), sw, y=y)
+        t0 = self.clock()
+        self.engine.wait(ticket)
+        self._wait_s += self.clock() - t0
+        if not all(landed):
+            moe_pairs_triton(x, ids, weights, slot_table(rest, x.device), sw, y=y)
 
     def begin_forward(self, num_tokens: int) -> None:
         self.distinct_per_layer = []
