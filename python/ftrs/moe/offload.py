@@ -49,6 +49,12 @@ each expert's output is independent of the others, and all are added up in ascen
 tokens/s of waiting first at 2 GB/s without prefetch (6 pairs), 1.031x at 0.5 GB/s (4), 1.04x
 at 2 GB/s with prefetch (4).
 
+With the Triton kernels (`kernels.name == "triton"`, `moe.fused`) a layer runs in the same
+waves, but each wave is two calls of the fused kernel over views of the slot buffer, one for
+the experts that have landed and one after the ticket for the rest, each with a slot table
+naming only its experts; the calls fill one buffer of per-(token, expert) rows, added up once
+per layer in ascending id: bit-identical to `resident` on the kernel.
+
 On CUDA the copies run on the engine's own stream, which never waits for torch's: a slot may
 only be overwritten once the kernels reading it are done. Each layer's `tolist()` of its routing
 waits for every earlier kernel before the layer's first lookup; a wave after the first waits
