@@ -197,3 +197,52 @@ def test_hybrid_device_part_on_the_kernel(tiny_models: dict[str, Path], device: 
             assert torch.equal(a, b)
         else:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+
+
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny qwen3_moe whose routed experts are FP8 with fp32 scales per 32x32 tile (the
+    experts are 48 wide: partial tiles at the edges)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ftrs.models.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("fp8")
+    src = make_tiny("qwen3_moe", root / "src", seed=3)
+    out = root / "fp8"
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    for name, w in list(tensors.items()):
+        if ".experts." in name and name.endswith("_proj.weight"):
+            rows, cols = w.shape
+            tiles = torch.nn.functional.pad(w.abs(), (0, -cols % 32, 0, -rows % 32))
+            scale = tiles.reshape(-(-rows // 32), 32, -(-cols // 32), 32).amax((1, 3)) / 448
+            full = scale.repeat_interleave(32, 0)[:rows].repeat_interleave(32, 1)[:, :cols]
+            tensors[name] = (w / full).to(torch.float8_e4m3fn)
+            tensors[name[:-7] + ".weight_scale_inv"] = scale
+    save_file(tensors, str(out / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                  "activation_scheme": "dynamic", "weight_block_size": [32, 32]}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_fp8_block_kernel_matches_the_reference(fp8_model: Path, device: torch.device,
+                                                kern: Kernels) -> None:
+    loaded = load_model(str(fp8_model), device, torch.float32, progress=False)
+    forwards = list(steps(loaded, device, (6, 1), seed=9))
+    with use_kernels(False):  # the reference: dequantized in fp32, then F.linear
+        want = outputs(strategy("resident", loaded, device), forwards)
+        moe = strategy("resident", loaded, device, kernels=kern)
+        assert {w.qtype for w in moe._fused.values()} == {"FP8_BLOCK"}  # type: ignore[attr-defined]
+        assert set(moe._fused) == set(loaded.spec.moe_layers)  # type: ignore[attr-defined]
+        got = outputs(moe, forwards)
+        off = outputs(strategy("offload", loaded, device, kernels=kern, moe_cache_rate=0.5,
+                               copy_backend="simulated:1:300"), forwards)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+    assert all(torch.equal(a, b) for a, b in zip(off, got, strict=True))
