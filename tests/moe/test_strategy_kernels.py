@@ -246,3 +246,40 @@ def test_fp8_block_kernel_matches_the_reference(fp8_model: Path, device: torch.d
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
     assert all(torch.equal(a, b) for a, b in zip(off, got, strict=True))
+
+
+@pytest.mark.slow
+def test_generation_offload_equals_resident_on_the_kernel(
+        tiny_models: dict[str, Path], device: torch.device, kern: Kernels,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole engine steps (chunked prefill mixed with batched decode): offload on the kernel
+    gives resident-on-the-kernel's logits bit for bit. The strategies get the kernels however
+    the runtime builds them."""
+    from ftrs.engine import runtime
+    from ftrs.llm import LLM
+    from ftrs.sampling import SamplingParams
+
+    real = runtime.create_strategy
+
+    def with_kernels(name: str, **kw: Any) -> MoEStrategy:
+        return real(name, **(kw | {"kernels": kern}))
+
+    monkeypatch.setattr(runtime, "create_strategy", with_kernels)
+    ids = [3, 17, 250, 41, 99, 500, 7, 8, 311, 42]
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
+
+    def run(**options: Any) -> tuple[torch.Tensor, list[list[int]], list[Any]]:
+        llm = LLM(str(tiny_models["mixtral"]), kv_tokens=512, dtype="float32",
+                  device=device.type, max_prefill_length=4, **options)
+        try:
+            assert llm.engine.rt.moe._fused  # type: ignore[union-attr]  # the kernel runs
+            outs = llm.generate([ids, ids[:3]], greedy)
+            return (llm.logits(ids), [o.token_ids for o in outs],
+                    [o.logprobs for o in outs])
+        finally:
+            llm.close()
+
+    want = run(moe_strategy="resident")
+    got = run(moe_strategy="offload", moe_cache_rate=0.25, copy_backend="simulated:1:300")
+    assert torch.equal(got[0], want[0])
+    assert got[1:] == want[1:]
