@@ -61,14 +61,15 @@ def steps(loaded: LoadedModel, device: torch.device, widths: tuple[int, ...],
     s = loaded.spec
     g = torch.Generator().manual_seed(seed)
     for t in widths:
-        x = torch.randn(t, s.hidden_size, generator=g).to(device)
+        assert loaded.experts is not None
+        x = torch.randn(t, s.hidden_size, generator=g).to(device, loaded.experts.dtype)
         step = []
         for layer in s.moe_layers:
             router = loaded.dense[f"{layer}.router"]
             assert isinstance(router, torch.Tensor)
             ids, w = route(x, router, s.top_k, s.norm_topk_prob)
             step.append((layer, x, ids, w))
-            x = x + 0.5 * torch.randn(x.shape, generator=g).to(device)
+            x = x + 0.5 * torch.randn(x.shape, generator=g).to(device, x.dtype)
         yield step
 
 
@@ -135,10 +136,11 @@ def test_offload_with_kernels_equals_resident_bit_for_bit(
     assert all(len({s for s in t if s >= 0}) == sum(s >= 0 for s in t) for t in tables)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_offload_waves_with_kernels(tiny_models: dict[str, Path], device: torch.device,
-                                    kern: Kernels) -> None:
+                                    kern: Kernels, dtype: torch.dtype) -> None:
     """A cache of top_k slots: a wide forward runs in several waves, still exact."""
-    loaded = load_model(str(tiny_models["mixtral"]), device, torch.float32, progress=False)
+    loaded = load_model(str(tiny_models["mixtral"]), device, dtype, progress=False)
     forwards = list(steps(loaded, device, (1, 7), seed=3))  # distinct_per_layer: the last
     want = outputs(strategy("resident", loaded, device, kernels=kern), forwards)
     moe = strategy("offload", loaded, device, kernels=kern, moe_cache_size=loaded.spec.top_k,
@@ -148,24 +150,21 @@ def test_offload_waves_with_kernels(tiny_models: dict[str, Path], device: torch.
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-@pytest.fixture(scope="module")
-def q8_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny qwen3moe GGUF (MoE layers 0 and 2): experts Q8_0, but layer 0's `down` Q6_K."""
+@pytest.mark.parametrize("qtype", ["Q8_0", pytest.param("Q4_K", marks=pytest.mark.slow)])
+def test_quantized_kernel_matches_the_reference(tmp_path: Path, device: torch.device,
+                                                kern: Kernels, qtype: str) -> None:
+    """Tiny qwen3moe GGUF (MoE layers 0 and 2): experts in `qtype`, but layer 0's `down` Q6_K."""
     from quant_models import build
 
-    types = {"layers.0.mlp.experts.0.down": "Q6_K", "experts": "Q8_0"}
-    return build("qwen3_moe", types, tmp_path_factory.mktemp("q8"))[0]
-
-
-def test_quantized_kernel_matches_the_reference(q8_model: Path, device: torch.device,
-                                                kern: Kernels) -> None:
-    loaded = load_model(str(q8_model), device, torch.float32, progress=False)
+    types = {"layers.0.mlp.experts.0.down": "Q6_K", "experts": qtype}
+    loaded = load_model(str(build("qwen3_moe", types, tmp_path)[0]), device, torch.float32,
+                        progress=False)
     forwards = list(steps(loaded, device, (3,), seed=5))
     with use_kernels(False):  # the reference: dequantized in fp32, then F.linear
         want = outputs(strategy("resident", loaded, device), forwards)
         moe = strategy("resident", loaded, device, kernels=kern)
         assert set(moe._fused) == {2}  # type: ignore[attr-defined]  # layer 0 mixes types
-        assert moe._fused[2].qtype == "Q8_0"  # type: ignore[attr-defined]
+        assert moe._fused[2].qtype == qtype  # type: ignore[attr-defined]
         got = outputs(moe, forwards)
         off = outputs(strategy("offload", loaded, device, kernels=kern, moe_cache_rate=0.5,
                                copy_backend="simulated:1:300"), forwards)
