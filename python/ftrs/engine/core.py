@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Iterable
 from concurrent import futures
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -23,11 +23,23 @@ from ftrs.engine.sampler import sample
 from ftrs.errors import ConfigError, ContextLengthExceeded, DeviceError, FtrsError, InvalidRequest
 from ftrs.kvcache.pages import PagePool
 from ftrs.kvcache.state import StateSlots
+from ftrs.models.arch import ArchSpec
+from ftrs.models.experts import HostExperts
+from ftrs.moe.base import MoEStrategy
 from ftrs.sampling import SamplingParams
 from ftrs.scheduler.scheduler import Scheduler, Work
 from ftrs.scheduler.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+
+class MoEParts(NamedTuple):
+    """What it takes to build another MoE strategy over the loaded model (`EngineCore.moe_parts`)."""
+
+    spec: ArchSpec
+    experts: HostExperts
+    routers: dict[int, Any]  # MoE layer -> router weight (a tensor, or the file's QuantTensor)
+    device: torch.device
 
 
 class EngineCore:
@@ -267,6 +279,52 @@ class EngineCore:
         """The MoE strategy's counters (what `StepStats.experts` carries); {} for dense models."""
         moe = self.rt.decoder.moe
         return moe.stats() if moe is not None else {}
+
+    def moe_strategy(self) -> MoEStrategy | None:
+        """The strategy the decoder runs routed experts through (None for a dense model)."""
+        return self.rt.decoder.moe
+
+    def use_moe_strategy(self, strategy: MoEStrategy) -> MoEStrategy | None:
+        """Run routed experts through `strategy` from the next forward on (benches compare
+        strategies over one loaded model); returns the previous one, which stays open. Call it
+        between steps, from the thread that runs them."""
+        if self.rt.decoder.moe is None:
+            raise ConfigError(f"{self.spec.arch}: a dense model has no MoE strategy to replace")
+        old = self.rt.decoder.moe
+        self.rt.decoder.moe = self.rt.moe = strategy
+        return old
+
+    def moe_parts(self) -> MoEParts:
+        """The spec, host experts, routers and device another strategy is built from."""
+        experts = self.rt.loaded.experts
+        if experts is None:
+            raise ConfigError(f"{self.spec.arch}: a dense model has no routed experts")
+        dense = self.rt.loaded.dense
+        routers = {layer: dense[f"{layer}.router"] for layer in self.spec.moe_layers}
+        return MoEParts(self.spec, experts, routers, self.rt.device)
+
+    @torch.inference_mode()
+    def forward_once(self, ids: list[int]) -> None:
+        """One forward over `ids` as a fresh prompt, into KV pages taken from the pool and given
+        back (no logits, no sampling, nothing cached); returns when the device is done. For
+        benches that time a prefill chunk alone. Needs a model without linear attention state
+        and enough free pages: InvalidRequest otherwise."""
+        if not ids:
+            raise InvalidRequest("forward_once: need at least one token")
+        if self.has_states:
+            raise InvalidRequest(f"forward_once: {self.spec.arch} keeps per-sequence state")
+        seq = Sequence("forward-once", list(ids), len(ids), SamplingParams(max_tokens=1), None, 0.0)
+        seq.pages = self.pool.alloc(-(-len(ids) // self.pool.page_size)) or []
+        if not seq.pages:
+            raise InvalidRequest(f"forward_once: not enough free KV pages for {len(ids)} tokens")
+        try:
+            batch = build_batch([Work(seq, len(ids))], self.pool.page_size, self.rt.device)
+            self.rt.decoder.forward(batch.input_ids, batch.positions, batch.meta, self.rt.kv)
+            if self.rt.device.type == "cuda":
+                torch.cuda.synchronize(self.rt.device)  # kernels run asynchronously
+        finally:
+            for p in seq.pages:
+                self.pool.unref(p)
 
     @torch.inference_mode()
     def logits(self, prompt_ids: Iterable[int], *, chunked: bool = False) -> torch.Tensor:
