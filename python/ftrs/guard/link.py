@@ -115,6 +115,25 @@ class LinkState:
         return d
 
 
+def cuda_index(device: str) -> int | None:
+    """N of a `cuda:N` device or backend string; None for any other (`cuda`, `auto`, `cpu`)."""
+    kind, _, index = device.partition(":")
+    return int(index) if kind == "cuda" and index.isdigit() else None
+
+
+def cuda_pci_address(index: int) -> str | None:
+    """The PCI address of CUDA device `index` as torch numbers it (`CUDA_VISIBLE_DEVICES`
+    applied); None when it cannot be told."""
+    try:
+        import torch
+
+        p: Any = torch.cuda.get_device_properties(index)  # the stubs lack the pci_* fields
+        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+    except Exception:  # no such device, or no CUDA: the caller probes the first GPU instead
+        logger.debug("no PCI address for cuda:%d", index, exc_info=True)
+        return None
+
+
 def probe_link(bdf: str | None = None, *, sysfs_root: str | Path = "/sys",
                nvml: NvmlApi | None = None, use_nvml: bool = True,
                under_load: bool = True) -> LinkState:
@@ -254,14 +273,16 @@ def measure_transfer_gbps(backend: str | None = None, block_bytes: int = 4 << 20
     layout = _core.ExpertLayout(1, blocks, [block_bytes])
     pool = _core.ExpertPool(layout, "float32")
     if on_cuda:
-        pool.pin(torch.device(device).index or 0)
+        pool.pin(cuda_index(backend) or 0)
     buf = torch.zeros(blocks * layout.expert_bytes, dtype=torch.uint8, device=device)
     elapsed, moved, name = transfer_pass_s(pool, buf, backend)
     return moved / max(elapsed, 1e-9) / 1e9, name
 
 
-def measure_d2h_gbps(nbytes: int = 64 << 20, reps: int = 3) -> float | None:
-    """Device → pinned host GB/s through `_core.cuda_measure_d2h`; None without CUDA."""
+def measure_d2h_gbps(nbytes: int = 64 << 20, reps: int = 3,
+                     device: int | None = None) -> float | None:
+    """Device → pinned host GB/s through `_core.cuda_measure_d2h` from CUDA device `device`
+    (default: torch's current one); None without CUDA."""
     if not cuda_usable():
         return None
     try:
@@ -269,7 +290,7 @@ def measure_d2h_gbps(nbytes: int = 64 << 20, reps: int = 3) -> float | None:
 
         from ftrs import _core
 
-        dev = torch.cuda.current_device()
+        dev = torch.cuda.current_device() if device is None else device
         src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
         torch.cuda.synchronize()  # the Rust copy runs on its own stream
         dst = pinned_pool(nbytes, dev)
@@ -371,7 +392,7 @@ def measure_link(state: LinkState, backend: str | None = None, *,
     over_cuda = used.split(":")[0] == "cuda"
     if over_cuda and state.bdf is not None:
         state = probe_link(state.bdf, sysfs_root=sysfs_root, under_load=True)
-    d2h = measure_d2h_gbps() if over_cuda else None
+    d2h = measure_d2h_gbps(device=cuda_index(used) or 0) if over_cuda else None
     return replace(state, measured_h2d_gbps=round(h2d, 3), measured_backend=used,
                    host_copy_gbps=round(measure_host_copy_gbps(), 3),
                    measured_d2h_gbps=None if d2h is None else round(d2h, 3))
