@@ -307,7 +307,7 @@ def test_special_token_tags_reach_the_parser_token_by_token(
     keep = tok.special_ids(cls.special_tags)
     assert len(keep) == len(cls.special_tags)
     assert tok.special_ids(["<|im_end|>", "not a token"]) == {2}  # special, but no tag
-    ids = tok.encode(text) + [2]  # the model's tokens, ending in <|im_end|>
+    ids = [*tok.encode(text), 2]  # the model's tokens, ending in <|im_end|>
 
     def stream(keep: frozenset[int]) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
         detok, p, out = IncrementalDetokenizer(tok, keep=keep), cls(TOOLS), ""

@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftrs.engine.protocol import GenerateRequest, TokenLogprob
-from ftrs.errors import FtrsError
+from ftrs.errors import FtrsError, error_from_dict
 from ftrs.server.cli import DEFAULT_MAX_N
 from ftrs.server.detokenize import IncrementalDetokenizer, StopChecker
 from ftrs.server.engine_client import EngineClient
-from ftrs.server.errors import error_from_dict
 from ftrs.server.metrics import ServerMetrics
 from ftrs.server.prepare import (
     Limits,
