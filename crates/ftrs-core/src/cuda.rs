@@ -20,7 +20,8 @@
 //! Release fences ([`crate::backend::Fence`]): `record_fence` records an event of ours on the
 //! caller's stream (torch's current stream); `wait_fence` makes the copy stream wait for it
 //! with `cuStreamWaitEvent`, on the device: the host never blocks. The wait takes the event's
-//! state at the time of the call, so the event may be destroyed right after.
+//! state at the time of the call, so the event may be destroyed right after. A stream that is
+//! capturing a CUDA graph is refused (`Config`): the record would become a node of the graph.
 //!
 //! [`measure_copy`] times single copies either way (`cuMemcpyHtoDAsync_v2` or
 //! `cuMemcpyDtoHAsync_v2`) through the same stream and event types, for the link probe and the
@@ -49,6 +50,7 @@ const CUDA_ERROR_OUT_OF_MEMORY: CuResult = 2;
 const CUDA_ERROR_NOT_READY: CuResult = 600;
 const CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED: CuResult = 712;
 const CU_STREAM_NON_BLOCKING: c_uint = 1;
+const CU_STREAM_CAPTURE_STATUS_NONE: c_int = 0;
 const CU_EVENT_DISABLE_TIMING: c_uint = 2;
 const CU_MEMHOSTREGISTER_PORTABLE: c_uint = 1;
 const CU_POINTER_ATTRIBUTE_MEMORY_TYPE: c_int = 2;
@@ -78,6 +80,7 @@ struct Api {
     event_create: unsafe extern "C" fn(*mut CuEvent, c_uint) -> CuResult,
     event_record: unsafe extern "C" fn(CuEvent, CuStream) -> CuResult,
     stream_wait_event: unsafe extern "C" fn(CuStream, CuEvent, c_uint) -> CuResult,
+    stream_is_capturing: unsafe extern "C" fn(CuStream, *mut c_int) -> CuResult,
     event_synchronize: unsafe extern "C" fn(CuEvent) -> CuResult,
     event_query: unsafe extern "C" fn(CuEvent) -> CuResult,
     event_destroy: unsafe extern "C" fn(CuEvent) -> CuResult,
@@ -118,6 +121,7 @@ impl Api {
             event_create: sym!("cuEventCreate"),
             event_record: sym!("cuEventRecord"),
             stream_wait_event: sym!("cuStreamWaitEvent"),
+            stream_is_capturing: sym!("cuStreamIsCapturing"),
             event_synchronize: sym!("cuEventSynchronize"),
             event_query: sym!("cuEventQuery"),
             event_destroy: sym!("cuEventDestroy_v2"),
@@ -465,10 +469,28 @@ impl CopyBackend for CudaBackend {
 
     unsafe fn record_fence(&self, stream: u64) -> Result<Fence> {
         let _pushed = self.ctx.push()?;
-        // SAFETY: this device's context is current (pushed above); `stream` is 0 or a live
+        let api = self.ctx.api;
+        let raw = stream as usize as CuStream;
+        // A record on a capturing stream would be a node of the graph, and the copy stream's
+        // wait on it would pull the copy stream into the capture: refused.
+        let mut capture: c_int = CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the context is current; `raw` is 0 or a live stream of it (point 1 of
+        // `CopyBackend::record_fence`); `capture` is a valid out-pointer.
+        api.check(
+            unsafe { (api.stream_is_capturing)(raw, &mut capture) },
+            "cuStreamIsCapturing",
+        )?;
+        if capture != CU_STREAM_CAPTURE_STATUS_NONE {
+            return Err(CoreError::Config(
+                "a release fence cannot be recorded on a stream capturing a CUDA graph: \
+                 release the slots outside the captured region"
+                    .into(),
+            ));
+        }
+        // SAFETY: this device's context is current (pushed above); `raw` is 0 or a live
         // stream of this device (point 1 of `CopyBackend::record_fence`), i.e. of its primary
         // context, the one torch's runtime uses.
-        let event = unsafe { Event::record_raw(self.ctx.api, stream as usize as CuStream) }?;
+        let event = unsafe { Event::record_raw(api, raw) }?;
         Ok(Fence::Event(event))
     }
 

@@ -14,7 +14,8 @@
 //! `torch.cuda.current_stream(device).cuda_stream`, a stream of the engine's device, live for
 //! the call): the engine records a fence there, and its copies into those slots wait for it on
 //! the device. The handle is trusted as given (a driver handle cannot be checked); host
-//! backends never use it.
+//! backends never use it. A stream capturing a CUDA graph is refused (`ConfigError`): release
+//! outside the captured region.
 
 use std::sync::{Arc, Mutex};
 
