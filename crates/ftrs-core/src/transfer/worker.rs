@@ -244,7 +244,7 @@ fn worker_loop(inner: &Inner, pending: &mut Pending) {
 fn restore_fences(inner: &Inner, slot: u32, fences: Vec<Arc<SlotFence>>) {
     let mut st = lock(&inner.state);
     let st = &mut *st;
-    st.stats.fence_waits -= fences.len() as u64;
+    st.stats.fence_waits = st.stats.fence_waits.saturating_sub(fences.len() as u64);
     let held = &mut st.fences[slot as usize];
     for f in fences {
         if !held.iter().any(|h| h.stream == f.stream) {
