@@ -157,8 +157,14 @@ def device_name(device: str) -> str:
     return f"cpu:{platform.machine()}:{platform.processor() or 'unknown'}"
 
 
+#: Bytes of a single-file checkpoint (GGUF) hashed for its id: the header, metadata and tensor
+#: table lie at the start; the whole file may be tens of GB.
+MODEL_ID_HEAD_BYTES = 8 << 20
+
+
 def model_id(model: str) -> str:
-    """The checkpoint's name plus a hash of its config.json (so a rebuilt model matches)."""
+    """The checkpoint's name plus a hash of its config.json, or of a single file's first
+    `MODEL_ID_HEAD_BYTES` and its size (so a rebuilt model matches)."""
     from ftrs.errors import ModelLoadError
     from ftrs.models.load import resolve_model
 
@@ -166,9 +172,15 @@ def model_id(model: str) -> str:
         path = resolve_model(model)
     except ModelLoadError:
         return model
-    cfg = path / "config.json" if path.is_dir() else path
-    digest = hashlib.sha256(cfg.read_bytes() if cfg.is_file() else b"").hexdigest()[:12]
-    return f"{path.name}:{digest}"
+    h = hashlib.sha256()
+    if path.is_dir():
+        cfg = path / "config.json"
+        h.update(cfg.read_bytes() if cfg.is_file() else b"")
+    elif path.is_file():
+        with path.open("rb") as f:
+            h.update(f.read(MODEL_ID_HEAD_BYTES))
+        h.update(str(path.stat().st_size).encode())
+    return f"{path.name}:{h.hexdigest()[:12]}"
 
 
 def link_id(copy_backend: str, link_desc: str | None = None) -> str:
