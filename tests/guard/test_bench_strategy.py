@@ -89,7 +89,7 @@ def test_slow_link_gguf_picks_hybrid_and_auto_serves_it(tmp_path: Path) -> None:
     import socket
 
     from ftrs.config import EngineConfig
-    from ftrs.guard.bench_strategy import device_name, link_id, model_id
+    from ftrs.guard.bench_strategy import CPU_DEVICE_NOTE, device_name, link_id, model_id
     from ftrs.guard.profile import profile_key
     from ftrs.guard.startup import apply_link_guard
 
@@ -102,6 +102,7 @@ def test_slow_link_gguf_picks_hybrid_and_auto_serves_it(tmp_path: Path) -> None:
     assert set(rows) == {"offload@0.5", "hybrid@0.5"} and not any(r.error for r in b.rows)
     assert rows["offload@0.5"].bytes_h2d > 0 and rows["hybrid@0.5"].bytes_h2d == 0
     assert b.pick.label == "hybrid@0.5"
+    assert CPU_DEVICE_NOTE in b.notes  # the table says the device is the CPU
     assert b.key == profile_key(device=device_name("cpu"), host=socket.gethostname(),
                                 model=model_id(str(gguf)), link=link_id(backend))
     config = EngineConfig(model=str(gguf), device="cpu", moe_strategy="auto",

@@ -84,6 +84,10 @@ class StrategyBench:
 
 
 Runner = Callable[[Candidate], BenchRow]
+#: Said with every table measured on a CPU device.
+CPU_DEVICE_NOTE = ("the device is the CPU: hybrid computes every expert in place from the host "
+                   "pool, as resident does, and offload adds a copy into host memory; resident "
+                   "and hybrid differ here by the host's noise and hybrid's counters only")
 
 
 def candidates(cache_rates: Sequence[float] = DEFAULT_CACHE_RATES, resident: bool = True,
@@ -228,6 +232,8 @@ def run_strategy_bench(
                 "copy_backend": copy_backend, "device": device, "dtype": dtype,
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     bench = StrategyBench(rows, pick, key, workload)
+    if key["device"].startswith("cpu:") and any(r.strategy == "hybrid" for r in ok):
+        bench.notes.append(CPU_DEVICE_NOTE)
     if write:
         bench.profile_path = write_profile(bench.to_dict(), key, home)
         logger.info("bench strategy: picked %s (%.3f s); profile %s", pick.label, pick.total_s,
@@ -260,6 +266,7 @@ def run_cli(args: argparse.Namespace) -> int:
         strategies=args.strategies)
     text = json.dumps(bench.to_dict(), indent=2) if args.json else (
         bench.format_table() + f"\npick: {bench.pick.label}"
+        + "".join(f"\nnote: {n}" for n in bench.notes)
         + (f"\nprofile: {bench.profile_path}" if bench.profile_path else ""))
     print(text)  # the CLI's output
     return 0
