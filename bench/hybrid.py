@@ -14,8 +14,9 @@ share the host's load; each figure is the median over the rounds (a shared host'
 by tens of percent within a minute).
 
 On a CPU-only host the "device" is the CPU: a hit is no faster than computing the same expert
-from the pool, so hybrid's cost model sends every miss to the CPU and hybrid is all_cpu plus
-its bookkeeping. The output says which device it ran on.
+from the pool, so hybrid's cost model sends every miss to the CPU, and each MoE layer runs
+resident's code over the pool plus three counters: hybrid is all_cpu within the host's noise.
+The output says which device it ran on.
 
 Before the sweep, `layer_overhead` times the MoE layers alone: hybrid (CPU device, cache 0.5)
 against resident on the same decode-shaped inputs (one token, each layer's own routing), one
