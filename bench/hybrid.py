@@ -57,21 +57,20 @@ def default_model() -> str:
 
 
 def make(llm: LLM, name: str, link: float, rate: float) -> MoEStrategy:
-    rt = llm.engine.rt
-    assert rt.loaded.experts is not None and rt.moe is not None
+    parts, resident = llm.engine.moe_parts(), llm.engine.moe_strategy()
+    assert resident is not None
     if name == "all_cpu":
-        return rt.moe  # the resident strategy the LLM was built with
+        return resident  # the resident strategy the LLM was built with
     cfg = dataclasses.replace(llm.config, moe_strategy=name, moe_cache_rate=rate,
                               moe_cache_size=None, copy_backend=f"simulated:{link:g}",
                               moe_prefetch=True)
-    routers = {layer: w for layer in rt.spec.moe_layers
-               if isinstance(w := rt.loaded.dense[f"{layer}.router"], torch.Tensor)}
+    routers = {layer: w for layer, w in parts.routers.items() if isinstance(w, torch.Tensor)}
     cls = HybridStrategy if name == "hybrid" else OffloadStrategy
-    return cls(experts=rt.loaded.experts, device=rt.device, config=cfg, routers=routers)
+    return cls(experts=parts.experts, device=parts.device, config=cfg, routers=routers)
 
 
 def decode(llm: LLM, strat: MoEStrategy, prompt: list[int], tokens: int) -> dict[str, Any]:
-    resident = llm.engine.rt.moe
+    resident = llm.engine.moe_strategy()
     assert resident is not None
     common.use_strategy(llm, strat)
     try:
@@ -96,15 +95,14 @@ def decode(llm: LLM, strat: MoEStrategy, prompt: list[int], tokens: int) -> dict
 def layer_overhead(llm: LLM, passes: int, seed: int = 0) -> dict[str, Any]:
     """Seconds of one pass over every MoE layer, resident against hybrid, alternating (module
     docstring); the median of the per-pair ratios hybrid / resident."""
-    rt = llm.engine.rt
-    resident = rt.moe
-    assert resident is not None and rt.device.type == "cpu"
-    spec = rt.spec
+    parts, resident = llm.engine.moe_parts(), llm.engine.moe_strategy()
+    assert resident is not None and parts.device.type == "cpu"
+    spec = parts.spec
     gen = torch.Generator().manual_seed(seed)
     inputs = {}
     for layer in spec.moe_layers:
         x = torch.randn((1, spec.hidden_size), generator=gen)  # (1, hidden): one decode token
-        router = rt.loaded.dense[f"{layer}.router"]
+        router = parts.routers[layer]
         assert isinstance(router, torch.Tensor)
         ids, w = route(x, router, spec.top_k, spec.norm_topk_prob)
         inputs[layer] = (x, ids, w)
@@ -159,8 +157,7 @@ def main() -> None:
     model = default_model() if args.model in (None, "demo-q4") else (
         common.demo_path() if args.model == "demo" else args.model)
     llm = LLM(model, device="cpu", dtype="float32", moe_strategy="resident", kv_tokens=4096)
-    rt = llm.engine.rt
-    assert rt.loaded.experts is not None
+    parts = llm.engine.moe_parts()
     prompt = llm.tokenizer.encode("The capital of France is")
     rows = []
     t0 = time.perf_counter()
@@ -181,11 +178,11 @@ def main() -> None:
         rows.append(row)
     llm.close()
     print(json.dumps({
-        "model": Path(model).name, "device": str(rt.device),
+        "model": Path(model).name, "device": str(parts.device),
         "note": ("the 'device' is the CPU on this host: device slots live in host memory and "
-                 "a hit computes on the same cores as a CPU expert") if rt.device.type == "cpu"
+                 "a hit computes on the same cores as a CPU expert") if parts.device.type == "cpu"
                 else "device is a GPU",
-        "expert_bytes": rt.loaded.experts.expert_bytes, "cache_rate": args.cache_rate,
+        "expert_bytes": parts.experts.expert_bytes, "cache_rate": args.cache_rate,
         "batch": 1, "wall_s": round(time.perf_counter() - t0, 1),
         "moe_layer_overhead": overhead, "rows": rows}, indent=1))
 

@@ -37,7 +37,7 @@ class EngineConfig:
     moe_cache_rate: float | None = None  # fraction of all experts (offload)
     moe_cache_policy: str = "lru"  # lru | lfru
     moe_prefetch: bool = True
-    copy_backend: str = "auto"  # auto | host | simulated:GBPS[:LAT_US] | cuda
+    copy_backend: str = "auto"  # auto | host | simulated:GBPS[:LAT_US] | cuda[:N]
     pcie_pacing: float | None = None  # GB/s; None = off
     cpu_expert_threads: int | None = None  # CPU expert kernels (hybrid); None = physical cores - 1, >= 1
     max_prefill_length: int = 8192  # token budget of one step

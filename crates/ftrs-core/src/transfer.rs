@@ -23,6 +23,15 @@
 //!   oldest in-flight copy. A transfer lands when all its bytes have: its layer's block
 //!   (`ExpertLayout::block_bytes`), which may be smaller than the slot stride (`expert_bytes`,
 //!   the largest block) when layers store their experts in different types.
+//! - Release fences: `release` unpins the slots of the lookups since the last one, trusting
+//!   the caller that nothing reads them any more (CPU compute, or a synchronized stream).
+//!   `release_after(stream)` first records a fence on the caller's stream (the backend's
+//!   `record_fence`: on CUDA an event after the kernels that read those slots) and keeps it
+//!   with each of those slots. The worker waits on a slot's fences (`wait_fence`: on CUDA
+//!   `cuStreamWaitEvent` on the copy stream, the host never blocks) right before it issues a
+//!   copy into that slot, and forgets them then: a wait orders every later copy on the
+//!   stream, so each fence is waited once, and only by a copy into a slot it guards. A slot
+//!   keeps one fence per caller stream (a later fence on a stream covers an earlier one).
 //! - `cancel_prefetches`: a prefetch with no chunk in flight is dropped and its slot freed; one
 //!   with a chunk in flight is marked cancelled and its key detached at once (the slot is
 //!   reserved, not published, and freed when the chunk ends), so a cancelled prefetch never
@@ -50,8 +59,10 @@ use crate::error::{CoreError, DeviceFault, Result};
 use crate::pool::ExpertPool;
 use crate::raw::Destination;
 
+mod fence;
 mod lookup;
 mod worker;
+use fence::{release_pinned, SlotFence};
 use worker::run_worker;
 
 /// Engine settings.
@@ -105,6 +116,10 @@ pub struct Stats {
     pub layer_hits: Vec<u64>,
     /// Misses per layer.
     pub layer_misses: Vec<u64>,
+    /// Release fences recorded (`release_after` with slots to release).
+    pub fences_recorded: u64,
+    /// Release fences a copy waited on before writing into a slot they guard.
+    pub fence_waits: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -176,6 +191,9 @@ struct State {
     next_ticket: u64,
     /// Slots pinned by lookups since the last release (one entry per pin).
     pinned: Vec<u32>,
+    /// `fences[s]`: fences of releases of slot `s` that no copy into `s` has waited on yet,
+    /// at most one per caller stream.
+    fences: Vec<Vec<Arc<SlotFence>>>,
     /// Bytes of copies in flight.
     inflight_bytes: usize,
     /// Copies in flight that were issued as prefetch chunks.
@@ -280,6 +298,7 @@ impl TransferEngine {
             tickets: HashMap::new(),
             next_ticket: 0,
             pinned: Vec::new(),
+            fences: (0..cfg.num_slots).map(|_| Vec::new()).collect(),
             inflight_bytes: 0,
             inflight_prefetches: 0,
             max_inflight_prefetches: cfg.max_inflight_prefetches,
@@ -350,18 +369,11 @@ impl TransferEngine {
             .collect()
     }
 
-    /// Unpins everything pinned by lookups since the last release.
+    /// Unpins everything pinned by lookups since the last release. The caller guarantees that
+    /// nothing reads those slots any more (see [`Self::release_after`] otherwise).
     pub fn release(&self) {
         let mut st = lock(&self.inner.state);
-        let st = &mut *st;
-        if st.dead.is_some() {
-            return; // a panic may have left the bookkeeping half-updated: leave it alone
-        }
-        for slot in std::mem::take(&mut st.pinned) {
-            unpin(st, slot);
-        }
-        st.tickets
-            .retain(|_, t| t.remaining > 0 || t.error.is_some());
+        release_pinned(&mut st, None);
     }
 
     /// Cancels every prefetch not yet demanded; returns how many.
@@ -530,6 +542,12 @@ impl TransferEngine {
                 "inflight_prefetches {} != {prefetches}",
                 st.inflight_prefetches
             ));
+        }
+        for (slot, held) in st.fences.iter().enumerate() {
+            let streams: std::collections::HashSet<u64> = held.iter().map(|f| f.stream).collect();
+            if streams.len() != held.len() {
+                return Err(format!("slot {slot} holds two fences of one stream"));
+            }
         }
         for (key, tid) in &st.inflight {
             let t = &st.transfers[tid];
