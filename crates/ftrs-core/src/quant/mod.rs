@@ -171,6 +171,46 @@ pub fn matmul(
     Ok(())
 }
 
+/// One expert's SiLU FFN: `out[i] = down @ (silu(gate @ x[i]) * (up @ x[i]))` for the `n = x.len()
+/// / hidden` rows of `x`, in one call (a decode step makes three kernel calls and two
+/// elementwise passes per expert otherwise).
+///
+/// `gate` and `up` are `inter x hidden`, `down` is `hidden x inter`, each `(type, bytes)` as
+/// [`matmul`] reads it; `silu(g) = g / (1 + exp(-g))` in fp32. Every size is checked before any
+/// work: a mismatch is a `Config` error and `out` is not written.
+#[allow(clippy::too_many_arguments)]
+pub fn expert_ffn(
+    gate: (QType, &[u8]),
+    up: (QType, &[u8]),
+    down: (QType, &[u8]),
+    x: &[f32],
+    out: &mut [f32],
+    hidden: usize,
+    inter: usize,
+    threads: usize,
+    isa: Isa,
+) -> Result<()> {
+    check_weight(gate.0, gate.1, inter, hidden)?;
+    check_weight(up.0, up.1, inter, hidden)?;
+    check_weight(down.0, down.1, hidden, inter)?;
+    if x.is_empty() || !x.len().is_multiple_of(hidden) || out.len() != x.len() {
+        return Err(CoreError::Config(format!(
+            "expert FFN: x has {} floats and out {}: expected the same n x {hidden}, n >= 1",
+            x.len(),
+            out.len()
+        )));
+    }
+    let n = x.len() / hidden;
+    let mut g = vec![0f32; n * inter];
+    let mut u = vec![0f32; n * inter];
+    matmul(gate.0, gate.1, x, &mut g, inter, hidden, threads, isa)?;
+    matmul(up.0, up.1, x, &mut u, inter, hidden, threads, isa)?;
+    for (gv, &uv) in g.iter_mut().zip(&u) {
+        *gv = *gv / (1.0 + (-*gv).exp()) * uv;
+    }
+    matmul(down.0, down.1, &g, out, hidden, inter, threads, isa)
+}
+
 /// Decodes `rows x cols` weights of type `t` into `out` (fp32, row-major), bit-equal to the
 /// GGUF reference dequantizer. Sizes are checked as in [`matmul`].
 pub fn dequantize(
