@@ -73,13 +73,24 @@ def test_cpu_fallback_keeps_a_quantized_model_quantized(tmp_path: Path,
     qmm = importlib.import_module("ftrs.quant.matmul")  # the module (the package exports the
     # function `matmul` under the same name)
     calls: list[tuple[str, int]] = []  # (block type, address of the weight's bytes)
-    kernel = qmm._quant_matmul()
+    core = qmm._core_module()
+    matmul = qmm._quant_matmul()
 
-    def spy(qtype: str, w: Any, x: Any, out: Any, rows: int, cols: int) -> None:
+    def spy_matmul(qtype: str, w: Any, *rest: Any) -> None:
         calls.append((qtype, int(w.ctypes.data)))
-        kernel(qtype, w, x, out, rows, cols)
+        matmul(qtype, w, *rest)
 
-    monkeypatch.setattr(qmm, "_quant_matmul", lambda: spy)
+    class Core:  # the extension, with the fused expert FFN recorded too
+        def __getattr__(self, name: str) -> Any:
+            return getattr(core, name)
+
+        def quant_expert_ffn(self, gq: str, g: Any, uq: str, u: Any, dq: str, d: Any,
+                             *rest: Any) -> None:
+            calls.extend((q, int(w.ctypes.data)) for q, w in ((gq, g), (uq, u), (dq, d)))
+            core.quant_expert_ffn(gq, g, uq, u, dq, d, *rest)
+
+    monkeypatch.setattr(qmm, "_quant_matmul", lambda: spy_matmul)
+    monkeypatch.setattr(qmm, "_core_module", lambda: Core())
     llm = _llm(config)
     try:
         rt = llm.engine.rt
