@@ -138,13 +138,18 @@ class EngineCore:
         self._step += 1
         if not work:
             return [], self._stats(t0, "idle", 0, 0)
+        self.rt.use_device()  # the thread that runs steps may not be the one that loaded
         batch = build_batch(work, self.pool.page_size, self.rt.device, states=self.has_states)
         # the grammar masks of this step's constrained rows, computed while the forward runs
         g_rows = [r for r, s in enumerate(batch.sample_seqs) if s.request_id in self._matchers]
         masks = self._start_masks([batch.sample_seqs[r] for r in g_rows]) if g_rows else None
         try:
-            hidden = self.rt.decoder.forward(batch.input_ids, batch.positions, batch.meta,
-                                             self.rt.kv)
+            graphs = self.rt.graphs  # decode steps that fit a bucket replay its CUDA graph
+            if graphs is not None and graphs.bucket_for(work, batch) is not None:
+                hidden = graphs.run(work, batch)
+            else:
+                hidden = self.rt.decoder.forward(batch.input_ids, batch.positions, batch.meta,
+                                                 self.rt.kv)
             if self._prompt_logits:
                 self._keep_prompt_logits(work, hidden)
             rows = hidden if batch.sample_all else hidden[batch.sample_rows]

@@ -6,7 +6,7 @@ import torch
 
 from ftrs.layers.moe import combine_experts, plan_experts
 from ftrs.models.experts import HostExperts
-from ftrs.moe.base import MoEStrategy, register
+from ftrs.moe.base import GraphSupport, MoEStrategy, register
 
 
 @register("resident")
@@ -29,3 +29,8 @@ class ResidentStrategy(MoEStrategy):
         per_layer = self._weights[layer]
         combine_experts(x, plan, None, plan.experts, lambda e: per_layer[e], out, self._act)
         return out
+
+    def graph_support(self) -> GraphSupport:
+        # `plan_experts` reads the routing on the host once per layer: not capturable
+        return GraphSupport("off", "the resident strategy's per-expert loop reads the routing "
+                                   "on the host (the fused MoE kernel is not in use)")
