@@ -328,7 +328,7 @@ class DecodeGraphs(ABC):
     def _capture(self, st: StaticDecode) -> None:
         """Warm up, then capture `st`'s forward as segments cut at the MoE host steps."""
         self._warm_up(st)
-        segments = [self._begin_segment()]
+        segments: list[Any] = []
         splits: list[Split] = []
 
         def cut(layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
@@ -336,7 +336,8 @@ class DecodeGraphs(ABC):
             splits.append(Split(layer, ids, weights))
             segments.append(self._begin_segment())
 
-        with self._capture_stream():
+        with self._capture_stream():  # every segment begins and ends on the capture stream
+            segments.append(self._begin_segment())
             try:
                 with self._seam(cut):
                     out = self._forward(st)
