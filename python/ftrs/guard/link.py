@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from ftrs import _core
 
 logger = logging.getLogger(__name__)
+#: The GPU the copy probes measure: the one the transfer engine's `cuda` backend copies to
+#: (crates/ftrs-core opens ordinal 0), named explicitly rather than "the current device".
+COPY_DEVICE = 0
 
 #: Practical pinned H2D GB/s of a x16 link, by PCIe generation.
 NOMINAL_GBPS_X16 = {1: 3.0, 2: 6.0, 3: 12.0, 4: 25.0, 5: 50.0, 6: 100.0}
@@ -246,7 +249,7 @@ def measure_transfer_gbps(backend: str | None = None, block_bytes: int = 4 << 20
     from ftrs import _core
 
     backend = backend or default_backend()
-    device = "cuda" if backend == "cuda" else "cpu"
+    device = f"cuda:{COPY_DEVICE}" if backend == "cuda" else "cpu"
     layout = _core.ExpertLayout(1, blocks, [block_bytes])
     pool = _core.ExpertPool(layout, "float32")
     if backend == "cuda":
@@ -265,11 +268,11 @@ def measure_d2h_gbps(nbytes: int = 64 << 20, reps: int = 3) -> float | None:
 
         from ftrs import _core
 
-        src = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
-        torch.cuda.synchronize()  # the Rust copy runs on its own stream
+        src = torch.ones(nbytes, dtype=torch.uint8, device=f"cuda:{COPY_DEVICE}")
+        torch.cuda.synchronize(COPY_DEVICE)  # the Rust copy runs on its own stream
         dst = pinned_pool(nbytes)
         secs = _core.cuda_measure_d2h(src.data_ptr(), dst.address, nbytes, reps,
-                                      torch.cuda.current_device())
+                                      COPY_DEVICE)
         return nbytes / secs / 1e9
     except Exception:  # a GPU that misbehaves here is reported elsewhere; not fatal
         logger.warning("D2H bandwidth measurement failed", exc_info=True)
@@ -316,16 +319,16 @@ def compare_h2d(nbytes: int, reps: int = 5, block_bytes: int = 4 << 20) -> CopyC
     host = torch.frombuffer(pool, dtype=torch.uint8)
     host.copy_(torch.randint(0, 256, (host.numel(),), dtype=torch.uint8))
     n = host.numel()  # whole pool: blocks x aligned block size
-    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty(n, dtype=torch.uint8, device=f"cuda:{COPY_DEVICE}")
     engine_s, moved, _ = transfer_pass_s(pool, dst, "cuda", reps)
     driver_s = _core.cuda_measure_h2d(dst.data_ptr(), pool.address, n, reps,
-                                      torch.cuda.current_device())
+                                      COPY_DEVICE)
     src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     src.copy_(host)
 
     def torch_copy() -> None:
         dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(COPY_DEVICE)
 
     torch_s = _median_s(torch_copy, reps)
     return CopyComparison("h2d", n, moved / engine_s / 1e9, n / driver_s / 1e9, n / torch_s / 1e9)
@@ -339,16 +342,16 @@ def compare_d2h(nbytes: int, reps: int = 5) -> CopyComparison:
     from ftrs import _core
 
     _require_cuda()
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
-    torch.cuda.synchronize()  # the Rust copy runs on its own stream
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=f"cuda:{COPY_DEVICE}")
+    torch.cuda.synchronize(COPY_DEVICE)  # the Rust copy runs on its own stream
     pool = pinned_pool(nbytes)
     driver_s = _core.cuda_measure_d2h(src.data_ptr(), pool.address, nbytes, reps,
-                                      torch.cuda.current_device())
+                                      COPY_DEVICE)
     dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def torch_copy() -> None:
         dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(COPY_DEVICE)
 
     torch_s = _median_s(torch_copy, reps)
     gbps = nbytes / driver_s / 1e9

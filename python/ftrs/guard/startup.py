@@ -17,7 +17,7 @@ import logging
 import socket
 from pathlib import Path
 
-from ftrs.config import EngineConfig, ftrs_home
+from ftrs.config import EngineConfig, cuda_ordinal, ftrs_home
 from ftrs.errors import ModelLoadError
 from ftrs.guard.fetch import FetchModel, fetch_model_from_spec
 from ftrs.guard.link import LinkState, measure_link, probe_link
@@ -80,7 +80,7 @@ def resolve_auto(config: EngineConfig, fetch: FetchModel, link: LinkState,
     if link.device == "cuda" and config.device != "cpu":
         import torch
 
-        free, _ = torch.cuda.mem_get_info()
+        free, _ = torch.cuda.mem_get_info(cuda_ordinal(config.device))
         budget = int(free * 0.6)
     key = profile_key(device=device_name(config.device), host=socket.gethostname(),
                       model=model_id(config.model), link=link_id(config.copy_backend))

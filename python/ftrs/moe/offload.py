@@ -118,11 +118,16 @@ def cache_slots(config: EngineConfig, experts: HostExperts, device: torch.device
 
 
 def backend_spec(config: EngineConfig, device: torch.device) -> str:
-    if config.copy_backend == "auto":
-        return "cuda" if device.type == "cuda" else "host"
-    if config.copy_backend == "cuda" and device.type != "cuda":
+    backend = config.copy_backend
+    if backend == "auto":
+        backend = "cuda" if device.type == "cuda" else "host"
+    if backend == "cuda" and device.type != "cuda":
         raise ConfigError("copy_backend=cuda needs a CUDA device")
-    return config.copy_backend
+    if backend == "cuda" and device.index not in (None, 0):
+        # the Rust backend opens ordinal 0: its copies would land on another GPU's context
+        raise ConfigError(f"copy_backend=cuda copies to device cuda:0 only for now, not {device}; "
+                          f"run with CUDA_VISIBLE_DEVICES={device.index} and --device cuda")
+    return backend
 
 
 @register("offload")
