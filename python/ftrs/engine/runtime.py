@@ -75,7 +75,7 @@ class Runtime:
         self.state_slots = config.max_running_requests  # one per running sequence
         kv_tokens = config.kv_tokens or self._kv_budget_tokens()
         self.num_pages = max(1, kv_tokens // config.page_size)
-        graphs_off = why_off(config, self.device, select_kernels(config.kernels, self.device).name,
+        self.graphs_off = graphs_off = why_off(config, self.device, select_kernels(config.kernels, self.device).name,
                              self.spec, self.moe)
         # with graphs, one page past the pool: where a bucket's padding rows write their keys
         scratch = 0 if graphs_off else 1
