@@ -75,8 +75,10 @@ class Runtime:
         self.state_slots = config.max_running_requests  # one per running sequence
         kv_tokens = config.kv_tokens or self._kv_budget_tokens()
         self.num_pages = max(1, kv_tokens // config.page_size)
-        self.graphs_off = graphs_off = why_off(config, self.device, select_kernels(config.kernels, self.device).name,
-                             self.spec, self.moe)
+        # which kernels run matters on CUDA only (the CPU alone turns graphs off)
+        kernels = (select_kernels(config.kernels, self.device).name
+                   if self.device.type == "cuda" else "torch")
+        self.graphs_off = graphs_off = why_off(config, self.device, kernels, self.spec, self.moe)
         # with graphs, one page past the pool: where a bucket's padding rows write their keys
         scratch = 0 if graphs_off else 1
         self.kv = KVCache.allocate(self.spec, (self.num_pages + scratch) * config.page_size,
