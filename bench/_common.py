@@ -79,8 +79,7 @@ class RoutingRecorder(MoEStrategy):
 
 def use_strategy(llm: LLM, strategy: MoEStrategy) -> None:
     """Make `strategy` the one the decoder calls (the old one is not closed)."""
-    llm.engine.rt.decoder.moe = strategy
-    llm.engine.rt.moe = strategy
+    llm.engine.use_moe_strategy(strategy)
 
 
 def run_steps(llm: LLM, prompts: list[list[int]], max_tokens: int,

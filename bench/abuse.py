@@ -4,7 +4,8 @@ Starts one server (API key from `$FTRS_API_KEY`, so that path is exercised too),
 
 1. a hand-written set of bad inputs (out-of-range and mistyped sampling fields, lone surrogates
    everywhere, unsupported fields, malformed and oversized bodies, deep nesting, auth probes,
-   odd paths) and a few valid controls, each with the statuses it may get;
+   odd paths; for `/v1/messages` also malformed content blocks, tool histories that do not add
+   up and `x-api-key`) and a few valid controls, each with the statuses it may get;
 2. schemathesis on `/openapi.json`: positive and negative cases per operation, `model` fixed to
    the served one and `max_tokens` clamped so generation stays short.
 
@@ -98,8 +99,9 @@ def bad_inputs(model: str) -> list[Case]:
     for mt in (0, -1, 1.5, True, "8"):
         both(f"max_tokens={mt!r}", {"max_tokens": mt})
     both("max_tokens=10**30", {"max_tokens": 10**30})
-    for n in (0, 2, True):
+    for n in (0, 9, True):  # 9: above --max-n (8)
         both(f"n={n!r}", {"n": n})
+    both("n=2 ok", {"n": 2}, (200,))
     for s in ("yes", 1, "true"):
         both(f"stream={s!r}", {"stream": s})
     for stop in (5, [5], [""], ["x"] * 17, SURROGATE, [SURROGATE]):
@@ -112,8 +114,11 @@ def bad_inputs(model: str) -> list[Case]:
     both("model number", {"model": 5})
     both("model empty", {"model": ""}, (404,))
     both("model unknown", {"model": "nope"}, (404,))
-    both("logit_bias", {"logit_bias": {"1": 100}})
+    both("logit_bias ok", {"logit_bias": {"1": 100}}, (200,))
     both("logit_bias not a map", {"logit_bias": [1]})
+    both("logit_bias out of range", {"logit_bias": {"1": 101}})
+    both("logit_bias outside the vocabulary", {"logit_bias": {"99999999": 1}})
+    both("logit_bias key not a number", {"logit_bias": {"one": 1}})
     both("unknown fields", {"frobnicate": SURROGATE, "store": True}, (200,))
     both("ignore_eos yes", {"ignore_eos": "yes"})
 
@@ -136,12 +141,20 @@ def bad_inputs(model: str) -> list[Case]:
     chat_case("message not an object", {"messages": ["hi"]})
     chat_case("50 messages ok", msgs(*[{"role": "user", "content": "x"}] * 50), (200,))
     chat_case("2 MB of content", msgs({"role": "user", "content": "word " * 400_000}), (400,))
-    chat_case("tools", {"tools": [{"type": "function", "function": {"name": "f"}}]})
-    chat_case("tool_choice auto", {"tool_choice": "auto"})
-    chat_case("tool_choice required", {"tool_choice": "required"})
+    chat_case("tools ok", {"tools": [{"type": "function", "function": {"name": "f"}}]}, (200,))
+    chat_case("tool name with spaces", {"tools": [{"type": "function", "function": {"name": "f g"}}]})
+    chat_case("tool parameters not an object", {"tools": [{"type": "function",
+                                                          "function": {"name": "f", "parameters": 5}}]})
+    chat_case("tool_choice auto without tools", {"tool_choice": "auto"})
+    chat_case("tool_choice required without tools", {"tool_choice": "required"})
+    chat_case("tool_choice names an unknown tool", {
+        "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": {"type": "function", "function": {"name": "g"}}})
     chat_case("tool_choice none ok", {"tool_choice": "none"}, (200,))
     chat_case("functions", {"functions": [{"name": "f"}]})
-    chat_case("response_format json", {"response_format": {"type": "json_object"}})
+    chat_case("response_format json ok", {"response_format": {"type": "json_object"}}, (200,))
+    chat_case("response_format schema not a schema", {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}})
     chat_case("response_format schema", {"response_format": {"type": "json_schema", "json_schema": {}}})
     chat_case("response_format text ok", {"response_format": {"type": "text"}}, (200,))
     chat_case("assistant tool_calls", msgs({"role": "assistant", "tool_calls": [{"id": "1"}]}))
@@ -198,6 +211,80 @@ def bad_inputs(model: str) -> list[Case]:
         cases.append(Case(f"GET {path[:40]}", "GET", path, None, (status,)))
     cases.append(Case("GET on a POST route", "GET", "/v1/chat/completions", None, (405,)))
     cases.append(Case("DELETE /v1/models", "DELETE", "/v1/models", None, (405,)))
+    return cases + messages_inputs(model)
+
+
+def messages_inputs(model: str) -> list[Case]:
+    """The Anthropic Messages routes: malformed content blocks, tool histories that do not add
+    up, out-of-range fields, its own auth header, and a few valid controls."""
+    base: dict[str, Any] = {"model": model, "max_tokens": MAX_GEN_TOKENS,
+                            "messages": [{"role": "user", "content": "hi"}]}
+    tool = {"name": "get_weather", "description": "weather",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}
+    cases: list[Case] = []
+
+    def m(name: str, extra: dict[str, Any], expect: tuple[int, ...] = (400,),
+          path: str = "/v1/messages") -> None:
+        body = {k: v for k, v in {**base, **extra}.items() if v is not None}
+        cases.append(Case(f"messages {name}", "POST", path, body, expect))
+
+    m("ok", {}, (200,))
+    m("stream ok", {"stream": True}, (200,))
+    m("tools ok", {"tools": [tool]}, (200,))
+    m("count_tokens ok", {"max_tokens": None}, (200,), "/v1/messages/count_tokens")
+    m("no max_tokens", {"max_tokens": None})
+    m("max_tokens 0", {"max_tokens": 0})
+    m("max_tokens string", {"max_tokens": "8"})
+    m("max_tokens 2^63", {"max_tokens": 2**63})
+    m("temperature 1.5", {"temperature": 1.5})
+    m("temperature NaN-ish string", {"temperature": "NaN"})
+    m("top_k -1", {"top_k": -1})
+    m("top_p 2", {"top_p": 2})
+    m("stop_sequences string", {"stop_sequences": "END"})
+    m("stop_sequences of ints", {"stop_sequences": [1, 2]})
+    m("no messages", {"messages": []})
+    m("messages not a list", {"messages": {"role": "user", "content": "hi"}})
+    m("system role in messages", {"messages": [{"role": "system", "content": "x"}]})
+    m("unknown role", {"messages": [{"role": "robot", "content": "x"}]})
+    m("content null", {"messages": [{"role": "user", "content": None}]})
+    m("content int", {"messages": [{"role": "user", "content": 5}]})
+    m("block without type", {"messages": [{"role": "user", "content": [{"text": "x"}]}]})
+    m("unknown block type", {"messages": [{"role": "user", "content": [{"type": "video", "x": 1}]}]})
+    m("image block", {"messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]})
+    m("text block surrogate", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": SURROGATE}]}]})
+    m("system surrogate", {"system": SURROGATE})
+    m("system block list bad", {"system": [{"type": "image"}]})
+    m("tool_result without its tool_use", {"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_9", "content": "sunny"}]}]})
+    m("tool_use from the user", {"tools": [tool], "messages": [{"role": "user", "content": [use]}]})
+    m("tool_use input not an object", {"tools": [tool], "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": [{**use, "input": "Oslo"}]}]})
+    m("tool without input_schema", {"tools": [{"name": "x"}]})
+    # only a forced call compiles the schema; with tool_choice auto it is shown to the model
+    m("tool with a broken schema", {"tools": [{**tool, "input_schema": {"type": "nope"}}]}, (200, 400))
+    m("forced tool with a broken schema", {"tools": [{**tool, "input_schema": {"type": "nope"}}],
+                                           "tool_choice": {"type": "any"}})
+    m("tool name with spaces", {"tools": [{**tool, "name": "get weather now"}]})
+    m("tool_choice unknown tool", {"tools": [tool], "tool_choice": {"type": "tool", "name": "nope"}})
+    m("tool_choice tool without tools", {"tool_choice": {"type": "any"}})
+    m("tool_choice bad type", {"tools": [tool], "tool_choice": {"type": "sometimes"}})
+    m("thinking budget string", {"thinking": {"type": "enabled", "budget_tokens": "lots"}})
+    m("metadata not an object", {"metadata": "me"})
+    m("unknown model", {"model": "nope"}, (404,))
+    m("count_tokens no messages", {"messages": [], "max_tokens": None}, (400,),
+      "/v1/messages/count_tokens")
+    cases.append(Case("messages x-api-key ok", "POST", "/v1/messages", base, (200,),
+                      headers={"x-api-key": KEY}))
+    cases.append(Case("messages wrong x-api-key", "POST", "/v1/messages", base, (401,),
+                      headers={"x-api-key": "nope"}))
+    cases.append(Case("messages no key", "POST", "/v1/messages", base, (401,), headers={}))
+    cases.append(Case("messages 5 MiB body", "POST", "/v1/messages",
+                      json.dumps({**base, "system": "x" * (5 * 2**20)}).encode(), (413,),
+                      headers={"authorization": f"Bearer {KEY}", "content-type": "application/json"}))
     return cases
 
 

@@ -18,9 +18,18 @@ going after it, so the two legitimately part ways after an EOS.
 `--baseline DIR` (a checkout of an earlier commit, e.g. a `git worktree`, with the compiled
 extension beside its sources) also measures that code against this one, side by side: each
 repetition runs one process of each, alternating, so both see the same host; `speedup` is the
-median of this code's tok/s over the baseline's, per batch. The profile line says which share
-of a batch-1 decode step's CPU time is inside matrix products (aten::mm, addmm, bmm; GEMVs at
-batch 1) and which share is everything else (dispatch, small ops, Python around them).
+median over repetitions of this code's tok/s over the baseline's in the same repetition, per
+batch (`speedup_of_medians`, the ratio of the two medians, can differ from it). The profile
+line says which share of a batch-1 decode step's CPU time is inside matrix products (aten::mm,
+addmm, bmm; GEMVs at batch 1) and which share is everything else (dispatch, small ops, Python
+around them).
+
+The bound: batch-1 decode reads every dense weight once per token (the tied embedding as the LM
+head) and `top_k` experts in each MoE layer, so tok/s cannot exceed the host's memory read rate
+over those bytes. `memory_bound` gives the bytes per token (from the checkpoint's safetensors
+headers), the read rate measured in this run (`F.linear` of one row over 1 GiB of weights, the
+same GEMV the decode does, at torch's thread count, best of 3, before and after the rest), and
+`bound_tok_per_s` = rate / bytes; each measured tok/s is also given as a share of that bound.
 
     python bench/generate.py           # 32 tokens, 2 repetitions
     python bench/generate.py --quick   # 12 tokens, 1 repetition
@@ -32,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -113,9 +123,55 @@ def side_by_side(path: str, device: str, baseline: str, batches: list[int], n: i
         rows.append({"batch": b, "current_tok_per_s": round(statistics.median(cur), 3),
                      "baseline_tok_per_s": round(statistics.median(base), 3),
                      "speedup": round(statistics.median(c / x for c, x in zip(cur, base)), 3),
+                     "speedup_of_medians": round(statistics.median(cur) / statistics.median(base),
+                                                 3),
                      "current_runs": [round(x, 3) for x in cur],
                      "baseline_runs": [round(x, 3) for x in base]})
     return rows
+
+
+def bytes_per_decode_token(path: str) -> dict[str, float]:
+    """Weight bytes a batch-1 decode token reads: dense tensors once, top_k experts per MoE layer."""
+    from safetensors import safe_open
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    top_k = int(config.get("num_experts_per_tok", 0))
+    dense = 0
+    experts: dict[tuple[str, str], int] = {}  # (layer, expert) -> bytes
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                sl = st.get_slice(name)
+                n = 1
+                for d in sl.get_shape():
+                    n *= d
+                nbytes = n * {"F32": 4, "F16": 2, "BF16": 2}.get(sl.get_dtype(), 1)
+                m = re.search(r"layers\.(\d+)\..*experts\.(\d+)\.", name)
+                if m:
+                    key = (m.group(1), m.group(2))
+                    experts[key] = experts.get(key, 0) + nbytes
+                else:
+                    dense += nbytes  # embeddings count once: tied, they are the LM head
+    per_layer: dict[str, list[int]] = {}
+    for (layer, _), b in experts.items():
+        per_layer.setdefault(layer, []).append(b)
+    routed = sum(top_k * statistics.mean(bs) for bs in per_layer.values())
+    return {"dense_mb": round(dense / 1e6, 1), "routed_mb": round(routed / 1e6, 1),
+            "gb_per_token": round((dense + routed) / 1e9, 4)}
+
+
+def read_gb_per_s(total_bytes: int = 1 << 30, reps: int = 3) -> float:
+    """The host's weight read rate as the decode sees it: one-row F.linear over many matrices."""
+    rows, cols = 1536, 576
+    ws = [torch.randn(rows, cols) for _ in range(total_bytes // (rows * cols * 4))]
+    x = torch.randn(1, cols)
+    best = 0.0
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for w in ws:
+            torch.nn.functional.linear(x, w)
+        best = max(best, len(ws) * rows * cols * 4 / (time.perf_counter() - t0) / 1e9)
+    return best
 
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
@@ -170,6 +226,8 @@ def main() -> None:
     report: dict[str, Any] = {"bench": "generate", "model": args.model or "demo",
                               "device": args.device, "dtype": "float32",
                               "torch_threads": torch.get_num_threads()}
+    measure_bound = args.device == "cpu" and 1 in batches
+    rates = [read_gb_per_s()] if measure_bound else []
     if args.baseline:
         report["vs_baseline"] = side_by_side(path, args.device, args.baseline, batches, n,
                                              args.reps)
@@ -178,8 +236,29 @@ def main() -> None:
     report["profile_batch1"] = decode_profile(llm)
     if not args.no_transformers:
         report["rows"] = vs_transformers(llm, path, args.device, batches, n, args.reps)
+    if measure_bound:
+        rates.append(read_gb_per_s())
+        report["memory_bound"] = memory_bound(path, max(rates), report)
     print(json.dumps(report, indent=2))
     llm.close()
+
+
+def memory_bound(path: str, gb_per_s: float, report: dict[str, Any]) -> dict[str, Any]:
+    """Batch-1 tok/s the host's read rate allows, and each measured batch-1 figure's share of it."""
+    need = bytes_per_decode_token(path)
+    bound = gb_per_s / need["gb_per_token"]
+    shares: dict[str, float] = {}
+    for row in report.get("vs_baseline", []):
+        if row["batch"] == 1:
+            shares["current"] = round(row["current_tok_per_s"] / bound, 3)
+            shares["baseline"] = round(row["baseline_tok_per_s"] / bound, 3)
+            shares["baseline_max_speedup"] = round(bound / row["baseline_tok_per_s"], 3)
+    for row in report.get("rows", []):
+        if row["batch"] == 1:
+            shares["ftrs"] = round(row["ftrs_decode_tok_per_s"] / bound, 3)
+            shares["transformers"] = round(row["transformers_decode_tok_per_s"] / bound, 3)
+    return {**need, "read_gb_per_s": round(gb_per_s, 2), "bound_tok_per_s": round(bound, 2),
+            "share_of_bound": shares}
 
 
 def vs_transformers(llm: LLM, path: str, device: str, batches: list[int], n: int,

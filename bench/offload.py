@@ -57,14 +57,10 @@ from typing import Any
 
 import torch
 
-from ftrs.engine.batch import build_batch
 from ftrs.guard.link import cuda_usable, measure_transfer_gbps
 from ftrs.llm import LLM
 from ftrs.moe.base import MoEStrategy
 from ftrs.moe.offload import OffloadStrategy
-from ftrs.sampling import SamplingParams
-from ftrs.scheduler.scheduler import Work
-from ftrs.scheduler.sequence import Sequence
 
 CHUNK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -73,20 +69,9 @@ CHUNK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 @torch.inference_mode()
 def forward_only(llm: LLM, ids: list[int]) -> float:
     """One prefill forward over `ids` (no logits); returns its seconds."""
-    eng = llm.engine
-    seq = Sequence("bench-forward", ids, len(ids), SamplingParams(max_tokens=1), None, 0.0)
-    seq.pages = eng.pool.alloc(-(-len(ids) // eng.pool.page_size)) or []
-    assert seq.pages, "not enough KV pages"
-    try:
-        batch = build_batch([Work(seq, len(ids))], eng.pool.page_size, eng.rt.device)
-        t0 = time.perf_counter()
-        eng.rt.decoder.forward(batch.input_ids, batch.positions, batch.meta, eng.rt.kv)
-        if eng.rt.device.type == "cuda":
-            torch.cuda.synchronize(eng.rt.device)  # kernels run asynchronously
-        return time.perf_counter() - t0
-    finally:
-        for p in seq.pages:
-            eng.pool.unref(p)
+    t0 = time.perf_counter()
+    llm.engine.forward_once(ids)  # returns when the device is done
+    return time.perf_counter() - t0
 
 
 def decode_run(common: ModuleType, llm: LLM, prompt: list[int], tokens: int) -> dict[str, Any]:
@@ -101,14 +86,12 @@ def decode_run(common: ModuleType, llm: LLM, prompt: list[int], tokens: int) -> 
 
 def offload(llm: LLM, link: float, rate: float, prefetch: bool,
             backend: str = "simulated") -> OffloadStrategy:
-    rt = llm.engine.rt
+    parts = llm.engine.moe_parts()
     spec = f"simulated:{link:g}" if backend == "simulated" else backend
     cfg = dataclasses.replace(llm.config, moe_strategy="offload", moe_cache_rate=rate,
                               moe_cache_size=None, copy_backend=spec, moe_prefetch=prefetch)
-    assert rt.loaded.experts is not None
-    routers = {layer: rt.loaded.dense[f"{layer}.router"] for layer in rt.spec.moe_layers}
-    return OffloadStrategy(experts=rt.loaded.experts, device=rt.device, config=cfg,
-                           routers=routers)
+    return OffloadStrategy(experts=parts.experts, device=parts.device, config=cfg,
+                           routers=parts.routers)
 
 
 def prefill_run(common: ModuleType, llm: LLM, chunk: list[int], link: float, args: argparse.Namespace,
@@ -116,8 +99,7 @@ def prefill_run(common: ModuleType, llm: LLM, chunk: list[int], link: float, arg
     """`args.prefill_reps` pairs of (resident, offload from an empty cache) forwards of `chunk`.
 
     `t_first` is a resident time measured just before (the first pair's resident half)."""
-    rt = llm.engine.rt
-    resident = rt.moe
+    resident = llm.engine.moe_strategy()
     assert resident is not None
     reps: list[dict[str, float]] = []
     for i in range(args.prefill_reps):
@@ -198,15 +180,16 @@ def median_row(reps: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def chunk_bytes(common: ModuleType, llm: LLM, corpus: list[int], eb: int) -> dict[str, Any]:
-    rt = llm.engine.rt
-    rec = common.RoutingRecorder(rt.moe, keep_ids=True)
+    moe, spec = llm.engine.moe_strategy(), llm.engine.moe_parts().spec
+    assert moe is not None
+    rec = common.RoutingRecorder(moe, keep_ids=True)
     common.use_strategy(llm, rec)
     try:
         secs = forward_only(llm, corpus)
     finally:
         common.use_strategy(llm, rec.inner)
     ids = rec.forwards[-1].ids  # layer -> (N, k)
-    e, k, layers, n = rt.spec.num_experts, rt.spec.top_k, len(ids), len(corpus)
+    e, k, layers, n = spec.num_experts, spec.top_k, len(ids), len(corpus)
     rows = []
     for c in (s for s in CHUNK_SIZES if s <= n):
         per_chunk = [sum(torch.unique(t[i:i + c]).numel() for t in ids.values()) / layers
@@ -257,10 +240,10 @@ def main() -> None:
     llm = LLM(args.model or common.demo_path(), device=device, dtype="float32",
               kv_tokens=max(4096, args.route_tokens + 256),
               max_prefill_length=max(args.chunk, args.route_tokens, 8192))
-    rt = llm.engine.rt
-    resident: MoEStrategy | None = rt.moe
-    assert resident is not None and rt.loaded.experts is not None, "the model has no experts"
-    eb = rt.loaded.experts.expert_bytes
+    resident: MoEStrategy | None = llm.engine.moe_strategy()
+    assert resident is not None, "the model has no experts"
+    experts = llm.engine.moe_parts().experts
+    eb = experts.expert_bytes
     chat = llm.chat_prompt([{"role": "user", "content": common.PROMPTS[0]}])
     prompt = llm.tokenizer.encode(chat)
     corpus = common.corpus_ids(llm, max(args.chunk, args.route_tokens))
@@ -301,7 +284,7 @@ def main() -> None:
         "copy_backend": args.copy_backend,
         "links_gbps": links,
         "expert_bytes": eb,
-        "experts_total": rt.loaded.experts.num_experts_total,
+        "experts_total": experts.num_experts_total,
         "cache_rate": args.cache_rate,
         "policy": llm.config.moe_cache_policy,
         "torch_threads": torch.get_num_threads(),

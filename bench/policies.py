@@ -57,9 +57,10 @@ def main() -> None:
 
     t0 = time.perf_counter()
     llm = LLM(args.model or common.demo_path(), kv_tokens=8192, device="cpu")
-    rt = llm.engine.rt
-    assert rt.moe is not None, "the model has no routed experts"
-    rec = common.RoutingRecorder(rt.moe)
+    moe = llm.engine.moe_strategy()
+    assert moe is not None, "the model has no routed experts"
+    parts = llm.engine.moe_parts()
+    rec = common.RoutingRecorder(moe)
     common.use_strategy(llm, rec)
     chats = [llm.chat_prompt([{"role": "user", "content": p}])
              for p in (common.PROMPTS * 4)[: args.prompts]]
@@ -70,13 +71,13 @@ def main() -> None:
     all_steps = [[(layer, e) for e in experts] for _, layer, experts in rec.steps]
     decode_steps = [[(layer, e) for e in experts] for f, layer, experts in rec.steps
                     if rec.forwards[f].num_tokens == 1]
-    total = rt.loaded.experts.num_experts_total
+    total = parts.experts.num_experts_total
     print(json.dumps({
         "bench": "policies",
         "model": args.model or "demo",
-        "num_moe_layers": len(rt.spec.moe_layers),
-        "experts_per_layer": rt.spec.num_experts,
-        "top_k": rt.spec.top_k,
+        "num_moe_layers": len(parts.spec.moe_layers),
+        "experts_per_layer": parts.spec.num_experts,
+        "top_k": parts.spec.top_k,
         "experts_total": total,
         "workload": {"prompts": len(chats), "max_tokens": args.max_tokens, "batch": 1,
                      "forwards": len(rec.forwards),

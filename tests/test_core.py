@@ -227,6 +227,53 @@ def test_bad_arguments_raise_config_or_capacity_errors() -> None:
                                  backend="cuda")
 
 
+def test_release_after_a_stream_fences_its_slots_and_only_copies_into_them_wait() -> None:
+    pool = make_pool()
+    lay = pool.layout
+    dst = torch.zeros(2 * lay.expert_bytes, dtype=torch.uint8)
+    eng = _core.TransferEngine(pool, 2, dst)  # host: a fence is a marker, counted
+
+    def fetch(e: int) -> int:
+        slots, t = eng.lookup(0, [e])
+        eng.wait(t)
+        return slots[0]
+
+    first = [fetch(0), fetch(1)]
+    eng.release(stream=0)  # both slots behind one fence
+    eng.release(stream=0)  # nothing pinned: no fence
+    assert (eng.stats()["fences_recorded"], eng.stats()["fence_waits"]) == (1, 0)
+    waits = []
+    for e in (2, 3, 4):  # evicts (0,0), then (0,1), then (0,2) whose fence was waited on
+        fetch(e)
+        eng.release()
+        wait_idle(eng)
+        waits.append(eng.stats()["fence_waits"])
+    assert waits == [1, 2, 2]
+    assert sorted(s for _, _, s in eng.resident()) == sorted(first)
+    for layer, e, s in eng.resident():
+        assert torch.equal(slot_bytes(dst, lay, s), pool_block(pool, layer, e))
+    eng.close()
+
+
+def test_cuda_ordinals_are_parsed_and_refused_cleanly() -> None:
+    pool = make_pool()
+    dst = torch.zeros(2 * pool.layout.expert_bytes, dtype=torch.uint8)
+    for spec in ["cuda:", "cuda:x", "cuda:-1", "cuda:1:2", "cuda:99999999999"]:
+        with pytest.raises(errors.ConfigError):
+            _core.TransferEngine(pool, 2, dst, backend=spec)
+    for device in (-1, 1 << 40):
+        with pytest.raises(errors.ConfigError, match="ordinal"):
+            pool.pin(device)
+        for measure in (_core.cuda_measure_h2d, _core.cuda_measure_d2h):
+            with pytest.raises(errors.ConfigError, match="ordinal"):
+                measure(1 << 40, dst.data_ptr(), 64, 1, device)
+    if _core.cuda_available():
+        return  # a GPU host: tests/gpu uses real devices
+    with pytest.raises(errors.DeviceError, match="CUDA driver"):
+        _core.TransferEngine(pool, 2, dst, backend="cuda:3")
+    assert pool.pin(3) is False and not pool.pinned
+
+
 def test_pool_is_read_only_while_an_engine_holds_it_and_writable_after_close() -> None:
     pool = make_pool()
     data = torch.ones(96, dtype=torch.float32).numpy()

@@ -20,18 +20,6 @@ def env_flag(name: str) -> str | None:
     return os.environ.get(name)
 
 
-def cuda_ordinal(device: str) -> int | None:
-    """The CUDA device index a `device` option names: N for "cuda:N"; None for "cuda" and
-    "auto" (torch's current device: what `torch.cuda.mem_get_info(None)` and the like read)
-    and for anything else."""
-    kind, _, index = device.partition(":")
-    if kind != "cuda" or not index:
-        return None
-    if not index.isdigit():
-        raise ConfigError(f"device: unsupported {device!r} (cpu, cuda, cuda:N, auto)")
-    return int(index)
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to load a model and run it.
@@ -50,7 +38,7 @@ class EngineConfig:
     moe_cache_rate: float | None = None  # fraction of all experts (offload)
     moe_cache_policy: str = "lru"  # lru | lfru
     moe_prefetch: bool = True
-    copy_backend: str = "auto"  # auto | host | simulated:GBPS[:LAT_US] | cuda
+    copy_backend: str = "auto"  # auto | host | simulated:GBPS[:LAT_US] | cuda[:N]
     pcie_pacing: float | None = None  # GB/s; None = off
     cpu_expert_threads: int | None = None  # CPU expert kernels (hybrid); None = physical cores - 1, >= 1
     max_prefill_length: int = 8192  # token budget of one step
@@ -157,4 +145,4 @@ def engine_config_from_args(args: Any) -> EngineConfig:
         if value is not None:
             kwargs[f.name] = value
     return EngineConfig.from_kwargs(**kwargs)
-__all__ = ["EngineConfig", "add_engine_arguments", "cuda_ordinal", "engine_config_from_args", "env_flag", "ftrs_home"]
+__all__ = ["EngineConfig", "add_engine_arguments", "engine_config_from_args", "env_flag", "ftrs_home"]

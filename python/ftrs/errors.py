@@ -129,6 +129,22 @@ class EngineRestarted(FtrsError):
     exit_code = 89
 
 
+def error_from_dict(d: dict[str, Any]) -> FtrsError:
+    """Rebuild a typed error from its wire dict (what the engine sends in `TokenEvent.error`);
+    unknown classes keep their status and code."""
+    cls = globals().get(str(d.get("type", "")))
+    message = str(d.get("message", "engine error"))
+    evidence = dict(d.get("evidence") or {})
+    if isinstance(cls, type) and issubclass(cls, FtrsError) and cls is not ModelLoadError:
+        return cls(message, evidence=evidence)
+    err = FtrsError(message, evidence=evidence)
+    # A model that failed to load leaves the service unavailable (503), whatever its class says.
+    load_failure = d.get("type") == "ModelLoadError"
+    err.http_status = 503 if load_failure else int(d.get("http_status", 500))
+    err.code = str(d.get("code", "internal_error"))
+    return err
+
+
 __all__ = [
     "CapacityError",
     "ConfigError",
@@ -144,4 +160,5 @@ __all__ = [
     "InvalidRequest",
     "KernelFault",
     "ModelLoadError",
+    "error_from_dict",
 ]

@@ -16,7 +16,7 @@ import torch
 from ftrs.config import EngineConfig
 from ftrs.engine.core import EngineCore
 from ftrs.engine.protocol import GenerateRequest, TokenLogprob
-from ftrs.errors import InvalidRequest
+from ftrs.errors import InvalidRequest, error_from_dict
 from ftrs.models.tokenizer import Tokenizer
 from ftrs.sampling import SamplingParams
 
@@ -63,6 +63,10 @@ class LLM:
         params = params or SamplingParams()
         if isinstance(prompts, str):
             prompts = [prompts]
+        if params.structured is not None:  # a grammar that does not compile: refused here
+            from ftrs.engine.grammar import check
+
+            check(params.structured, self.engine.tokenizer)
         out: dict[str, Completion] = {}
         order: list[str] = []
         for prompt in prompts:
@@ -87,6 +91,10 @@ class LLM:
                 elif ev.finish_reason is not None:
                     c.finish_reason = ev.finish_reason
                     pending.discard(ev.request_id)
+                    if ev.error is not None:  # one failed: the call fails, the others stop
+                        for rid in pending:
+                            self.engine.abort(rid)
+                        raise error_from_dict(ev.error)
         tok = self.engine.tokenizer
         for c in out.values():
             if tok is not None:

@@ -165,15 +165,84 @@ def test_a_bad_grammar_fails_only_its_request(llm: LLM, spec: StructuredSpec) ->
     good = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     eng.add_request(GenerateRequest("good", PROMPT, good))
     first, _ = eng.step()
-    runner = StepRunner(eng, eng.step)  # the engine process: an error event, nothing more
-    refused = runner.add(GenerateRequest("bad", PROMPT, SamplingParams(structured=spec)))
-    assert refused is not None and refused.finish_reason == "error"
+    runner = StepRunner(eng, eng.step)  # the engine process: it compiles off the loop...
+    assert runner.add(GenerateRequest("bad", PROMPT, SamplingParams(structured=spec))) is None
+    out = run(eng, {})
+    (refused,) = out["bad"]  # ...and a later step carries one error event, nothing more
+    assert refused.finish_reason == "error" and not refused.new_token_ids
     assert refused.error is not None and refused.error["evidence"]["param"] == spec.param
     assert refused.error["http_status"] == 400
-    out = run(eng, {})
-    assert eng.num_requests() == 0 and "bad" not in out
+    assert eng.num_requests() == 0
+    with pytest.raises(InvalidRequest) as offline:  # the offline API refuses it before adding
+        llm.generate([PROMPT], SamplingParams(structured=spec))
+    assert offline.value.evidence["param"] == spec.param and eng.num_requests() == 0
     done = first + out["good"]  # the good request ran to its end beside the refusal
     assert len(tokens(done)) == 6 and done[-1].finish_reason == "length"
+
+
+def test_a_new_grammar_compiles_off_the_loop_while_others_decode(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compile that takes 0.6 s (held on an event here) stalls no step: the running request
+    decodes meanwhile, the constrained one starts once its matcher is ready, and its output
+    follows the schema. A second request with the same schema takes the cached grammar at once."""
+    import threading
+
+    eng = llm.engine
+    release = threading.Event()
+    slow_compile = grammar.GrammarCache.new_matcher
+
+    def held(self: grammar.GrammarCache, spec: StructuredSpec) -> object:
+        if not self.cached(spec):
+            release.wait(10)
+        return slow_compile(self, spec)
+
+    monkeypatch.setattr(grammar.GrammarCache, "new_matcher", held)
+    schema = {**SCHEMA, "properties": {**SCHEMA["properties"], "fresh": {"type": "null"}}}
+    spec = StructuredSpec("json_schema", json.dumps(schema))
+    eng.add_request(GenerateRequest("free", PROMPT, SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True)))
+    eng.add_request(GenerateRequest("json", PROMPT, SamplingParams(
+        max_tokens=200, temperature=0.0, structured=spec)))
+    assert eng.num_requests() == 2
+    before: list[TokenEvent] = []
+    for _ in range(5):  # the grammar is held: only "free" steps
+        events, stats = eng.step()
+        assert stats.kind != "idle"
+        before += events
+    assert {ev.request_id for ev in before} == {"free"}
+    release.set()
+    out = run(eng, {"again": SamplingParams(max_tokens=200, temperature=0.0, structured=spec)})
+    assert len(tokens(before + out["free"])) == 12
+    for rid in ("json", "again"):
+        text = llm.tokenizer.decode(tokens(out[rid]))
+        jsonschema.validate(json.loads(text), schema)
+        assert out[rid][-1].finish_reason == "stop"
+    assert eng.num_requests() == 0
+
+
+def test_abort_and_fail_reach_a_request_whose_grammar_compiles(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    eng = llm.engine
+    release = threading.Event()
+    compile_ = grammar.GrammarCache.new_matcher
+
+    def held(self: grammar.GrammarCache, spec: StructuredSpec) -> object:
+        release.wait(10)
+        return compile_(self, spec)
+
+    monkeypatch.setattr(grammar.GrammarCache, "new_matcher", held)
+    for i in range(2):
+        spec = StructuredSpec("lark", f'start: "a"{{{i + 3}}}')
+        eng.add_request(GenerateRequest(f"g{i}", PROMPT, SamplingParams(structured=spec)))
+    with pytest.raises(InvalidRequest, match="duplicate"):
+        eng.add_request(GenerateRequest("g0", PROMPT, SamplingParams()))
+    eng.abort("g0")
+    failed = eng.fail_requests(None, {"message": "drill"})
+    assert [(ev.request_id, ev.finish_reason) for ev in failed] == [("g1", "error")]
+    release.set()
+    assert eng.num_requests() == 0 and not eng.has_work()
 
 
 def test_a_good_grammar_passes_check(llm: LLM) -> None:

@@ -329,3 +329,35 @@ def test_whole_step_mode_has_one_segment_and_no_host_step(tiny_models: dict[str,
     assert graphs.static[4].splits == []
     llm.close()
     assert rec.host == []
+
+
+def test_a_replaced_strategy_gets_graphs_of_its_own(tiny_models: dict[str, Path],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import ftrs.engine.runtime as runtime
+
+    llm = _llm(tiny_models["mixtral"])
+    first = _with_strategy(llm, "step")
+    rt = llm.engine.rt
+    graphs = attach(llm, (2,))
+    assert graphs.moe is first
+    # as on a GPU: graphs were possible at startup, and capture builds them
+    monkeypatch.setattr(rt, "has_scratch_page", True)
+    monkeypatch.setattr(runtime, "why_off", lambda *a: None)
+
+    def build(why: str | None, decoder: Any, kv: KVCache, running: int, page: int, length: int,
+              scratch_page: int) -> EagerGraphs | None:
+        if why is not None:
+            return None
+        graphs = EagerGraphs(decoder, kv, (2,), page, -(-length // page), scratch_page)
+        graphs.capture()
+        return graphs
+
+    monkeypatch.setattr(runtime, "build_graphs", build)
+    second = _Recording(first.inner, "step")
+    assert llm.engine.use_moe_strategy(second) is first
+    assert rt.graphs is not None and rt.graphs is not graphs
+    assert rt.graphs.moe is second  # not the strategy the old graphs captured
+    monkeypatch.setattr(runtime, "why_off", lambda *a: "off for the test")
+    assert llm.engine.use_moe_strategy(first) is second
+    assert rt.graphs is None and rt.graphs_off == "off for the test"
+    llm.close()

@@ -1,10 +1,11 @@
 """EngineCore's public seams (`logits`, `set_step_budget`, `transfer_engine`, `expert_stats`,
-`expert_pool_bytes`, `device`) and the rule that nothing outside `ftrs/engine/` reaches into
+`expert_pool_bytes`, `device`, `moe_strategy`, `use_moe_strategy`, `moe_parts`, `forward_once`) and the rule that nothing outside `ftrs/engine/` reaches into
 the engine's runtime."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from ftrs.engine.protocol import GenerateRequest
 from ftrs.errors import ConfigError, InvalidRequest
 from ftrs.llm import LLM
+from ftrs.moe.base import MoEStrategy
 from ftrs.sampling import SamplingParams
 
 PACKAGE = Path(__file__).resolve().parents[2] / "python" / "ftrs"
@@ -77,7 +79,7 @@ def test_transfer_engine_and_expert_stats(tiny_models: dict[str, Path]) -> None:
     assert dense.engine.transfer_engine() is None and dense.engine.expert_stats() == {}
     assert dense.engine.device == torch.device("cpu")
     moe = LLM(str(tiny_models["mixtral"]), kv_tokens=64, dtype="float32",
-              moe_strategy="offload", moe_cache_size=2, moe_prefetch=False)
+              moe_strategy="offload", moe_cache_size=5, moe_prefetch=False)
     copier = moe.engine.transfer_engine()
     assert copier is not None and callable(copier.inject_fault) and callable(copier.set_pacing)
     moe.logits(IDS[:6])
@@ -134,3 +136,64 @@ def test_nothing_outside_the_engine_reaches_into_it() -> None:
         for line, what in _reaches_into_the_engine(ast.parse(path.read_text(), str(path))):
             offenders.append(f"{path.relative_to(PACKAGE)}:{line}: {what}")
     assert offenders == []
+
+
+class _Counting(MoEStrategy):
+    """Delegates to a strategy and counts the tokens of each forward it sees."""
+
+    name = "counting"
+
+    def __init__(self, inner: MoEStrategy) -> None:
+        self.inner = inner
+        self.forwards: list[int] = []
+
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        return self.inner.forward(layer, x, ids, weights)
+
+    def begin_forward(self, num_tokens: int) -> None:
+        self.forwards.append(num_tokens)
+        self.inner.begin_forward(num_tokens)
+
+    def end_forward(self) -> None:
+        self.inner.end_forward()
+
+
+def test_moe_seams_swap_strategies_and_run_a_bare_forward(tiny_models: dict[str, Path]) -> None:
+    """`moe_strategy`/`use_moe_strategy`/`moe_parts`/`forward_once`: what the benches use instead
+    of the runtime. An offload strategy built from `moe_parts` must give resident's tokens (it
+    is bit-identical to resident on the CPU), so the parts are this model's."""
+    llm = LLM(str(tiny_models["qwen3_moe"]), kv_tokens=128, dtype="float32")
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = llm.generate([IDS], greedy)[0].token_ids
+    resident = llm.engine.moe_strategy()
+    assert resident is not None
+    counting = _Counting(resident)
+    assert llm.engine.use_moe_strategy(counting) is resident
+    free = llm.engine.pool.num_free
+    llm.engine.forward_once(IDS[:9])
+    assert counting.forwards == [9] and llm.engine.pool.num_free == free  # pages given back
+    with pytest.raises(InvalidRequest):
+        llm.engine.forward_once([])
+
+    from ftrs.moe.offload import OffloadStrategy
+
+    parts = llm.engine.moe_parts()
+    assert sorted(parts.routers) == list(parts.spec.moe_layers)
+    assert parts.experts.num_experts_total == len(parts.spec.moe_layers) * parts.spec.num_experts
+    config = dataclasses.replace(llm.config, moe_strategy="offload", moe_cache_size=5,
+                                 moe_cache_rate=None, copy_backend="host")
+    offload = OffloadStrategy(experts=parts.experts, device=parts.device, config=config,
+                              routers=parts.routers)
+    assert llm.engine.use_moe_strategy(offload) is counting
+    assert llm.generate([IDS], greedy)[0].token_ids == want
+    assert offload.stats()["misses"] > 0  # the tokens came through the swapped-in strategy
+    llm.engine.use_moe_strategy(resident)
+    offload.close()
+
+    dense = LLM(str(tiny_models["llama"]), kv_tokens=64, dtype="float32")
+    assert dense.engine.moe_strategy() is None
+    with pytest.raises(ConfigError):
+        dense.engine.moe_parts()
+    with pytest.raises(ConfigError):
+        dense.engine.use_moe_strategy(counting)

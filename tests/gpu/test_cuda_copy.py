@@ -131,3 +131,62 @@ def test_comparisons_with_torch_give_positive_figures(
     for gbps in (c.ftrs_gbps, c.driver_gbps, c.torch_gbps):
         assert math.isfinite(gbps) and gbps > 0
     assert math.isfinite(c.ratio) and c.ratio > 0
+
+
+def test_a_copy_into_a_released_slot_waits_for_the_kernels_that_read_it() -> None:
+    pool = make_pool(layers=1, experts=2, sizes=(1 << 20,))  # 4 MiB blocks
+    assert pool.pin()
+    lay = pool.layout
+    dst = torch.zeros(lay.expert_bytes, dtype=torch.uint8, device="cuda")  # one slot
+    torch.cuda.synchronize()
+    eng = _core.TransferEngine(pool, 1, dst, backend="cuda")
+    slots, ticket = eng.lookup(0, [0])
+    eng.wait(ticket)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time queued before the read below
+    seen = slot_bytes(dst, lay, slots[0]).clone()  # reads expert 0 once the sleep is over
+    eng.release(torch.cuda.current_stream().cuda_stream)
+    again, ticket = eng.lookup(0, [1])  # evicts the one slot: the copy waits for the read
+    eng.wait(ticket)
+    assert again == slots
+    torch.cuda.synchronize()
+    # without the fence the copy (about a millisecond) lands under the sleeping stream
+    assert torch.equal(seen.cpu(), pool_block(pool, 0, 0))
+    assert torch.equal(slot_bytes(dst, lay, slots[0]).cpu(), pool_block(pool, 0, 1))
+    assert (eng.stats()["fences_recorded"], eng.stats()["fence_waits"]) == (1, 1)
+    eng.close()
+
+
+def test_ordinals_past_the_last_device_are_config_errors() -> None:
+    n = torch.cuda.device_count()
+    pool = make_pool()
+    dst = torch.zeros(2 * pool.layout.expert_bytes, dtype=torch.uint8, device="cuda")
+    with pytest.raises(errors.ConfigError, match="does not exist"):
+        _core.TransferEngine(pool, 2, dst, backend=f"cuda:{n}")
+    with pytest.raises(errors.ConfigError, match="does not exist"):
+        pool.pin(n)
+    host = torch.zeros(64, dtype=torch.uint8, pin_memory=True)
+    with pytest.raises(errors.ConfigError, match="does not exist"):
+        _core.cuda_measure_h2d(dst.data_ptr(), host.data_ptr(), 64, 1, n)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_cuda_n_copies_into_device_n_and_leaves_torch_s_current_device_alone() -> None:
+    pool = make_pool()
+    lay = pool.layout
+    before = torch.cuda.current_device()
+    assert pool.pin(1)
+    wrong = torch.zeros(4 * lay.expert_bytes, dtype=torch.uint8, device="cuda:0")
+    with pytest.raises(errors.ConfigError, match="cuda:1"):
+        _core.TransferEngine(pool, 4, wrong, backend="cuda:1")
+    dst = torch.zeros(4 * lay.expert_bytes, dtype=torch.uint8, device="cuda:1")
+    torch.cuda.synchronize(1)
+    eng = _core.TransferEngine(pool, 4, dst, backend="cuda:1")
+    assert eng.backend_name == "cuda:1"
+    slots, ticket = eng.lookup(1, [2, 5])
+    eng.wait(ticket)
+    eng.release(torch.cuda.current_stream(1).cuda_stream)
+    assert torch.cuda.current_device() == before
+    got = dst.cpu()
+    for e, s in zip([2, 5], slots, strict=True):
+        assert torch.equal(slot_bytes(got, lay, s), pool_block(pool, 1, e))
+    eng.close()

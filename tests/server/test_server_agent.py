@@ -214,6 +214,7 @@ def test_bad_tool_input_is_a_400_naming_the_field_and_the_server_serves_on(clien
 
     cases: list[tuple[dict[str, Any], str]] = [
         ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools[0].function.name"),
         ({"messages": [{"role": "assistant", "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{city: Paris"}}]},
             {"role": "user", "content": "and?"}]}, "messages[0].tool_calls[0].function.arguments"),

@@ -427,6 +427,13 @@ def test_x_api_key_and_bearer_are_accepted_a_wrong_key_is_refused(tiny_server: A
      400, "invalid_request_error", "messages[0].content"),
     ({"max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request_error",
      "max_tokens"),
+    ({"max_tokens": 4, "top_k": -1, "messages": [{"role": "user", "content": "hi"}]}, 400,
+     "invalid_request_error", "top_k"),
+    ({"max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": "lots"},
+      "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request_error",
+     "thinking.budget_tokens"),
+    ({"max_tokens": 4, "tools": [{"name": "get weather", "input_schema": {"type": "object"}}],
+      "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request_error", "tools[0].name"),
     ({"model": "claude-x", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}, 404,
      "not_found_error", "model"),
 ])

@@ -283,3 +283,40 @@ def test_forced_grammar_bad_choice_or_tools_are_typed_errors() -> None:
         hermes.forced_grammar([WEATHER, {"type": "function", "function": {}}], "required", False)
     with pytest.raises(InvalidRequest, match="tools"):
         hermes.forced_grammar([], "required", False)
+
+
+# --- tags that tokenizers hold as special tokens ------------------------------------------
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), [
+    ("mistral", 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Lyon"}', "Sure.",
+     [("get_weather", {"city": "Lyon"})]),
+    ("llama3_json", 'One moment.<|python_tag|>{"name": "now", "parameters": {}}', "One moment.",
+     [("now", {})]),
+])
+def test_special_token_tags_reach_the_parser_token_by_token(
+        parser: str, text: str, content: str, calls: list[tuple[str, dict[str, Any]]]) -> None:
+    """Mistral's `[TOOL_CALLS]`/`[ARGS]` and Llama's `<|python_tag|>` are special tokens in their
+    tokenizers, which the detokenizer drops; the parser's tags are kept (and nothing else)."""
+    from tokenizers import AddedToken
+
+    from ftrs.server.detokenize import IncrementalDetokenizer
+
+    tok = tiny_tokenizer(512)
+    cls = TOOL_PARSERS[parser]
+    tok.tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in cls.special_tags])
+    keep = tok.special_ids(cls.special_tags)
+    assert len(keep) == len(cls.special_tags)
+    assert tok.special_ids(["<|im_end|>", "not a token"]) == {2}  # special, but no tag
+    ids = [*tok.encode(text), 2]  # the model's tokens, ending in <|im_end|>
+
+    def stream(keep: frozenset[int]) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+        detok, p, out = IncrementalDetokenizer(tok, keep=keep), cls(TOOLS), ""
+        for i in ids:
+            c, _ = p.feed(detok.push([i]))
+            out += c
+        c, _ = p.finish()
+        return out + c, [(x.name, json.loads(x.arguments)) for x in p.calls]
+
+    assert stream(keep) == (content, calls)
+    assert stream(frozenset())[1] == []  # dropped tags: the calls would be lost as text
+    assert tok.decode(ids, keep=keep) == text  # <|im_end|> still skipped

@@ -7,7 +7,18 @@
 //! - `simulated:GBPS[:LATENCY_US]`: does the host copy, then models a serial link (like PCIe):
 //!   the copy occupies the link from `max(now, link_free)` for `latency + bytes / bandwidth`;
 //!   `finish` sleeps (on the engine's [`Clock`]) until then.
-//! - `cuda`: `cuMemcpyHtoDAsync` on a dedicated stream plus an event (see `cuda.rs`).
+//! - `cuda[:N]`: `cuMemcpyHtoDAsync` on a dedicated stream of device N (default 0) plus an
+//!   event per copy (see `cuda.rs`).
+//!
+//! Release fences: a slot released by the caller may still be read by work the caller queued
+//! on its device (kernels on torch's stream). [`CopyBackend::record_fence`] marks that point
+//! on the caller's stream, and [`CopyBackend::wait_fence`] orders the copies submitted after it
+//! behind the mark: on CUDA an event and `cuStreamWaitEvent` (the device waits, the host does
+//! not); on the host backends the caller's reads are done when it releases (CPU compute is
+//! synchronous), so a fence is a [`Fence::Marker`] and waiting on it does nothing.
+//!
+//! Threads: `submit`, `wait_fence` and `finish` run on the engine's worker thread,
+//! `record_fence` on the caller's.
 
 // `unsafe fn submit` declares a contract (allowed where it is declared); no unsafe block here.
 #![deny(unsafe_code)]
@@ -30,10 +41,42 @@ pub enum Completion {
     Event(crate::cuda::Event),
 }
 
+/// A point in the work a caller queued that reads released slots (see the module doc).
+#[derive(Debug)]
+pub enum Fence {
+    /// Nothing to wait for on the device: the caller's reads were done when it released. The
+    /// number names the mark for the backend that made it (a test backend's sequence), 0 for
+    /// the host backends.
+    Marker(u64),
+    /// A CUDA event recorded on the caller's stream.
+    Event(crate::cuda::Event),
+}
+
 /// A way to copy expert blocks host → destination.
 pub trait CopyBackend: Send + Sync + std::fmt::Debug {
-    /// The name the backend was created with (`host`, `simulated:12:5`, `cuda`).
+    /// The name the backend was created with (`host`, `simulated:12:5`, `cuda`, `cuda:1`).
     fn name(&self) -> String;
+    /// The CUDA device its destination lives on; `None` for a host destination.
+    fn device_ordinal(&self) -> Option<i32> {
+        None
+    }
+    /// Marks the end of the work queued so far on the caller's `stream` (a raw stream handle
+    /// of the backend's device; 0 is its default stream). The default: a `Marker(0)`.
+    ///
+    /// # Safety
+    /// 1. On a device backend, `stream` is 0 or a stream of the backend's device that stays
+    ///    live for the call. Host backends never use it.
+    #[allow(unsafe_code)]
+    unsafe fn record_fence(&self, stream: u64) -> Result<Fence> {
+        let _ = stream;
+        Ok(Fence::Marker(0))
+    }
+    /// Makes every copy submitted after this call start only once `fence` fired, without
+    /// blocking the calling thread. The default does nothing (host backends).
+    fn wait_fence(&self, fence: &Fence) -> Result<()> {
+        let _ = fence;
+        Ok(())
+    }
     /// Starts `job`. An asynchronous backend (CUDA) is still copying when this returns, past
     /// the job's borrow of its source and destination, hence `unsafe`.
     ///
@@ -131,7 +174,9 @@ impl CopyBackend for SimulatedBackend {
     }
 }
 
-/// Builds a backend from its spec: `host`, `simulated:GBPS[:LATENCY_US]` or `cuda`.
+/// Builds a backend from its spec: `host`, `simulated:GBPS[:LATENCY_US]`, `cuda` (device 0) or
+/// `cuda:N`. A bad spec or ordinal is `Config`, checked before the driver is loaded; a device
+/// the driver does not see is `Config`, no driver `DriverUnavailable`.
 pub fn create_backend(
     spec: &str,
     clock: Arc<dyn Clock>,
@@ -162,9 +207,82 @@ pub fn create_backend(
             }
             Ok(Arc::new(SimulatedBackend::new(gbps, lat, clock, threads)?))
         }
-        "cuda" if parts.next().is_none() => Ok(Arc::new(crate::cuda::CudaBackend::new(0)?)),
+        "cuda" => {
+            let ordinal = match (parts.next(), parts.next()) {
+                (None, _) => 0,
+                (Some(n), None) => n
+                    .parse::<i64>()
+                    .map_err(|_| {
+                        CoreError::Config(format!(
+                            "bad device ordinal {n:?} in backend spec {spec:?}"
+                        ))
+                    })
+                    .and_then(crate::cuda::check_ordinal)?,
+                (Some(_), Some(_)) => {
+                    return Err(CoreError::Config(format!(
+                        "trailing fields in backend spec {spec:?}"
+                    )))
+                }
+            };
+            Ok(Arc::new(crate::cuda::CudaBackend::new(ordinal)?))
+        }
         _ => Err(CoreError::Config(format!(
-            "unknown backend {spec:?}: expected host, simulated:GBPS[:LATENCY_US] or cuda"
+            "unknown backend {spec:?}: expected host, simulated:GBPS[:LATENCY_US] or cuda[:N]"
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::RealClock;
+
+    fn spec(s: &str) -> Result<Arc<dyn CopyBackend>> {
+        create_backend(s, Arc::new(RealClock::new()), 1)
+    }
+
+    #[test]
+    fn bad_cuda_ordinals_are_config_errors_before_the_driver_is_loaded() {
+        for s in [
+            "cuda:",
+            "cuda:x",
+            "cuda:-1",
+            "cuda:1.5",
+            "cuda:99999999999",
+            "cuda:0:1",
+        ] {
+            assert!(matches!(spec(s), Err(CoreError::Config(_))), "{s}");
+        }
+    }
+
+    #[test]
+    fn a_cuda_ordinal_needs_the_driver_then_a_device_of_that_number() {
+        for s in ["cuda", "cuda:0", "cuda:3"] {
+            match (crate::cuda::device_count(), spec(s)) {
+                (Err(_), r) => assert!(matches!(r, Err(CoreError::DriverUnavailable(_))), "{s}"),
+                (Ok(n), r) => {
+                    let want: i32 = s.strip_prefix("cuda:").map_or(0, |n| n.parse().unwrap());
+                    if want >= n {
+                        assert!(matches!(r, Err(CoreError::Config(_))), "{s}");
+                    } else {
+                        let b = r.unwrap();
+                        assert_eq!(b.device_ordinal(), Some(want));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn host_backends_copy_into_host_memory_and_fence_with_markers() {
+        for s in ["host", "simulated:1"] {
+            let b = spec(s).unwrap();
+            assert_eq!(b.device_ordinal(), None);
+            #[allow(unsafe_code)]
+            // SAFETY: host backends never use the stream handle (point 1 of `record_fence`).
+            let f = unsafe { b.record_fence(12345) }.unwrap();
+            assert!(matches!(f, Fence::Marker(0)));
+            b.wait_fence(&f).unwrap();
+        }
     }
 }

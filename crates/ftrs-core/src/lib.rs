@@ -11,8 +11,9 @@
 //! - [`raw`]: the only module with raw-pointer code besides the CUDA FFI.
 //!
 //! Unsafe code is denied crate-wide and allowed only in `raw`, `cuda` and `quant::simd`, plus
-//! the one call of the `unsafe fn CopyBackend::submit` in `transfer::worker`; every other
-//! module forbids it.
+//! the one call of the `unsafe fn CopyBackend::submit` in `transfer::worker` and the one of
+//! `unsafe fn CopyBackend::record_fence` in `TransferEngine::release_after` (a raw stream
+//! handle of the caller's); every other module forbids it.
 //!
 //! Soundness from safe code rests on four rules: the host pool is written only through `&mut`
 //! (filled before an engine shares it behind an `Arc`, read-only after); a `raw::CopyJob<'a>`

@@ -152,9 +152,11 @@ impl ExpertPool {
         self.region.is_pinned()
     }
 
-    /// Page-locks the region through the CUDA driver. `Ok(false)` when there is no driver.
-    pub fn pin(&self) -> Result<bool> {
-        self.region.pin()
+    /// Page-locks the region through the CUDA driver, in device `ordinal`'s context (the
+    /// pinning is portable: every device sees it). `Ok(false)` when there is no driver;
+    /// `Config` for a negative ordinal or a device the driver does not see.
+    pub fn pin(&self, ordinal: i32) -> Result<bool> {
+        self.region.pin(ordinal)
     }
 
     /// Writes raw bytes of tensor `tensor` of (layer, expert); the length must equal the

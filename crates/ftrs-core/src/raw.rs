@@ -41,8 +41,9 @@ pub struct HostRegion {
     len: usize,
     /// The layout `ptr` was allocated with (needed to free it).
     layout: Layout,
-    /// Set once the allocation is registered with the CUDA driver; unregistered in `drop`.
-    pinned: AtomicBool,
+    /// The device whose context registered the allocation with the CUDA driver (set once, by
+    /// the `pin` that registered it); unregistered through the same device in `drop`.
+    pinned_on: OnceLock<i32>,
 }
 
 // SAFETY: HostRegion owns its allocation like a Box<[u8]>: moving it to another thread moves
@@ -70,7 +71,7 @@ impl HostRegion {
             ptr,
             len,
             layout,
-            pinned: AtomicBool::new(false),
+            pinned_on: OnceLock::new(),
         })
     }
 
@@ -114,17 +115,23 @@ impl HostRegion {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 
-    /// Page-locks the region through the CUDA driver (once); `Ok(false)` without a driver.
-    pub fn pin(&self) -> Result<bool> {
+    /// Page-locks the region through the CUDA driver (once), in device `ordinal`'s context
+    /// (portable: pinned for every device); `Ok(false)` without a driver, `Config` for a
+    /// negative ordinal or a device the driver does not see. A pinned region stays pinned
+    /// whatever device a later call names.
+    pub fn pin(&self, ordinal: i32) -> Result<bool> {
         if self.is_pinned() {
             return Ok(true);
         }
         // SAFETY: (1) `ptr..ptr+len` is this live allocation; (2) it stays allocated until
-        // `drop`, which unregisters it before freeing it; (3) a second registration of the same
-        // range (two racing `pin` calls) is answered "already registered" and is not an error.
-        match unsafe { crate::cuda::host_register(self.addr(), self.len) } {
-            Ok(()) => {
-                self.pinned.store(true, Ordering::Release);
+        // `drop`, which unregisters it through the device recorded below before freeing it;
+        // (3) a second registration of the same range (two racing `pin` calls) is answered
+        // "already registered" (`Ok(false)`), and only the call that registered records it.
+        match unsafe { crate::cuda::host_register(ordinal, self.addr(), self.len) } {
+            Ok(registered) => {
+                if registered {
+                    let _ = self.pinned_on.set(ordinal);
+                }
                 Ok(true)
             }
             Err(CoreError::DriverUnavailable(_)) => Ok(false),
@@ -134,7 +141,7 @@ impl HostRegion {
 
     /// Whether [`Self::pin`] succeeded.
     pub fn is_pinned(&self) -> bool {
-        self.pinned.load(Ordering::Acquire)
+        self.pinned_on.get().is_some()
     }
 
     /// Copies `dst.len()` bytes starting at `offset` into `dst`.
@@ -148,11 +155,12 @@ impl HostRegion {
 
 impl Drop for HostRegion {
     fn drop(&mut self) {
-        if self.is_pinned() {
-            // SAFETY: (1) the range at `ptr` was registered by `pin` and is still allocated;
-            // (2) `&mut self` in drop: no copy job borrows the region any more, and engines finish
-            // every asynchronous copy before they let go of their pool.
-            unsafe { crate::cuda::host_unregister(self.addr()) };
+        if let Some(&ordinal) = self.pinned_on.get() {
+            // SAFETY: (1) the range at `ptr` was registered by `pin` through device `ordinal`
+            // and is still allocated; (2) `&mut self` in drop: no copy job borrows the region
+            // any more, and engines finish every asynchronous copy before they let go of their
+            // pool.
+            unsafe { crate::cuda::host_unregister(ordinal, self.addr()) };
         }
         // SAFETY: `ptr` was allocated by `alloc_zeroed` with exactly `layout` and is freed once.
         unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) }

@@ -23,6 +23,15 @@
 //!   oldest in-flight copy. A transfer lands when all its bytes have: its layer's block
 //!   (`ExpertLayout::block_bytes`), which may be smaller than the slot stride (`expert_bytes`,
 //!   the largest block) when layers store their experts in different types.
+//! - Release fences: `release` unpins the slots of the lookups since the last one, trusting
+//!   the caller that nothing reads them any more (CPU compute, or a synchronized stream).
+//!   `release_after(stream)` first records a fence on the caller's stream (the backend's
+//!   `record_fence`: on CUDA an event after the kernels that read those slots) and keeps it
+//!   with each of those slots. The worker waits on a slot's fences (`wait_fence`: on CUDA
+//!   `cuStreamWaitEvent` on the copy stream, the host never blocks) right before it issues a
+//!   copy into that slot, and forgets them then: a wait orders every later copy on the
+//!   stream, so each fence is waited once, and only by a copy into a slot it guards. A slot
+//!   keeps one fence per caller stream (a later fence on a stream covers an earlier one).
 //! - `cancel_prefetches`: a prefetch with no chunk in flight is dropped and its slot freed; one
 //!   with a chunk in flight is marked cancelled and its key detached at once (the slot is
 //!   reserved, not published, and freed when the chunk ends), so a cancelled prefetch never
@@ -43,7 +52,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use crate::backend::CopyBackend;
+use crate::backend::{CopyBackend, Fence};
 use crate::cache::{Key, Policy, SlotCache};
 use crate::clock::{Clock, TokenBucket};
 use crate::error::{CoreError, DeviceFault, Result};
@@ -105,6 +114,19 @@ pub struct Stats {
     pub layer_hits: Vec<u64>,
     /// Misses per layer.
     pub layer_misses: Vec<u64>,
+    /// Release fences recorded (`release_after` with slots to release).
+    pub fences_recorded: u64,
+    /// Release fences a copy waited on before writing into a slot they guard.
+    pub fence_waits: u64,
+}
+
+/// A fence recorded by `release_after`, shared by every slot it released.
+#[derive(Debug)]
+struct SlotFence {
+    /// The caller's stream it was recorded on (a later fence on it covers this one).
+    stream: u64,
+    /// The backend's mark.
+    fence: Fence,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -176,6 +198,9 @@ struct State {
     next_ticket: u64,
     /// Slots pinned by lookups since the last release (one entry per pin).
     pinned: Vec<u32>,
+    /// `fences[s]`: fences of releases of slot `s` that no copy into `s` has waited on yet,
+    /// at most one per caller stream.
+    fences: Vec<Vec<Arc<SlotFence>>>,
     /// Bytes of copies in flight.
     inflight_bytes: usize,
     /// Copies in flight that were issued as prefetch chunks.
@@ -280,6 +305,7 @@ impl TransferEngine {
             tickets: HashMap::new(),
             next_ticket: 0,
             pinned: Vec::new(),
+            fences: (0..cfg.num_slots).map(|_| Vec::new()).collect(),
             inflight_bytes: 0,
             inflight_prefetches: 0,
             max_inflight_prefetches: cfg.max_inflight_prefetches,
@@ -350,18 +376,40 @@ impl TransferEngine {
             .collect()
     }
 
-    /// Unpins everything pinned by lookups since the last release.
+    /// Unpins everything pinned by lookups since the last release. The caller guarantees that
+    /// nothing reads those slots any more (see [`Self::release_after`] otherwise).
     pub fn release(&self) {
         let mut st = lock(&self.inner.state);
-        let st = &mut *st;
-        if st.dead.is_some() {
-            return; // a panic may have left the bookkeeping half-updated: leave it alone
+        release_pinned(&mut st, None);
+    }
+
+    /// Like [`Self::release`] for a caller whose reads of the released slots may still be
+    /// queued on its `stream` (a raw stream handle of the backend's device, 0 = its default
+    /// stream; host backends ignore it): records a fence there first, and no copy into one
+    /// of those slots starts before the fence fires (module doc). Nothing to release: no
+    /// fence. If the fence cannot be recorded, the error is returned and the slots stay
+    /// pinned (a later release retries): a slot must not be rewritten under a reader.
+    ///
+    /// # Safety
+    /// 1. On a device backend, `stream` is 0 or a stream of the backend's device that stays
+    ///    live for the call (point 1 of [`CopyBackend::record_fence`]).
+    #[allow(unsafe_code)]
+    pub unsafe fn release_after(&self, stream: u64) -> Result<()> {
+        {
+            let st = lock(&self.inner.state);
+            if st.dead.is_some() || st.pinned.is_empty() {
+                return Ok(());
+            }
         }
-        for slot in std::mem::take(&mut st.pinned) {
-            unpin(st, slot);
-        }
-        st.tickets
-            .retain(|_, t| t.remaining > 0 || t.error.is_some());
+        // Recorded without the lock (a driver call); the reads it covers were queued by this
+        // caller before this call, after the lookups that pinned the slots.
+        // SAFETY: point 1 of this function's contract.
+        let fence = unsafe { self.inner.backend.record_fence(stream) }?;
+        let fence = Arc::new(SlotFence { stream, fence });
+        let mut st = lock(&self.inner.state);
+        st.stats.fences_recorded += 1;
+        release_pinned(&mut st, Some(&fence));
+        Ok(())
     }
 
     /// Cancels every prefetch not yet demanded; returns how many.
@@ -531,6 +579,12 @@ impl TransferEngine {
                 st.inflight_prefetches
             ));
         }
+        for (slot, held) in st.fences.iter().enumerate() {
+            let streams: std::collections::HashSet<u64> = held.iter().map(|f| f.stream).collect();
+            if streams.len() != held.len() {
+                return Err(format!("slot {slot} holds two fences of one stream"));
+            }
+        }
         for (key, tid) in &st.inflight {
             let t = &st.transfers[tid];
             if t.key != *key || t.cancelled || st.cache.slot_for(*key) != Some(t.slot) {
@@ -547,6 +601,25 @@ impl Drop for TransferEngine {
         // no copy outlives the pool or the destination.
         self.close();
     }
+}
+
+/// Unpins every slot pinned since the last release, leaving `fence` (if any) with each.
+fn release_pinned(st: &mut State, fence: Option<&Arc<SlotFence>>) {
+    if st.dead.is_some() {
+        return; // a panic may have left the bookkeeping half-updated: leave it alone
+    }
+    for slot in std::mem::take(&mut st.pinned) {
+        if let Some(f) = fence {
+            let held = &mut st.fences[slot as usize];
+            if !held.iter().any(|h| Arc::ptr_eq(h, f)) {
+                held.retain(|h| h.stream != f.stream);
+                held.push(Arc::clone(f));
+            }
+        }
+        unpin(st, slot);
+    }
+    st.tickets
+        .retain(|_, t| t.remaining > 0 || t.error.is_some());
 }
 
 /// A slot for `key` (not resident): free or evicted per policy.

@@ -164,5 +164,7 @@ fn write_checks_the_tensor_size() {
         pool.write(1, 1, 1, &[9; 5]),
         Err(CoreError::Config(_))
     ));
-    assert!(!pool.pin().unwrap() || ftrs_core::cuda::available());
+    assert!(!pool.pin(0).unwrap() || ftrs_core::cuda::available());
+    assert!(matches!(pool.pin(-1), Err(CoreError::Config(_))));
+    assert!(!pool.is_pinned() || ftrs_core::cuda::available());
 }

@@ -6,6 +6,8 @@
 //! buffers alive for the call, has no other work pending on them (`torch.cuda.synchronize()`
 //! first: the copies run on their own stream), and does not touch them until the call returns.
 //! The host buffer must be pinned; the core checks that, and the arguments, before copying.
+//! `ordinal` names the device (`cuda:N`): `ConfigError` when negative or past the devices the
+//! driver sees; its context is pushed for the call, so torch's current device is unchanged.
 
 use ftrs_core::cuda::{measure_copy, Direction};
 use pyo3::prelude::*;
@@ -27,7 +29,7 @@ pub fn cuda_measure_h2d(
     host_address: usize,
     nbytes: usize,
     repeats: u32,
-    ordinal: i32,
+    ordinal: i64,
 ) -> PyResult<f64> {
     #[allow(unsafe_code)]
     // SAFETY: the contract of this module's doc, which the Python caller keeps (points 1-2 of
@@ -55,7 +57,7 @@ pub fn cuda_measure_d2h(
     host_address: usize,
     nbytes: usize,
     repeats: u32,
-    ordinal: i32,
+    ordinal: i64,
 ) -> PyResult<f64> {
     #[allow(unsafe_code)]
     // SAFETY: the contract of this module's doc, which the Python caller keeps (points 1-2 of
@@ -77,7 +79,7 @@ pub fn cuda_measure_d2h(
 ///
 /// # Safety
 /// 1. `host..host+nbytes` is host memory, and `device..device+nbytes` device memory of device
-///    `ordinal`, both allocated for the whole call.
+///    `ordinal`, both allocated for the whole call. A bad `ordinal` is a `ConfigError`.
 /// 2. Nothing else uses either range during the call (the destination is overwritten).
 #[allow(unsafe_code)]
 unsafe fn measure(
@@ -87,8 +89,9 @@ unsafe fn measure(
     host: usize,
     nbytes: usize,
     repeats: u32,
-    ordinal: i32,
+    ordinal: i64,
 ) -> PyResult<f64> {
+    let ordinal = ftrs_core::cuda::check_ordinal(ordinal).py()?;
     // SAFETY: points 1-2 of this function's contract are points 1-2 of `measure_copy`.
     py.detach(|| unsafe { measure_copy(ordinal, dir, device, host, nbytes, repeats) })
         .py()

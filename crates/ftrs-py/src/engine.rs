@@ -7,6 +7,15 @@
 //! things; the caller must still not resize it or swap its storage (`resize_`, `set_`).
 //! `wait` and `close` release the GIL while they block; the object's `Drop` (GIL held) never
 //! joins the worker (see [`PyTransferEngine`]'s `Drop`).
+//!
+//! `cuda:N`: the `cuda` backend copies into device N (`cuda` = `cuda:0`), and the destination
+//! must be a tensor on that device (`ConfigError` otherwise). `release(stream)` takes the raw
+//! handle of the stream whose queued kernels read the released slots (torch's
+//! `torch.cuda.current_stream(device).cuda_stream`, a stream of the engine's device, live for
+//! the call): the engine records a fence there, and its copies into those slots wait for it on
+//! the device. The handle is trusted as given (a driver handle cannot be checked); host
+//! backends never use it. A stream capturing a CUDA graph is refused (`ConfigError`): release
+//! outside the captured region.
 
 use std::sync::{Arc, Mutex};
 
@@ -29,8 +38,10 @@ pub struct PyTransferEngine {
     dst: Option<Py<PyAny>>,
 }
 
-/// Address and size in bytes of `dst`, a contiguous torch tensor on `device` (`cpu`/`cuda`).
-fn tensor_range(dst: &Bound<'_, PyAny>, device: &str) -> PyResult<(usize, usize)> {
+/// Address and size in bytes of `dst`, a contiguous torch tensor on the CPU (`ordinal` None)
+/// or on CUDA device `ordinal`.
+fn tensor_range(dst: &Bound<'_, PyAny>, ordinal: Option<i32>) -> PyResult<(usize, usize)> {
+    let device = if ordinal.is_some() { "cuda" } else { "cpu" };
     let config = |msg: String| crate::errors::to_py(CoreError::Config(msg));
     let attr = |name: &str| {
         dst.getattr(name)
@@ -41,6 +52,15 @@ fn tensor_range(dst: &Bound<'_, PyAny>, device: &str) -> PyResult<(usize, usize)
         return Err(config(format!(
             "dst is a {on} tensor, but this backend copies into {device} memory"
         )));
+    }
+    if let Some(want) = ordinal {
+        let index = attr("device")?.getattr("index")?.extract::<Option<i64>>()?;
+        if index != Some(i64::from(want)) {
+            return Err(config(format!(
+                "dst is on cuda:{}, but this backend copies into cuda:{want}",
+                index.map_or("?".into(), |i| i.to_string())
+            )));
+        }
     }
     if !attr("is_contiguous")?.call0()?.extract::<bool>()? {
         return Err(config("dst must be contiguous".into()));
@@ -79,12 +99,13 @@ impl PyTransferEngine {
         let policy = Policy::parse(policy).py()?;
         let clock: Arc<dyn Clock> = Arc::new(RealClock::new());
         let backend = create_backend(backend, Arc::clone(&clock), threads).py()?;
-        let (kind, device) = if backend.name() == "cuda" {
-            (MemKind::Device, "cuda")
+        let ordinal = backend.device_ordinal();
+        let kind = if ordinal.is_some() {
+            MemKind::Device
         } else {
-            (MemKind::Host, "cpu")
+            MemKind::Host
         };
-        let (dst_address, dst_nbytes) = tensor_range(dst, device)?;
+        let (dst_address, dst_nbytes) = tensor_range(dst, ordinal)?;
         let pool = pool.share()?;
         let (p0, p1) = (pool.address(), pool.address() + pool.nbytes());
         if kind == MemKind::Host && dst_address < p1 && p0 < dst_address + dst_nbytes {
@@ -94,7 +115,7 @@ impl PyTransferEngine {
         }
         #[allow(unsafe_code)]
         // SAFETY: `Destination::new`'s contract: (1) `dst` is a contiguous tensor of `kind`
-        // memory (checked above) whose `dst_nbytes` bytes at `dst_address` stay allocated while
+        // memory, on the backend's device for device memory (checked above) whose `dst_nbytes` bytes at `dst_address` stay allocated while
         // this object holds the tensor, i.e. until the worker has stopped (`Drop` lets go of it
         // only after the join); resizing it in place is outside the documented contract of this
         // class. (2) Host destinations were checked not to overlap the pool; a device one cannot.
@@ -163,9 +184,19 @@ impl PyTransferEngine {
         py.detach(|| engine.wait(ticket)).py()
     }
 
-    /// Unpins the slots of every lookup since the last release.
-    fn release(&self) -> PyResult<()> {
-        self.live()?.release();
+    /// Unpins the slots of every lookup since the last release. `stream`: the raw handle of
+    /// the stream whose queued work still reads them (module doc); a fence is recorded there
+    /// and copies into those slots wait for it. None: nothing reads them any more.
+    #[pyo3(signature = (stream = None))]
+    fn release(&self, stream: Option<u64>) -> PyResult<()> {
+        let engine = self.live()?;
+        match stream {
+            None => engine.release(),
+            #[allow(unsafe_code)]
+            // SAFETY: point 1 of `release_after`: the handle is 0 or a live stream of the
+            // engine's device, the documented contract of this method (module doc).
+            Some(s) => unsafe { engine.release_after(s) }.py()?,
+        }
         Ok(())
     }
 
@@ -190,6 +221,8 @@ impl PyTransferEngine {
             ("prefetch_cancelled", s.prefetch_cancelled),
             ("queue_depth", s.queue_depth),
             ("inflight_bytes", s.inflight_bytes),
+            ("fences_recorded", s.fences_recorded),
+            ("fence_waits", s.fence_waits),
         ] {
             d.set_item(k, v)?;
         }

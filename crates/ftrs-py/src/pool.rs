@@ -264,10 +264,14 @@ impl PyExpertPool {
         py.detach(|| self.with_mut(|pool| pool.fill_from_safetensors(&entries, threads)))
     }
 
-    /// Page-locks the pool through the CUDA driver; False when there is no driver.
-    fn pin(&self, py: Python<'_>) -> PyResult<bool> {
+    /// Page-locks the pool through the CUDA driver, in the context of CUDA device `device`
+    /// (the pinning is portable: every device sees it); False when there is no driver.
+    /// `ConfigError` for a negative ordinal or a device the driver does not see.
+    #[pyo3(signature = (device = 0))]
+    fn pin(&self, py: Python<'_>, device: i64) -> PyResult<bool> {
+        let ordinal = ftrs_core::cuda::check_ordinal(device).py()?;
         let pool = self.share()?;
-        py.detach(move || pool.pin()).py()
+        py.detach(move || pool.pin(ordinal)).py()
     }
 
     fn __len__(&self) -> usize {

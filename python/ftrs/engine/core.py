@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Iterable
 from concurrent import futures
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -23,11 +23,23 @@ from ftrs.engine.sampler import sample
 from ftrs.errors import ConfigError, ContextLengthExceeded, DeviceError, FtrsError, InvalidRequest
 from ftrs.kvcache.pages import PagePool
 from ftrs.kvcache.state import StateSlots
+from ftrs.models.arch import ArchSpec
+from ftrs.models.experts import HostExperts
+from ftrs.moe.base import MoEStrategy
 from ftrs.sampling import SamplingParams
 from ftrs.scheduler.scheduler import Scheduler, Work
 from ftrs.scheduler.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+
+class MoEParts(NamedTuple):
+    """What it takes to build another MoE strategy over the loaded model (`EngineCore.moe_parts`)."""
+
+    spec: ArchSpec
+    experts: HostExperts
+    routers: dict[int, Any]  # MoE layer -> router weight (a tensor, or the file's QuantTensor)
+    device: torch.device
 
 
 class EngineCore:
@@ -62,11 +74,14 @@ class EngineCore:
         self._grammars = GrammarCache(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._matchers: dict[str, Any] = {}
         self._masks: MaskFiller | None = None
+        # requests whose grammar is compiling on the compile worker; scheduled once it is done
+        self._compiling: dict[str, tuple[Sequence, futures.Future[Any]]] = {}
+        self._compiler: futures.ThreadPoolExecutor | None = None
 
     # --- requests ---------------------------------------------------------------------------
 
     def add_request(self, req: GenerateRequest) -> None:
-        if req.request_id in self._seqs:
+        if req.request_id in self._seqs or req.request_id in self._compiling:
             raise InvalidRequest(f"duplicate request id {req.request_id!r}")
         params = req.params.validate(self.vocab_size)
         prompt = list(req.prompt_token_ids)
@@ -85,7 +100,16 @@ class EngineCore:
             torch.randint(0, 2**62, (1,), generator=self._seed_gen))
         gen = None if params.greedy else torch.Generator().manual_seed(seed)
         seq = Sequence(req.request_id, prompt, len(prompt), params, gen, req.arrival_time)
-        # a grammar that does not compile refuses this request alone (InvalidRequest)
+        if params.structured is not None and not self._grammars.cached(params.structured):
+            # a new grammar compiles off the loop (ms to a few 100 ms for a large schema): the
+            # running requests keep stepping, this one is scheduled when its matcher is ready,
+            # or fails alone from a later step if it does not compile
+            if self._compiler is None:
+                self._compiler = futures.ThreadPoolExecutor(1, thread_name_prefix="ftrs-grammar")
+            self._compiling[req.request_id] = (
+                seq, self._compiler.submit(self._grammars.new_matcher, params.structured))
+            return
+        # a cached grammar: a copy of its matcher now
         matcher = (self._grammars.new_matcher(params.structured)
                    if params.structured is not None else None)
         self.scheduler.add(seq)
@@ -94,26 +118,32 @@ class EngineCore:
             self._matchers[req.request_id] = matcher
 
     def abort(self, request_id: str) -> None:
+        self._compiling.pop(request_id, None)  # its compile finishes unused (and cached)
         seq = self._seqs.pop(request_id, None)
         self._matchers.pop(request_id, None)
         if seq is not None:
             self.scheduler.finish(seq, "abort")
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._compiling)
 
     def num_requests(self) -> int:
-        """Requests the engine holds (running or waiting)."""
-        return len(self._seqs)
+        """Requests the engine holds (running, waiting, or waiting for their grammar)."""
+        return len(self._seqs) + len(self._compiling)
 
     def fail_requests(self, request_ids: Iterable[str] | None,
                       error: dict[str, Any]) -> list[TokenEvent]:
         """Finish `request_ids` (None: every request) with `finish_reason="error"` and `error`
         (the wire form `TokenEvent.error` holds), freeing their KV pages; the others keep
         running. Unknown ids are skipped. One event per request failed."""
-        ids = list(self._seqs) if request_ids is None else list(request_ids)
+        ids = list(self._seqs) + list(self._compiling) if request_ids is None else list(request_ids)
         events = []
         for rid in ids:
+            compiling = self._compiling.pop(rid, None)
+            if compiling is not None:
+                events.append(TokenEvent(rid, [], finish_reason="error", error=error,
+                                         num_prompt_tokens=compiling[0].num_prompt))
+                continue
             seq = self._seqs.pop(rid, None)
             self._matchers.pop(rid, None)
             if seq is not None:
@@ -133,11 +163,12 @@ class EngineCore:
     def step(self) -> tuple[list[TokenEvent], StepStats]:
         t0 = time.perf_counter()
         self._step_ids = None
+        admitted = self._admit_compiled() if self._compiling else []
         work = self.scheduler.schedule()
         self._step_ids = [w.seq.request_id for w in work]
         self._step += 1
         if not work:
-            return [], self._stats(t0, "idle", 0, 0)
+            return admitted, self._stats(t0, "idle", 0, 0)
         self.rt.use_device()  # the thread that runs steps may not be the one that loaded
         batch = build_batch(work, self.pool.page_size, self.rt.device, states=self.has_states)
         # the grammar masks of this step's constrained rows, computed while the forward runs
@@ -167,8 +198,8 @@ class EngineCore:
                 futures.wait([masks])
         for w in work:
             w.seq.num_computed += w.num_tokens
-        events = [self._append(seq, tok, rec, why)
-                  for seq, tok, rec, why in zip(batch.sample_seqs, *sampled)]
+        events = admitted + [self._append(seq, tok, rec, why)
+                             for seq, tok, rec, why in zip(batch.sample_seqs, *sampled)]
         kind = ("mixed" if batch.num_prefill_tokens and batch.num_decode_tokens
                 else "prefill" if batch.num_prefill_tokens else "decode")
         return events, self._stats(t0, kind, batch.num_prefill_tokens, batch.num_decode_tokens,
@@ -208,6 +239,32 @@ class EngineCore:
             self.scheduler.finish(seq, reason)
         return event
 
+    def _admit_compiled(self) -> list[TokenEvent]:
+        """Schedule the requests whose grammar has compiled; an error event for each whose
+        grammar failed. With nothing else to run, wait a little for the first compile rather
+        than spin through idle steps."""
+        if not self.scheduler.has_work():
+            futures.wait([f for _, f in self._compiling.values()], timeout=0.05,
+                         return_when=futures.FIRST_COMPLETED)
+        events = []
+        for rid, (seq, fut) in list(self._compiling.items()):
+            if not fut.done():
+                continue
+            del self._compiling[rid]
+            try:
+                matcher = fut.result()
+            except Exception as exc:  # it fails its own request, nothing else
+                err = exc if isinstance(exc, FtrsError) else InvalidRequest(
+                    f"structured output: the grammar did not compile: {exc}")
+                wire = {**err.to_dict(), "http_status": err.http_status, "code": err.code}
+                events.append(TokenEvent(rid, [], finish_reason="error", error=wire,
+                                         num_prompt_tokens=seq.num_prompt))
+                continue
+            self.scheduler.add(seq)
+            self._seqs[rid] = seq
+            self._matchers[rid] = matcher
+        return events
+
     def _start_masks(self, seqs: list[Sequence]) -> futures.Future[torch.Tensor]:
         """Start filling the grammar masks of `seqs` on the mask worker (engine/grammar.py)."""
         if self._masks is None:
@@ -227,6 +284,9 @@ class EngineCore:
     def close(self) -> None:
         if self._masks is not None:
             self._masks.close()
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=True, cancel_futures=True)
+        self._compiling.clear()
         self.rt.close()
 
     # --- what the guard, the drills, the benches and `LLM` use (never `.rt`) ------------------
@@ -272,6 +332,50 @@ class EngineCore:
         """The MoE strategy's counters (what `StepStats.experts` carries); {} for dense models."""
         moe = self.rt.decoder.moe
         return moe.stats() if moe is not None else {}
+
+    def moe_strategy(self) -> MoEStrategy | None:
+        """The strategy the decoder runs routed experts through (None for a dense model)."""
+        return self.rt.decoder.moe
+
+    def use_moe_strategy(self, strategy: MoEStrategy) -> MoEStrategy | None:
+        """Run routed experts through `strategy` from the next forward on (benches compare
+        strategies over one loaded model); returns the previous one, which stays open. Call it
+        between steps, from the thread that runs them."""
+        if self.rt.decoder.moe is None:
+            raise ConfigError(f"{self.spec.arch}: a dense model has no MoE strategy to replace")
+        return self.rt.replace_moe(strategy)  # decode graphs are captured again for it
+
+    def moe_parts(self) -> MoEParts:
+        """The spec, host experts, routers and device another strategy is built from."""
+        experts = self.rt.loaded.experts
+        if experts is None:
+            raise ConfigError(f"{self.spec.arch}: a dense model has no routed experts")
+        dense = self.rt.loaded.dense
+        routers = {layer: dense[f"{layer}.router"] for layer in self.spec.moe_layers}
+        return MoEParts(self.spec, experts, routers, self.rt.device)
+
+    @torch.inference_mode()
+    def forward_once(self, ids: list[int]) -> None:
+        """One forward over `ids` as a fresh prompt, into KV pages taken from the pool and given
+        back (no logits, no sampling, nothing cached); returns when the device is done. For
+        benches that time a prefill chunk alone. Needs a model without linear attention state
+        and enough free pages: InvalidRequest otherwise."""
+        if not ids:
+            raise InvalidRequest("forward_once: need at least one token")
+        if self.has_states:
+            raise InvalidRequest(f"forward_once: {self.spec.arch} keeps per-sequence state")
+        seq = Sequence("forward-once", list(ids), len(ids), SamplingParams(max_tokens=1), None, 0.0)
+        seq.pages = self.pool.alloc(-(-len(ids) // self.pool.page_size)) or []
+        if not seq.pages:
+            raise InvalidRequest(f"forward_once: not enough free KV pages for {len(ids)} tokens")
+        try:
+            batch = build_batch([Work(seq, len(ids))], self.pool.page_size, self.rt.device)
+            self.rt.decoder.forward(batch.input_ids, batch.positions, batch.meta, self.rt.kv)
+            if self.rt.device.type == "cuda":
+                torch.cuda.synchronize(self.rt.device)  # kernels run asynchronously
+        finally:
+            for p in seq.pages:
+                self.pool.unref(p)
 
     @torch.inference_mode()
     def logits(self, prompt_ids: Iterable[int], *, chunked: bool = False) -> torch.Tensor:

@@ -20,10 +20,11 @@ sampling. After sampling, each matcher consumes its token (`advance`); a grammar
 nothing more finishes its request with "stop", and EOS is allowed by the mask only where the
 grammar is complete.
 
-Compilation in the engine runs between steps, on the loop: a few milliseconds for a typical
-schema (bench/structured.py), once per distinct spec thanks to the cache. A schema that took
-much longer would delay the running streams once (the API process's `check` compiled it in
-another process, so the engine's cache starts empty).
+Compilation in the engine runs on a worker thread (`EngineCore`'s compile worker; llguidance
+releases the GIL), not on the loop: a few milliseconds for a typical schema (bench/structured.py),
+a few hundred for a large one, once per distinct spec thanks to the cache. The running streams
+keep stepping meanwhile; the request waits for its matcher, then is scheduled (or fails alone).
+A spec already in the cache gets its matcher (a copy) at once.
 
 The llguidance tokenizer (its token trie, ~1-2 s to build for 50k tokens, holding the GIL) is
 built once per tokenizer object and vocabulary size; `warm` builds it ahead (the server does at
@@ -159,6 +160,12 @@ class GrammarCache:
         self.eos_token_ids = tuple(sorted(eos_token_ids))
         self.size = size
         self._templates: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # the engine loop and its compile worker share the cache
+
+    def cached(self, spec: StructuredSpec) -> bool:
+        """Whether `spec`'s grammar is compiled already (a matcher is then a copy away)."""
+        with self._lock:
+            return (spec.kind, spec.value) in self._templates
 
     def warm(self) -> None:
         """Build the tokenizer view now rather than at the first structured request."""
@@ -171,17 +178,19 @@ class GrammarCache:
             raise InvalidRequest(f"{spec.param}: structured output needs the model's tokenizer, "
                                  "and this model has none", evidence={"param": spec.param})
         key = (spec.kind, spec.value)
-        template = self._templates.get(key)
-        if template is None:
+        with self._lock:
+            template = self._templates.get(key)
+            if template is not None:
+                self._templates.move_to_end(key)
+        if template is None:  # compiled outside the lock (llguidance releases the GIL)
             lltok = ll_tokenizer(self.tokenizer, self.vocab_size, self.eos_token_ids)
             template = llguidance.LLMatcher(lltok, grammar_text(spec), log_level=0)
             if template.is_error():
                 raise _bad(spec, template.get_error().strip())
-            self._templates[key] = template
-            while len(self._templates) > self.size:
-                self._templates.popitem(last=False)
-        else:
-            self._templates.move_to_end(key)
+            with self._lock:
+                self._templates[key] = template
+                while len(self._templates) > self.size:
+                    self._templates.popitem(last=False)
         return template.deep_copy()
 
 

@@ -75,20 +75,39 @@ class Runtime:
         self.state_slots = config.max_running_requests  # one per running sequence
         kv_tokens = config.kv_tokens or self._kv_budget_tokens()
         self.num_pages = max(1, kv_tokens // config.page_size)
+        self.config = config
         # which kernels run matters on CUDA only (the CPU alone turns graphs off)
-        kernels = (select_kernels(config.kernels, self.device).name
-                   if self.device.type == "cuda" else "torch")
-        self.graphs_off = graphs_off = why_off(config, self.device, kernels, self.spec, self.moe)
+        self.kernels_name = (select_kernels(config.kernels, self.device).name
+                             if self.device.type == "cuda" else "torch")
+        self.graphs_off = why_off(config, self.device, self.kernels_name, self.spec, self.moe)
         # with graphs, one page past the pool: where a bucket's padding rows write their keys
-        scratch = 0 if graphs_off else 1
-        self.kv = KVCache.allocate(self.spec, (self.num_pages + scratch) * config.page_size,
-                                   self.dtype, self.device, state_slots=self.state_slots)
+        self.has_scratch_page = self.graphs_off is None
+        self.kv = KVCache.allocate(
+            self.spec, (self.num_pages + self.has_scratch_page) * config.page_size, self.dtype,
+            self.device, state_slots=self.state_slots)
         log.info("model %s: %s, %d layers, %s on %s; KV cache %d tokens", config.model,
                  self.spec.arch, self.spec.num_layers, str(self.dtype).removeprefix("torch."),
                  self.device, self.num_pages * config.page_size)
-        self.graphs: DecodeGraphs | None = build_graphs(
-            graphs_off, self.decoder, self.kv, config.max_running_requests, config.page_size,
-            min(self.max_model_len, self.num_pages * config.page_size), scratch_page=self.num_pages)
+        self.graphs: DecodeGraphs | None = self._capture_graphs()
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        c = self.config
+        return build_graphs(self.graphs_off, self.decoder, self.kv, c.max_running_requests,
+                            c.page_size, min(self.max_model_len, self.num_pages * c.page_size),
+                            scratch_page=self.num_pages)
+
+    def replace_moe(self, strategy: MoEStrategy) -> MoEStrategy | None:
+        """Route experts through `strategy` from the next forward on; returns the previous
+        strategy. Decode graphs hold the old one's kernels: they are captured again for the
+        new one (or turned off, with the reason)."""
+        old = self.decoder.moe
+        self.decoder.moe = self.moe = strategy
+        if self.has_scratch_page:  # graphs were possible at startup
+            self.graphs = None  # the old graphs' memory goes before the new capture
+            self.graphs_off = why_off(self.config, self.device, self.kernels_name, self.spec,
+                                      strategy)
+            self.graphs = self._capture_graphs()
+        return old
 
     def use_device(self) -> None:
         """Make the compute device current for the calling thread (CUDA's current device is

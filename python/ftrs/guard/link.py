@@ -32,9 +32,6 @@ if TYPE_CHECKING:
     from ftrs import _core
 
 logger = logging.getLogger(__name__)
-#: The GPU the copy probes measure: the one the transfer engine's `cuda` backend copies to
-#: (crates/ftrs-core opens ordinal 0), named explicitly rather than "the current device".
-COPY_DEVICE = 0
 
 #: Practical pinned H2D GB/s of a x16 link, by PCIe generation.
 NOMINAL_GBPS_X16 = {1: 3.0, 2: 6.0, 3: 12.0, 4: 25.0, 5: 50.0, 6: 100.0}
@@ -118,6 +115,25 @@ class LinkState:
         return d
 
 
+def cuda_index(device: str) -> int | None:
+    """N of a `cuda:N` device or backend string; None for any other (`cuda`, `auto`, `cpu`)."""
+    kind, _, index = device.partition(":")
+    return int(index) if kind == "cuda" and index.isdigit() else None
+
+
+def cuda_pci_address(index: int) -> str | None:
+    """The PCI address of CUDA device `index` as torch numbers it (`CUDA_VISIBLE_DEVICES`
+    applied); None when it cannot be told."""
+    try:
+        import torch
+
+        p: Any = torch.cuda.get_device_properties(index)  # the stubs lack the pci_* fields
+        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+    except Exception:  # no such device, or no CUDA: the caller probes the first GPU instead
+        logger.debug("no PCI address for cuda:%d", index, exc_info=True)
+        return None
+
+
 def probe_link(bdf: str | None = None, *, sysfs_root: str | Path = "/sys",
                nvml: NvmlApi | None = None, use_nvml: bool = True,
                under_load: bool = True) -> LinkState:
@@ -191,13 +207,13 @@ def default_backend() -> str:
     return "cuda" if cuda_usable() else "host"
 
 
-def pinned_pool(nbytes: int) -> _core.ExpertPool:
+def pinned_pool(nbytes: int, device: int = 0) -> _core.ExpertPool:
     """A host buffer of at least `nbytes`, page-locked through the pool's `cuMemHostRegister`
-    path; `DeviceError` when the driver cannot pin it."""
+    path in CUDA device `device`'s context; `DeviceError` when the driver cannot pin it."""
     from ftrs import _core
 
     pool = _core.ExpertPool(_core.ExpertLayout(1, 1, [-(-nbytes // 4) * 4]), "float32")
-    if not pool.pin():
+    if not pool.pin(device):
         raise DeviceError(f"cannot pin {nbytes} bytes of host memory: no CUDA driver")
     return pool
 
@@ -243,24 +259,30 @@ def transfer_pass_s(pool: _core.ExpertPool, dst: Any, backend: str,
 
 def measure_transfer_gbps(backend: str | None = None, block_bytes: int = 4 << 20,
                           blocks: int = 16) -> tuple[float, str]:
-    """GB/s of the transfer engine streaming `blocks` expert blocks once; (GB/s, backend)."""
+    """GB/s of the transfer engine streaming `blocks` expert blocks once; (GB/s, backend).
+    `cuda` copies into torch's current device, `cuda:N` into device N."""
     import torch
 
     from ftrs import _core
 
     backend = backend or default_backend()
-    device = f"cuda:{COPY_DEVICE}" if backend == "cuda" else "cpu"
+    if backend == "cuda":
+        backend = f"cuda:{torch.cuda.current_device()}"
+    on_cuda = backend.split(":")[0] == "cuda"
+    device = backend if on_cuda else "cpu"
     layout = _core.ExpertLayout(1, blocks, [block_bytes])
     pool = _core.ExpertPool(layout, "float32")
-    if backend == "cuda":
-        pool.pin()
+    if on_cuda:
+        pool.pin(cuda_index(backend) or 0)
     buf = torch.zeros(blocks * layout.expert_bytes, dtype=torch.uint8, device=device)
     elapsed, moved, name = transfer_pass_s(pool, buf, backend)
     return moved / max(elapsed, 1e-9) / 1e9, name
 
 
-def measure_d2h_gbps(nbytes: int = 64 << 20, reps: int = 3) -> float | None:
-    """Device → pinned host GB/s through `_core.cuda_measure_d2h`; None without CUDA."""
+def measure_d2h_gbps(nbytes: int = 64 << 20, reps: int = 3,
+                     device: int | None = None) -> float | None:
+    """Device → pinned host GB/s through `_core.cuda_measure_d2h` from CUDA device `device`
+    (default: torch's current one); None without CUDA."""
     if not cuda_usable():
         return None
     try:
@@ -268,11 +290,11 @@ def measure_d2h_gbps(nbytes: int = 64 << 20, reps: int = 3) -> float | None:
 
         from ftrs import _core
 
-        src = torch.ones(nbytes, dtype=torch.uint8, device=f"cuda:{COPY_DEVICE}")
-        torch.cuda.synchronize(COPY_DEVICE)  # the Rust copy runs on its own stream
-        dst = pinned_pool(nbytes)
-        secs = _core.cuda_measure_d2h(src.data_ptr(), dst.address, nbytes, reps,
-                                      COPY_DEVICE)
+        dev = torch.cuda.current_device() if device is None else device
+        src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+        torch.cuda.synchronize()  # the Rust copy runs on its own stream
+        dst = pinned_pool(nbytes, dev)
+        secs = _core.cuda_measure_d2h(src.data_ptr(), dst.address, nbytes, reps, dev)
         return nbytes / secs / 1e9
     except Exception:  # a GPU that misbehaves here is reported elsewhere; not fatal
         logger.warning("D2H bandwidth measurement failed", exc_info=True)
@@ -311,24 +333,24 @@ def compare_h2d(nbytes: int, reps: int = 5, block_bytes: int = 4 << 20) -> CopyC
     from ftrs import _core
 
     _require_cuda()
+    dev = torch.cuda.current_device()
     block = min(block_bytes, nbytes)
     blocks = max(1, nbytes // block)
     pool = _core.ExpertPool(_core.ExpertLayout(1, blocks, [block]), "float32")
-    if not pool.pin():
+    if not pool.pin(dev):
         raise DeviceError("cannot pin the expert pool: no CUDA driver")
     host = torch.frombuffer(pool, dtype=torch.uint8)
     host.copy_(torch.randint(0, 256, (host.numel(),), dtype=torch.uint8))
     n = host.numel()  # whole pool: blocks x aligned block size
-    dst = torch.empty(n, dtype=torch.uint8, device=f"cuda:{COPY_DEVICE}")
-    engine_s, moved, _ = transfer_pass_s(pool, dst, "cuda", reps)
-    driver_s = _core.cuda_measure_h2d(dst.data_ptr(), pool.address, n, reps,
-                                      COPY_DEVICE)
+    dst = torch.empty(n, dtype=torch.uint8, device=dev)
+    engine_s, moved, _ = transfer_pass_s(pool, dst, f"cuda:{dev}", reps)
+    driver_s = _core.cuda_measure_h2d(dst.data_ptr(), pool.address, n, reps, dev)
     src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     src.copy_(host)
 
     def torch_copy() -> None:
         dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize(COPY_DEVICE)
+        torch.cuda.synchronize()
 
     torch_s = _median_s(torch_copy, reps)
     return CopyComparison("h2d", n, moved / engine_s / 1e9, n / driver_s / 1e9, n / torch_s / 1e9)
@@ -342,16 +364,16 @@ def compare_d2h(nbytes: int, reps: int = 5) -> CopyComparison:
     from ftrs import _core
 
     _require_cuda()
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=f"cuda:{COPY_DEVICE}")
-    torch.cuda.synchronize(COPY_DEVICE)  # the Rust copy runs on its own stream
-    pool = pinned_pool(nbytes)
-    driver_s = _core.cuda_measure_d2h(src.data_ptr(), pool.address, nbytes, reps,
-                                      COPY_DEVICE)
+    dev = torch.cuda.current_device()
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
+    torch.cuda.synchronize()  # the Rust copy runs on its own stream
+    pool = pinned_pool(nbytes, dev)
+    driver_s = _core.cuda_measure_d2h(src.data_ptr(), pool.address, nbytes, reps, dev)
     dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def torch_copy() -> None:
         dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize(COPY_DEVICE)
+        torch.cuda.synchronize()
 
     torch_s = _median_s(torch_copy, reps)
     gbps = nbytes / driver_s / 1e9
@@ -367,9 +389,10 @@ def measure_link(state: LinkState, backend: str | None = None, *,
     from dataclasses import replace
 
     h2d, used = measure_transfer_gbps(backend)
-    if used == "cuda" and state.bdf is not None:
+    over_cuda = used.split(":")[0] == "cuda"
+    if over_cuda and state.bdf is not None:
         state = probe_link(state.bdf, sysfs_root=sysfs_root, under_load=True)
-    d2h = measure_d2h_gbps() if used == "cuda" else None
+    d2h = measure_d2h_gbps(device=cuda_index(used) or 0) if over_cuda else None
     return replace(state, measured_h2d_gbps=round(h2d, 3), measured_backend=used,
                    host_copy_gbps=round(measure_host_copy_gbps(), 3),
                    measured_d2h_gbps=None if d2h is None else round(d2h, 3))

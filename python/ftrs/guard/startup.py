@@ -17,10 +17,10 @@ import logging
 import socket
 from pathlib import Path
 
-from ftrs.config import EngineConfig, cuda_ordinal, ftrs_home
+from ftrs.config import EngineConfig, ftrs_home
 from ftrs.errors import ModelLoadError
 from ftrs.guard.fetch import FetchModel, fetch_model_from_spec
-from ftrs.guard.link import LinkState, measure_link, probe_link
+from ftrs.guard.link import LinkState, cuda_index, cuda_pci_address, measure_link, probe_link
 from ftrs.guard.policy import DEFAULT_WINDOW_S, GuardDecision, decide_prefill_cap
 from ftrs.guard.profile import AutoChoice, profile_key, resolve_auto_strategy
 from ftrs.health.crash import CrashReport, list_crash_reports, load_crash_report
@@ -56,9 +56,14 @@ def current_link(config: EngineConfig, *, sysfs_root: str | Path = "/sys",
                  measure: bool = True) -> LinkState:
     if config.copy_backend.startswith("simulated"):
         return simulated_link(config.copy_backend)
-    link = probe_link(sysfs_root=sysfs_root, under_load=False)
+    # `cuda:N`: that GPU's link, measured on it; otherwise the first GPU's, measured on the
+    # current device
+    index = cuda_index(config.device)
+    bdf = None if index is None else cuda_pci_address(index)
+    link = probe_link(bdf, sysfs_root=sysfs_root, under_load=False)
     if measure and link.device == "cuda" and config.device != "cpu":
-        link = measure_link(link, sysfs_root=sysfs_root)
+        backend = None if index is None else f"cuda:{index}"
+        link = measure_link(link, backend, sysfs_root=sysfs_root)
     return link
 
 
@@ -80,7 +85,7 @@ def resolve_auto(config: EngineConfig, fetch: FetchModel, link: LinkState,
     if link.device == "cuda" and config.device != "cpu":
         import torch
 
-        free, _ = torch.cuda.mem_get_info(cuda_ordinal(config.device))
+        free, _ = torch.cuda.mem_get_info(cuda_index(config.device))
         budget = int(free * 0.6)
     key = profile_key(device=device_name(config.device), host=socket.gethostname(),
                       model=model_id(config.model), link=link_id(config.copy_backend))

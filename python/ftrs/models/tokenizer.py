@@ -119,8 +119,34 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return list(ids)
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens))
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
+               keep: frozenset[int] = frozenset()) -> str:
+        """Text of `ids`; with `skip_special_tokens`, special tokens are dropped except those in
+        `keep` (a tool parser's tags such as Mistral's `[TOOL_CALLS]`), which stay as their text."""
+        ids = list(ids)
+        if not skip_special_tokens or not keep.intersection(ids):
+            return str(self.tk.decode(ids, skip_special_tokens=skip_special_tokens))
+        out: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if i in keep:
+                out.append(str(self.tk.decode(run, skip_special_tokens=True)) if run else "")
+                out.append(str(self.tk.decode([i], skip_special_tokens=False)))
+                run = []
+            else:
+                run.append(i)
+        if run:
+            out.append(str(self.tk.decode(run, skip_special_tokens=True)))
+        return "".join(out)
+
+    def special_ids(self, texts: Sequence[str]) -> frozenset[int]:
+        """The ids of those of `texts` that are single special tokens of this vocabulary."""
+        found = set()
+        for t in texts:
+            i = self.tk.token_to_id(t)
+            if i is not None and str(self.tk.decode([i], skip_special_tokens=True)) == "":
+                found.add(int(i))
+        return frozenset(found)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], /,
                             add_generation_prompt: bool = True,

@@ -49,10 +49,11 @@ each expert's output is independent of the others, and all are added up in ascen
 tokens/s of waiting first at 2 GB/s without prefetch (6 pairs), 1.031x at 0.5 GB/s (4), 1.04x
 at 2 GB/s with prefetch (4).
 
-On CUDA the copies run on the engine's own stream, which never waits for torch's: a slot may
-only be overwritten once the kernels reading it are done. Each layer's `tolist()` of its routing
-waits for every earlier kernel before the layer's first lookup; a wave after the first waits
-for the compute stream explicitly.
+On CUDA the copies run on the engine's own stream, on the model's device (`cuda:N`). A slot
+may only be overwritten once the kernels reading it are done: every release hands the engine
+torch's current stream, where it records an event after those kernels, and a copy into a
+released slot waits for that event on the device, so neither a wave nor a layer synchronizes
+the host for it.
 """
 
 from __future__ import annotations
@@ -117,17 +118,20 @@ def cache_slots(config: EngineConfig, experts: HostExperts, device: torch.device
     return min(slots, total)
 
 
+def cuda_ordinal(device: torch.device) -> int:
+    """The CUDA device number of `device` (`cuda` alone: torch's current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def backend_spec(config: EngineConfig, device: torch.device) -> str:
-    backend = config.copy_backend
-    if backend == "auto":
-        backend = "cuda" if device.type == "cuda" else "host"
-    if backend == "cuda" and device.type != "cuda":
-        raise ConfigError("copy_backend=cuda needs a CUDA device")
-    if backend == "cuda" and device.index not in (None, 0):
-        # the Rust backend opens ordinal 0: its copies would land on another GPU's context
-        raise ConfigError(f"copy_backend=cuda copies to device cuda:0 only for now, not {device}; "
-                          f"run with CUDA_VISIBLE_DEVICES={device.index} and --device cuda")
-    return backend
+    """The copy backend for `device`: `cuda` (or `auto` on CUDA) copies into the model's
+    device (`cuda:N`); an explicit `cuda:N` must name it (the engine checks)."""
+    spec = config.copy_backend
+    if spec == "auto":
+        spec = "cuda" if device.type == "cuda" else "host"
+    if spec.split(":")[0] == "cuda" and device.type != "cuda":
+        raise ConfigError(f"copy_backend={spec} needs a CUDA device")
+    return f"cuda:{cuda_ordinal(device)}" if spec == "cuda" else spec
 
 
 @register("offload")
@@ -149,7 +153,7 @@ class OffloadStrategy(MoEStrategy):
         self.buffer = alloc(self.num_slots * eb, dtype=torch.uint8, device=device)
         backend = backend_spec(config, device)
         if device.type == "cuda":
-            experts.pool.pin()
+            experts.pool.pin(cuda_ordinal(device))
         per_chunk = max(-(-eb // NARROW_PREFETCH_CHUNKS), min(MIN_CHUNK_BYTES, eb))
         self.narrow_chunk = -(-per_chunk // CHUNK_ALIGN) * CHUNK_ALIGN
         # the engine holds `self.buffer` itself: it outlives every copy into it
@@ -241,17 +245,15 @@ class OffloadStrategy(MoEStrategy):
         self._score_guess(layer, needed)
         prefetch = self._predict(layer, x)
         out = torch.zeros_like(x)
+        # the kernels reading the slots run on this stream: copies into them wait for it
+        stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None
         for start in range(0, len(needed), self.num_slots):
             wave = needed[start:start + self.num_slots]
-            if start and x.is_cuda:
-                # the last wave's kernels may still read slots this lookup can overwrite: the
-                # copies run on the engine's own stream, which does not wait for torch's
-                torch.cuda.current_stream(x.device).synchronize()
             try:
                 slots, ticket = self._lookup(li, wave, prefetch if start == 0 else [])
                 self._combine(x, plan, wave, slots, ticket, out)
             finally:
-                self.engine.release()  # a failed wave must not leave its slots pinned
+                self.engine.release(stream)  # a failed wave must not leave its slots pinned
         self._t_end = self.clock()
         return out
 

@@ -76,7 +76,7 @@ class MessagesTool(_Model):
     """A client tool; server tools (`web_search_...`, `bash_...`) are refused by their type."""
 
     type: Literal["custom"] | None = None
-    name: Text = Field(min_length=1, max_length=128)
+    name: Text = Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")  # Anthropic's rule for tool names
     description: Text | None = None
     input_schema: dict[str, Any]
 
@@ -91,6 +91,7 @@ class ThinkingConfig(_Model):
     """`disabled`, or a way to think (`enabled`, `adaptive`, ...); a budget is not enforced."""
 
     type: Text
+    budget_tokens: int | None = Field(default=None, ge=1)  # checked, not enforced
 
 
 class OutputFormat(_Model):
@@ -120,7 +121,7 @@ class MessagesRequest(CountTokensRequest):
     stream: bool | None = False
     temperature: float | None = None  # Anthropic's range: [0, 1]
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(default=None, ge=0)  # Anthropic's range; 0 is off
     metadata: dict[str, Any] | None = None  # accepted, ignored
     output_config: OutputConfig | None = None  # format → the chat path's json_schema
 

@@ -13,11 +13,18 @@ tail that could still become a stop string is held back, so a client never sees 
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, cast
 
 
 class Decoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class KeepingDecoder(Protocol):
+    """A decoder that can keep chosen special tokens as text (`models.tokenizer.Tokenizer`)."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               keep: frozenset[int] = frozenset()) -> str: ...
 
 
 _REPLACEMENT = "\ufffd"
@@ -26,9 +33,11 @@ _REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas that are stable once emitted."""
 
-    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True,
+                 keep: frozenset[int] = frozenset()) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
+        self._keep = keep  # special tokens shown as text all the same (a tool parser's tags)
         self.ids: list[int] = []
         self._prefix_offset = 0  # start of the context window decoded with each push
         self._read_offset = 0  # ids before this index are already emitted as text
@@ -36,6 +45,9 @@ class IncrementalDetokenizer:
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
+        if self._keep:
+            keeping = cast(KeepingDecoder, self._tok)
+            return keeping.decode(ids, skip_special_tokens=self._skip, keep=self._keep)
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 
     def push(self, new_ids: list[int]) -> str:
@@ -115,4 +127,4 @@ class StopChecker:
         return best
 
 
-__all__ = ["IncrementalDetokenizer", "StopChecker"]
+__all__ = ["Decoder", "IncrementalDetokenizer", "KeepingDecoder", "StopChecker"]

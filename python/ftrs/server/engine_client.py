@@ -37,6 +37,7 @@ from ftrs.errors import (
     FtrsError,
     KernelFault,
     ModelLoadError,
+    error_from_dict,
 )
 from ftrs.server.engine_process import (
     EngineFailed,
@@ -47,7 +48,7 @@ from ftrs.server.engine_process import (
     engine_main,
     load_backend,
 )
-from ftrs.server.errors import EngineUnavailable, error_from_dict
+from ftrs.server.errors import EngineUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,6 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-import ftrs.errors as ftrs_errors
 from ftrs.errors import FtrsError, InvalidRequest
 from ftrs.server.engine_process import error_to_wire
 
@@ -49,21 +48,6 @@ class EngineUnavailable(FtrsError):
     http_status = 503
     code = "engine_unavailable"
     exit_code = 1
-
-
-def error_from_dict(d: dict[str, Any]) -> FtrsError:
-    """Rebuild a typed error from its wire dict; unknown classes keep status and code."""
-    cls = getattr(ftrs_errors, str(d.get("type", "")), None)
-    message = str(d.get("message", "engine error"))
-    evidence = dict(d.get("evidence") or {})
-    if isinstance(cls, type) and issubclass(cls, FtrsError) and cls is not ftrs_errors.ModelLoadError:
-        return cls(message, evidence=evidence)
-    err = FtrsError(message, evidence=evidence)
-    # A model that failed to load leaves the service unavailable (503), whatever its class says.
-    load_failure = d.get("type") == "ModelLoadError"
-    err.http_status = 503 if load_failure else int(d.get("http_status", 500))
-    err.code = str(d.get("code", "internal_error"))
-    return err
 
 
 def error_type(status: int) -> str:
@@ -138,7 +122,6 @@ __all__ = [
     "RequestTooLarge",
     "Unauthorized",
     "error_body",
-    "error_from_dict",
     "error_response",
     "error_to_wire",
     "param_name",

@@ -141,7 +141,7 @@ class ChatMessage(_Request):
 
 
 class FunctionDefinition(_Request):
-    name: Text
+    name: Text = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
     description: Text | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
     strict: bool | None = None

@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ftrs.engine.protocol import GenerateRequest, TokenLogprob
-from ftrs.errors import FtrsError
+from ftrs.errors import FtrsError, error_from_dict
 from ftrs.server.cli import DEFAULT_MAX_N
 from ftrs.server.detokenize import IncrementalDetokenizer, StopChecker
 from ftrs.server.engine_client import EngineClient
-from ftrs.server.errors import error_from_dict
 from ftrs.server.metrics import ServerMetrics
 from ftrs.server.prepare import (
     Limits,
@@ -111,6 +110,7 @@ class Generation:
     finish_reason: str | None = None
     stop_sequence: str | None = None  # the stop string that ended it
     primary: bool = True  # choice 0: counts the request, its prompt, TTFT and latency in metrics
+    keep: frozenset[int] = frozenset()  # special tokens the text keeps (a tool parser's tags)
     _queue: asyncio.Queue[Any] | None = None
     _arrival: float = field(default_factory=time.monotonic)
 
@@ -135,7 +135,7 @@ class Generation:
             self.start()
         queue = self._queue
         assert queue is not None
-        detok = IncrementalDetokenizer(self.client.tokenizer or _NoText())
+        detok = IncrementalDetokenizer(self.client.tokenizer or _NoText(), keep=self.keep)
         stop = StopChecker(self.params.stop)
         status: str | None = "aborted"
         last = self._arrival
@@ -255,6 +255,14 @@ class _Choice:
 _END = object()  # a choice's generator is done
 
 
+def _kept_special_ids(tokenizer: Any, plan: Plan) -> frozenset[int]:
+    """The tool parser's tags that the tokenizer holds as special tokens (Mistral's
+    `[TOOL_CALLS]`, Llama's `<|python_tag|>`): the detokenizer must keep them for the parser."""
+    if plan.tools is None or plan.tool_parser is None or not hasattr(tokenizer, "special_ids"):
+        return frozenset()
+    return frozenset(tokenizer.special_ids(TOOL_PARSERS[plan.tool_parser].special_tags))
+
+
 class ChatRun:
     """One request's `n` choices, running together in the engine.
 
@@ -268,9 +276,10 @@ class ChatRun:
         self.request_id = request_id
         self.n = len(plan.params)
         self.plan = plan
+        keep = _kept_special_ids(ctx.client.tokenizer, plan)
         self._gens = [
             Generation(ctx.client, ctx.metrics, request_id if self.n == 1 else f"{request_id}-{i}",
-                       plan.prompt_ids, params, primary=i == 0)
+                       plan.prompt_ids, params, primary=i == 0, keep=keep)
             for i, params in enumerate(plan.params)
         ]
         self._choices = [_Choice.of(plan) for _ in range(self.n)]

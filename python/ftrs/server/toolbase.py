@@ -207,6 +207,8 @@ class ToolParser:
     """Base of the families; one instance per generation. `calls`: the complete calls so far."""
 
     name: ClassVar[str] = ""
+    #: tags of the format that tokenizers hold as special tokens; the detokenizer keeps them
+    special_tags: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, tools: list[dict[str, Any]]) -> None:
         self.tools = tools

@@ -120,6 +120,7 @@ class HermesToolParser(ToolParser):
 class MistralToolParser(ToolParser):
     name = "mistral"
     TAG, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+    special_tags = (TAG, ARGS, CALL_ID)
 
     def __init__(self, tools: list[dict[str, Any]]) -> None:
         super().__init__(tools)
@@ -276,6 +277,7 @@ class MistralToolParser(ToolParser):
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
+    special_tags = (TAG,)
 
     def __init__(self, tools: list[dict[str, Any]]) -> None:
         super().__init__(tools)

@@ -143,10 +143,12 @@ impl TransferEngine {
         );
         st.pinned.extend(pinned_now);
 
-        // A prefetch takes (and may evict) its slot here, not when the worker issues its first
-        // chunk: on CUDA the caller's compute is synchronized right before a lookup (the routing
-        // ids are read back, or the stream is synchronized between waves), so only here is a
-        // slot the last layer released known to be read by no kernel any more.
+        // A prefetch takes (and may evict) its slot here, like a miss. Kernels the caller
+        // queued before it released that slot may still be reading it (on CUDA nothing here
+        // synchronizes with the caller's stream): the copy into it waits, on the device, for
+        // the fence the release recorded (`release_after`; see the module doc), so no copy
+        // relies on the caller having synchronized before this lookup. A slot released with
+        // plain `release` carries no fence: that caller vouched its reads were done.
         for &key in prefetch {
             if st.cache.slot_for(key).is_some() || st.cache.evictable() == 0 {
                 continue;

@@ -2,8 +2,12 @@
 //! chunks) within the byte budget and the pacing bucket, and finishes them oldest first (see
 //! the parent module's doc).
 //!
-//! Locking: decisions happen under the state lock; `submit` and `finish` on the backend run
-//! without it, so `lookup` never waits for a copy.
+//! Locking: decisions happen under the state lock; `wait_fence`, `submit` and `finish` on the
+//! backend run without it, so `lookup` never waits for a copy.
+//!
+//! Release fences: a copy into slot `s` takes `s`'s fences (the releases' marks not waited on
+//! yet) when it is issued and waits on them before it is submitted; if a wait fails they go
+//! back to the slot (its next copy waits on them) and the copy fails.
 //!
 //! A panic anywhere in the loop is caught by [`run_worker`]: it finishes the copies already
 //! submitted (an asynchronous copy must end before its memory may be freed), then fails every
@@ -16,7 +20,9 @@
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use super::{lock, unpin, Drill, Inner, Prio, State};
+use std::sync::Arc;
+
+use super::{lock, unpin, Drill, Inner, Prio, SlotFence, State};
 use crate::backend::Completion;
 use crate::error::{CoreError, Result};
 use crate::raw::CopyJob;
@@ -40,13 +46,17 @@ enum Injected {
 }
 
 enum Step<'a> {
-    Submit(Issued, CopyJob<'a>, Option<Injected>),
+    /// Wait on the fences of the destination slot, then submit the job (or apply the drill).
+    Submit(Issued, CopyJob<'a>, Option<Injected>, Fences),
     Finish,
     Exit,
 }
 
 /// The payload of a drill's panic (`TransferEngine::inject_panic`), told apart from a real one.
 struct InjectedPanic;
+
+/// The release fences a copy takes from its slot: (slot, fences).
+type Fences = (u32, Vec<Arc<SlotFence>>);
 
 /// Copies issued to the backend and not finished yet, oldest first.
 type Pending = VecDeque<(Issued, Result<Completion>)>;
@@ -172,7 +182,11 @@ fn worker_loop(inner: &Inner, pending: &mut Pending) {
                     };
                     let issued = Issued { tid, len, prefetch };
                     match job {
-                        Ok(job) => break Step::Submit(issued, job, fault),
+                        Ok(job) => {
+                            let fences = std::mem::take(&mut st.fences[slot as usize]);
+                            st.stats.fence_waits += fences.len() as u64;
+                            break Step::Submit(issued, job, fault, (slot, fences));
+                        }
                         Err(e) => {
                             pending.push_back((issued, Err(e)));
                             continue;
@@ -189,7 +203,16 @@ fn worker_loop(inner: &Inner, pending: &mut Pending) {
             }
         };
         match step {
-            Step::Submit(issued, job, fault) => {
+            Step::Submit(issued, job, fault, (slot, fences)) => {
+                let waited = fences
+                    .iter()
+                    .try_for_each(|f| inner.backend.wait_fence(&f.fence));
+                if let Err(e) = waited {
+                    restore_fences(inner, slot, fences);
+                    pending.push_back((issued, Err(e)));
+                    continue;
+                }
+                drop(fences); // waited: the copies submitted from now on come after them
                 let r = match fault {
                     Some(Injected::Error(e)) => Err(e),
                     Some(Injected::Panic) => std::panic::panic_any(InjectedPanic),
@@ -212,6 +235,20 @@ fn worker_loop(inner: &Inner, pending: &mut Pending) {
                 complete(inner, &issued, r);
             }
             Step::Exit => return,
+        }
+    }
+}
+
+/// Gives `slot` back the fences a failed wait took from it (beside any recorded since), so
+/// the next copy into it waits on them.
+fn restore_fences(inner: &Inner, slot: u32, fences: Vec<Arc<SlotFence>>) {
+    let mut st = lock(&inner.state);
+    let st = &mut *st;
+    st.stats.fence_waits = st.stats.fence_waits.saturating_sub(fences.len() as u64);
+    let held = &mut st.fences[slot as usize];
+    for f in fences {
+        if !held.iter().any(|h| h.stream == f.stream) {
+            held.push(f); // a fence recorded since on its stream covers it
         }
     }
 }
