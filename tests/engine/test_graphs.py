@@ -3,9 +3,11 @@ buffers and their padding through the eager stand-in (`EagerGraphs`, the code pa
 graphs capture), and the order of segments and host steps when a strategy splits the graph.
 
 Oracles: the unpadded run of the same static path (padding must not change a real row, bit for
-bit: every op of the dense decoder is row-wise); the plain eager decoder (within fp32 rounding:
-its decode attention spans the longest context, the static path the full block table, masked);
-the page arithmetic of the KV layout (slot = page * page_size + offset).
+bit: the dense decoder's ops are row-wise; four real rows against buckets of 8 and 16, row
+counts at which the CPU's GEMMs give a row the same bits; at 3 against 4 rows they do not, a
+property of the BLAS kernels chosen, not of the padding); the plain eager decoder (within fp32
+rounding: its decode attention spans the longest context, the static path the full block
+table, masked); the page arithmetic of the KV layout (slot = page * page_size + offset).
 """
 
 from __future__ import annotations
