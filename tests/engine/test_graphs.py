@@ -27,6 +27,7 @@ from ftrs.engine.graphs import (
     DecodeRows,
     EagerGraphs,
     StaticDecode,
+    build_graphs,
     graph_buckets,
     pick_bucket,
     why_off,
@@ -363,3 +364,30 @@ def test_a_replaced_strategy_gets_graphs_of_its_own(tiny_models: dict[str, Path]
     assert llm.engine.use_moe_strategy(first) is second
     assert rt.graphs is None and rt.graphs_off == "off for the test"
     llm.close()
+
+
+class _CannotCapture(EagerGraphs):
+    def _capture(self, st: StaticDecode) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_capture_is_timed_in_the_log_and_a_failed_one_turns_graphs_off(
+        tiny_models: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+    llm = _llm(tiny_models["llama"])
+    rt = llm.engine.rt
+    rt.kv = kv = KVCache.allocate(rt.spec, (rt.num_pages + 1) * PAGE, rt.dtype, rt.device)
+    args = (rt.decoder, kv, 6, PAGE, rt.num_pages * PAGE, rt.num_pages)
+    with caplog.at_level(logging.INFO, logger="ftrs.engine.graphs"):
+        graphs = build_graphs(None, *args, kind=EagerGraphs)
+        failed = build_graphs(None, *args, kind=_CannotCapture)
+        off = build_graphs("a reason", *args, kind=EagerGraphs)
+    llm.close()
+    assert isinstance(graphs, EagerGraphs) and graphs.buckets == (1, 2, 4, 6)
+    assert failed is None and off is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3
+    assert lines[0].startswith("cuda graphs: captured decode buckets 1,2,4,6 (1 segment each, "
+                               "step) in ") and lines[0].endswith(" s")
+    assert lines[1] == ("cuda graphs: off: capture failed (RuntimeError: operation not permitted "
+                        "when stream is capturing); decode runs eagerly")
+    assert lines[2] == "cuda graphs: off: a reason"

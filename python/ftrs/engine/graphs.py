@@ -446,15 +446,16 @@ class EagerGraphs(DecodeGraphs):
 
 
 def build_graphs(why: str | None, decoder: Decoder, kv: KVCache, max_running: int,
-                 page_size: int, max_model_len: int, scratch_page: int) -> DecodeGraphs | None:
+                 page_size: int, max_model_len: int, scratch_page: int,
+                 kind: type[DecodeGraphs] = CudaGraphs) -> DecodeGraphs | None:
     """Capture the decode graphs when `why` (from `why_off`) is None; log why not otherwise,
-    or when capture fails (the engine then runs every step eagerly)."""
+    or when capture fails (the engine then runs every step eagerly). `kind`: tests pass the
+    CPU stand-in."""
     if why is not None:
         log.info("cuda graphs: off: %s", why)
         return None
     buckets = graph_buckets(max_running)
-    graphs = CudaGraphs(decoder, kv, buckets, page_size, -(-max_model_len // page_size),
-                        scratch_page)
+    graphs = kind(decoder, kv, buckets, page_size, -(-max_model_len // page_size), scratch_page)
     try:
         took = graphs.capture()
     except Exception as e:  # a kernel that cannot be captured must not stop the engine
