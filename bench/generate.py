@@ -93,8 +93,10 @@ def chat_prompts(llm: LLM, batch: int) -> list[list[int]]:
     return [c[:cut] for c in (chats * batch)[:batch]] if batch > 1 else [chats[0]]
 
 
-def worker(path: str, device: str, batches: list[int], n: int) -> None:
+def worker(path: str, device: str, batches: list[int], n: int, threads: int | None) -> None:
     """One process's figures (this checkout's or a baseline's ftrs, as PYTHONPATH says)."""
+    if threads:  # set here, not through the config: a baseline may predate --torch-threads
+        torch.set_num_threads(threads)
     llm = LLM(path, device=device, dtype="float32", kv_tokens=8192)
     out = {}
     for b in batches:
@@ -106,7 +108,7 @@ def worker(path: str, device: str, batches: list[int], n: int) -> None:
 
 
 def side_by_side(path: str, device: str, baseline: str, batches: list[int], n: int,
-                 reps: int) -> list[dict[str, Any]]:
+                 reps: int, threads: int | None) -> list[dict[str, Any]]:
     here = Path(__file__).resolve().parents[1]
     runs: dict[str, list[dict[str, float]]] = {"current": [], "baseline": []}
     for _ in range(reps):
@@ -114,6 +116,8 @@ def side_by_side(path: str, device: str, baseline: str, batches: list[int], n: i
             env = dict(os.environ, PYTHONPATH=f"{root / 'python'}")
             cmd = [sys.executable, __file__, "--worker", "--model", path, "--device", device,
                    "--batches", ",".join(map(str, batches)), "--max-tokens", str(n)]
+            if threads:
+                cmd += ["--torch-threads", str(threads)]
             res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             runs[side].append(json.loads(res.stdout.strip().splitlines()[-1]))
     rows = []
@@ -213,6 +217,8 @@ def main() -> None:
     ap.add_argument("--baseline", default=None,
                     help="checkout of an earlier commit to measure side by side")
     ap.add_argument("--no-transformers", action="store_true", help="skip the transformers run")
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="torch's CPU threads in every process (default: torch's own)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
@@ -221,8 +227,10 @@ def main() -> None:
     n = args.max_tokens
     batches = [int(x) for x in args.batches.split(",")]
     if args.worker:
-        worker(path, args.device, batches, n)
+        worker(path, args.device, batches, n, args.torch_threads)
         return
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     report: dict[str, Any] = {"bench": "generate", "model": args.model or "demo",
                               "device": args.device, "dtype": "float32",
                               "torch_threads": torch.get_num_threads()}
@@ -230,7 +238,7 @@ def main() -> None:
     rates = [read_gb_per_s()] if measure_bound else []
     if args.baseline:
         report["vs_baseline"] = side_by_side(path, args.device, args.baseline, batches, n,
-                                             args.reps)
+                                             args.reps, args.torch_threads)
     llm = LLM(path, device=args.device, dtype="float32", kv_tokens=8192)
     report["moe_strategy"] = llm.config.moe_strategy
     report["profile_batch1"] = decode_profile(llm)

@@ -2,6 +2,12 @@
 a numpy fp32 matmul of the same shape and the host's memcpy bandwidth, measured in one run.
 
     .venv/bin/python bench/quant_kernels.py [--rows 2048] [--cols 4096] [--threads 0]
+    .venv/bin/python bench/quant_kernels.py --demo [--threads 1]
+
+`--demo`: the matmuls of one batch-1 decode token of the demo MoE as its Q4_K_M file holds them
+(type, shape and calls per token, read from the GGUF: attention, router, two experts per layer,
+the tied Q8_0 LM head); per shape `us_per_call` and `ms_per_token`, and the total, each a median
+over `--repeats` passes that take the shapes in turn.
 
 Each type gets enough distinct copies of a `rows x cols` weight to fill `--working-set` MiB,
 cycled through so the weights stream from memory as a model's experts do (not from cache).
@@ -66,6 +72,58 @@ def memcpy_gbps(nbytes: int, repeats: int) -> float:
     return nbytes / median_time(lambda _: np.copyto(dst, src), 1, repeats) / 1e9
 
 
+def demo_shapes(top_k: int = 2) -> list[tuple[str, int, int, int]]:
+    """`(qtype, rows, cols, calls per decode token)` of the demo's Q4_K_M file at batch 1."""
+    import collections
+
+    import gguf
+
+    from ftrs.models.demo import ensure_demo_quant
+
+    reader = gguf.GGUFReader(str(ensure_demo_quant("q4_k_m")))
+    count: collections.Counter[tuple[str, int, int]] = collections.Counter()
+    for t in reader.tensors:
+        shape = [int(v) for v in t.shape]  # ggml order: cols first
+        if len(shape) < 2:
+            continue
+        calls = top_k if t.name.endswith("_exps.weight") else 1
+        count[t.tensor_type.name, shape[1], shape[0]] += calls
+    return [(q, r, c, k) for (q, r, c), k in sorted(count.items())]
+
+
+def demo(args: argparse.Namespace) -> dict[str, object]:
+    """Times the demo's per-token matmul mix (see the module doc)."""
+    rng = np.random.default_rng(0)
+    ws_bytes = args.working_set << 20
+    cases = []
+    for qtype, rows, cols, calls in demo_shapes():
+        w = random_weight(qtype, rows, cols, rng)
+        copies = [w.copy() for _ in range(max(2, min(calls, ws_bytes // 8 // w.nbytes)))]
+        x = rng.standard_normal((1, cols), dtype=np.float32)
+        out = np.empty((1, rows), np.float32)
+        cases.append((qtype, rows, cols, calls, copies, x, out))
+    times: list[list[float]] = [[] for _ in cases]
+    for _ in range(args.repeats):
+        for k, (qtype, rows, cols, calls, copies, x, out) in enumerate(cases):
+            t0 = time.perf_counter()
+            for j in range(calls):
+                core.quant_matmul(qtype, copies[j % len(copies)], x, out, rows, cols,
+                                  args.threads)
+            times[k].append((time.perf_counter() - t0) / calls)
+    rows_out = {}
+    total = 0.0
+    for (qtype, rows, cols, calls, copies, _, _), ts in zip(cases, times):
+        t = statistics.median(ts)
+        total += t * calls
+        rows_out[f"{qtype} {rows}x{cols}"] = {
+            "calls_per_token": calls, "us_per_call": round(t * 1e6, 2),
+            "ms_per_token": round(t * calls * 1e3, 3),
+            "gbps": round(copies[0].nbytes / t / 1e9, 3)}
+    return {"demo": "Q4_K_M, batch 1", "kernel": core.quant_kernel(),
+            "threads": args.threads or core.quant_threads(), "shapes": rows_out,
+            "matmul_ms_per_token": round(total * 1e3, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=2048)
@@ -74,7 +132,11 @@ def main() -> None:
     ap.add_argument("--working-set", type=int, default=256, help="MiB of weights per type")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--types", default=",".join(TYPES))
+    ap.add_argument("--demo", action="store_true", help="the demo's per-token matmul mix")
     args = ap.parse_args()
+    if args.demo:
+        print(json.dumps(demo(args), indent=1))
+        return
     rows, cols = args.rows, args.cols
     rng = np.random.default_rng(0)
     ws_bytes = args.working_set << 20

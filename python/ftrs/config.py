@@ -41,6 +41,7 @@ class EngineConfig:
     copy_backend: str = "auto"  # auto | host | simulated:GBPS[:LAT_US] | cuda[:N]
     pcie_pacing: float | None = None  # GB/s; None = off
     cpu_expert_threads: int | None = None  # CPU expert kernels (hybrid); None = physical cores - 1, >= 1
+    torch_threads: int | None = None  # torch's CPU threads (process-wide); None = torch's default
     max_prefill_length: int = 8192  # token budget of one step
     max_running_requests: int = 64
     page_size: int = 16
@@ -78,6 +79,8 @@ class EngineConfig:
             parse_fault_spec(self.fault_inject)
         if self.cpu_expert_threads is not None and self.cpu_expert_threads < 1:
             raise ConfigError(f"cpu_expert_threads: must be >= 1, got {self.cpu_expert_threads}")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ConfigError(f"torch_threads: must be >= 1, got {self.torch_threads}")
         if self.moe_strategy not in ("resident", "offload", "hybrid", "auto"):
             raise ConfigError(f"moe_strategy: unknown strategy {self.moe_strategy!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

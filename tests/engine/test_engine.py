@@ -96,3 +96,26 @@ def test_bad_requests_raise_typed_errors(moe_path: str) -> None:
     with pytest.raises(InvalidRequest, match="max_tokens"):
         llm.generate([[1, 2]], SamplingParams(max_tokens=0))
     assert llm.generate([[1, 2]], SamplingParams(max_tokens=2))[0].finish_reason is not None
+
+
+def test_torch_threads_is_a_flag_applied_at_load(moe_path: str) -> None:
+    import argparse
+
+    import torch
+
+    from ftrs.config import EngineConfig, add_engine_arguments, engine_config_from_args
+    from ftrs.errors import ConfigError
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    config = engine_config_from_args(parser.parse_args(["--torch-threads", "1"]))
+    assert config.torch_threads == 1
+    with pytest.raises(ConfigError, match="torch_threads"):
+        EngineConfig(torch_threads=0)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        LLM(moe_path, kv_tokens=64, torch_threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

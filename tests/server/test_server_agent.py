@@ -455,3 +455,32 @@ def test_demo_json_schema_output_validates_for_20_seeded_samples(demo_server: An
 @pytest.mark.slow
 def test_demo_n_3_choices_are_the_requests_with_distinct_seeds(demo_server: Any) -> None:
     _check_n_3(demo_server, "demo", [504, 3458, 314, 4700, 282], exact=False)
+
+
+def test_continue_final_message_ends_the_prompt_inside_the_assistant_turn() -> None:
+    """The prompt stops right after the final assistant text (ChatML: no `<|im_end|>` after it,
+    no new assistant header); without the flag that turn is a finished one."""
+    from ftrs.errors import InvalidRequest
+    from ftrs.models.tiny import tiny_tokenizer
+    from ftrs.server.prepare import Limits, render_chat
+    from ftrs.server.protocol import ChatCompletionRequest
+
+    tok = tiny_tokenizer(512)
+    msgs = [{"role": "user", "content": "Count to five."},
+            {"role": "assistant", "content": "1, 2, 3, "}]
+
+    def render(**kw: Any) -> str:
+        req = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs, **kw})
+        return render_chat(req, tok, Limits(512, 2048, 16))[1]
+
+    assert render(continue_final_message=True).endswith(
+        "<|im_start|>user\nCount to five.<|im_end|>\n<|im_start|>assistant\n1, 2, 3,")
+    finished = render()
+    assert finished.endswith("1, 2, 3, <|im_end|>\n<|im_start|>assistant\n")
+    for bad in ([{"role": "user", "content": "hi"}],
+                [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]):
+        req = ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": bad, "continue_final_message": True})
+        with pytest.raises(InvalidRequest) as e:
+            render_chat(req, tok, Limits(512, 2048, 16))
+        assert e.value.evidence["param"] == "continue_final_message"

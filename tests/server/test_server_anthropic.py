@@ -568,3 +568,10 @@ def test_reasoning_becomes_a_thinking_block() -> None:
                        if e.type == "content_block_delta" and e.delta.type == "thinking_delta") == "Paris is in France."
     finally:
         server.stop()
+
+
+def test_a_final_assistant_turn_is_a_prefill_the_answer_continues() -> None:
+    prefill = _req(messages=[{"role": "user", "content": "JSON please"},
+                             {"role": "assistant", "content": [{"type": "text", "text": "{\"a\":"}]}])
+    assert to_chat(prefill).chat.continue_final_message is True
+    assert not to_chat(_req()).chat.continue_final_message  # ends with the user: a new turn

@@ -52,15 +52,17 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
-use crate::backend::{CopyBackend, Fence};
+use crate::backend::CopyBackend;
 use crate::cache::{Key, Policy, SlotCache};
 use crate::clock::{Clock, TokenBucket};
 use crate::error::{CoreError, DeviceFault, Result};
 use crate::pool::ExpertPool;
 use crate::raw::Destination;
 
+mod fence;
 mod lookup;
 mod worker;
+use fence::{release_pinned, SlotFence};
 use worker::run_worker;
 
 /// Engine settings.
@@ -118,15 +120,6 @@ pub struct Stats {
     pub fences_recorded: u64,
     /// Release fences a copy waited on before writing into a slot they guard.
     pub fence_waits: u64,
-}
-
-/// A fence recorded by `release_after`, shared by every slot it released.
-#[derive(Debug)]
-struct SlotFence {
-    /// The caller's stream it was recorded on (a later fence on it covers this one).
-    stream: u64,
-    /// The backend's mark.
-    fence: Fence,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -383,35 +376,6 @@ impl TransferEngine {
         release_pinned(&mut st, None);
     }
 
-    /// Like [`Self::release`] for a caller whose reads of the released slots may still be
-    /// queued on its `stream` (a raw stream handle of the backend's device, 0 = its default
-    /// stream; host backends ignore it): records a fence there first, and no copy into one
-    /// of those slots starts before the fence fires (module doc). Nothing to release: no
-    /// fence. If the fence cannot be recorded, the error is returned and the slots stay
-    /// pinned (a later release retries): a slot must not be rewritten under a reader.
-    ///
-    /// # Safety
-    /// 1. On a device backend, `stream` is 0 or a stream of the backend's device that stays
-    ///    live for the call (point 1 of [`CopyBackend::record_fence`]).
-    #[allow(unsafe_code)]
-    pub unsafe fn release_after(&self, stream: u64) -> Result<()> {
-        {
-            let st = lock(&self.inner.state);
-            if st.dead.is_some() || st.pinned.is_empty() {
-                return Ok(());
-            }
-        }
-        // Recorded without the lock (a driver call); the reads it covers were queued by this
-        // caller before this call, after the lookups that pinned the slots.
-        // SAFETY: point 1 of this function's contract.
-        let fence = unsafe { self.inner.backend.record_fence(stream) }?;
-        let fence = Arc::new(SlotFence { stream, fence });
-        let mut st = lock(&self.inner.state);
-        st.stats.fences_recorded += 1;
-        release_pinned(&mut st, Some(&fence));
-        Ok(())
-    }
-
     /// Cancels every prefetch not yet demanded; returns how many.
     pub fn cancel_prefetches(&self) -> usize {
         let mut st = lock(&self.inner.state);
@@ -601,25 +565,6 @@ impl Drop for TransferEngine {
         // no copy outlives the pool or the destination.
         self.close();
     }
-}
-
-/// Unpins every slot pinned since the last release, leaving `fence` (if any) with each.
-fn release_pinned(st: &mut State, fence: Option<&Arc<SlotFence>>) {
-    if st.dead.is_some() {
-        return; // a panic may have left the bookkeeping half-updated: leave it alone
-    }
-    for slot in std::mem::take(&mut st.pinned) {
-        if let Some(f) = fence {
-            let held = &mut st.fences[slot as usize];
-            if !held.iter().any(|h| Arc::ptr_eq(h, f)) {
-                held.retain(|h| h.stream != f.stream);
-                held.push(Arc::clone(f));
-            }
-        }
-        unpin(st, slot);
-    }
-    st.tickets
-        .retain(|_, t| t.remaining > 0 || t.error.is_some());
 }
 
 /// A slot for `key` (not resident): free or evicted per policy.

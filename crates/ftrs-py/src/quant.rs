@@ -1,5 +1,5 @@
 //! The quantized CPU kernels of `ftrs_core::quant` for Python: `quant_matmul`,
-//! `quant_dequantize`, `quant_block_info` and the thread setting.
+//! `quant_expert_ffn`, `quant_dequantize`, `quant_block_info` and the thread setting.
 //!
 //! Buffers are borrowed, never copied: the weight is any C-contiguous buffer (read as bytes),
 //! `x` and `out` C-contiguous float32 buffers (numpy arrays, `torch_tensor.numpy()`, memoryviews
@@ -141,6 +141,80 @@ pub fn quant_matmul(
     Ok(())
 }
 
+/// One expert's SiLU FFN in one GIL-free call: `out = down @ (silu(gate @ x) * (up @ x))` with
+/// gate/up `inter x hidden` and down `hidden x inter`, each of its own GGUF type.
+#[pyfunction]
+#[pyo3(signature = (gate_qtype, gate, up_qtype, up, down_qtype, down, x, out, hidden, inter,
+                    threads = 0, kernel = "auto"))]
+#[allow(clippy::too_many_arguments)]
+pub fn quant_expert_ffn(
+    py: Python<'_>,
+    gate_qtype: &str,
+    gate: &Bound<'_, PyAny>,
+    up_qtype: &str,
+    up: &Bound<'_, PyAny>,
+    down_qtype: &str,
+    down: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    hidden: usize,
+    inter: usize,
+    threads: usize,
+    kernel: &str,
+) -> PyResult<()> {
+    let types = (
+        QType::parse(gate_qtype).py()?,
+        QType::parse(up_qtype).py()?,
+        QType::parse(down_qtype).py()?,
+    );
+    let isa = Isa::parse(kernel).py()?;
+    let (gb, ub, db) = (
+        weight_bytes(py, gate)?,
+        weight_bytes(py, up)?,
+        weight_bytes(py, down)?,
+    );
+    let xb = buffer::<f32>(x, "x", "float32", false)?;
+    let ob = buffer::<f32>(out, "out", "float32", true)?;
+    let (g, u, d, xs, o) = (span(&gb), span(&ub), span(&db), span(&xb), span(&ob));
+    check_disjoint(
+        o,
+        &[
+            (g.0, g.1, "gate"),
+            (u.0, u.1, "up"),
+            (d.0, d.1, "down"),
+            (xs.0, xs.1, "x"),
+        ],
+    )?;
+    py.detach(|| {
+        #[allow(unsafe_code)]
+        // SAFETY: as in quant_matmul: the five buffers stay exported until this function
+        // returns; out is writable, f32-aligned and disjoint from the four inputs.
+        let (g, u, d, xs, o) = unsafe {
+            (
+                slice::<u8>(g.0, g.1),
+                slice::<u8>(u.0, u.1),
+                slice::<u8>(d.0, d.1),
+                slice::<f32>(xs.0, xs.1),
+                slice_mut::<f32>(o.0, o.1),
+            )
+        };
+        quant::expert_ffn(
+            (types.0, g),
+            (types.1, u),
+            (types.2, d),
+            xs,
+            o,
+            hidden,
+            inter,
+            threads,
+            isa,
+        )
+    })
+    .py()?;
+    drop((gb, ub, db, xb, ob));
+    Ok(())
+}
+
 /// Decodes W (`rows x cols` of type `qtype`) into the float32 buffer `out`.
 #[pyfunction]
 #[pyo3(signature = (qtype, weight, out, rows, cols, threads = 0))]
@@ -209,6 +283,7 @@ pub fn quant_kernel() -> &'static str {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(quant_dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_expert_ffn, m)?)?;
     m.add_function(wrap_pyfunction!(quant_block_info, m)?)?;
     m.add_function(wrap_pyfunction!(quant_threads, m)?)?;
     m.add_function(wrap_pyfunction!(quant_set_threads, m)?)?;

@@ -45,6 +45,8 @@ class MoEParts(NamedTuple):
 class EngineCore:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.config = config
+        if config.torch_threads is not None:  # before the first op sizes torch's thread pool
+            torch.set_num_threads(config.torch_threads)
         self.rt = Runtime(config, progress=progress)
         self.spec = self.rt.spec
         self.tokenizer = self.rt.loaded.tokenizer

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ftrs.layers.linear import linear
-from ftrs.quant.matmul import Weight
+from ftrs.quant.matmul import Weight, expert_ffn
 
 SMALL_ROWS = 32  # below this, accumulate by indexing instead of index_add_
 #: gate (I,H), up (I,H), down (H,I); with expert biases also gate (1,I), up (1,I), down (1,H) rows
@@ -119,8 +119,13 @@ def gate_up_matrix(gate: Weight, up: Weight) -> torch.Tensor | None:
 
 def expert_mlp(x: torch.Tensor, w: ExpertWeights, act: ExpertAct = SILU) -> torch.Tensor:
     """The FFN of one expert on its rows: `down(act(gate x, up x))`, quantized or not; gate and
-    up as one matmul when they lie side by side and carry no biases."""
+    up as one matmul when they lie side by side and carry no biases; quantized CPU experts in one
+    kernel call (`quant.matmul.expert_ffn`)."""
     gate, up, down = w[0], w[1], w[2]
+    if act.kind == "silu" and len(w) == 3:
+        fused = expert_ffn(x, gate, up, down)
+        if fused is not None:
+            return fused
     gate_b, up_b = _bias(w, 3), _bias(w, 4)
     gu = gate_up_matrix(gate, up) if gate_b is None and up_b is None else None
     if gu is None:

@@ -8,6 +8,10 @@
   caching allocator hands the same memory back layer after layer: a scratch buffer), then
   `F.linear`. The link and the device slots still hold the quantized bytes.
 
+`expert_ffn`: an expert's SiLU FFN (gate, up, SiLU times up, down) as one GIL-free Rust call when
+its three weights are CPU `QuantTensor`s with kernels (`ftrs._core.quant_expert_ffn`); None
+otherwise, and the caller takes the matmul path.
+
 `use_kernels(False)` forces the reference path (tests compare the two).
 """
 
@@ -78,6 +82,30 @@ def _kernel_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
 @functools.cache
 def _quant_matmul() -> Any:
     return _core_module().quant_matmul
+
+
+def expert_ffn(x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor | None:
+    """`down(silu(gate x) * up x)` for `x`: (n, hidden) fp32 on the CPU, in one kernel call; None
+    when a weight is not a CPU `QuantTensor` the kernels read (or kernels are off)."""
+    if not (isinstance(gate, QuantTensor) and isinstance(up, QuantTensor)
+            and isinstance(down, QuantTensor) and _state["kernels"]):
+        return None
+    types = kernel_types()
+    if (gate.qtype not in types or up.qtype not in types or down.qtype not in types
+            or gate.device.type != "cpu" or up.device.type != "cpu" or down.device.type != "cpu"
+            or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] == 0
+            or not hasattr(_core_module(), "quant_expert_ffn")):
+        return None
+    inter, hidden = gate.shape
+    if up.shape != gate.shape or down.shape != (hidden, inter) or x.shape[1] != hidden:
+        raise ValueError(f"expert_ffn: x {list(x.shape)}, gate {list(gate.shape)}, up "
+                         f"{list(up.shape)}, down {list(down.shape)} do not chain")
+    x32 = x if x.is_contiguous() else x.contiguous()
+    out = torch.empty_like(x32)
+    _core_module().quant_expert_ffn(gate.qtype, gate.host_array, up.qtype, up.host_array,
+                                    down.qtype, down.host_array, x32.numpy(), out.numpy(),
+                                    hidden, inter)
+    return out
 
 
 def embedding(ids: torch.Tensor, w: Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -283,6 +283,10 @@ def to_chat(req: CountTokensRequest) -> Translation:
     if not messages:
         raise _bad("messages", "no message has content")
     body: dict[str, Any] = {"model": req.model, "messages": messages, **_tools(req)}
+    last = messages[-1]
+    if last["role"] == "assistant" and not last.get("tool_calls") and str(
+            last.get("content") or "").strip():
+        body["continue_final_message"] = True  # a prefill: the answer continues it
     if req.thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
     if isinstance(req, MessagesRequest):

@@ -281,13 +281,37 @@ def render_chat(req: ChatCompletionRequest, tokenizer: Any, options: Limits,
     if options.tool_parser is not None and getattr(tokenizer, "tool_parser", None) != options.tool_parser:
         # The format a template without tools is taught them in (models/tokenizer.py).
         tokenizer.tool_parser = options.tool_parser
+    prefill = _final_prefill(req, messages)
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=prefill is None,
+                                             **extra)
     except FtrsError:
         raise
     except Exception as exc:  # a template error is the request's fault (roles, order)
         raise _bad("messages", f"chat template failed: {exc}") from exc
+    if prefill is not None:
+        # the prompt ends where the final assistant text ends (its end-of-turn cut off)
+        at = text.rfind(prefill)
+        if at < 0:
+            raise _bad("continue_final_message", "the chat template does not render the final "
+                       "assistant message as sent, so it cannot be continued")
+        text = text[:at + len(prefill)]
     return list(tokenizer.encode(text, add_special_tokens=False)), text
+
+
+def _final_prefill(req: ChatCompletionRequest, messages: list[dict[str, Any]]) -> str | None:
+    """With `continue_final_message`: the final assistant message's text (trailing whitespace
+    off, as templates strip it), which the output continues; None otherwise."""
+    if not req.continue_final_message:
+        return None
+    last = messages[-1]
+    if last["role"] != "assistant" or last.get("tool_calls"):
+        raise _bad("continue_final_message", "the last message must be an assistant message "
+                   "with text and no tool calls")
+    text = str(last.get("content") or "").rstrip()
+    if not text:
+        raise _bad("continue_final_message", "the final assistant message has no text")
+    return text
 
 
 def _structured(req: ChatCompletionRequest, setup: ChatSetup) -> StructuredSpec | None:

@@ -7,15 +7,16 @@
 //!   block is decoded once per group of activation rows (prefill amortises the decode).
 //!   Compiled twice: portable, and for AVX2/FMA/F16C (LLVM vectorises the same safe code).
 //! - [`simd`]: hand-written AVX2/FMA kernels for the hot types (Q4_K, Q6_K, Q8_0, ...), which
-//!   decode in registers; the only module here with `unsafe`.
+//!   decode in registers (`simd::int`: the integer-product ones); the only module here with
+//!   `unsafe`.
 //! - [`threads`]: the persistent worker pools (rayon; idle workers sleep), one per thread count.
 //!
 //! The instruction set is chosen once at run time ([`Isa::detect`]). Weights are never copied
 //! to fp32 as a whole: each block is decoded into registers or a stack buffer of at most
 //! [`blocks::QK_K`] floats right before its products. Accumulation is fp32, in 8 lanes, except
 //! where [`rounds_activations`] says the AVX2 kernel takes integer products against the
-//! activations as two int8 digits per 32-block (Q8_0, Q4_1, Q5_1, Q4_K: faster than decoding
-//! to fp32, at an error bounded by the rounding).
+//! activations as two int8 digits per 32-block (Q8_0, Q4_1, Q5_1, Q4_K, Q6_K: `simd::int`,
+//! faster than decoding to fp32, at an error bounded by the rounding).
 
 pub mod blocks;
 pub mod kernel;
@@ -77,7 +78,11 @@ impl Isa {
 /// digit, as ggml's q8 dot products use, flips greedy tokens of small models). The result then
 /// differs from the fp32 dot by at most `sum over blocks of max|x| / 64516 * sum |w - min|`.
 pub fn rounds_activations(t: QType, isa: Isa) -> bool {
-    isa == Isa::Avx2 && matches!(t, QType::Q8_0 | QType::Q4_1 | QType::Q5_1 | QType::Q4K)
+    isa == Isa::Avx2
+        && matches!(
+            t,
+            QType::Q8_0 | QType::Q4_1 | QType::Q5_1 | QType::Q4K | QType::Q6K
+        )
 }
 
 /// Bytes of one encoded row of `cols` weights; `cols` must be a positive multiple of the block.
@@ -164,6 +169,46 @@ pub fn matmul(
         }
     }
     Ok(())
+}
+
+/// One expert's SiLU FFN: `out[i] = down @ (silu(gate @ x[i]) * (up @ x[i]))` for the `n = x.len()
+/// / hidden` rows of `x`, in one call (a decode step makes three kernel calls and two
+/// elementwise passes per expert otherwise).
+///
+/// `gate` and `up` are `inter x hidden`, `down` is `hidden x inter`, each `(type, bytes)` as
+/// [`matmul`] reads it; `silu(g) = g / (1 + exp(-g))` in fp32. Every size is checked before any
+/// work: a mismatch is a `Config` error and `out` is not written.
+#[allow(clippy::too_many_arguments)]
+pub fn expert_ffn(
+    gate: (QType, &[u8]),
+    up: (QType, &[u8]),
+    down: (QType, &[u8]),
+    x: &[f32],
+    out: &mut [f32],
+    hidden: usize,
+    inter: usize,
+    threads: usize,
+    isa: Isa,
+) -> Result<()> {
+    check_weight(gate.0, gate.1, inter, hidden)?;
+    check_weight(up.0, up.1, inter, hidden)?;
+    check_weight(down.0, down.1, hidden, inter)?;
+    if x.is_empty() || !x.len().is_multiple_of(hidden) || out.len() != x.len() {
+        return Err(CoreError::Config(format!(
+            "expert FFN: x has {} floats and out {}: expected the same n x {hidden}, n >= 1",
+            x.len(),
+            out.len()
+        )));
+    }
+    let n = x.len() / hidden;
+    let mut g = vec![0f32; n * inter];
+    let mut u = vec![0f32; n * inter];
+    matmul(gate.0, gate.1, x, &mut g, inter, hidden, threads, isa)?;
+    matmul(up.0, up.1, x, &mut u, inter, hidden, threads, isa)?;
+    for (gv, &uv) in g.iter_mut().zip(&u) {
+        *gv = *gv / (1.0 + (-*gv).exp()) * uv;
+    }
+    matmul(down.0, down.1, &g, out, hidden, inter, threads, isa)
 }
 
 /// Decodes `rows x cols` weights of type `t` into `out` (fp32, row-major), bit-equal to the

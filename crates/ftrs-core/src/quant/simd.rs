@@ -4,8 +4,9 @@
 //! that has the features; [`rows_avx2`] is the one entry, and its callers reach it only when
 //! [`avx2_available`] said yes ([`super::Isa`] checks before handing out `Isa::Avx2`).
 //!
-//! Hand-written kernels (Q4_K, Q5_K, Q6_K, Q8_0, Q4_0/1, Q5_0/1, F32, F16, BF16) decode in
-//! registers (nibbles masked and widened, converted to fp32, times the sub-block scale
+//! Integer-product kernels (Q8_0, Q4_1, Q5_1, Q4_K, Q6_K) live in [`int`]: the activations as
+//! 15-bit integers per 32-block, tried first. The others here (Q5_K, Q4_0, Q5_0, F32, F16,
+//! BF16) decode in registers (nibbles masked and widened, converted to fp32, times the sub-block scale
 //! `d * sc`: exactly the reference's weight before its min) and fuse the products into 8-lane
 //! fp32 accumulators, per activation row of the group (2-4 chains for groups of 1-3 rows, so
 //! one FMA latency chain does not bound a matvec); a block is decoded once per
@@ -47,6 +48,9 @@ pub fn rows_avx2(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut
 
 #[cfg(target_arch = "x86_64")]
 use x86::rows_x86;
+
+#[cfg(target_arch = "x86_64")]
+mod int;
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -93,15 +97,6 @@ mod x86 {
     fn f16(b: &[u8], i: usize) -> f32 {
         let h = u16::from_le_bytes([b[i], b[i + 1]]);
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
-    }
-
-    /// The two fp16 at `b[0..4]` as fp32 (one F16C conversion).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn f16x2(b: &[u8]) -> (f32, f32) {
-        let h = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        let v = _mm_cvtph_ps(_mm_cvtsi32_si128(h as i32));
-        (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_shuffle_ps(v, v, 1)))
     }
 
     /// Sum of the 8 lanes.
@@ -255,72 +250,6 @@ mod x86 {
         }
     }
 
-    /// Q6_K: per half block, the 6-bit quants of four 32-element runs are assembled as bytes
-    /// (low nibble | high 2 bits << 4, minus 32), widened to floats and scaled per 16.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn q6k<const NX: usize, const C: usize>(
-        w: &[u8],
-        xr: &[&[f32]; NX],
-        _xs: &[&[f32]; NX],
-        n: usize,
-        out: &mut [f32],
-        g0: usize,
-    ) {
-        let cols = xr[0].len();
-        let rb = cols / 256 * 210;
-        let m4 = _mm256_set1_epi8(0x0F);
-        let m30 = _mm256_set1_epi8(0x30);
-        let k32 = _mm256_set1_epi8(32);
-        for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
-            let mut acc = [[_mm256_setzero_ps(); C]; NX];
-            for (bi, b) in row.chunks_exact(210).enumerate() {
-                let b: &[u8; 210] = b.try_into().expect("block");
-                let xb = block_x::<NX, 256>(xr, bi);
-                let d = f16(b, 208);
-                let mut sc = [0f32; 16];
-                for j in 0..16 {
-                    sc[j] = d * (b[192 + j] as i8) as f32;
-                }
-                for h in 0..2 {
-                    let ql0 = ld32(&b[64 * h..]);
-                    let ql1 = ld32(&b[64 * h + 32..]);
-                    let qh = ld32(&b[128 + 32 * h..]);
-                    let q = [
-                        _mm256_or_si256(
-                            _mm256_and_si256(ql0, m4),
-                            _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
-                        ),
-                        _mm256_or_si256(
-                            _mm256_and_si256(ql1, m4),
-                            _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
-                        ),
-                        _mm256_or_si256(
-                            _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                            _mm256_and_si256(qh, m30),
-                        ),
-                        _mm256_or_si256(
-                            _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                            _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
-                        ),
-                    ];
-                    for (s, &qv) in q.iter().enumerate() {
-                        let f = i8x32_to_ps(_mm256_sub_epi8(qv, k32));
-                        let sub = 8 * h + 2 * s;
-                        let (s0, s1) = (_mm256_set1_ps(sc[sub]), _mm256_set1_ps(sc[sub + 1]));
-                        let at = 128 * h + 32 * s;
-                        fma_rows(_mm256_mul_ps(f[0], s0), &xb, at, &mut acc);
-                        fma_rows(_mm256_mul_ps(f[1], s0), &xb, at + 8, &mut acc);
-                        fma_rows(_mm256_mul_ps(f[2], s1), &xb, at + 16, &mut acc);
-                        fma_rows(_mm256_mul_ps(f[3], s1), &xb, at + 24, &mut acc);
-                    }
-                }
-            }
-            for i in 0..NX {
-                o[g0 + i] = hsum_chains(&acc[i]);
-            }
-        }
-    }
-
     /// The 32-element legacy blocks, by `KIND`: 0 = Q4_0, 1 = Q4_1, 2 = Q5_0, 3 = Q5_1. The 16
     /// bytes of nibbles (low: elements 0-15, high: 16-31) plus, for Q5, bit j of the u32 `qh`
     /// as bit 4 of element j (spread to bytes by a shuffle and a bit mask); minus 8 (Q4_0) or
@@ -390,273 +319,6 @@ mod x86 {
                 o[g0 + i] = hsum_chains(&acc[i]) + mins[i];
             }
         }
-    }
-
-    /// Activation rows as two int8 digits per value, per 32-element block: `q = round(x / d)`
-    /// with `d = max|x over the block| / 127`, then the remainder `r = round((x - d q) / (d /
-    /// 254))`, so `x = (d / 254) (254 q + r)` to within `d / 508` (a 15-bit activation: the
-    /// integer products stay exact, and the rounding is far below what flips a greedy token).
-    /// Plus the exact fp32 sum of each block (for the mins of Q4_1/Q5_1/Q4_K).
-    struct X8 {
-        /// `n * cols` high digits, row-major.
-        q: Vec<i8>,
-        /// `n * cols` low digits.
-        r: Vec<i8>,
-        /// `n * cols / 32` units `d / 254` (0 for an all-zero block).
-        d: Vec<f32>,
-        /// `n * cols / 32` exact block sums.
-        s: Vec<f32>,
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn quantize_x8(x: &[f32], n: usize, cols: usize) -> X8 {
-        let blocks = n * cols / 32;
-        let mut out = X8 {
-            q: vec![0; n * cols],
-            r: vec![0; n * cols],
-            d: vec![0.0; blocks],
-            s: vec![0.0; blocks],
-        };
-        for (b, ((xb, qb), rb)) in x[..n * cols]
-            .chunks_exact(32)
-            .zip(out.q.chunks_exact_mut(32))
-            .zip(out.r.chunks_exact_mut(32))
-            .enumerate()
-        {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = [0f32; 8];
-            for (k, ((&v, q), r)) in xb.iter().zip(qb.iter_mut()).zip(rb.iter_mut()).enumerate() {
-                let hi = (v * inv).round();
-                *q = hi as i8;
-                *r = ((v * inv - hi) * 254.0).round() as i8;
-                sum[k % 8] += v;
-            }
-            out.d[b] = d / 254.0;
-            out.s[b] = kernel::hsum8(&sum);
-        }
-        out
-    }
-
-    /// `sum over 32 lanes of u[j] * (254 q[j] + r[j])` as 8 lanes of fp32 (`u` unsigned
-    /// 0..=127; pairs never saturate the i16 step, 2 * 127 * 127 < 32767; the i32 total stays
-    /// below 2^31).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn dot_u8i8(u: __m256i, q: __m256i, r: __m256i) -> __m256 {
-        let ones = _mm256_set1_epi16(1);
-        let hi = _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), ones);
-        let lo = _mm256_madd_epi16(_mm256_maddubs_epi16(u, r), ones);
-        let hi254 = _mm256_sub_epi32(_mm256_slli_epi32(hi, 8), _mm256_slli_epi32(hi, 1));
-        _mm256_cvtepi32_ps(_mm256_add_epi32(hi254, lo))
-    }
-
-    /// One group of `NX` activation rows (int8, see [`X8`]) against every weight row of `w`.
-    type GroupI8Fn<const NX: usize> = fn(
-        &[u8],
-        &[&[i8]; NX],
-        &[&[i8]; NX],
-        &[&[f32]; NX],
-        &[&[f32]; NX],
-        usize,
-        &mut [f32],
-        usize,
-    );
-
-    /// Q8_0 against the two-digit activations ([`X8`]): `d_w * d_x * sum(q_w * x digits)` per
-    /// block, each signed product taken as `|q_w| * (digit with q_w's sign)` so `maddubs` can
-    /// form it.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn q8_0_i8<const NX: usize>(
-        w: &[u8],
-        xq: &[&[i8]; NX],
-        xr: &[&[i8]; NX],
-        xd: &[&[f32]; NX],
-        _xs: &[&[f32]; NX],
-        n: usize,
-        out: &mut [f32],
-        g0: usize,
-    ) {
-        let cols = xq[0].len();
-        let rb = cols / 32 * 34;
-        for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
-            let mut acc = [[_mm256_setzero_ps(); 2]; NX];
-            for (bi, b) in row.chunks_exact(34).enumerate() {
-                let d = f16(b, 0);
-                let q = ld32(&b[2..]);
-                let aq = _mm256_sign_epi8(q, q);
-                for i in 0..NX {
-                    let xv = ld32_i8(&xq[i][bi * 32..]);
-                    let rv = ld32_i8(&xr[i][bi * 32..]);
-                    let p = dot_u8i8(aq, _mm256_sign_epi8(xv, q), _mm256_sign_epi8(rv, q));
-                    let j = bi % 2;
-                    acc[i][j] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * xd[i][bi]), acc[i][j]);
-                }
-            }
-            for i in 0..NX {
-                o[g0 + i] = hsum_chains(&acc[i]);
-            }
-        }
-    }
-
-    /// Q4_1 (`FIVE` false) and Q5_1 against int8 activations: the unsigned quants (0..=15 or
-    /// 0..=31, assembled as in [`q32`]) times `q_x`, times `d_w * d_x`, plus `m_w * sum(x)`
-    /// with the exact block sum.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn q41_i8<const NX: usize, const FIVE: bool>(
-        w: &[u8],
-        xq: &[&[i8]; NX],
-        xr: &[&[i8]; NX],
-        xd: &[&[f32]; NX],
-        xs: &[&[f32]; NX],
-        n: usize,
-        out: &mut [f32],
-        g0: usize,
-    ) {
-        let (bb, qs_at) = if FIVE { (24, 8) } else { (20, 4) };
-        let cols = xq[0].len();
-        let rb = cols / 32 * bb;
-        let m4 = _mm_set1_epi8(0x0F);
-        let pick = _mm256_setr_epi8(
-            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, //
-            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
-        );
-        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-        let b16 = _mm256_set1_epi8(0x10);
-        for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
-            let mut acc = [[_mm256_setzero_ps(); 2]; NX];
-            let mut mins = [0f32; NX];
-            for (bi, b) in row.chunks_exact(bb).enumerate() {
-                let (d, m) = f16x2(b);
-                let v = ld16(&b[qs_at..]);
-                let lo = _mm_and_si128(v, m4);
-                let hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
-                let mut q = _mm256_set_m128i(hi, lo);
-                if FIVE {
-                    let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-                    let spread = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), pick);
-                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-                    q = _mm256_or_si256(q, _mm256_and_si256(set, b16));
-                }
-                for i in 0..NX {
-                    let p = dot_u8i8(q, ld32_i8(&xq[i][bi * 32..]), ld32_i8(&xr[i][bi * 32..]));
-                    let j = bi % 2;
-                    acc[i][j] = _mm256_fmadd_ps(p, _mm256_set1_ps(d * xd[i][bi]), acc[i][j]);
-                    mins[i] += m * xs[i][bi];
-                }
-            }
-            for i in 0..NX {
-                o[g0 + i] = hsum_chains(&acc[i]) + mins[i];
-            }
-        }
-    }
-
-    /// Q4_K against int8 activations: each 32-value sub-block's nibbles (low nibbles of a
-    /// 32-byte run: sub-block 2c, high: 2c + 1) times `q_x`, times `d * sc * d_x`; the mins
-    /// enter as `dmin * m * sum(x over the sub-block)` with the exact sums.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn q4k_i8<const NX: usize>(
-        w: &[u8],
-        xq: &[&[i8]; NX],
-        xr: &[&[i8]; NX],
-        xd: &[&[f32]; NX],
-        xs: &[&[f32]; NX],
-        n: usize,
-        out: &mut [f32],
-        g0: usize,
-    ) {
-        let cols = xq[0].len();
-        let rb = cols / 256 * 144;
-        let m4 = _mm256_set1_epi8(0x0F);
-        for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(n)) {
-            let mut acc = [[_mm256_setzero_ps(); 2]; NX];
-            let mut mins = [0f32; NX];
-            for (bi, b) in row.chunks_exact(144).enumerate() {
-                let (d, dmin) = f16x2(b);
-                let mut sc = [0f32; 8];
-                let mut mn = [0f32; 8];
-                for j in 0..8 {
-                    let (s, m) = scale_min_k4(&b[4..16], j);
-                    sc[j] = d * s as f32;
-                    mn[j] = dmin * m as f32;
-                }
-                for c in 0..4 {
-                    let v = ld32(&b[16 + 32 * c..]);
-                    let lo = _mm256_and_si256(v, m4);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                    let xb = bi * 8 + 2 * c;
-                    for i in 0..NX {
-                        let (at0, at1) = (xb * 32, xb * 32 + 32);
-                        let p0 = dot_u8i8(lo, ld32_i8(&xq[i][at0..]), ld32_i8(&xr[i][at0..]));
-                        let p1 = dot_u8i8(hi, ld32_i8(&xq[i][at1..]), ld32_i8(&xr[i][at1..]));
-                        let (s0, s1) = (sc[2 * c] * xd[i][xb], sc[2 * c + 1] * xd[i][xb + 1]);
-                        acc[i][0] = _mm256_fmadd_ps(p0, _mm256_set1_ps(s0), acc[i][0]);
-                        acc[i][1] = _mm256_fmadd_ps(p1, _mm256_set1_ps(s1), acc[i][1]);
-                    }
-                }
-                for i in 0..NX {
-                    let sums = &xs[i][bi * 8..bi * 8 + 8];
-                    for j in 0..8 {
-                        mins[i] += mn[j] * sums[j];
-                    }
-                }
-            }
-            for i in 0..NX {
-                o[g0 + i] = hsum_chains(&acc[i]) - mins[i];
-            }
-        }
-    }
-
-    /// The 32 signed bytes at `s[..32]`.
-    #[inline(always)]
-    fn ld32_i8(s: &[i8]) -> __m256i {
-        let s = &s[..32];
-        // SAFETY: 32 readable bytes (sliced above); loadu accepts any alignment.
-        unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
-    }
-
-    /// Runs `f::<NX>` for the int8 group of activation rows `g0..g0 + NX`.
-    #[inline(always)]
-    fn group_i8<const NX: usize>(
-        f: GroupI8Fn<NX>,
-        w: &[u8],
-        x8: &X8,
-        n: usize,
-        cols: usize,
-        g0: usize,
-        out: &mut [f32],
-    ) {
-        let per = cols / 32;
-        let xq: [&[i8]; NX] = std::array::from_fn(|i| &x8.q[(g0 + i) * cols..][..cols]);
-        let xr: [&[i8]; NX] = std::array::from_fn(|i| &x8.r[(g0 + i) * cols..][..cols]);
-        let xd: [&[f32]; NX] = std::array::from_fn(|i| &x8.d[(g0 + i) * per..][..per]);
-        let xs: [&[f32]; NX] = std::array::from_fn(|i| &x8.s[(g0 + i) * per..][..per]);
-        f(w, &xq, &xr, &xd, &xs, n, out, g0);
-    }
-
-    /// Runs int8 kernel `$kern` over the activation rows in groups of up to 8.
-    macro_rules! dispatch_i8 {
-        ($kern:ident $(, $extra:expr)?; $w:expr, $x8:expr, $n:expr, $cols:expr, $out:expr) => {{
-            let mut g0 = 0;
-            while g0 < $n {
-                let g = ($n - g0).min(MAX_NX);
-                match g {
-                    1 => group_i8::<1>($kern::<1 $(, $extra)?>, $w, $x8, $n, $cols, g0, $out),
-                    2 => group_i8::<2>($kern::<2 $(, $extra)?>, $w, $x8, $n, $cols, g0, $out),
-                    3 => group_i8::<3>($kern::<3 $(, $extra)?>, $w, $x8, $n, $cols, g0, $out),
-                    4 => group_i8::<4>($kern::<4 $(, $extra)?>, $w, $x8, $n, $cols, g0, $out),
-                    5 => group_i8::<5>($kern::<5 $(, $extra)?>, $w, $x8, $n, $cols, g0, $out),
-                    6 => group_i8::<6>($kern::<6 $(, $extra)?>, $w, $x8, $n, $cols, g0, $out),
-                    7 => group_i8::<7>($kern::<7 $(, $extra)?>, $w, $x8, $n, $cols, g0, $out),
-                    _ => group_i8::<8>($kern::<8 $(, $extra)?>, $w, $x8, $n, $cols, g0, $out),
-                }
-                g0 += g;
-            }
-        }};
     }
 
     /// F32, F16 (F16C) and BF16 (shifted into the high half): 8 weights per step.
@@ -758,30 +420,16 @@ mod x86 {
     /// these features for the rest.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn rows_x86(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32]) {
+        if super::int::rows(t, w, x, n, cols, out) {
+            return;
+        }
         match t {
-            QType::Q4K => {
-                let x8 = quantize_x8(x, n, cols);
-                dispatch_i8!(q4k_i8; w, &x8, n, cols, out)
-            }
             QType::Q5K => {
                 let sums = sums32(x, n, cols);
                 dispatch!(qk45, true; w, x, &sums, n, cols, out)
             }
-            QType::Q6K => dispatch!(q6k; w, x, &[], n, cols, out),
-            QType::Q8_0 => {
-                let x8 = quantize_x8(x, n, cols);
-                dispatch_i8!(q8_0_i8; w, &x8, n, cols, out)
-            }
             QType::Q4_0 => dispatch!(q32, 0; w, x, &[], n, cols, out),
             QType::Q5_0 => dispatch!(q32, 2; w, x, &[], n, cols, out),
-            QType::Q4_1 => {
-                let x8 = quantize_x8(x, n, cols);
-                dispatch_i8!(q41_i8, false; w, &x8, n, cols, out)
-            }
-            QType::Q5_1 => {
-                let x8 = quantize_x8(x, n, cols);
-                dispatch_i8!(q41_i8, true; w, &x8, n, cols, out)
-            }
             QType::F32 => dispatch!(float, 0; w, x, &[], n, cols, out),
             QType::F16 => dispatch!(float, 1; w, x, &[], n, cols, out),
             QType::BF16 => dispatch!(float, 2; w, x, &[], n, cols, out),

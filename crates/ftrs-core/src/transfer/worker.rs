@@ -19,7 +19,6 @@
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-
 use std::sync::Arc;
 
 use super::{lock, unpin, Drill, Inner, Prio, SlotFence, State};

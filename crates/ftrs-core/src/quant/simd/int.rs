@@ -1,0 +1,474 @@
+//! Integer AVX2 kernels: the weights' integer quants against the activations as 15-bit integers.
+//!
+//! Each activation row is cut into 32-element blocks; a block becomes `x = u (254 q + r)` with
+//! `u = max|x| / (127 * 254)`, `q` the int8 high digit and `r` the int8 remainder (two int8
+//! digits, stored as their value `254 q + r`, |.| <= 32385, in one i16), so each activation is
+//! off by at most half a step of the low digit, `max|x| / 64516` (one digit, as ggml's q8 dot
+//! products use, flips greedy tokens of small models). Plus the block's exact fp32 sum, which
+//! the mins of Q4_1, Q5_1 and Q4_K meet.
+//!
+//! The weights' quants are widened to i16 (`q - 32` for Q6_K, signed bytes for Q8_0, the
+//! unsigned nibbles otherwise) and `vpmaddwd` sums pairs of exact products into i32 lanes (a
+//! lane holds at most 4 products, below 2^31). Per 32-block (Q6_K: per 16) the lanes turn fp32
+//! once and meet the fp32 scale `d_w * sc * u` in a fused multiply-add; the result differs from
+//! the fp32 dot by the activation rounding alone, times the weights without their min.
+//!
+//! One weight row at a time, against up to [`MAX_NX`] activation rows, each with two accumulator
+//! chains (a single chain of fused multiply-adds bounds a matvec by their latency). Taking 2 or 4
+//! weight rows per pass to share the activation loads measured slower here (Q8_0 and Q6_K by up
+//! to 2x, Q4_K and Q5_1 no faster): the loads are not the bound.
+
+use std::arch::x86_64::*;
+
+use super::super::blocks::QType;
+use super::super::kernel::MAX_NX;
+
+/// Activation rows as 15-bit integers per 32-element block (see the module doc).
+pub struct X16 {
+    /// `n * cols` values `254 q + r`, row-major.
+    v: Vec<i16>,
+    /// `n * cols / 32` units `u = max|x| / (127 * 254)` (0 for an all-zero block).
+    d: Vec<f32>,
+    /// `n * cols / 32` exact fp32 block sums.
+    s: Vec<f32>,
+}
+
+/// One activation row of an [`X16`].
+#[derive(Clone, Copy)]
+struct XRow<'a> {
+    v: &'a [i16],
+    d: &'a [f32],
+    s: &'a [f32],
+}
+
+/// The 8 floats at `s[..8]`.
+#[inline(always)]
+fn ld8(s: &[f32]) -> __m256 {
+    let s = &s[..8];
+    // SAFETY: 8 readable f32 (sliced above); loadu accepts any alignment.
+    unsafe { _mm256_loadu_ps(s.as_ptr()) }
+}
+
+/// The 16 i16 at `s[..16]`.
+#[inline(always)]
+fn ldw(s: &[i16]) -> __m256i {
+    let s = &s[..16];
+    // SAFETY: 32 readable bytes (sliced above); loadu accepts any alignment.
+    unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
+}
+
+/// The 32 bytes at `s[..32]`.
+#[inline(always)]
+fn ld32(s: &[u8]) -> __m256i {
+    let s = &s[..32];
+    // SAFETY: 32 readable bytes (sliced above); loadu accepts any alignment.
+    unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
+}
+
+/// The 16 bytes at `s[..16]`.
+#[inline(always)]
+fn ld16(s: &[u8]) -> __m128i {
+    let s = &s[..16];
+    // SAFETY: 16 readable bytes (sliced above); loadu accepts any alignment.
+    unsafe { _mm_loadu_si128(s.as_ptr().cast()) }
+}
+
+/// The 8 bytes at `s[..8]`, in the low half of a vector.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn ld8b(s: &[u8]) -> __m128i {
+    let s: [u8; 8] = s[..8].try_into().unwrap_or([0; 8]);
+    _mm_cvtsi64_si128(i64::from_le_bytes(s))
+}
+
+/// The fp16 at `b[0..2]` as fp32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn f16(b: &[u8]) -> f32 {
+    let h = u16::from_le_bytes([b[0], b[1]]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+}
+
+/// The two fp16 at `b[0..4]` as fp32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn f16x2(b: &[u8]) -> (f32, f32) {
+    let h = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(h as i32));
+    (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+}
+
+/// Sum of the 8 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// The 32 bytes of `v` as two vectors of 16 i16, sign-extended (elements 0-15, 16-31).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn widen_i8(v: __m256i) -> (__m256i, __m256i) {
+    (
+        _mm256_cvtepi8_epi16(_mm256_castsi256_si128(v)),
+        _mm256_cvtepi8_epi16(_mm256_extracti128_si256(v, 1)),
+    )
+}
+
+/// `sum w[j] x[j]` over 32 elements as 8 fp32 lanes (exact: each lane sums 4 products).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot32(w: (__m256i, __m256i), x: (__m256i, __m256i)) -> __m256 {
+    let p = _mm256_add_epi32(_mm256_madd_epi16(w.0, x.0), _mm256_madd_epi16(w.1, x.1));
+    _mm256_cvtepi32_ps(p)
+}
+
+/// The two i16 vectors of 32-block `k` of an activation row.
+#[inline(always)]
+fn xblock(x: &XRow<'_>, k: usize) -> (__m256i, __m256i) {
+    let v = &x.v[32 * k..32 * k + 32];
+    (ldw(v), ldw(&v[16..]))
+}
+
+/// Rounds `n` rows of `cols` activations (a multiple of 32) to [`X16`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn quantize(x: &[f32], n: usize, cols: usize) -> X16 {
+    let blocks = n * cols / 32;
+    let mut out = X16 {
+        v: vec![0; n * cols],
+        d: vec![0.0; blocks],
+        s: vec![0.0; blocks],
+    };
+    let sign = _mm256_set1_ps(-0.0);
+    let k254 = _mm256_set1_ps(254.0);
+    for (b, (xb, vb)) in x[..n * cols]
+        .chunks_exact(32)
+        .zip(out.v.chunks_exact_mut(32))
+        .enumerate()
+    {
+        let f = [ld8(xb), ld8(&xb[8..]), ld8(&xb[16..]), ld8(&xb[24..])];
+        let m = _mm256_max_ps(
+            _mm256_max_ps(_mm256_andnot_ps(sign, f[0]), _mm256_andnot_ps(sign, f[1])),
+            _mm256_max_ps(_mm256_andnot_ps(sign, f[2]), _mm256_andnot_ps(sign, f[3])),
+        );
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+        let d = amax / 127.0;
+        let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+        let mut ints = [_mm256_setzero_si256(); 4];
+        for k in 0..4 {
+            let t = _mm256_mul_ps(f[k], inv);
+            let q = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(t);
+            let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                _mm256_mul_ps(_mm256_sub_ps(t, q), k254),
+            );
+            // 254 q + r is an integer below 2^15: exact in fp32
+            ints[k] = _mm256_cvtps_epi32(_mm256_fmadd_ps(q, k254, r));
+        }
+        // packs interleaves 128-bit lanes; the permute puts elements back in order
+        let lo = _mm256_permute4x64_epi64::<0xD8>(_mm256_packs_epi32(ints[0], ints[1]));
+        let hi = _mm256_permute4x64_epi64::<0xD8>(_mm256_packs_epi32(ints[2], ints[3]));
+        let (v0, v1) = vb.split_at_mut(16);
+        // SAFETY: v0 and v1 hold 16 i16 (32 bytes) each; storeu accepts any alignment.
+        unsafe {
+            _mm256_storeu_si256(v0.as_mut_ptr().cast(), lo);
+            _mm256_storeu_si256(v1.as_mut_ptr().cast(), hi);
+        }
+        out.d[b] = d / 254.0;
+        out.s[b] = hsum(_mm256_add_ps(
+            _mm256_add_ps(f[0], f[1]),
+            _mm256_add_ps(f[2], f[3]),
+        ));
+    }
+    out
+}
+
+/// One group of `NX` activation rows against every weight row of `w`; writes
+/// `out[r * n + g0 + i]`.
+type GroupFn<const NX: usize> = fn(&[u8], &[XRow<'_>; NX], usize, &mut [f32], usize);
+
+/// 16 lanes of 16 or 0: lane j is 16 when bit j of `half` is set (the fifth bits of Q5_1).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn fifth_bits(half: u16) -> __m256i {
+    let sel = _mm256_setr_epi16(
+        1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, -32768,
+    );
+    let bits = _mm256_and_si256(_mm256_set1_epi16(half as i16), sel);
+    let clear = _mm256_cmpeq_epi16(bits, _mm256_setzero_si256());
+    _mm256_andnot_si256(clear, _mm256_set1_epi16(16))
+}
+
+/// Adds block `$bi` of one weight row (`$b`, of the 32-element kind `KIND`, see [`q32`]) times
+/// each activation row's block `$bi` to `$acc[i]`, and its min times the block sum to
+/// `$mins[i]` (a macro so that it inlines into the `target_feature` kernel).
+macro_rules! q32_block {
+    ($b:expr, $x:expr, $bi:expr, $acc:expr, $mins:expr) => {{
+        let (b, bi): (&[u8], usize) = ($b, $bi);
+        let (d, m) = if KIND == 0 { (f16(b), 0.0) } else { f16x2(b) };
+        let wv = if KIND == 0 {
+            (
+                _mm256_cvtepi8_epi16(ld16(&b[2..])),
+                _mm256_cvtepi8_epi16(ld16(&b[18..])),
+            )
+        } else {
+            // widened bytes: each i16 lane holds element j (low nibble) and j + 16 (high)
+            let v = _mm256_cvtepu8_epi16(ld16(&b[if KIND == 1 { 4 } else { 8 }..]));
+            let lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
+            let hi = _mm256_srli_epi16(v, 4);
+            if KIND == 2 {
+                (
+                    _mm256_or_si256(lo, fifth_bits(u16::from_le_bytes([b[4], b[5]]))),
+                    _mm256_or_si256(hi, fifth_bits(u16::from_le_bytes([b[6], b[7]]))),
+                )
+            } else {
+                (lo, hi)
+            }
+        };
+        for i in 0..NX {
+            let s = _mm256_set1_ps(d * $x[i].d[bi]);
+            $acc[i] = _mm256_fmadd_ps(dot32(wv, xblock(&$x[i], bi)), s, $acc[i]);
+            if KIND != 0 {
+                $mins[i] = m.mul_add($x[i].s[bi], $mins[i]);
+            }
+        }
+    }};
+}
+
+/// The 32-element blocks against int activations, by `KIND`: 0 = Q8_0 (signed bytes), 1 =
+/// Q4_1, 2 = Q5_1 (nibbles, Q5_1 plus bit j of the u32 `qh` as bit 4 of element j; the min
+/// `m` meets the exact block sum). Even and odd blocks go to two accumulator chains.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q32<const NX: usize, const KIND: u8>(
+    w: &[u8],
+    x: &[XRow<'_>; NX],
+    n: usize,
+    out: &mut [f32],
+    g0: usize,
+) {
+    let bb = match KIND {
+        0 => 34,
+        1 => 20,
+        _ => 24,
+    };
+    let nb = x[0].d.len();
+    for (row, o) in w.chunks_exact(nb * bb).zip(out.chunks_exact_mut(n)) {
+        let mut even = [_mm256_setzero_ps(); NX];
+        let mut odd = [_mm256_setzero_ps(); NX];
+        let mut mins = [0f32; NX];
+        let mut pairs = row.chunks_exact(2 * bb);
+        for (k, b2) in pairs.by_ref().enumerate() {
+            q32_block!(&b2[..bb], x, 2 * k, even, mins);
+            q32_block!(&b2[bb..], x, 2 * k + 1, odd, mins);
+        }
+        let last = pairs.remainder();
+        if !last.is_empty() {
+            q32_block!(last, x, nb - 1, even, mins);
+        }
+        for i in 0..NX {
+            o[g0 + i] = hsum(_mm256_add_ps(even[i], odd[i])) + mins[i];
+        }
+    }
+}
+
+/// The 8 (scale, min) pairs of a Q4_K block's 12 packed bytes as two vectors of 8 floats
+/// (the layout of `blocks::scale_min_k4`, unpacked 4 at a time in 32-bit words).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn scales_mins_k4(s: &[u8]) -> (__m256, __m256) {
+    let word = |k: usize| u32::from_le_bytes([s[4 * k], s[4 * k + 1], s[4 * k + 2], s[4 * k + 3]]);
+    let (w0, w1, w2) = (word(0), word(1), word(2));
+    let (low6, low4, top2) = (0x3F3F_3F3Fu32, 0x0F0F_0F0Fu32, 0x0303_0303u32);
+    let sc = (w0 & low6) as u64 | ((((w2 & low4) | (((w0 >> 6) & top2) << 4)) as u64) << 32);
+    let mn = (w1 & low6) as u64 | (((((w2 >> 4) & low4) | (((w1 >> 6) & top2) << 4)) as u64) << 32);
+    let f = |v: u64| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(v as i64)));
+    (f(sc), f(mn))
+}
+
+/// Q4_K against int activations: the low nibbles of each 32-byte run are sub-block 2c, the
+/// high ones 2c + 1 (two accumulator chains); each sub-block's dot meets `d * sc * u`; the mins
+/// enter as `dmin * m * sum(x over the sub-block)`, 8 at a time.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q4k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32], g0: usize) {
+    let nb = x[0].d.len() / 8;
+    let m4 = _mm256_set1_epi16(0x0F);
+    for (row, o) in w.chunks_exact(nb * 144).zip(out.chunks_exact_mut(n)) {
+        let mut acc = [[_mm256_setzero_ps(); 2]; NX];
+        let mut mins = [_mm256_setzero_ps(); NX];
+        for (bi, b) in row.chunks_exact(144).enumerate() {
+            let (d, dmin) = f16x2(b);
+            let (s8, m8) = scales_mins_k4(&b[4..16]);
+            let (s8, m8) = (
+                _mm256_mul_ps(s8, _mm256_set1_ps(d)),
+                _mm256_mul_ps(m8, _mm256_set1_ps(dmin)),
+            );
+            // per activation row, the 8 sub-block scales d * sc * u
+            let mut sc = [[0f32; 8]; NX];
+            for i in 0..NX {
+                let s = _mm256_mul_ps(s8, ld8(&x[i].d[bi * 8..]));
+                // SAFETY: sc[i] holds 8 f32; storeu accepts any alignment.
+                unsafe { _mm256_storeu_ps(sc[i].as_mut_ptr(), s) };
+                mins[i] = _mm256_fmadd_ps(m8, ld8(&x[i].s[bi * 8..]), mins[i]);
+            }
+            for c in 0..4 {
+                let q = &b[16 + 32 * c..16 + 32 * c + 32];
+                let v0 = _mm256_cvtepu8_epi16(ld16(q));
+                let v1 = _mm256_cvtepu8_epi16(ld16(&q[16..]));
+                let lo = (_mm256_and_si256(v0, m4), _mm256_and_si256(v1, m4));
+                let hi = (_mm256_srli_epi16(v0, 4), _mm256_srli_epi16(v1, 4));
+                let k = bi * 8 + 2 * c;
+                for i in 0..NX {
+                    let (s0, s1) = (sc[i][2 * c], sc[i][2 * c + 1]);
+                    let p0 = dot32(lo, xblock(&x[i], k));
+                    let p1 = dot32(hi, xblock(&x[i], k + 1));
+                    acc[i][0] = _mm256_fmadd_ps(p0, _mm256_set1_ps(s0), acc[i][0]);
+                    acc[i][1] = _mm256_fmadd_ps(p1, _mm256_set1_ps(s1), acc[i][1]);
+                }
+            }
+        }
+        for i in 0..NX {
+            let a = _mm256_add_ps(acc[i][0], acc[i][1]);
+            o[g0 + i] = hsum(_mm256_sub_ps(a, mins[i]));
+        }
+    }
+}
+
+/// Q6_K against int activations: per half block h, 32-block s of the activations meets the
+/// 6-bit quants `(low nibble | high 2 bits << 4) - 32` assembled as bytes and widened; its two
+/// 16-element halves (sub-blocks 8h + 2s and 8h + 2s + 1) meet their own `d * sc * u`, in two
+/// accumulator chains.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q6k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32], g0: usize) {
+    let nb = x[0].d.len() / 8;
+    let m4 = _mm256_set1_epi8(0x0F);
+    let m30 = _mm256_set1_epi8(0x30);
+    let k32 = _mm256_set1_epi8(32);
+    // lane j of the 16 scales' expansion takes the unit of activation block j / 2
+    let pair_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    let pair_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    for (row, o) in w.chunks_exact(nb * 210).zip(out.chunks_exact_mut(n)) {
+        let mut acc = [[_mm256_setzero_ps(); 2]; NX];
+        for (bi, b) in row.chunks_exact(210).enumerate() {
+            let d = _mm256_set1_ps(f16(&b[208..]));
+            let s0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ld8b(&b[192..])));
+            let s1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ld8b(&b[200..])));
+            let (s0, s1) = (_mm256_mul_ps(s0, d), _mm256_mul_ps(s1, d));
+            let mut sc = [[0f32; 16]; NX];
+            for i in 0..NX {
+                let u = ld8(&x[i].d[bi * 8..]);
+                let u0 = _mm256_permutevar8x32_ps(u, pair_lo);
+                let u1 = _mm256_permutevar8x32_ps(u, pair_hi);
+                let (lo, hi) = sc[i].split_at_mut(8);
+                // SAFETY: lo and hi hold 8 f32 each; storeu accepts any alignment.
+                unsafe {
+                    _mm256_storeu_ps(lo.as_mut_ptr(), _mm256_mul_ps(s0, u0));
+                    _mm256_storeu_ps(hi.as_mut_ptr(), _mm256_mul_ps(s1, u1));
+                }
+            }
+            for h in 0..2 {
+                let ql0 = ld32(&b[64 * h..]);
+                let ql1 = ld32(&b[64 * h + 32..]);
+                let qh = ld32(&b[128 + 32 * h..]);
+                let q = [
+                    _mm256_or_si256(
+                        _mm256_and_si256(ql0, m4),
+                        _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(ql1, m4),
+                        _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                        _mm256_and_si256(qh, m30),
+                    ),
+                    _mm256_or_si256(
+                        _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
+                    ),
+                ];
+                for (s, &qs) in q.iter().enumerate() {
+                    let (w0, w1) = widen_i8(_mm256_sub_epi8(qs, k32));
+                    let (k, j) = (bi * 8 + 4 * h + s, 8 * h + 2 * s);
+                    for i in 0..NX {
+                        let xv = xblock(&x[i], k);
+                        let p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w0, xv.0));
+                        let p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w1, xv.1));
+                        let (sa, sb) = (sc[i][j], sc[i][j + 1]);
+                        acc[i][0] = _mm256_fmadd_ps(p0, _mm256_set1_ps(sa), acc[i][0]);
+                        acc[i][1] = _mm256_fmadd_ps(p1, _mm256_set1_ps(sb), acc[i][1]);
+                    }
+                }
+            }
+        }
+        for i in 0..NX {
+            o[g0 + i] = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
+        }
+    }
+}
+
+/// Runs `f` for the group of activation rows `g0..g0 + NX`.
+#[inline(always)]
+fn group<const NX: usize>(
+    f: GroupFn<NX>,
+    w: &[u8],
+    x16: &X16,
+    n: usize,
+    cols: usize,
+    g0: usize,
+    out: &mut [f32],
+) {
+    let per = cols / 32;
+    let x: [XRow<'_>; NX] = std::array::from_fn(|i| XRow {
+        v: &x16.v[(g0 + i) * cols..][..cols],
+        d: &x16.d[(g0 + i) * per..][..per],
+        s: &x16.s[(g0 + i) * per..][..per],
+    });
+    f(w, &x, n, out, g0);
+}
+
+/// Runs kernel `$kern` over the activation rows in groups of up to 8 (the last one smaller).
+macro_rules! dispatch {
+    ($kern:ident $(, $extra:expr)?; $w:expr, $x:expr, $n:expr, $cols:expr, $out:expr) => {{
+        let mut g0 = 0;
+        while g0 < $n {
+            let g = ($n - g0).min(MAX_NX);
+            match g {
+                1 => group::<1>($kern::<1 $(, $extra)?>, $w, $x, $n, $cols, g0, $out),
+                2 => group::<2>($kern::<2 $(, $extra)?>, $w, $x, $n, $cols, g0, $out),
+                3 => group::<3>($kern::<3 $(, $extra)?>, $w, $x, $n, $cols, g0, $out),
+                4 => group::<4>($kern::<4 $(, $extra)?>, $w, $x, $n, $cols, g0, $out),
+                5 => group::<5>($kern::<5 $(, $extra)?>, $w, $x, $n, $cols, g0, $out),
+                6 => group::<6>($kern::<6 $(, $extra)?>, $w, $x, $n, $cols, g0, $out),
+                7 => group::<7>($kern::<7 $(, $extra)?>, $w, $x, $n, $cols, g0, $out),
+                _ => group::<8>($kern::<8 $(, $extra)?>, $w, $x, $n, $cols, g0, $out),
+            }
+            g0 += g;
+        }
+    }};
+}
+
+/// The integer kernel of `t` (Q8_0, Q4_1, Q5_1, Q4_K, Q6_K) for `n` rows of `x`; false (and
+/// nothing written) for another type.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32]) -> bool {
+    if !matches!(
+        t,
+        QType::Q8_0 | QType::Q4_1 | QType::Q5_1 | QType::Q4K | QType::Q6K
+    ) {
+        return false;
+    }
+    let x16 = quantize(x, n, cols);
+    match t {
+        QType::Q8_0 => dispatch!(q32, 0; w, &x16, n, cols, out),
+        QType::Q4_1 => dispatch!(q32, 1; w, &x16, n, cols, out),
+        QType::Q5_1 => dispatch!(q32, 2; w, &x16, n, cols, out),
+        QType::Q4K => dispatch!(q4k; w, &x16, n, cols, out),
+        _ => dispatch!(q6k; w, &x16, n, cols, out),
+    }
+    true
+}
