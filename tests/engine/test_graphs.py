@@ -391,3 +391,25 @@ def test_capture_is_timed_in_the_log_and_a_failed_one_turns_graphs_off(
     assert lines[1] == ("cuda graphs: off: capture failed (RuntimeError: operation not permitted "
                         "when stream is capturing); decode runs eagerly")
     assert lines[2] == "cuda graphs: off: a reason"
+
+
+def test_resident_is_one_graph_only_on_the_fused_kernel(tiny_models: dict[str, Path]) -> None:
+    pytest.importorskip("triton")
+    from ftrs.kernels import select_kernels, triton_runs_on
+    from ftrs.models.load import load_model
+    from ftrs.moe.base import create_strategy, import_strategy
+
+    cpu = torch.device("cpu")
+    if not triton_runs_on(cpu):
+        pytest.skip("the fused kernel needs TRITON_INTERPRET=1 on the CPU")
+    loaded = load_model(str(tiny_models["mixtral"]), cpu, torch.float32, progress=False)
+    routers = {la: loaded.dense[f"{la}.router"] for la in loaded.spec.moe_layers}
+    import_strategy("resident")
+
+    def resident(kernels: Any) -> MoEStrategy:
+        return create_strategy("resident", experts=loaded.experts, device=cpu,
+                               config=EngineConfig(), routers=routers, kernels=kernels)
+
+    assert resident(select_kernels("triton", cpu)).graph_support() == GraphSupport("step")
+    loop = resident(None).graph_support()
+    assert loop.mode == "off" and "reads the routing on the host" in loop.why

@@ -8,6 +8,10 @@ Invariant every strategy keeps: the result is the selected experts' contribution
 (`layers.moe.expert_contribution`, computed in any order) added up in ascending id
 (`layers.moe.accumulate`), as `combine_experts` does, so all strategies agree bit for bit with
 `resident`.
+
+Factories take keyword arguments: `experts`, `device`, `config`, `routers`, and `kernels` (a
+`ftrs.kernels.Kernels`; with Triton ones a strategy computes the layers it can through the
+fused MoE kernel, `moe.fused`; None or the torch references: the per-expert path).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -55,6 +55,9 @@ from ftrs.models.experts import HostExperts
 from ftrs.moe.base import register
 from ftrs.moe.offload import OffloadStrategy
 from ftrs.quant.formats import QuantTensor
+
+if TYPE_CHECKING:
+    from ftrs.kernels.moe import SlotWeights
 
 log = logging.getLogger(__name__)
 #: Weight of a new sample in each moving estimate.
@@ -200,7 +203,7 @@ class HybridStrategy(OffloadStrategy):
     name = "hybrid"
 
     def __init__(self, experts: HostExperts, device: torch.device, config: EngineConfig,
-                 routers: dict[int, torch.Tensor], **kw: object) -> None:
+                 routers: dict[int, torch.Tensor], **kw: Any) -> None:
         super().__init__(experts, device, config, routers, **kw)
         self.device = device
         self.threads = config.cpu_expert_threads or int(_core.quant_threads())
@@ -256,7 +259,10 @@ class HybridStrategy(OffloadStrategy):
             t0 = self.clock()
             try:
                 slots, ticket = self._lookup(li, device, prefetch)
-                parts.update(self._device_parts(x, plan, device, slots, ticket))
+                fused = self._fused.get(layer)
+                parts.update(self._device_parts(x, plan, device, slots, ticket) if fused is None
+                             else self._fused_parts(x, ids, weights, plan, device, slots,
+                                                    ticket, fused))
             finally:
                 self.engine.release()
             if fetch:
@@ -291,6 +297,20 @@ class HybridStrategy(OffloadStrategy):
         for e, s, now in zip(device, slots, landed):
             if not now:
                 parts[e] = expert_contribution(x, plan, e, self._slot_views[s], self.act)
+        return parts
+
+    def _fused_parts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                     plan: ExpertPlan, device: list[int], slots: list[int], ticket: int,
+                     sw: SlotWeights) -> dict[int, Contribution | None]:
+        """`_device_parts` through the fused kernel (`OffloadStrategy._fused_wave`): each
+        expert's pair rows, taken from the pair buffer as its contribution (device ops only)."""
+        y = torch.zeros(ids.numel(), x.shape[1], dtype=x.dtype, device=x.device)
+        self._fused_wave(x, ids, weights, sw, device, slots, ticket, y)
+        parts: dict[int, Contribution | None] = {}
+        for e in device:
+            tok = plan.tokens[plan.starts[e]:plan.starts[e] + plan.counts[e]]
+            pos = (ids.index_select(0, tok) == e).int().argmax(dim=1)  # e's place in each row
+            parts[e] = (tok, y.index_select(0, tok * ids.shape[1] + pos))
         return parts
 
     def _cpu_parts(self, layer: int, x: torch.Tensor, plan: ExpertPlan,

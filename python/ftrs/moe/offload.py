@@ -49,6 +49,12 @@ each expert's output is independent of the others, and all are added up in ascen
 tokens/s of waiting first at 2 GB/s without prefetch (6 pairs), 1.031x at 0.5 GB/s (4), 1.04x
 at 2 GB/s with prefetch (4).
 
+With the Triton kernels (`kernels.name == "triton"`, `moe.fused`) a layer runs in the same
+waves, but each wave is two calls of the fused kernel over views of the slot buffer, one for
+the experts that have landed and one after the ticket for the rest, each with a slot table
+naming only its experts; the calls fill one buffer of per-(token, expert) rows, added up once
+per layer in ascending id: bit-identical to `resident` on the kernel.
+
 On CUDA the copies run on the engine's own stream, on the model's device (`cuda:N`). A slot
 may only be overwritten once the kernels reading it are done: every release hands the engine
 torch's current stream, where it records an event after those kernels, and a copy into a
@@ -61,7 +67,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -79,6 +85,10 @@ from ftrs.layers.moe import (
 )
 from ftrs.models.experts import HostExperts
 from ftrs.moe.base import MoEStrategy, register
+
+if TYPE_CHECKING:  # the kernel modules import Triton: only when the kernels are chosen
+    from ftrs.kernels import Kernels
+    from ftrs.kernels.moe import SlotWeights
 
 log = logging.getLogger(__name__)
 CPU_SLOT_BUDGET = 4 << 30  # bytes of device slots by default on the CPU device
@@ -139,7 +149,8 @@ class OffloadStrategy(MoEStrategy):
     name = "offload"
 
     def __init__(self, experts: HostExperts, device: torch.device, config: EngineConfig,
-                 routers: dict[int, torch.Tensor], **_: object) -> None:
+                 routers: dict[int, torch.Tensor], kernels: Kernels | None = None,
+                 **_: object) -> None:
         self.experts = experts
         self.spec = experts.spec
         self.routers = routers
@@ -170,6 +181,10 @@ class OffloadStrategy(MoEStrategy):
             self.buffer, self.num_slots)
         self._slot_views = self.slot_weights[self.spec.moe_layers[0]]
         self.act = experts.act
+        # the fused kernel's views of the slot buffer, per layer it computes (`moe.fused`)
+        self._fused: dict[int, SlotWeights] = {}
+        if kernels is not None and kernels.name == "triton":
+            self._fused = self._fused_views(experts)
         # Prefetch only into room beyond one token's working set (every MoE layer's top-k): in a
         # smaller cache each prefetch evicts an expert the next token is about to need again
         # (measured on the demo at 25% capacity: 2x the bytes per token and a slower decode).
@@ -235,8 +250,26 @@ class OffloadStrategy(MoEStrategy):
                     raise
                 time.sleep(0.0002)
 
+    def _fused_views(self, experts: HostExperts) -> dict[int, SlotWeights]:
+        """The slot buffer seen in each layer's format (layers alike share one view)."""
+        from ftrs.moe.fused import fused_layers, slot_weights
+
+        by_format: dict[Any, SlotWeights] = {}
+
+        def views(layer: int) -> SlotWeights:
+            fmt = experts.formats[layer]
+            if fmt not in by_format:
+                by_format[fmt] = slot_weights(experts, layer, self.buffer, self.num_slots,
+                                              experts.expert_bytes)
+            return by_format[fmt]
+
+        return fused_layers(experts, views, self.name)
+
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
+        fused = self._fused.get(layer)
+        if fused is not None:
+            return self._forward_fused(layer, x, ids, weights, fused)
         li = self.experts.layer_index[layer]
         self._slot_views = self.slot_weights[layer]
         plan = plan_experts(ids, weights, self.spec.num_experts)
@@ -274,6 +307,54 @@ class OffloadStrategy(MoEStrategy):
                 parts[e] = expert_contribution(x, plan, e, self._slot_views[s], self.act)
         for e in wave:  # ascending
             accumulate(out, parts[e])
+
+    def _forward_fused(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                       weights: torch.Tensor, sw: SlotWeights) -> torch.Tensor:
+        """`forward` through the fused kernel (docs/kernels.md): per wave, one call for the
+        experts whose bytes have landed, one after the ticket for the rest, each with a slot
+        table naming only its experts (-1 elsewhere). Every pair's row of `y` is written by
+        exactly one call, so the sum equals one call over all experts, bit for bit."""
+        from ftrs.kernels.moe import combine_pairs
+
+        li = self.experts.layer_index[layer]
+        num_experts = self.spec.num_experts
+        # the one read-back of the layer: the lookup needs the distinct experts on the host
+        counts = torch.bincount(ids.reshape(-1), minlength=num_experts).tolist()
+        needed = [e for e, c in enumerate(counts) if c]  # ascending
+        self.distinct_per_layer.append(len(needed))
+        self._score_guess(layer, needed)
+        prefetch = self._predict(layer, x)
+        y = torch.zeros(ids.numel(), x.shape[1], dtype=x.dtype, device=x.device)
+        # the kernels reading the slots run on this stream: copies into them wait for it
+        stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None
+        for start in range(0, len(needed), self.num_slots):
+            wave = needed[start:start + self.num_slots]
+            try:
+                slots, ticket = self._lookup(li, wave, prefetch if start == 0 else [])
+                self._fused_wave(x, ids, weights, sw, wave, slots, ticket, y)
+            finally:
+                self.engine.release(stream)  # a failed wave must not leave its slots pinned
+        self._t_end = self.clock()
+        return combine_pairs(y, ids, torch.zeros_like(x))
+
+    def _fused_wave(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    sw: SlotWeights, wave: list[int], slots: list[int], ticket: int,
+                    y: torch.Tensor) -> None:
+        """The pair rows of `wave`'s experts into `y`: those landed, then, after `ticket`, the rest."""
+        from ftrs.kernels.moe import moe_pairs_triton
+        from ftrs.moe.fused import slot_table
+
+        landed = self.engine.ready(slots) if COMPUTE_LANDED_FIRST else [False] * len(slots)
+        first, rest = [-1] * self.spec.num_experts, [-1] * self.spec.num_experts
+        for e, s, now in zip(wave, slots, landed):
+            (first if now else rest)[e] = s
+        if any(landed):
+            moe_pairs_triton(x, ids, weights, slot_table(first, x.device), sw, y=y)
+        t0 = self.clock()
+        self.engine.wait(ticket)
+        self._wait_s += self.clock() - t0
+        if not all(landed):
+            moe_pairs_triton(x, ids, weights, slot_table(rest, x.device), sw, y=y)
 
     def begin_forward(self, num_tokens: int) -> None:
         self.distinct_per_layer = []
