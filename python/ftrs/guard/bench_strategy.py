@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ftrs.guard.link import cuda_index
 from ftrs.guard.profile import profile_key, write_profile
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ def device_name(device: str) -> str:
         import torch
 
         if device != "cpu" and torch.cuda.is_available():
-            return str(torch.cuda.get_device_name(0))
+            return str(torch.cuda.get_device_name(cuda_index(device)))
     except Exception:  # no driver: describe the CPU
         logger.debug("no CUDA device name", exc_info=True)
     return f"cpu:{platform.machine()}:{platform.processor() or 'unknown'}"

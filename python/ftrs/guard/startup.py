@@ -85,7 +85,7 @@ def resolve_auto(config: EngineConfig, fetch: FetchModel, link: LinkState,
     if link.device == "cuda" and config.device != "cpu":
         import torch
 
-        free, _ = torch.cuda.mem_get_info()
+        free, _ = torch.cuda.mem_get_info(cuda_index(config.device))
         budget = int(free * 0.6)
     key = profile_key(device=device_name(config.device), host=socket.gethostname(),
                       model=model_id(config.model), link=link_id(config.copy_backend))
