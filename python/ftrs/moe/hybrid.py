@@ -271,8 +271,9 @@ class HybridStrategy(OffloadStrategy):
                 parts.update(self._device_parts(x, plan, device, slots, ticket) if fused is None
                              else self._fused_parts(x, ids, weights, plan, device, slots,
                                                     ticket, fused))
-            finally:
-                self.engine.release()
+            finally:  # copies into these slots wait for the kernels that read them (stream fence)
+                self.engine.release(torch.cuda.current_stream(x.device).cuda_stream
+                                    if x.is_cuda else None)
             if fetch:
                 self.cost.observe_link(len(fetch) * self.experts.expert_bytes, len(fetch),
                                        self.clock() - t0)
