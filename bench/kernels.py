@@ -8,11 +8,15 @@ Cases (bf16 on a GPU, fp32 on the CPU):
   reference dequantizes each expert per call, the kernel inside its tiles);
 - `paged_attention` decode at batch 1/8/32 with `--ctx` tokens each, GQA, scrambled pages;
   beside the reference it also times the decoder's padded gather + SDPA (`layers.attention`).
+- `decode_step`: one engine decode step (forward, sampling) of the `--decode-model` (the demo
+  on a GPU, a tiny random mixtral on the CPU) at batch 1/8/32, eager (`--no-cuda-graphs`) beside CUDA graphs; `speedup` =
+  eager / graphs, or `graphs: "off: why"` where the engine cannot capture them.
 Each figure is the median of `--reps` timed calls after warm-up; `speedup` = torch / triton.
 
     python bench/kernels.py            # JSON on stdout
 
-Without a GPU it says "no GPU" and times the references only (small shapes, fewer reps).
+Without a GPU it says "no GPU" and times the references only (small shapes, fewer reps), and
+the eager decode step alone.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +35,7 @@ import torch
 from ftrs.kernels import Kernels, select_kernels
 from ftrs.kernels.attention import PagedMeta, context_slots
 from ftrs.kernels.moe import SlotWeights
+from ftrs.models.tiny import make_tiny
 
 
 def timed(fn: Callable[[], object], reps: int, cuda: bool) -> float:
@@ -141,6 +148,61 @@ def bench_decode_attention(ref: Kernels, tri: Kernels | None, dev: torch.device,
                                                                  layer_meta, scale)})
 
 
+def decode_step_ms(engine: Any, batch: int, reps: int) -> float:
+    """Median milliseconds of one decode step of `batch` sequences of 16 prompt tokens (their
+    prefill first, then two steps of warm-up); each step ends with its sampled ids on the host."""
+    from ftrs.engine.protocol import GenerateRequest
+    from ftrs.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=reps + 8, temperature=0.0, ignore_eos=True)
+    ids = [f"decode-{batch}-{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        engine.add_request(GenerateRequest(rid, [1 + i % 50] * 16, params))
+    started: set[str] = set()
+    while len(started) < batch:  # prefill until every sequence has its first token
+        events, _ = engine.step()
+        started |= {e.request_id for e in events if e.new_token_ids}
+    times = []
+    for i in range(2 + reps):
+        t0 = time.perf_counter()
+        _, stats = engine.step()
+        if stats.kind != "decode":
+            raise RuntimeError(f"bench: expected a decode step, got {stats.kind}")
+        if i >= 2:
+            times.append((time.perf_counter() - t0) * 1e3)
+    for rid in ids:
+        engine.abort(rid)
+    return statistics.median(times)
+
+
+def bench_decode_steps(model: str, cuda: bool, reps: int, batches: tuple[int, ...] = (1, 8, 32),
+                       label: str | None = None) -> list[dict[str, Any]]:
+    """The decode step eager and with CUDA graphs (eager alone without a GPU)."""
+    from ftrs.llm import LLM
+
+    rows = {b: {"kernel": "decode_step", "model": label or model, "batch": b} for b in batches}
+    for graphs in (False, True) if cuda else (False,):
+        llm = LLM(model, device="cuda" if cuda else "cpu", kv_tokens=16384,
+                  max_running_requests=max(batches), cuda_graphs=graphs)
+        try:
+            rt = llm.engine.rt
+            if graphs and rt.graphs is None:
+                for row in rows.values():
+                    row["graphs"] = f"off: {rt.graphs_off or 'capture failed (see the log)'}"
+                continue
+            for b in batches:
+                rows[b]["graphs_ms" if graphs else "eager_ms"] = round(
+                    decode_step_ms(llm.engine, b, reps), 4)
+        finally:
+            llm.close()
+    for row in rows.values():
+        if not cuda:
+            row["graphs"] = "no GPU"
+        elif "graphs_ms" in row:
+            row["speedup"] = round(row["eager_ms"] / row["graphs_ms"], 2)
+    return list(rows.values())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=576)  # demo model (SmolLM2-135M upcycled 8x top-2)
@@ -149,6 +211,10 @@ def main() -> None:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--reps", type=int, default=None)
+    p.add_argument("--decode-model", default=None,
+                   help="model of the decode step rows (default: the demo on a GPU, a tiny "
+                        "random mixtral on the CPU, where the demo's steps take seconds)")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode step rows")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -163,10 +229,17 @@ def main() -> None:
             rows += [bench_moe(ref, tri, dev, dt, args, b, reps, "Q8_0") for b in (1, 32)]
         ctx = args.ctx if cuda else min(args.ctx, 128)
         rows += [bench_decode_attention(ref, tri, dev, dt, b, ctx, reps) for b in (1, 8, 32)]
+    if not args.no_decode:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = args.decode_model or ("demo" if cuda else
+                                          str(make_tiny("mixtral", Path(tmp) / "mixtral")))
+            rows += bench_decode_steps(model, cuda, reps, label=args.decode_model or (
+                "demo" if cuda else "tiny random mixtral"))
     out = {"device": torch.cuda.get_device_name() if cuda else "no GPU", "dtype": str(dt),
            "reps": reps, "rows": rows}
     if not cuda:
-        out["note"] = "no GPU: references timed alone, the kernels need CUDA"
+        out["note"] = ("no GPU: references timed alone, the kernels need CUDA; the decode step "
+                       "eager alone (CUDA graphs need CUDA)")
     print(json.dumps(out, indent=1))
 
 

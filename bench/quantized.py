@@ -20,7 +20,9 @@ activations, greedy, EOS ignored.
   jobs, 1 is faster than 2 for every format: a second thread mostly waits for its core).
 - `llama_cpp` (when `llama-cpp-python` is installed, the `bench` extra): llama.cpp's decode
   tok/s at batch 1 on the same Q4_K_M file, same chat prompt, same token count, same threads,
-  and `ftrs_vs_llama_cpp`: ftrs's Q4_K_M batch-1 figure over it.
+  timed in every round right after ftrs's batch-1 runs (median over the rounds), and
+  `ftrs_vs_llama_cpp`: ftrs's Q4_K_M batch-1 figure over llama.cpp's in the same round, median
+  over the rounds.
 - `pcie_mb_per_token`: offload decode with `--cache-rate` of the experts as slots, lru,
   prefetch on, over the simulated link `simulated:--link` (GB/s): bytes the transfer engine
   moved (`bytes_h2d`, prefetches included) during the decode steps, per decode token; one
@@ -102,23 +104,27 @@ def link_bytes(path: Path, tokens: int, rate: float, link: float) -> dict[str, A
         llm.close()
 
 
-def llama_cpp_row(path: Path, prompt: str, tokens: int, threads: int) -> dict[str, Any] | str:
-    try:
+class LlamaCpp:
+    """llama.cpp on the same file, timed in every round beside ftrs (same host load)."""
+
+    def __init__(self, path: Path, prompt: str, threads: int) -> None:
         from llama_cpp import Llama
-    except ImportError:
-        return "llama-cpp-python not installed"
-    llm = Llama(model_path=str(path), n_ctx=1024, n_threads=threads, n_threads_batch=threads,
-                verbose=False)
-    llm(prompt, max_tokens=2)  # warm-up
-    t0 = time.perf_counter()
-    out = llm(prompt, max_tokens=1)
-    t1 = time.perf_counter()
-    out = llm(prompt, max_tokens=tokens)
-    t2 = time.perf_counter()
-    made = out["usage"]["completion_tokens"]
-    # decode-only estimate: the full run minus a prefill-plus-one-token run
-    return {"llama_cpp_batch1_tok_per_s": round((made - 1) / ((t2 - t1) - (t1 - t0)), 3),
-            "llama_cpp_tokens": made}
+
+        self.prompt = prompt
+        self.llm = Llama(model_path=str(path), n_ctx=1024, n_threads=threads,
+                         n_threads_batch=threads, verbose=False)
+        self.llm(prompt, max_tokens=2)  # warm-up
+        self.made = 0
+
+    def decode_tok_s(self, tokens: int) -> float:
+        """Decode-only estimate: a full run minus a prefill-plus-one-token run."""
+        t0 = time.perf_counter()
+        self.llm(self.prompt, max_tokens=1)
+        t1 = time.perf_counter()
+        out = self.llm(self.prompt, max_tokens=tokens)
+        t2 = time.perf_counter()
+        self.made = out["usage"]["completion_tokens"]
+        return (self.made - 1) / ((t2 - t1) - (t1 - t0))
 
 
 def main() -> None:
@@ -157,12 +163,20 @@ def main() -> None:
     for llm in llms.values():
         for b in batches:
             common.run_steps(llm, prompts[b], 3, prefix="warm")  # first-touch costs
+    try:
+        peer: LlamaCpp | None = LlamaCpp(paths["Q4_K_M"], chat, args.threads)
+    except ImportError:
+        peer = None
+    peer_runs: list[float] = []
     runs: dict[tuple[str, int], list[float]] = {(f, b): [] for f in FORMATS for b in batches}
     for r in range(args.rounds):
         for b in batches:
             for f, llm in llms.items():
                 runs[f, b].append(decode_tok_s(llm, prompts[b], args.tokens))
                 note(f"round {r + 1}, batch {b}, {f}: {runs[f, b][-1]:.2f} tok/s")
+            if b == 1 and peer is not None:
+                peer_runs.append(peer.decode_tok_s(args.tokens))
+                note(f"round {r + 1}, batch 1, llama.cpp: {peer_runs[-1]:.2f} tok/s")
     for f, llm in llms.items():
         for b in batches:
             rows[f][f"decode_b{b}_tok_per_s"] = round(statistics.median(runs[f, b]), 3)
@@ -183,11 +197,13 @@ def main() -> None:
         "decode_timing": "summed durations of steps without prefill tokens",
         "link": f"simulated:{args.link:g}", "cache_rate": args.cache_rate,
         "ratios": ratios, "formats": rows,
-        "llama_cpp": llama_cpp_row(paths["Q4_K_M"], chat, args.tokens, args.threads)}
-    lc = report["llama_cpp"]
-    if isinstance(lc, dict):
-        report["ftrs_vs_llama_cpp"] = round(
-            rows["Q4_K_M"]["decode_b1_tok_per_s"] / lc["llama_cpp_batch1_tok_per_s"], 3)
+        "llama_cpp": "llama-cpp-python not installed"}
+    if peer is not None and peer_runs:
+        report["llama_cpp"] = {"llama_cpp_batch1_tok_per_s": round(statistics.median(peer_runs), 3),
+                               "llama_cpp_batch1_runs": [round(x, 3) for x in peer_runs],
+                               "llama_cpp_tokens": peer.made}
+        report["ftrs_vs_llama_cpp"] = round(statistics.median(  # paired by round, like `ratios`
+            q / p for q, p in zip(runs["Q4_K_M", 1], peer_runs)), 3)
     report["wall_s"] = round(time.perf_counter() - t_start, 1)
     print(json.dumps(report, indent=1))
 

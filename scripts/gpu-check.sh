@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The one script to run on a lent GPU machine, a few minutes in all (each step has a cap):
 #   1. scripts/bootstrap.sh test
-#   2. pytest -m gpu -v                       (tests/gpu: cuda offload, copies, link probe)
+#   2. pytest -m gpu -v                       (tests/gpu: cuda offload, copies, link probe,
+#                                              decode CUDA graphs captured and replayed vs eager)
 #   3. bench/gpu_check.py                     (pinned H2D/D2H GB/s, ftrs vs torch, link bound)
 #   4. bench/offload.py --quick --copy-backend cuda   (demo model, or a tiny one offline)
 #   5. TRITON_INTERPRET=0 pytest -m "" tests/kernels (the Triton kernels compiled, on the GPU; no syncs)
-#   6. bench/kernels.py                       (each kernel vs its torch reference, JSON)
+#   6. bench/kernels.py                       (each kernel vs its torch reference, and the
+#                                              decode step with vs without CUDA graphs, JSON)
 # Exits non-zero when the GPU tests fail (their pytest status) or any other step fails.
 # Without a GPU it says so, runs only the CPU-safe parts (the gpu tests must all skip, the
 # timed-copy refusals of tests/test_core.py, gpu_check's one line, the kernel tests under
@@ -70,7 +72,7 @@ step "bench/offload.py --copy-backend cuda" 120 \
 step "kernel tests (compiled)" 300 env TRITON_INTERPRET=0 "$PY" -m pytest -v -m "" tests/kernels --timeout 240
 kernels_rc=$?
 [ "$tests_rc" -eq 0 ] && tests_rc=$kernels_rc
-step "bench/kernels.py" 120 "$PY" bench/kernels.py
+step "bench/kernels.py" 180 "$PY" bench/kernels.py
 
 echo "gpu-check: $((SECONDS - start))s in all"
 if [ "$tests_rc" -ne 0 ]; then

@@ -32,6 +32,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     kernels: str = "auto"  # auto | torch | triton: Triton kernels on CUDA (auto), or force one side
+    cuda_graphs: bool = True  # decode steps replayed as CUDA graphs where possible (engine/graphs.py)
     moe_strategy: str = "resident"  # resident | offload | hybrid
     moe_cache_size: int | None = None  # device expert slots (offload)
     moe_cache_rate: float | None = None  # fraction of all experts (offload)

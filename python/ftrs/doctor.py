@@ -65,8 +65,9 @@ def device_section(link: LinkState) -> dict[str, Any]:
         import torch
 
         if torch.cuda.is_available():
-            free, total = torch.cuda.mem_get_info()
-            d |= {"name": torch.cuda.get_device_name(0), "memory_free_bytes": free,
+            index = torch.cuda.current_device()  # one device for the name and the memory
+            free, total = torch.cuda.mem_get_info(index)
+            d |= {"name": torch.cuda.get_device_name(index), "memory_free_bytes": free,
                   "memory_total_bytes": total}
         else:
             d["message"] = "an NVIDIA GPU is on the bus but CUDA is not usable from torch"

@@ -2,7 +2,7 @@
 //! builds and imports on hosts with no CUDA at all (creating the backend then fails cleanly with
 //! [`CoreError::DriverUnavailable`]).
 //!
-//! Three layers, like cudarc: (1) [`Api`], the raw `extern "C"` function pointers, resolved
+//! Three layers, like cudarc: (1) `Api`, the raw `extern "C"` function pointers, resolved
 //! once per process and kept forever (the library is never unloaded); (2) `check`, which turns
 //! a `CUresult` into a typed error (`CUDA_ERROR_OUT_OF_MEMORY` → OutOfMemory, anything else →
 //! KernelFault: a CUDA error alone is not evidence of a lost device, DESIGN.md "Errors");

@@ -171,7 +171,7 @@ impl Drop for HostRegion {
 /// cores) when the copy is large enough to gain from it.
 ///
 /// The copy is cut into pieces of [`PIECE_BYTES`] that the calling thread and up to
-/// `threads - 1` long-lived copy helpers ([`helpers`]) claim one at a time. The caller starts at
+/// `threads - 1` long-lived copy helpers (`helpers`) claim one at a time. The caller starts at
 /// once; a helper joins when it wakes. Spawning a thread per call, or handing each helper a fixed
 /// half, costs more than copying a megabyte where waking an idle core is slow (virtual machines):
 /// this way a late helper costs nothing and an early one halves the time.

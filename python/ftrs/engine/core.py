@@ -171,14 +171,19 @@ class EngineCore:
         self._step += 1
         if not work:
             return admitted, self._stats(t0, "idle", 0, 0)
+        self.rt.use_device()  # the thread that runs steps may not be the one that loaded
         batch = build_batch(work, self.pool.page_size, self.rt.device, states=self.has_states,
                             paged=self.rt.decoder.uses_paged_kernel)
         # the grammar masks of this step's constrained rows, computed while the forward runs
         g_rows = [r for r, s in enumerate(batch.sample_seqs) if s.request_id in self._matchers]
         masks = self._start_masks([batch.sample_seqs[r] for r in g_rows]) if g_rows else None
         try:
-            hidden = self.rt.decoder.forward(batch.input_ids, batch.positions, batch.meta,
-                                             self.rt.kv)
+            graphs = self.rt.graphs  # decode steps that fit a bucket replay its CUDA graph
+            if graphs is not None and graphs.bucket_for(work, batch) is not None:
+                hidden = graphs.run(work, batch)
+            else:
+                hidden = self.rt.decoder.forward(batch.input_ids, batch.positions, batch.meta,
+                                                 self.rt.kv)
             if self._prompt_logits:
                 self._keep_prompt_logits(work, hidden)
             rows = hidden if batch.sample_all else hidden[batch.sample_rows]
@@ -346,9 +351,7 @@ class EngineCore:
         between steps, from the thread that runs them."""
         if self.rt.decoder.moe is None:
             raise ConfigError(f"{self.spec.arch}: a dense model has no MoE strategy to replace")
-        old = self.rt.decoder.moe
-        self.rt.decoder.moe = self.rt.moe = strategy
-        return old
+        return self.rt.replace_moe(strategy)  # decode graphs are captured again for it
 
     def moe_parts(self) -> MoEParts:
         """The spec, host experts, routers and device another strategy is built from."""

@@ -8,6 +8,7 @@ import logging
 import torch
 
 from ftrs.config import EngineConfig
+from ftrs.engine.graphs import DecodeGraphs, build_graphs, why_off
 from ftrs.errors import ConfigError
 from ftrs.kernels import Kernels, select_kernels
 from ftrs.kvcache.state import state_bytes
@@ -22,14 +23,26 @@ DEFAULT_KV_TOKENS_CPU = 65536
 
 
 def resolve_device(name: str) -> torch.device:
+    """The compute device; a CUDA device always with its index ("cuda" and "auto": the current
+    device), so every allocation, stream and probe can name it explicitly."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {name!r} requested but CUDA is not available")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(f"device: unsupported {name!r} (cpu, cuda, cuda:N, auto)") from e
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError(f"device: unsupported {name!r} (cpu, cuda, cuda:N, auto)")
-    return dev
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} requested but CUDA is not available")
+    count = torch.cuda.device_count()
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if not 0 <= index < count:
+        raise ConfigError(f"device {name!r}: this machine has {count} CUDA device(s), "
+                          f"cuda:0..cuda:{count - 1}")
+    return torch.device("cuda", index)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -43,6 +56,7 @@ class Runtime:
 
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.device = resolve_device(config.device)
+        self.use_device()
         self.dtype = resolve_dtype(config.dtype, self.device)
         # before the model loads, so `--kernels triton` where it cannot run fails at once;
         # `kernels.name` ("triton" | "torch") says which side runs
@@ -67,12 +81,44 @@ class Runtime:
         self.state_slots = config.max_running_requests  # one per running sequence
         kv_tokens = config.kv_tokens or self._kv_budget_tokens()
         self.num_pages = max(1, kv_tokens // config.page_size)
-        self.kv = KVCache.allocate(self.spec, self.num_pages * config.page_size, self.dtype,
-                                   self.device, state_slots=self.state_slots)
+        self.config = config
+        self.kernels_name = self.kernels.name  # graphs need the Triton side (and CUDA)
+        self.graphs_off = why_off(config, self.device, self.kernels_name, self.spec, self.moe)
+        # with graphs, one page past the pool: where a bucket's padding rows write their keys
+        self.has_scratch_page = self.graphs_off is None
+        self.kv = KVCache.allocate(
+            self.spec, (self.num_pages + self.has_scratch_page) * config.page_size, self.dtype,
+            self.device, state_slots=self.state_slots)
         log.info("model %s: %s, %d layers, %s on %s, %s kernels; KV cache %d tokens",
                  config.model, self.spec.arch, self.spec.num_layers,
                  str(self.dtype).removeprefix("torch."), self.device, self.kernels.name,
                  self.num_pages * config.page_size)
+        self.graphs: DecodeGraphs | None = self._capture_graphs()
+
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        c = self.config
+        return build_graphs(self.graphs_off, self.decoder, self.kv, c.max_running_requests,
+                            c.page_size, min(self.max_model_len, self.num_pages * c.page_size),
+                            scratch_page=self.num_pages)
+
+    def replace_moe(self, strategy: MoEStrategy) -> MoEStrategy | None:
+        """Route experts through `strategy` from the next forward on; returns the previous
+        strategy. Decode graphs hold the old one's kernels: they are captured again for the
+        new one (or turned off, with the reason)."""
+        old = self.decoder.moe
+        self.decoder.moe = self.moe = strategy
+        if self.has_scratch_page:  # graphs were possible at startup
+            self.graphs = None  # the old graphs' memory goes before the new capture
+            self.graphs_off = why_off(self.config, self.device, self.kernels_name, self.spec,
+                                      strategy)
+            self.graphs = self._capture_graphs()
+        return old
+
+    def use_device(self) -> None:
+        """Make the compute device current for the calling thread (CUDA's current device is
+        per thread; kernels launched without a device argument, Triton's among them, go there)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     def _routers(self) -> dict[int, torch.Tensor]:
         out: dict[int, torch.Tensor] = {}

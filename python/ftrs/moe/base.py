@@ -18,11 +18,27 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ftrs.errors import ConfigError
+
+
+class GraphSupport(NamedTuple):
+    """How a strategy's layer goes into a decode CUDA graph (`engine/graphs.py`).
+
+    - "step": `device_step` is pure device work of static shapes with no host read, no host-side
+      state that must change per step, no allocation whose size depends on the data; the whole
+      decode step is one graph.
+    - "layer": the layer needs a host step first (slot lookup, waiting for copies, waves):
+      the graph is split at every MoE layer, `host_step` runs between the segments, and the
+      captured `device_step` reads what it wrote (e.g. a static device slot table).
+    - "off": no graph; `why` says why (logged once at startup).
+    """
+
+    mode: str  # "step" | "layer" | "off"
+    why: str = ""
 
 
 class MoEStrategy(ABC):
@@ -40,6 +56,24 @@ class MoEStrategy(ABC):
 
     def end_forward(self) -> None:
         """Called after the last layer of a forward pass."""
+
+    def graph_support(self) -> GraphSupport:
+        """Whether decode steps may run as CUDA graphs with this strategy, and how."""
+        return GraphSupport("off", f"the {self.name} MoE strategy declares no CUDA graph support")
+
+    def host_step(self, layer: int, ids: torch.Tensor, weights: torch.Tensor, rows: int) -> None:
+        """"layer" mode: the data-dependent part of `forward`, run outside any graph, between the
+        segment that routed `layer` and the one that computes it. Only the first `rows` rows of
+        `ids`/`weights` are real (the rest pad a graph bucket: their experts must not be
+        fetched). It may read `ids` on the host and wait for copies; it must leave everything
+        `device_step` reads ready on the current stream (stream-ordered writes only), and must
+        not let the transfer engine rewrite a slot that the previous segment may still read."""
+
+    def device_step(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+        """The part of `forward` a graph captures ("step" and "layer" modes). Default: `forward`
+        (right for a "step" strategy whose forward is already sync-free)."""
+        return self.forward(layer, x, ids, weights)
 
     def stats(self) -> dict[str, Any]:
         """Counters for the step record (empty for strategies that move nothing)."""

@@ -14,7 +14,7 @@ import torch
 
 from ftrs.layers.moe import combine_experts, plan_experts
 from ftrs.models.experts import HostExperts
-from ftrs.moe.base import MoEStrategy, register
+from ftrs.moe.base import GraphSupport, MoEStrategy, register
 
 if TYPE_CHECKING:  # the kernel modules import Triton: only when the kernels are chosen
     from ftrs.kernels import Kernels
@@ -33,6 +33,7 @@ class ResidentStrategy(MoEStrategy):
         self._region = host if device.type == "cpu" else host.to(device)
         self._weights = experts.views(self._region)
         self._num_experts = experts.spec.num_experts
+        self._moe_layers = experts.spec.moe_layers
         self._act = experts.act
         # the fused kernel's views: per layer, its E blocks as slots 0..E-1
         self._fused: dict[int, SlotWeights] = {}
@@ -63,3 +64,12 @@ class ResidentStrategy(MoEStrategy):
         per_layer = self._weights[layer]
         combine_experts(x, plan, None, plan.experts, lambda e: per_layer[e], out, self._act)
         return out
+
+    def graph_support(self) -> GraphSupport:
+        # the fused kernel reads nothing back; `plan_experts` reads the routing on the host
+        torch_path = [layer for layer in self._moe_layers if layer not in self._fused]
+        if not torch_path:
+            return GraphSupport("step")
+        return GraphSupport("off", f"the resident strategy runs MoE layer(s) {torch_path[:4]} "
+                                   "through the per-expert loop, which reads the routing on the "
+                                   "host (the fused MoE kernel is not in use there)")

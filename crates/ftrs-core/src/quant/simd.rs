@@ -4,7 +4,7 @@
 //! that has the features; [`rows_avx2`] is the one entry, and its callers reach it only when
 //! [`avx2_available`] said yes ([`super::Isa`] checks before handing out `Isa::Avx2`).
 //!
-//! Integer-product kernels (Q8_0, Q4_1, Q5_1, Q4_K, Q6_K) live in [`int`]: the activations as
+//! Integer-product kernels (Q8_0, Q4_1, Q5_1, Q4_K, Q6_K) live in `int`: the activations as
 //! 15-bit integers per 32-block, tried first. The others here (Q5_K, Q4_0, Q5_0, F32, F16,
 //! BF16) decode in registers (nibbles masked and widened, converted to fp32, times the sub-block scale
 //! `d * sc`: exactly the reference's weight before its min) and fuse the products into 8-lane

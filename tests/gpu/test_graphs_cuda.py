@@ -1,0 +1,50 @@
+"""Decode CUDA graphs on a real device: captured at startup, replayed by decode steps, and the
+same greedy tokens and logits (fp32, within rounding) as the eager steps of `--no-cuda-graphs`.
+
+The CPU tests (tests/engine/test_graphs.py) check the static buffers and the padding through
+the eager stand-in; these check that the capture itself works (side-stream warm-up, one pool
+for every bucket, the Triton kernels inside the graph) and that a replay reads the step's rows.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.test_graphs import GREEDY, PROMPTS, run
+from ftrs.engine.graphs import CudaGraphs
+from ftrs.llm import LLM
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def make(path: Path, graphs: bool) -> LLM:
+    pytest.importorskip("triton")
+    return LLM(str(path), device="cuda", dtype="float32", kernels="triton", kv_tokens=2048,
+               max_running_requests=8, cuda_graphs=graphs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_graph_replays_give_the_eager_steps(tiny_models: dict[str, Path], arch: str) -> None:
+    llm = make(tiny_models[arch], graphs=False)
+    assert llm.engine.rt.graphs is None
+    eager_tokens, eager_steps = run(llm)
+    llm.close()
+    llm = make(tiny_models[arch], graphs=True)
+    graphs = llm.engine.rt.graphs
+    moe = llm.engine.rt.decoder.moe
+    if graphs is None and moe is not None:
+        pytest.skip(f"graphs off for {arch}: {moe.graph_support().why}")
+    assert isinstance(graphs, CudaGraphs)
+    assert graphs.buckets == (1, 2, 4, 8)
+    tokens, steps = run(llm)
+    replays = graphs.replays
+    llm.close()
+    assert replays == GREEDY.max_tokens - 1  # every decode step of the 4 prompts replayed
+    assert tokens == eager_tokens
+    assert len(steps) == len(eager_steps) and len(PROMPTS) == steps[-1].shape[0]
+    for a, b in zip(eager_steps, steps, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
