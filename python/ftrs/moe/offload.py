@@ -446,6 +446,8 @@ class OffloadStrategy(MoEStrategy):
             self.engine.release(self._graph.stream())
 
     def begin_forward(self, num_tokens: int) -> None:
+        if self._graph is not None:  # slots a host step left pinned outside a step (warm-up)
+            self.engine.release(self._graph.stream())
         self.distinct_per_layer = []
         if self._t_end > self._t_begin:  # the last forward ran MoE layers: was it link-bound?
             took = self._t_end - self._t_begin
