@@ -27,22 +27,23 @@ from ftrs.moe.base import GraphSupport, create_strategy
 pytest.importorskip("triton")
 
 
-def make(path: Path, strategy: str) -> LLM:
+def make(path: Path, strategy: str, device: str = "cpu") -> LLM:
     """An engine whose MoE layers run `strategy` on the fused kernel (the runtime does not pass
-    kernels to strategies yet: the strategy is swapped in, as benches do)."""
-    cpu = torch.device("cpu")
-    if not triton_runs_on(cpu):
-        pytest.skip("the fused kernel needs TRITON_INTERPRET=1 on the CPU")
+    kernels to strategies yet: the strategy is swapped in, as benches do). Offload: a quarter
+    of the experts, a simulated link on the CPU, real copies on CUDA."""
+    dev = torch.device(device)
+    if not triton_runs_on(dev):
+        pytest.skip(f"the fused kernel cannot run on {device} (on the CPU: TRITON_INTERPRET=1)")
     options: dict[str, Any] = {}
     if strategy == "offload":
-        options = {"moe_cache_rate": 0.25, "copy_backend": "simulated:1:300",
-                   "moe_prefetch": True}
-    llm = LLM(str(path), device="cpu", dtype="float32", kv_tokens=256,
+        options = {"moe_cache_rate": 0.25, "moe_prefetch": True,
+                   "copy_backend": "simulated:1:300" if dev.type == "cpu" else "cuda"}
+    llm = LLM(str(path), device=device, dtype="float32", kv_tokens=256,
               max_running_requests=16, moe_strategy=strategy, **options)
     parts = llm.engine.moe_parts()
     config = EngineConfig(model=str(path), moe_strategy=strategy, **options)
-    fused = create_strategy(strategy, experts=parts.experts, device=cpu, config=config,
-                            routers=parts.routers, kernels=select_kernels("triton", cpu))
+    fused = create_strategy(strategy, experts=parts.experts, device=parts.device, config=config,
+                            routers=parts.routers, kernels=select_kernels("triton", dev))
     old = llm.engine.use_moe_strategy(fused)
     assert old is not None
     old.close()
