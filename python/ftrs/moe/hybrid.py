@@ -205,6 +205,7 @@ class HybridStrategy(OffloadStrategy):
     def __init__(self, experts: HostExperts, device: torch.device, config: EngineConfig,
                  routers: dict[int, torch.Tensor], **kw: Any) -> None:
         super().__init__(experts, device, config, routers, **kw)
+        self._graph = None  # no decode graphs (`graph_support`)
         self.device = device
         self.threads = config.cpu_expert_threads or int(_core.quant_threads())
         _core.quant_set_threads(self.threads)  # the kernels' pool for every call passing 0

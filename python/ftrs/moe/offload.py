@@ -55,6 +55,13 @@ the experts that have landed and one after the ticket for the rest, each with a 
 naming only its experts; the calls fill one buffer of per-(token, expert) rows, added up once
 per layer in ascending id: bit-identical to `resident` on the kernel.
 
+Decode CUDA graphs ("layer" mode, `engine/graphs.py`; kernels only): the graph is cut at each
+MoE layer. `host_step` runs outside it: the lookup for the real rows' experts (padding rows
+fetch nothing), a wait for all of them (no landed-first split inside a layer: the captured
+kernel reads one table), and the expert -> slot table written into a static device buffer
+(`GraphTables`); the captured `device_step` is the fused kernel over it. Prefetch still
+overlaps the next layer's copies with this layer's compute (docs/kernels.md, item 7).
+
 On CUDA the copies run on the engine's own stream, on the model's device (`cuda:N`). A slot
 may only be overwritten once the kernels reading it are done: every release hands the engine
 torch's current stream, where it records an event after those kernels, and a copy into a
