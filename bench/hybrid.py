@@ -14,11 +14,18 @@ share the host's load; each figure is the median over the rounds (a shared host'
 by tens of percent within a minute).
 
 On a CPU-only host the "device" is the CPU: a hit is no faster than computing the same expert
-from the pool, so hybrid's cost model sends every miss to the CPU and hybrid is all_cpu plus
-its bookkeeping. The output says which device it ran on.
+from the pool, so hybrid's cost model sends every miss to the CPU, and each MoE layer runs
+resident's code over the pool plus three counters: hybrid is all_cpu within the host's noise.
+The output says which device it ran on.
+
+Before the sweep, `layer_overhead` times the MoE layers alone: hybrid (CPU device, cache 0.5)
+against resident on the same decode-shaped inputs (one token, each layer's own routing), one
+pass of every MoE layer with the per-step calls (`begin_forward`, `end_forward`, `stats`)
+each, the two strategies alternating pass by pass; it prints the median of the per-pair ratios.
 
     python bench/hybrid.py                 # links 0.1 0.5 2 8 GB/s, cache 0.5
     python bench/hybrid.py --model demo    # the fp32 demo
+    python bench/hybrid.py --links         # the MoE-layer overhead alone
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import torch
 
 import _common as common
 from ftrs.config import ftrs_home
+from ftrs.layers.moe import route
 from ftrs.llm import LLM
 from ftrs.moe.base import MoEStrategy
 from ftrs.moe.hybrid import HybridStrategy
@@ -49,21 +57,20 @@ def default_model() -> str:
 
 
 def make(llm: LLM, name: str, link: float, rate: float) -> MoEStrategy:
-    rt = llm.engine.rt
-    assert rt.loaded.experts is not None and rt.moe is not None
+    parts, resident = llm.engine.moe_parts(), llm.engine.moe_strategy()
+    assert resident is not None
     if name == "all_cpu":
-        return rt.moe  # the resident strategy the LLM was built with
+        return resident  # the resident strategy the LLM was built with
     cfg = dataclasses.replace(llm.config, moe_strategy=name, moe_cache_rate=rate,
                               moe_cache_size=None, copy_backend=f"simulated:{link:g}",
                               moe_prefetch=True)
-    routers = {layer: w for layer in rt.spec.moe_layers
-               if isinstance(w := rt.loaded.dense[f"{layer}.router"], torch.Tensor)}
+    routers = {layer: w for layer, w in parts.routers.items() if isinstance(w, torch.Tensor)}
     cls = HybridStrategy if name == "hybrid" else OffloadStrategy
-    return cls(experts=rt.loaded.experts, device=rt.device, config=cfg, routers=routers)
+    return cls(experts=parts.experts, device=parts.device, config=cfg, routers=routers)
 
 
 def decode(llm: LLM, strat: MoEStrategy, prompt: list[int], tokens: int) -> dict[str, Any]:
-    resident = llm.engine.rt.moe
+    resident = llm.engine.moe_strategy()
     assert resident is not None
     common.use_strategy(llm, strat)
     try:
@@ -85,6 +92,50 @@ def decode(llm: LLM, strat: MoEStrategy, prompt: list[int], tokens: int) -> dict
     return out
 
 
+def layer_overhead(llm: LLM, passes: int, seed: int = 0) -> dict[str, Any]:
+    """Seconds of one pass over every MoE layer, resident against hybrid, alternating (module
+    docstring); the median of the per-pair ratios hybrid / resident."""
+    parts, resident = llm.engine.moe_parts(), llm.engine.moe_strategy()
+    assert resident is not None and parts.device.type == "cpu"
+    spec = parts.spec
+    gen = torch.Generator().manual_seed(seed)
+    inputs = {}
+    for layer in spec.moe_layers:
+        x = torch.randn((1, spec.hidden_size), generator=gen)  # (1, hidden): one decode token
+        router = parts.routers[layer]
+        assert isinstance(router, torch.Tensor)
+        ids, w = route(x, router, spec.top_k, spec.norm_topk_prob)
+        inputs[layer] = (x, ids, w)
+    hybrid = make(llm, "hybrid", 8.0, 0.5)
+
+    def one_pass(strat: MoEStrategy) -> float:
+        t0 = time.perf_counter()
+        strat.begin_forward(1)
+        for layer, (x, ids, w) in inputs.items():
+            strat.forward(layer, x, ids, w)
+        strat.end_forward()
+        strat.stats()
+        return time.perf_counter() - t0
+
+    times: dict[str, list[float]] = {"resident": [], "hybrid": []}
+    try:
+        for strat in (resident, hybrid, resident, hybrid):  # warm-up
+            one_pass(strat)
+        for i in range(passes):
+            order = [("resident", resident), ("hybrid", hybrid)]
+            for name, strat in order if i % 2 == 0 else order[::-1]:
+                times[name].append(one_pass(strat))
+    finally:
+        hybrid.close()
+    ratios = [h / r for h, r in zip(times["hybrid"], times["resident"])]
+    n = len(spec.moe_layers)
+    return {"passes": passes, "moe_layers": n,
+            "resident_us_per_layer": round(statistics.median(times["resident"]) / n * 1e6, 1),
+            "hybrid_us_per_layer": round(statistics.median(times["hybrid"]) / n * 1e6, 1),
+            "hybrid_over_resident": round(statistics.median(ratios), 4),
+            "ratio_quartiles": [round(q, 4) for q in statistics.quantiles(ratios, n=4)]}
+
+
 def median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per figure, the median over the rounds; tokens/s of each round beside it."""
     out = {k: round(statistics.median(r[k] for r in runs), 3) for k in runs[0]}
@@ -95,20 +146,22 @@ def median(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the Q4_K_M demo, else the fp32 demo")
-    ap.add_argument("--links", type=float, nargs="+", default=[0.1, 0.5, 2.0, 8.0])
+    ap.add_argument("--links", type=float, nargs="*", default=[0.1, 0.5, 2.0, 8.0])
     ap.add_argument("--cache-rate", type=float, default=0.5)
     ap.add_argument("--tokens", type=int, default=6)
     ap.add_argument("--slow-tokens", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--layer-passes", type=int, default=60,
+                    help="passes of the MoE-layer overhead bench (0: skip it)")
     args = ap.parse_args()
     model = default_model() if args.model in (None, "demo-q4") else (
         common.demo_path() if args.model == "demo" else args.model)
     llm = LLM(model, device="cpu", dtype="float32", moe_strategy="resident", kv_tokens=4096)
-    rt = llm.engine.rt
-    assert rt.loaded.experts is not None
+    parts = llm.engine.moe_parts()
     prompt = llm.tokenizer.encode("The capital of France is")
     rows = []
     t0 = time.perf_counter()
+    overhead = layer_overhead(llm, args.layer_passes) if args.layer_passes > 0 else None
     for link in args.links:
         n = args.slow_tokens if link < 0.5 else args.tokens
         row: dict[str, Any] = {"link_gbps": link}
@@ -125,12 +178,13 @@ def main() -> None:
         rows.append(row)
     llm.close()
     print(json.dumps({
-        "model": Path(model).name, "device": str(rt.device),
+        "model": Path(model).name, "device": str(parts.device),
         "note": ("the 'device' is the CPU on this host: device slots live in host memory and "
-                 "a hit computes on the same cores as a CPU expert") if rt.device.type == "cpu"
+                 "a hit computes on the same cores as a CPU expert") if parts.device.type == "cpu"
                 else "device is a GPU",
-        "expert_bytes": rt.loaded.experts.expert_bytes, "cache_rate": args.cache_rate,
-        "batch": 1, "wall_s": round(time.perf_counter() - t0, 1), "rows": rows}, indent=1))
+        "expert_bytes": parts.experts.expert_bytes, "cache_rate": args.cache_rate,
+        "batch": 1, "wall_s": round(time.perf_counter() - t0, 1),
+        "moe_layer_overhead": overhead, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -79,3 +79,36 @@ def test_auto_without_profile_says_what_it_assumed(tmp_path: Path) -> None:
     big = resolve_auto_strategy(key, total_expert_bytes=1000, device_budget_bytes=100,
                                 home=tmp_path)
     assert big.strategy == "offload" and "assumed offload" in big.message
+
+
+def test_slow_link_gguf_picks_hybrid_and_auto_serves_it(tmp_path: Path) -> None:
+    """A tiny quantized GGUF, measured for real without the resident candidate (a model that
+    does not fit the device) on a 1 MB/s simulated link: offload waits tens of ms per missed
+    expert, hybrid computes every miss from the host pool, so hybrid is the pick. Serving
+    `--moe-strategy auto` on that file and link then runs the pick, with the link guard on."""
+    import socket
+
+    from ftrs.config import EngineConfig
+    from ftrs.guard.bench_strategy import CPU_DEVICE_NOTE, device_name, link_id, model_id
+    from ftrs.guard.profile import profile_key
+    from ftrs.guard.startup import apply_link_guard
+
+    quant_models = pytest.importorskip("quant_models")
+    gguf = quant_models.build("qwen3_moe", quant_models.QWEN3MOE_TYPES, tmp_path)[0]
+    backend = "simulated:0.001"
+    b = run_strategy_bench(str(gguf), prompt_tokens=8, decode_tokens=3, cache_rates=(0.5,),
+                           copy_backend=backend, device="cpu", home=tmp_path, resident=False)
+    rows = {r.label: r for r in b.rows}
+    assert set(rows) == {"offload@0.5", "hybrid@0.5"} and not any(r.error for r in b.rows)
+    assert rows["offload@0.5"].bytes_h2d > 0 and rows["hybrid@0.5"].bytes_h2d == 0
+    assert b.pick.label == "hybrid@0.5"
+    assert CPU_DEVICE_NOTE in b.notes  # the table says the device is the CPU
+    assert b.key == profile_key(device=device_name("cpu"), host=socket.gethostname(),
+                                model=model_id(str(gguf)), link=link_id(backend))
+    config = EngineConfig(model=str(gguf), device="cpu", moe_strategy="auto",
+                          copy_backend=backend)
+    served, decision = apply_link_guard(config, explicit_max_prefill=False, home=tmp_path,
+                                        measure=False)
+    assert (served.moe_strategy, served.moe_cache_rate) == ("hybrid", 0.5)
+    assert decision is not None and decision.numbers["strategy"] == "hybrid"
+    assert not any("no experts cross the link" in r for r in decision.reasons)

@@ -76,6 +76,9 @@ def test_hybrid_equals_resident_bit_for_bit(tiny_models: dict[str, Path], arch: 
         llm.close()
     assert torch.equal(got[0], want[0])
     assert got[1] == want[1]
+    if split is None:  # a CPU device: every expert from the host pool, in place
+        assert s["fetched"] == 0 and s["device_computed"] == 0 and s["bytes_h2d"] == 0
+        assert s["cpu_computed"] > 0 and s["split_cpu_s_per_token"]  # sampled timings
     if split is fast_link:
         assert s["cpu_computed"] == 0 and s["fetched"] > 0 and s["device_computed"] > 0
     if split is slow_link:

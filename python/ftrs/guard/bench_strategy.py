@@ -85,6 +85,10 @@ class StrategyBench:
 
 
 Runner = Callable[[Candidate], BenchRow]
+#: Said with every table measured on a CPU device.
+CPU_DEVICE_NOTE = ("the device is the CPU: hybrid computes every expert in place from the host "
+                   "pool, as resident does, and offload adds a copy into host memory; resident "
+                   "and hybrid differ here by the host's noise and hybrid's counters only")
 
 
 def candidates(cache_rates: Sequence[float] = DEFAULT_CACHE_RATES, resident: bool = True,
@@ -158,8 +162,14 @@ def device_name(device: str) -> str:
     return f"cpu:{platform.machine()}:{platform.processor() or 'unknown'}"
 
 
+#: Bytes of a single-file checkpoint (GGUF) hashed for its id: the header, metadata and tensor
+#: table lie at the start; the whole file may be tens of GB.
+MODEL_ID_HEAD_BYTES = 8 << 20
+
+
 def model_id(model: str) -> str:
-    """The checkpoint's name plus a hash of its config.json (so a rebuilt model matches)."""
+    """The checkpoint's name plus a hash of its config.json, or of a single file's first
+    `MODEL_ID_HEAD_BYTES` and its size (so a rebuilt model matches)."""
     from ftrs.errors import ModelLoadError
     from ftrs.models.load import resolve_model
 
@@ -167,9 +177,15 @@ def model_id(model: str) -> str:
         path = resolve_model(model)
     except ModelLoadError:
         return model
-    cfg = path / "config.json" if path.is_dir() else path
-    digest = hashlib.sha256(cfg.read_bytes() if cfg.is_file() else b"").hexdigest()[:12]
-    return f"{path.name}:{digest}"
+    h = hashlib.sha256()
+    if path.is_dir():
+        cfg = path / "config.json"
+        h.update(cfg.read_bytes() if cfg.is_file() else b"")
+    elif path.is_file():
+        with path.open("rb") as f:
+            h.update(f.read(MODEL_ID_HEAD_BYTES))
+        h.update(str(path.stat().st_size).encode())
+    return f"{path.name}:{h.hexdigest()[:12]}"
 
 
 def link_id(copy_backend: str, link_desc: str | None = None) -> str:
@@ -217,6 +233,8 @@ def run_strategy_bench(
                 "copy_backend": copy_backend, "device": device, "dtype": dtype,
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     bench = StrategyBench(rows, pick, key, workload)
+    if key["device"].startswith("cpu:") and any(r.strategy == "hybrid" for r in ok):
+        bench.notes.append(CPU_DEVICE_NOTE)
     if write:
         bench.profile_path = write_profile(bench.to_dict(), key, home)
         logger.info("bench strategy: picked %s (%.3f s); profile %s", pick.label, pick.total_s,
@@ -249,6 +267,7 @@ def run_cli(args: argparse.Namespace) -> int:
         strategies=args.strategies)
     text = json.dumps(bench.to_dict(), indent=2) if args.json else (
         bench.format_table() + f"\npick: {bench.pick.label}"
+        + "".join(f"\nnote: {n}" for n in bench.notes)
         + (f"\nprofile: {bench.profile_path}" if bench.profile_path else ""))
     print(text)  # the CLI's output
     return 0

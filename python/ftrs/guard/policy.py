@@ -50,7 +50,9 @@ DEFAULT_WINDOW_S = 0.5
 DEFAULT_FLOOR = 256
 #: Days after which a DeviceLost report no longer caps (EngineConfig.guard_loss_max_age_days).
 DEFAULT_LOSS_MAX_AGE_DAYS = 30.0
-OFFLOAD_STRATEGIES = ("offload", "auto")
+#: Strategies that fetch experts over the link while serving (hybrid fetches the misses its
+#: cost model gives the link: at most what offload would).
+OFFLOAD_STRATEGIES = ("offload", "hybrid", "auto")
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,7 @@ def apply_link_guard(
 ) -> tuple[EngineConfig, GuardDecision | None]:
     """(config to serve with, decision). Logs the auto choice and the decision.
 
-    A dense checkpoint (a GGUF file, or no routed experts) moves no experts: no decision.
+    A checkpoint that is neither a directory nor a GGUF file moves no experts: no decision.
     """
     from ftrs.models.load import resolve_model
 
@@ -109,7 +109,7 @@ def apply_link_guard(
         path = resolve_model(config.model)
     except ModelLoadError:
         return config, None  # the engine reports the load failure itself, on /health
-    if not path.is_dir():
+    if not path.is_dir() and path.suffix != ".gguf":
         return config, None
     fetch = model_fetch(config.model, config.device, config.dtype)
     link = current_link(config, sysfs_root=sysfs_root, measure=measure)

@@ -18,6 +18,9 @@ so a link slowed by the adaptive guard or a busy CPU moves the split within a fe
 the CPU and the device work at the same time (a GPU), the split minimises the longer of the two;
 when the device *is* the CPU it minimises their sum, which on a CPU-only host sends every miss
 to the CPU: copying bytes from host memory into "device" memory that is host memory only costs.
+There the layer runs exactly as `resident` runs over the host pool, plus three counters; one
+call in `CPU_SAMPLE_EVERY` times its experts for the estimates (`/metrics`). Measured by
+`bench/hybrid.py` (MoE layers alone, hybrid and resident alternating): within the host's noise.
 
 Results are added in ascending expert id, whatever computed them (`layers.moe.accumulate`), so
 hybrid equals `resident` bit for bit whenever both sides compute in the same dtype with the same
@@ -66,6 +69,8 @@ EWMA_ALPHA = 0.3
 SEED_CPU_BYTES_PER_S = 8e9
 #: ...and a link of unknown speed (a PCIe 4.0 x16 link's practical rate).
 SEED_LINK_BYTES_PER_S = 20e9
+#: On a CPU device with empty slots, one MoE layer call in this many times its experts.
+CPU_SAMPLE_EVERY = 16
 _FLOAT_QTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
 
 
@@ -223,11 +228,14 @@ class HybridStrategy(OffloadStrategy):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrs-cpu-experts")
         self.device_computed = self.fetched = self.cpu_computed = 0
         self.step_counts = [0, 0, 0]  # this step: device (hits), fetched, CPU
+        self._calls = 0  # MoE layer calls served in place (`_in_place`)
         log.info("hybrid: CPU experts on %d kernel threads; link seed %.2f GB/s",
                  self.threads, rate / 1e9)
 
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
+        if self.cost.device_is_cpu and not self.fetched:
+            return self._in_place(layer, x, ids, weights)
         li = self.experts.layer_index[layer]
         self._slot_views = self.slot_weights[layer]
         plan = plan_experts(ids, weights, self.spec.num_experts)
@@ -264,8 +272,9 @@ class HybridStrategy(OffloadStrategy):
                 parts.update(self._device_parts(x, plan, device, slots, ticket) if fused is None
                              else self._fused_parts(x, ids, weights, plan, device, slots,
                                                     ticket, fused))
-            finally:
-                self.engine.release()
+            finally:  # copies into these slots wait for the kernels that read them (stream fence)
+                self.engine.release(torch.cuda.current_stream(x.device).cuda_stream
+                                    if x.is_cuda else None)
             if fetch:
                 self.cost.observe_link(len(fetch) * self.experts.expert_bytes, len(fetch),
                                        self.clock() - t0)
@@ -284,6 +293,29 @@ class HybridStrategy(OffloadStrategy):
         self.fetched += len(fetch)
         self.cpu_computed += len(on_cpu)
         self._t_end = self.clock()
+        return out
+
+    def _in_place(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                  weights: torch.Tensor) -> torch.Tensor:
+        """A CPU device with empty slots: the split's answer is every expert from the host
+        pool, by construction, so the layer is `resident`'s over the pool, plus the counts; one
+        call in `CPU_SAMPLE_EVERY` times its experts for the cost model's estimates."""
+        plan = plan_experts(ids, weights, self.spec.num_experts)
+        needed = plan.experts  # ascending
+        host = self.host_weights[layer]
+        self._calls += 1
+        if self._calls % CPU_SAMPLE_EVERY:
+            out = torch.zeros_like(x)
+            for e in needed:
+                accumulate(out, expert_contribution(x, plan, e, host[e], self.act))
+        else:
+            parts = self._cpu_parts(layer, x, plan, needed)
+            out = torch.zeros_like(x)
+            for e in needed:
+                accumulate(out, parts[e])
+        self.distinct_per_layer.append(len(needed))
+        self.step_counts[2] += len(needed)
+        self.cpu_computed += len(needed)
         return out
 
     def _device_parts(self, x: torch.Tensor, plan: ExpertPlan, device: list[int],

@@ -24,8 +24,8 @@ CUDA out-of-memory fails only the step's requests, like DeviceOutOfMemory.
 
 API side, `install_policy(client, server, policy)`: what `ftrs serve` does once the engine
 died. Of a device error, per `policy`: `exit`: stop serving (in-flight clients already have
-their typed error) and exit with the error's code (86/87/88). `cpu`: restart the engine with
-device="cpu" and keep serving; /health then says `"degraded": true`. `restart`: restart on the
+their typed error) and exit with the error's code (86/87/88). `cpu`: restart the engine on
+the CPU (`cpu_fallback`) and keep serving; /health then says `"degraded": true`. `restart`: restart on the
 same device only when a fresh probe says the device answers; otherwise behave as `exit`.
 Of anything else, once the engine had served (any exit, kill -9, `--step-fault-limit` failed
 steps in a row, a restarted engine that fails to load), or of an exit without a report while
@@ -371,7 +371,7 @@ def install_policy(client: Any, server: Any, policy: str, grace_s: float = 1.0) 
             return
         config = client.config
         if action == "cpu":
-            config = dataclasses.replace(config, device="cpu", fault_inject=None)
+            config = cpu_fallback(config)
         else:
             config = dataclasses.replace(config, fault_inject=None)
         logger.warning("on-device-lost %s: restarting the engine on %s", action, config.device)
@@ -380,6 +380,17 @@ def install_policy(client: Any, server: Any, policy: str, grace_s: float = 1.0) 
                                          "mode": action, "device": config.device})
 
     client.on_failure = on_failure
+
+
+def cpu_fallback(config: EngineConfig) -> EngineConfig:
+    """The config `--on-device-lost cpu` restarts with: the CPU device, no drill, and the
+    `resident` strategy for a MoE: every expert is computed where the host pool holds it, in the
+    checkpoint's own encoding (a quantized file's experts and projections stay quantized and run
+    on the Rust kernels; `models.load`), with no slot cache or copy beside it (offload would copy
+    host memory into host memory; hybrid on a CPU device computes as resident does). `dtype`
+    stays as given ("auto" resolves to float32 on the CPU)."""
+    return dataclasses.replace(config, device="cpu", fault_inject=None, moe_strategy="resident",
+                               copy_backend="auto")
 
 
 def _restart_or_exit(client: Any, server: Any, budget: RestartBudget, err: FtrsError,
