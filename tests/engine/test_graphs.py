@@ -228,7 +228,9 @@ class _Recording(MoEStrategy):
     def graph_support(self) -> GraphSupport:
         return GraphSupport(self.mode)
 
-    def host_step(self, layer: int, ids: torch.Tensor, weights: torch.Tensor, rows: int) -> None:
+    def host_step(self, layer: int, ids: torch.Tensor, weights: torch.Tensor, rows: int,
+                  x: torch.Tensor) -> None:
+        assert x.shape[0] == ids.shape[0]  # the layer's input, every row of the bucket
         self.host.append((layer, rows, ids[:rows].tolist()))
         self.events.append(f"host {layer}")
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.test_graphs import GREEDY, PROMPTS, run
+from engine.test_graphs import GREEDY, PROMPTS, attach, run
+from engine.test_graphs_offload import make as make_fused
 from ftrs.engine.graphs import CudaGraphs
 from ftrs.llm import LLM
 
@@ -46,5 +47,22 @@ def test_graph_replays_give_the_eager_steps(tiny_models: dict[str, Path], arch: 
     assert replays == GREEDY.max_tokens - 1  # every decode step of the 4 prompts replayed
     assert tokens == eager_tokens
     assert len(steps) == len(eager_steps) and len(PROMPTS) == steps[-1].shape[0]
+    for a, b in zip(eager_steps, steps, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_offload_split_graphs_give_the_eager_steps(tiny_models: dict[str, Path]) -> None:
+    """Offload in "layer" mode (a quarter of the experts in slots, real copies): captured
+    segments around the host steps give the eager offload's tokens and logits."""
+    llm = make_fused(tiny_models["mixtral"], "offload", device="cuda")
+    eager_tokens, eager_steps = run(llm)
+    llm.close()
+    llm = make_fused(tiny_models["mixtral"], "offload", device="cuda")
+    graphs = attach(llm, (1, 2, 4, 8), cls=CudaGraphs)
+    assert len(graphs.static[8].segments) == len(llm.engine.spec.moe_layers) + 1
+    tokens, steps = run(llm)
+    llm.close()
+    assert graphs.replays == GREEDY.max_tokens - 1
+    assert tokens == eager_tokens
     for a, b in zip(eager_steps, steps, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -128,6 +128,7 @@ class Split(NamedTuple):
     layer: int
     ids: torch.Tensor  # (bucket, k) routing of the layer
     weights: torch.Tensor  # (bucket, k)
+    x: torch.Tensor  # (bucket, hidden) the layer's input
 
 
 @dataclass(slots=True)
@@ -204,14 +205,17 @@ class StaticDecode:
                             real[:, None, None, :], decode_only=True, paged=self.paged)
 
 
+#: what a seam calls at each MoE layer: (layer, ids, weights, x)
+AtLayer = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
 class _Seam(MoEStrategy):
     """Stands in for the decoder's strategy while a bucket's forward runs or is captured: at
-    each MoE layer it calls `at_layer(layer, ids, weights)` ("layer" mode: cut the graph, or
+    each MoE layer it calls `at_layer(layer, ids, weights, x)` ("layer" mode: cut the graph, or
     run the host step), then the strategy's capturable `device_step`. Its begin/end of forward
     do nothing: the runner calls the strategy's around each step, outside any graph."""
 
-    def __init__(self, inner: MoEStrategy, at_layer: Callable[[int, torch.Tensor, torch.Tensor],
-                                                              None] | None) -> None:
+    def __init__(self, inner: MoEStrategy, at_layer: AtLayer | None) -> None:
         self.inner = inner
         self.name = inner.name
         self.at_layer = at_layer
@@ -219,7 +223,7 @@ class _Seam(MoEStrategy):
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
         if self.at_layer is not None:
-            self.at_layer(layer, ids, weights)
+            self.at_layer(layer, ids, weights, x)
         return self.inner.device_step(layer, x, ids, weights)
 
 
@@ -248,8 +252,7 @@ class DecodeGraphs(ABC):
         return self.moe is not None and self.support.mode == "layer"
 
     @contextmanager
-    def _seam(self, at_layer: Callable[[int, torch.Tensor, torch.Tensor], None] | None
-              ) -> Iterator[None]:
+    def _seam(self, at_layer: AtLayer | None) -> Iterator[None]:
         if self.moe is None:
             yield
             return
@@ -259,12 +262,13 @@ class DecodeGraphs(ABC):
         finally:
             self.decoder.moe = self.moe
 
-    def _host_steps(self, rows: int) -> Callable[[int, torch.Tensor, torch.Tensor], None]:
+    def _host_steps(self, rows: int) -> AtLayer:
         moe = self.moe
         assert moe is not None
 
-        def at_layer(layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
-            moe.host_step(layer, ids, weights, rows)
+        def at_layer(layer: int, ids: torch.Tensor, weights: torch.Tensor,
+                     x: torch.Tensor) -> None:
+            moe.host_step(layer, ids, weights, rows, x)
 
         return at_layer
 
@@ -319,7 +323,7 @@ class DecodeGraphs(ABC):
         self._replay_segment(st.segments[0])
         for cut, seg in zip(st.splits, st.segments[1:], strict=True):
             assert self.moe is not None
-            self.moe.host_step(cut.layer, cut.ids, cut.weights, rows)
+            self.moe.host_step(cut.layer, cut.ids, cut.weights, rows, cut.x)
             self._replay_segment(seg)
 
     def _capture(self, st: StaticDecode) -> None:
@@ -328,9 +332,9 @@ class DecodeGraphs(ABC):
         segments: list[Any] = []
         splits: list[Split] = []
 
-        def cut(layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        def cut(layer: int, ids: torch.Tensor, weights: torch.Tensor, x: torch.Tensor) -> None:
             self._end_segment(segments[-1])
-            splits.append(Split(layer, ids, weights))
+            splits.append(Split(layer, ids, weights, x))
             segments.append(self._begin_segment())
 
         with self._capture_stream():  # every segment begins and ends on the capture stream

@@ -61,13 +61,17 @@ class MoEStrategy(ABC):
         """Whether decode steps may run as CUDA graphs with this strategy, and how."""
         return GraphSupport("off", f"the {self.name} MoE strategy declares no CUDA graph support")
 
-    def host_step(self, layer: int, ids: torch.Tensor, weights: torch.Tensor, rows: int) -> None:
+    def host_step(self, layer: int, ids: torch.Tensor, weights: torch.Tensor, rows: int,
+                  x: torch.Tensor) -> None:
         """"layer" mode: the data-dependent part of `forward`, run outside any graph, between the
-        segment that routed `layer` and the one that computes it. Only the first `rows` rows of
-        `ids`/`weights` are real (the rest pad a graph bucket: their experts must not be
-        fetched). It may read `ids` on the host and wait for copies; it must leave everything
-        `device_step` reads ready on the current stream (stream-ordered writes only), and must
-        not let the transfer engine rewrite a slot that the previous segment may still read."""
+        segment that routed `layer` and the one that computes it. `x` is the layer's input (the
+        tensor `device_step` gets: a prediction of the next layer's experts may read it). Only
+        the first `rows` rows of `x`/`ids`/`weights` are real (the rest pad a graph bucket:
+        their experts must not be fetched). It may read `ids` on the host and wait for copies;
+        it must leave everything `device_step` reads ready on the current stream
+        (stream-ordered writes only), and must not let the transfer engine rewrite a slot that
+        the previous segment may still read. The runner calls `end_forward` after the last
+        segment, outside any graph."""
 
     def device_step(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                     weights: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,7 @@ from ftrs.layers.moe import (
     plan_experts,
 )
 from ftrs.models.experts import HostExperts
-from ftrs.moe.base import register
+from ftrs.moe.base import GraphSupport, register
 from ftrs.moe.offload import OffloadStrategy
 from ftrs.quant.formats import QuantTensor
 
@@ -210,6 +210,7 @@ class HybridStrategy(OffloadStrategy):
     def __init__(self, experts: HostExperts, device: torch.device, config: EngineConfig,
                  routers: dict[int, torch.Tensor], **kw: Any) -> None:
         super().__init__(experts, device, config, routers, **kw)
+        self._graph = None  # no decode graphs (`graph_support`)
         self.device = device
         self.threads = config.cpu_expert_threads or int(_core.quant_threads())
         _core.quant_set_threads(self.threads)  # the kernels' pool for every call passing 0
@@ -360,6 +361,12 @@ class HybridStrategy(OffloadStrategy):
     def begin_forward(self, num_tokens: int) -> None:
         super().begin_forward(num_tokens)
         self.step_counts = [0, 0, 0]
+
+    def graph_support(self) -> GraphSupport:
+        # not offload's "layer" mode: the CPU share runs on the host between the device parts
+        # and is added to them per expert, which a captured device step cannot wait for
+        return GraphSupport("off", "the hybrid strategy computes its CPU share on the host "
+                                   "inside each MoE layer: no CUDA graph")
 
     def stats(self) -> dict[str, Any]:
         s = super().stats()

@@ -1,0 +1,163 @@
+"""Offload's "layer" mode for decode CUDA graphs (`OffloadStrategy.host_step`/`device_step`) on
+the CPU, under Triton's interpreter, with a simulated link.
+
+Oracles: `resident` on the fused kernel (every expert in place, no lookup), and offload's own
+eager `forward`, for the real rows; the rows of the batch themselves for which experts may be
+fetched (the distinct experts of the real rows, never a padding row's). Padding rows join the
+experts' matmuls when a real row shares their expert, so the kernel's row blocks hold other
+rows than in the unpadded call: real rows agree within fp32 rounding (the graph tests'
+tolerance for MoE models, 1e-5), not bit for bit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ftrs.config import EngineConfig
+from ftrs.kernels import select_kernels, triton_runs_on
+from ftrs.layers.moe import route
+from ftrs.models.load import LoadedModel, load_model
+from ftrs.moe.base import GraphSupport, MoEStrategy, create_strategy, import_strategy
+
+pytest.importorskip("triton")
+CPU = torch.device("cpu")
+LINK = "simulated:1:300"  # 1 GB/s, 300 us per copy
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_models: dict[str, Path]) -> LoadedModel:
+    if not triton_runs_on(CPU):
+        pytest.skip("the fused kernel needs TRITON_INTERPRET=1 on the CPU")
+    return load_model(str(tiny_models["mixtral"]), CPU, torch.float32, progress=False)
+
+
+def strategy(name: str, loaded: LoadedModel, kernels: str | None = "triton",
+             **options: Any) -> MoEStrategy:
+    import_strategy(name)
+    assert loaded.experts is not None
+    config = EngineConfig(model=str(loaded.path), moe_strategy=name, **options)
+    routers = {la: loaded.dense[f"{la}.router"] for la in loaded.spec.moe_layers}
+    return create_strategy(name, experts=loaded.experts, device=CPU, config=config,
+                           routers=routers,
+                           kernels=None if kernels is None else select_kernels(kernels, CPU))
+
+
+def layers(loaded: LoadedModel, rows: int, bucket: int, seed: int
+           ) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(layer, x, ids, weights) per MoE layer of one decode step in a bucket of `bucket` rows:
+    `rows` real rows routed by the model's routers; the padding rows all on the experts no real
+    row chose (what the padding's token 0 routes to is arbitrary: this makes it visible)."""
+    s = loaded.spec
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for layer in s.moe_layers:
+        x = torch.randn(bucket, s.hidden_size, generator=g)
+        router = loaded.dense[f"{layer}.router"]
+        assert isinstance(router, torch.Tensor)
+        ids, w = route(x, router, s.top_k, s.norm_topk_prob)
+        unused = [e for e in range(s.num_experts) if e not in set(ids[:rows].flatten().tolist())]
+        if rows < bucket and len(unused) >= s.top_k:
+            ids[rows:] = torch.tensor(unused[: s.top_k])
+        out.append((layer, x, ids, w))
+    return out
+
+
+def graph_step(moe: Any, step: list[Any], rows: int) -> list[torch.Tensor]:
+    """One decode step as a replay runs it: per layer the host step, then the device step."""
+    moe.begin_forward(rows)
+    out = []
+    for layer, x, ids, w in step:
+        moe.host_step(layer, ids, w, rows, x)
+        out.append(moe.device_step(layer, x, ids, w).clone())
+    moe.end_forward()
+    return out
+
+
+def test_offload_declares_layer_mode_only_on_the_fused_kernel(loaded: LoadedModel) -> None:
+    fused = strategy("offload", loaded, moe_cache_rate=0.5, copy_backend=LINK)
+    loop = strategy("offload", loaded, kernels="torch", moe_cache_rate=0.5, copy_backend=LINK)
+    hybrid = strategy("hybrid", loaded, moe_cache_rate=0.5, copy_backend=LINK)
+    try:
+        assert fused.graph_support() == GraphSupport("layer")
+        off = loop.graph_support()
+        assert off.mode == "off" and "per-expert loop" in off.why
+        off = hybrid.graph_support()
+        assert off.mode == "off" and "CPU share" in off.why
+    finally:
+        for m in (fused, loop, hybrid):
+            m.close()
+
+
+@pytest.mark.parametrize("cache,prefetch", [({"moe_cache_rate": 0.25}, True),
+                                           ({"moe_cache_rate": 0.5}, False),
+                                           ({"moe_cache_size": 3}, False)])
+def test_layer_mode_steps_equal_resident_and_eager_offload_and_fetch_only_real_rows(
+        loaded: LoadedModel, cache: dict[str, Any], prefetch: bool) -> None:
+    s = loaded.spec
+    rows, bucket = 3, 4
+    steps = [layers(loaded, rows, bucket, seed) for seed in range(3)]
+    resident = strategy("resident", loaded)
+    eager = strategy("offload", loaded, moe_prefetch=prefetch, copy_backend=LINK, **cache)
+    moe: Any = strategy("offload", loaded, moe_prefetch=prefetch, copy_backend=LINK, **cache)
+    demanded: list[tuple[int, list[int]]] = []
+    lookup = moe._lookup
+
+    def recording(li: int, wave: list[int], pre: list[tuple[int, int]]) -> Any:
+        demanded.append((li, list(wave)))
+        return lookup(li, wave, pre)
+
+    moe._lookup = recording
+    tables = {la: moe._graph.tables[la].data_ptr() for la in s.moe_layers}
+    waves = 0
+    try:
+        for step in steps:
+            demanded.clear()
+            got = graph_step(moe, step, rows)
+            eager.begin_forward(rows)
+            for (layer, x, ids, w), out in zip(step, got, strict=True):
+                want = resident.forward(layer, x[:rows], ids[:rows], w[:rows])
+                torch.testing.assert_close(out[:rows], want, **TOL)
+                mine = eager.forward(layer, x[:rows], ids[:rows], w[:rows])
+                torch.testing.assert_close(out[:rows], mine, **TOL)
+            eager.end_forward()
+            # the engine was asked for the real rows' distinct experts, nothing else
+            for layer, _, ids, _ in step:
+                li = loaded.experts.layer_index[layer]  # type: ignore[union-attr]
+                asked = sorted(e for i, wave in demanded if i == li for e in wave)
+                assert asked == sorted(set(ids[:rows].flatten().tolist()))
+                assert not set(asked) & set(ids[rows:].flatten().tolist())
+                waves += sum(i == li for i, _ in demanded) > 1
+        # the static tables never moved
+        assert {la: moe._graph.tables[la].data_ptr() for la in s.moe_layers} == tables
+    finally:
+        for m in (resident, eager, moe):
+            m.close()
+    if "moe_cache_size" in cache:  # 3 slots for up to 6 distinct experts: waves
+        assert moe.num_slots < rows * s.top_k
+        assert waves > 0
+
+
+def test_a_table_names_only_the_slots_of_the_last_wave_and_padding_is_not_computed(
+        loaded: LoadedModel) -> None:
+    s = loaded.spec
+    rows, bucket = 1, 4
+    step = layers(loaded, rows, bucket, seed=7)
+    moe: Any = strategy("offload", loaded, moe_cache_rate=0.5, moe_prefetch=False,
+                        copy_backend=LINK)
+    try:
+        out = graph_step(moe, step, rows)
+        for (layer, _, ids, _), o in zip(step, out, strict=True):
+            table = moe._graph.tables[layer].tolist()
+            named = sorted(e for e, slot in enumerate(table) if slot >= 0)
+            assert named == sorted(set(ids[:rows].flatten().tolist()))
+            assert len({table[e] for e in named}) == len(named)  # one slot each
+            # the padding rows' experts had no slot: nothing was computed for them
+            assert torch.equal(o[rows:], torch.zeros_like(o[rows:]))
+    finally:
+        moe.close()
+    assert len(named) == s.top_k
