@@ -5,7 +5,7 @@
 #                                              decode CUDA graphs captured and replayed vs eager)
 #   3. bench/gpu_check.py                     (pinned H2D/D2H GB/s, ftrs vs torch, link bound)
 #   4. bench/offload.py --quick --copy-backend cuda   (demo model, or a tiny one offline)
-#   5. TRITON_INTERPRET=0 pytest -m "" tests/kernels (the Triton kernels compiled, on the GPU; no syncs)
+#   5. TRITON_INTERPRET=0 pytest -m "" tests/kernel_checks (the Triton kernels compiled, on the GPU; no syncs)
 #   6. bench/kernels.py                       (each kernel vs its torch reference, and the
 #                                              decode step with vs without CUDA graphs, JSON)
 # Exits non-zero when the GPU tests fail (their pytest status) or any other step fails.
@@ -49,7 +49,7 @@ if ! "$PY" -c "from ftrs.guard.link import cuda_usable; raise SystemExit(not cud
   step "gpu tests skip" 120 "$PY" -m pytest -m gpu -q -rs tests/gpu
   step "timed-copy refusals" 60 "$PY" -m pytest -q tests/test_core.py -k timed_cuda_copies
   step "bench/gpu_check.py" 30 "$PY" bench/gpu_check.py
-  step "kernel tests (interpreter)" 180 env TRITON_INTERPRET=1 "$PY" -m pytest -q tests/kernels
+  step "kernel tests (interpreter)" 180 env TRITON_INTERPRET=1 "$PY" -m pytest -q tests/kernel_checks
   step "bench/kernels.py" 120 "$PY" bench/kernels.py
   [ ${#failed[@]} -eq 0 ] || { echo "gpu-check: FAILED: ${failed[*]}" >&2; exit 1; }
   echo "gpu-check: no GPU; CPU-safe parts passed in $((SECONDS - start))s"
@@ -69,7 +69,7 @@ if [ -z "$model" ] || [ ! -e "$model" ]; then
 fi
 step "bench/offload.py --copy-backend cuda" 120 \
   "$PY" bench/offload.py --quick --copy-backend cuda --model "$model"
-step "kernel tests (compiled)" 300 env TRITON_INTERPRET=0 "$PY" -m pytest -v -m "" tests/kernels --timeout 240
+step "kernel tests (compiled)" 300 env TRITON_INTERPRET=0 "$PY" -m pytest -v -m "" tests/kernel_checks --timeout 240
 kernels_rc=$?
 [ "$tests_rc" -eq 0 ] && tests_rc=$kernels_rc
 step "bench/kernels.py" 180 "$PY" bench/kernels.py

@@ -10,7 +10,7 @@ import pytest
 ARCHS = ("llama", "qwen3", "mixtral", "qwen3_moe")
 
 # Triton fixes compile-or-interpret for good when it is first imported: without a GPU the kernel
-# tests (tests/kernels) run under its interpreter, so the knob is set before anything imports it.
+# tests (tests/kernel_checks) run under its interpreter, so the knob is set before anything imports it.
 if "TRITON_INTERPRET" not in os.environ:
     import torch
 

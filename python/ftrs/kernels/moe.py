@@ -16,7 +16,7 @@ Exactness. The kernels round to the model dtype wherever the reference (`layers/
 `F.linear`, `silu`, `*`, the weight product, the accumulation) rounds, and step 4 adds in
 the reference's order, so the only differences left are inside the dot products (another
 summation order) and SiLU's `exp`: fp32 agrees to ~1e-5 relative, bf16/fp16 to a few ulps of
-a row's largest value (tests: `tests/kernels/test_moe.py`).
+a row's largest value (tests: `tests/kernel_checks/test_moe.py`).
 
 Weights: `SlotWeights` holds the three stacked tensors (slots, rows, cols) in a float dtype, or
 quantized, dequantized inside the kernel to the activations' dtype (the reference dequantizes

@@ -2,7 +2,7 @@
 PTX in process and assembles with the ptxas it ships). Run as a script without
 TRITON_INTERPRET; prints one line per kernel variant and exits non-zero on the first failure.
 
-    python tests/kernels/compile_all.py [--quick] [ARCH ...]    # default: 80 90
+    python tests/kernel_checks/compile_all.py [--quick] [ARCH ...]    # default: 80 90
     (--quick: the bf16 norm, rotary, attention and unquantized/Q8_0 MoE kernels only)
 """
 

@@ -2,7 +2,7 @@
 
 Triton fixes compile-or-interpret when it is first imported (its own `tl.*` helpers are
 decorated then), so `tests/conftest.py` sets `TRITON_INTERPRET=1` before anything imports
-it when no GPU is visible. `TRITON_INTERPRET=0 pytest tests/kernels` on a machine with CUDA
+it when no GPU is visible. `TRITON_INTERPRET=0 pytest tests/kernel_checks` on a machine with CUDA
 runs the compiled kernels on the GPU (scripts/gpu-check.sh does; it is also the default there).
 """
 
