@@ -16,6 +16,7 @@ sized for the largest block (`expert_bytes`); a transfer moves only its own laye
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -103,8 +104,15 @@ class HostExperts:
         self.pool.write(self.layer_index[layer], expert, t, raw)
 
     def host_bytes(self) -> torch.Tensor:
-        """The whole pool as a uint8 tensor, without a copy. Valid while `self` lives."""
-        return torch.frombuffer(self.pool, dtype=torch.uint8)
+        """The whole pool as a uint8 tensor, without a copy. Valid while `self` lives.
+
+        Read only: while an engine holds the pool its buffer export is read-only, and torch,
+        which has no read-only tensors, warns about that on every call; the warning is silenced
+        here alone because nothing writes through this view (strategies read experts from it)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable",
+                                    category=UserWarning)
+            return torch.frombuffer(self.pool, dtype=torch.uint8)
 
     def block_views(self, region: torch.Tensor, base: int, layer: int | None = None
                     ) -> ExpertWeights:
