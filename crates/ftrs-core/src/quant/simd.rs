@@ -58,56 +58,7 @@ mod x86 {
 
     use super::super::blocks::{scale_min_k4, QType};
     use super::super::kernel::{self, MAX_NX};
-
-    /// The 8 floats at `s[..8]` (panics if shorter: the bounds check is the safety).
-    #[inline(always)]
-    fn ld8(s: &[f32]) -> __m256 {
-        let s = &s[..8];
-        // SAFETY: `s` has 8 readable f32 (sliced above); loadu accepts any alignment.
-        unsafe { _mm256_loadu_ps(s.as_ptr()) }
-    }
-
-    /// The 32 bytes at `s[..32]`.
-    #[inline(always)]
-    fn ld32(s: &[u8]) -> __m256i {
-        let s = &s[..32];
-        // SAFETY: 32 readable bytes (sliced above); loadu accepts any alignment.
-        unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
-    }
-
-    /// The 16 bytes at `s[..16]`.
-    #[inline(always)]
-    fn ld16(s: &[u8]) -> __m128i {
-        let s = &s[..16];
-        // SAFETY: 16 readable bytes (sliced above); loadu accepts any alignment.
-        unsafe { _mm_loadu_si128(s.as_ptr().cast()) }
-    }
-
-    /// The 8 bytes at `s[..8]`, in the low half of a vector.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn ld8b(s: &[u8]) -> __m128i {
-        let s: [u8; 8] = s[..8].try_into().unwrap_or([0; 8]);
-        _mm_cvtsi64_si128(i64::from_le_bytes(s))
-    }
-
-    /// The fp16 at `b[i..i + 2]` as fp32 (F16C).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn f16(b: &[u8], i: usize) -> f32 {
-        let h = u16::from_le_bytes([b[i], b[i + 1]]);
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
-    }
-
-    /// Sum of the 8 lanes.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-        _mm_cvtss_f32(s)
-    }
+    use super::int::{f16, hsum, ld16, ld32, ld8, ld8b};
 
     /// 32 signed bytes as four vectors of 8 floats (elements 0-7, 8-15, 16-23, 24-31).
     #[inline]
@@ -208,7 +159,7 @@ mod x86 {
             let mut acc = [[_mm256_setzero_ps(); C]; NX];
             for (bi, b) in row.chunks_exact(bb).enumerate() {
                 let xb = block_x::<NX, 256>(xr, bi);
-                let (d, dmin) = (f16(b, 0), f16(b, 2));
+                let (d, dmin) = (f16(b), f16(&b[2..]));
                 let mut sc = [0f32; 8];
                 let mut mn = [0f32; 8];
                 for j in 0..8 {
@@ -292,7 +243,7 @@ mod x86 {
             let mut mins = [0f32; NX];
             for (bi, b) in row.chunks_exact(bb).enumerate() {
                 let xb = block_x::<NX, 32>(xr, bi);
-                let d = _mm256_set1_ps(f16(b, 0));
+                let d = _mm256_set1_ps(f16(b));
                 let v = ld16(&b[qs_at..]);
                 let lo = _mm_and_si128(v, m4);
                 let hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
@@ -309,7 +260,7 @@ mod x86 {
                     fma_rows(_mm256_mul_ps(fk, d), &xb, 8 * k, &mut acc);
                 }
                 if has_min {
-                    let m = f16(b, 2);
+                    let m = f16(&b[2..]);
                     for i in 0..NX {
                         mins[i] = m.mul_add(xs[i][bi], mins[i]);
                     }

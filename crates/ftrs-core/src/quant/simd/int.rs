@@ -43,7 +43,7 @@ struct XRow<'a> {
 
 /// The 8 floats at `s[..8]`.
 #[inline(always)]
-fn ld8(s: &[f32]) -> __m256 {
+pub(super) fn ld8(s: &[f32]) -> __m256 {
     let s = &s[..8];
     // SAFETY: 8 readable f32 (sliced above); loadu accepts any alignment.
     unsafe { _mm256_loadu_ps(s.as_ptr()) }
@@ -59,7 +59,7 @@ fn ldw(s: &[i16]) -> __m256i {
 
 /// The 32 bytes at `s[..32]`.
 #[inline(always)]
-fn ld32(s: &[u8]) -> __m256i {
+pub(super) fn ld32(s: &[u8]) -> __m256i {
     let s = &s[..32];
     // SAFETY: 32 readable bytes (sliced above); loadu accepts any alignment.
     unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
@@ -79,7 +79,7 @@ fn prefetch(s: &[u8], ahead: usize) {
 
 /// The 16 bytes at `s[..16]`.
 #[inline(always)]
-fn ld16(s: &[u8]) -> __m128i {
+pub(super) fn ld16(s: &[u8]) -> __m128i {
     let s = &s[..16];
     // SAFETY: 16 readable bytes (sliced above); loadu accepts any alignment.
     unsafe { _mm_loadu_si128(s.as_ptr().cast()) }
@@ -88,7 +88,7 @@ fn ld16(s: &[u8]) -> __m128i {
 /// The 8 bytes at `s[..8]`, in the low half of a vector.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn ld8b(s: &[u8]) -> __m128i {
+pub(super) fn ld8b(s: &[u8]) -> __m128i {
     let s: [u8; 8] = s[..8].try_into().unwrap_or([0; 8]);
     _mm_cvtsi64_si128(i64::from_le_bytes(s))
 }
@@ -96,7 +96,7 @@ fn ld8b(s: &[u8]) -> __m128i {
 /// The fp16 at `b[0..2]` as fp32.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn f16(b: &[u8]) -> f32 {
+pub(super) fn f16(b: &[u8]) -> f32 {
     let h = u16::from_le_bytes([b[0], b[1]]);
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
 }
@@ -113,7 +113,7 @@ fn f16x2(b: &[u8]) -> (f32, f32) {
 /// Sum of the 8 lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(v: __m256) -> f32 {
+pub(super) fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_movehdup_ps(s));
