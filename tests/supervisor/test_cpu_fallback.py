@@ -24,17 +24,9 @@ from ftrs.errors import DeviceLost
 from ftrs.quant.formats import QuantTensor
 from ftrs.server.supervision import install_policy
 
+from .fakes import FakeClient
+
 IDS = [3, 17, 250, 41, 99, 500, 7, 8, 311, 42]
-
-
-class FakeClient:
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.on_failure: Any = None
-        self.restarts: list[tuple[EngineConfig, dict[str, Any]]] = []
-
-    def restart(self, config: EngineConfig, degraded: dict[str, Any]) -> None:
-        self.restarts.append((config, degraded))
 
 
 def _restart_config(config: EngineConfig) -> EngineConfig:

@@ -11,15 +11,7 @@ from ftrs.errors import DeviceLost, EngineRestarted, FtrsError, InvalidRequest, 
 from ftrs.server.errors import EngineUnavailable
 from ftrs.server.supervision import RestartBudget, backoff_s, install_policy
 
-
-class FakeClient:
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.on_failure: Any = None
-        self.restarts: list[tuple[EngineConfig, dict[str, Any]]] = []
-
-    def restart(self, config: EngineConfig, degraded: dict[str, Any]) -> None:
-        self.restarts.append((config, degraded))
+from .fakes import FakeClient
 
 
 def _fail(client: FakeClient, server: Any, err: Exception) -> None:
