@@ -203,16 +203,27 @@ pub fn quantize(x: &[f32], n: usize, cols: usize) -> X16 {
 /// `out[r * n + g0 + i]`.
 type GroupFn<const NX: usize> = fn(&[u8], &[XRow<'_>; NX], usize, &mut [f32], usize);
 
-/// 16 lanes of 16 or 0: lane j is 16 when bit j of `half` is set (the fifth bits of Q5_1).
+/// The 32 fifth bits `qh` of a Q5_1 block as i16 lanes of 16 or 0, lane j of the first
+/// vector for element j and of the second for element 16 + j. In bytes first: a shuffle puts
+/// byte j / 8 of `qh` in byte j, one AND per byte keeps bit j % 8, a compare turns it into 0xFF
+/// or 0; then 16 or 0, widened. (A broadcast-and-compare per 16 lanes took four more ops.)
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn fifth_bits(half: u16) -> __m256i {
-    let sel = _mm256_setr_epi16(
-        1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, -32768,
+fn fifth_bits(qh: u32) -> (__m256i, __m256i) {
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(qh as i32),
+        _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, // from the low lane's copy
+            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, // from the high lane's copy
+        ),
     );
-    let bits = _mm256_and_si256(_mm256_set1_epi16(half as i16), sel);
-    let clear = _mm256_cmpeq_epi16(bits, _mm256_setzero_si256());
-    _mm256_andnot_si256(clear, _mm256_set1_epi16(16))
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64); // byte k: 1 << k
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    let b = _mm256_and_si256(set, _mm256_set1_epi8(16));
+    (
+        _mm256_cvtepu8_epi16(_mm256_castsi256_si128(b)),
+        _mm256_cvtepu8_epi16(_mm256_extracti128_si256(b, 1)),
+    )
 }
 
 /// Adds block `$bi` of one weight row (`$b`, of the 32-element kind `KIND`, see [`q32`]) times
@@ -233,10 +244,8 @@ macro_rules! q32_block {
             let lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
             let hi = _mm256_srli_epi16(v, 4);
             if KIND == 2 {
-                (
-                    _mm256_or_si256(lo, fifth_bits(u16::from_le_bytes([b[4], b[5]]))),
-                    _mm256_or_si256(hi, fifth_bits(u16::from_le_bytes([b[6], b[7]]))),
-                )
+                let (h0, h1) = fifth_bits(u32::from_le_bytes([b[4], b[5], b[6], b[7]]));
+                (_mm256_or_si256(lo, h0), _mm256_or_si256(hi, h1))
             } else {
                 (lo, hi)
             }
