@@ -7,7 +7,9 @@ a numpy fp32 matmul of the same shape and the host's memcpy bandwidth, measured 
 `--demo`: the matmuls of one batch-1 decode token of the demo MoE as its Q4_K_M file holds them
 (type, shape and calls per token, read from the GGUF: attention, router, two experts per layer,
 the tied Q8_0 LM head); per shape `us_per_call` and `ms_per_token`, and the total, each a median
-over `--repeats` passes that take the shapes in turn.
+over `--repeats` passes that take the shapes in turn. `--kernels avx2,avx512` times several
+kernel families in the same passes (each shape under each family in turn) and prints each
+family's total over the first's (`vs_first`: > 1 is faster).
 
 Each type gets enough distinct copies of a `rows x cols` weight to fill `--working-set` MiB,
 cycled through so the weights stream from memory as a model's experts do (not from cache).
@@ -92,7 +94,8 @@ def demo_shapes(top_k: int = 2) -> list[tuple[str, int, int, int]]:
 
 
 def demo(args: argparse.Namespace) -> dict[str, object]:
-    """Times the demo's per-token matmul mix (see the module doc)."""
+    """Times the demo's per-token matmul mix under each of `--kernels` (see the module doc)."""
+    kernels = args.kernels.split(",")
     rng = np.random.default_rng(0)
     ws_bytes = args.working_set << 20
     cases = []
@@ -102,26 +105,32 @@ def demo(args: argparse.Namespace) -> dict[str, object]:
         x = rng.standard_normal((1, cols), dtype=np.float32)
         out = np.empty((1, rows), np.float32)
         cases.append((qtype, rows, cols, calls, copies, x, out))
-    times: list[list[float]] = [[] for _ in cases]
+    times: dict[str, list[list[float]]] = {kern: [[] for _ in cases] for kern in kernels}
     for _ in range(args.repeats):
         for k, (qtype, rows, cols, calls, copies, x, out) in enumerate(cases):
-            t0 = time.perf_counter()
-            for j in range(calls):
-                core.quant_matmul(qtype, copies[j % len(copies)], x, out, rows, cols,
-                                  args.threads)
-            times[k].append((time.perf_counter() - t0) / calls)
-    rows_out = {}
-    total = 0.0
-    for (qtype, rows, cols, calls, copies, _, _), ts in zip(cases, times):
-        t = statistics.median(ts)
-        total += t * calls
-        rows_out[f"{qtype} {rows}x{cols}"] = {
-            "calls_per_token": calls, "us_per_call": round(t * 1e6, 2),
-            "ms_per_token": round(t * calls * 1e3, 3),
-            "gbps": round(copies[0].nbytes / t / 1e9, 3)}
-    return {"demo": "Q4_K_M, batch 1", "kernel": core.quant_kernel(),
-            "threads": args.threads or core.quant_threads(), "shapes": rows_out,
-            "matmul_ms_per_token": round(total * 1e3, 3)}
+            for kern in kernels:
+                t0 = time.perf_counter()
+                for j in range(calls):
+                    core.quant_matmul(qtype, copies[j % len(copies)], x, out, rows, cols,
+                                      args.threads, kern)
+                times[kern][k].append((time.perf_counter() - t0) / calls)
+    per_kernel: dict[str, object] = {}
+    totals: dict[str, float] = {}
+    for kern in kernels:
+        rows_out = {}
+        total = 0.0
+        for (qtype, rows, cols, calls, copies, _, _), ts in zip(cases, times[kern]):
+            t = statistics.median(ts)
+            total += t * calls
+            rows_out[f"{qtype} {rows}x{cols}"] = {
+                "calls_per_token": calls, "us_per_call": round(t * 1e6, 2),
+                "ms_per_token": round(t * calls * 1e3, 3),
+                "gbps": round(copies[0].nbytes / t / 1e9, 3)}
+        totals[kern] = total
+        per_kernel[kern] = {"shapes": rows_out, "matmul_ms_per_token": round(total * 1e3, 3),
+                            "vs_first": round(totals[kernels[0]] / total, 3)}
+    return {"demo": "Q4_K_M, batch 1", "auto_kernel": core.quant_kernel(),
+            "threads": args.threads or core.quant_threads(), "kernels": per_kernel}
 
 
 def main() -> None:
@@ -133,6 +142,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--demo", action="store_true", help="the demo's per-token matmul mix")
+    ap.add_argument("--kernels", default="auto",
+                    help=f"--demo: kernel families, comma-separated (here: "
+                         f"{','.join(core.quant_kernels())})")
     args = ap.parse_args()
     if args.demo:
         print(json.dumps(demo(args), indent=1))

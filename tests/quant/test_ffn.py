@@ -51,7 +51,7 @@ def ffn_bound(x: np.ndarray, wts: list[tuple[str, np.ndarray]],
     return out, bound
 
 
-@pytest.mark.parametrize("kernel", ["auto", "portable"])
+@pytest.mark.parametrize("kernel", core.quant_kernels())
 @pytest.mark.parametrize("types", [("Q5_1", "Q5_1", "Q4_K"), ("Q4_K", "Q4_K", "Q6_K"),
                                    ("Q8_0", "Q8_0", "Q8_0")])
 def test_fused_ffn_equals_reference_within_the_kernel_bounds(types: tuple[str, str, str],

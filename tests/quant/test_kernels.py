@@ -42,7 +42,7 @@ K_SCALE_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 
 # Byte ranges holding scales and mins; zeroing every other byte leaves only the min term.
 OFFSET_KEEP = {"Q4_1": [(0, 4)], "Q5_1": [(0, 4)], "Q4_K": [(0, 16)], "Q5_K": [(0, 16)],
                "Q2_K": [(0, 16), (80, 84)]}
-KERNELS = ["auto", "portable"]
+KERNELS = ["auto", *core.quant_kernels()]  # every family this CPU runs
 
 
 def _cols(qtype: str) -> int:

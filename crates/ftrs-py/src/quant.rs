@@ -1,5 +1,5 @@
 //! The quantized CPU kernels of `ftrs_core::quant` for Python: `quant_matmul`,
-//! `quant_expert_ffn`, `quant_dequantize`, `quant_block_info` and the thread setting.
+//! `quant_expert_ffn`, `quant_experts_ffn` (a MoE layer's routed experts), `quant_dequantize`, `quant_block_info` and the thread setting.
 //!
 //! Buffers are borrowed, never copied: the weight is any C-contiguous buffer (read as bytes),
 //! `x` and `out` C-contiguous float32 buffers (numpy arrays, `torch_tensor.numpy()`, memoryviews
@@ -215,6 +215,99 @@ pub fn quant_expert_ffn(
     Ok(())
 }
 
+/// One routed expert as Python passes it: `(gate_qtype, gate, up_qtype, up, down_qtype, down,
+/// rows, weights)`.
+type ExpertArgs<'py> = (
+    String,
+    Bound<'py, PyAny>,
+    String,
+    Bound<'py, PyAny>,
+    String,
+    Bound<'py, PyAny>,
+    Vec<usize>,
+    Vec<f32>,
+);
+
+/// A MoE layer's routed experts in one call (`ftrs_core::quant::experts_ffn`): for each entry
+/// of `experts` in order, `out[rows] += expert_ffn(x[rows]) * weights`, row by row.
+#[pyfunction]
+#[pyo3(signature = (experts, x, out, hidden, inter, threads = 0, kernel = "auto"))]
+#[allow(clippy::too_many_arguments)]
+pub fn quant_experts_ffn(
+    py: Python<'_>,
+    experts: Vec<ExpertArgs<'_>>,
+    x: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    hidden: usize,
+    inter: usize,
+    threads: usize,
+    kernel: &str,
+) -> PyResult<()> {
+    let isa = Isa::parse(kernel).py()?;
+    let mut types = Vec::with_capacity(experts.len());
+    let mut bufs = Vec::with_capacity(experts.len());
+    let mut routes = Vec::with_capacity(experts.len());
+    for (gt, g, ut, u, dt, d, rows, weights) in experts {
+        types.push((
+            QType::parse(&gt).py()?,
+            QType::parse(&ut).py()?,
+            QType::parse(&dt).py()?,
+        ));
+        bufs.push([
+            weight_bytes(py, &g)?,
+            weight_bytes(py, &u)?,
+            weight_bytes(py, &d)?,
+        ]);
+        routes.push((rows, weights));
+    }
+    let xb = buffer::<f32>(x, "x", "float32", false)?;
+    let ob = buffer::<f32>(out, "out", "float32", true)?;
+    let (xs, o) = (span(&xb), span(&ob));
+    let spans: Vec<[(usize, usize); 3]> = bufs.iter().map(|b| b.each_ref().map(span)).collect();
+    let mut inputs: Vec<(usize, usize, &str)> = vec![(xs.0, xs.1, "x")];
+    inputs.extend(
+        spans
+            .iter()
+            .flatten()
+            .map(|&(a, n)| (a, n, "an expert weight")),
+    );
+    check_disjoint(o, &inputs)?;
+    py.detach(|| {
+        #[allow(unsafe_code)]
+        // SAFETY: as in quant_matmul: every buffer stays exported until this function returns
+        // (bufs, xb, ob live past the closure); out is writable, f32-aligned and disjoint from
+        // every input.
+        let (xs, o) = unsafe { (slice::<f32>(xs.0, xs.1), slice_mut::<f32>(o.0, o.1)) };
+        let calls: Vec<quant::RoutedExpert<'_>> = routes
+            .iter()
+            .zip(&types)
+            .zip(&spans)
+            .map(|((e, t), s)| {
+                #[allow(unsafe_code)]
+                // SAFETY: as above, for the three weight buffers of this expert.
+                let (g, u, d) = unsafe {
+                    (
+                        slice::<u8>(s[0].0, s[0].1),
+                        slice::<u8>(s[1].0, s[1].1),
+                        slice::<u8>(s[2].0, s[2].1),
+                    )
+                };
+                quant::RoutedExpert {
+                    gate: (t.0, g),
+                    up: (t.1, u),
+                    down: (t.2, d),
+                    rows: &e.0,
+                    weights: &e.1,
+                }
+            })
+            .collect();
+        quant::experts_ffn(&calls, xs, o, hidden, inter, threads, isa)
+    })
+    .py()?;
+    drop((bufs, xb, ob));
+    Ok(())
+}
+
 /// Decodes W (`rows x cols` of type `qtype`) into the float32 buffer `out`.
 #[pyfunction]
 #[pyo3(signature = (qtype, weight, out, rows, cols, threads = 0))]
@@ -273,10 +366,16 @@ pub fn quant_rounds_activations(qtype: &str, kernel: &str) -> PyResult<bool> {
     ))
 }
 
-/// The kernel family `kernel="auto"` picks on this CPU: `"avx2"` or `"portable"`.
+/// The kernel family `kernel="auto"` picks on this CPU: `"avx512"`, `"avx2"` or `"portable"`.
 #[pyfunction]
 pub fn quant_kernel() -> &'static str {
     Isa::detect().name()
+}
+
+/// Every kernel family this CPU runs, plainest first (`"portable"` always).
+#[pyfunction]
+pub fn quant_kernels() -> Vec<&'static str> {
+    Isa::available().into_iter().map(Isa::name).collect()
 }
 
 /// Adds this module's functions to `ftrs._core`.
@@ -284,10 +383,12 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(quant_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(quant_expert_ffn, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_experts_ffn, m)?)?;
     m.add_function(wrap_pyfunction!(quant_block_info, m)?)?;
     m.add_function(wrap_pyfunction!(quant_threads, m)?)?;
     m.add_function(wrap_pyfunction!(quant_set_threads, m)?)?;
     m.add_function(wrap_pyfunction!(quant_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(quant_rounds_activations, m)?)?;
     Ok(())
 }

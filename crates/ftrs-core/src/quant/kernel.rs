@@ -22,6 +22,7 @@ const SPAN: usize = 256;
 /// and the `n` rows of `x` (each `cols` floats), with the kernels of `isa`.
 pub fn rows(t: QType, isa: Isa, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32]) {
     match isa {
+        Isa::Avx512 => simd::rows_avx512(t, w, x, n, cols, out),
         Isa::Avx2 => simd::rows_avx2(t, w, x, n, cols, out),
         Isa::Portable => rows_generic::<false>(t, w, x, n, cols, out),
     }

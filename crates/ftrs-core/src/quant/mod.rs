@@ -7,8 +7,8 @@
 //!   block is decoded once per group of activation rows (prefill amortises the decode).
 //!   Compiled twice: portable, and for AVX2/FMA/F16C (LLVM vectorises the same safe code).
 //! - [`simd`]: hand-written AVX2/FMA kernels for the hot types (Q4_K, Q6_K, Q8_0, ...), which
-//!   decode in registers (`simd::int`: the integer-product ones); the only module here with
-//!   `unsafe`.
+//!   decode in registers (`simd::int`: the integer-product ones, and `simd::int::wide` their
+//!   AVX-512 VNNI forms); the only module here with `unsafe`.
 //! - [`threads`]: the persistent worker pools (rayon; idle workers sleep), one per thread count.
 //!
 //! The instruction set is chosen once at run time ([`Isa::detect`]). Weights are never copied
@@ -34,6 +34,9 @@ pub enum Isa {
     Portable,
     /// AVX2 + FMA + F16C (x86-64 only).
     Avx2,
+    /// AVX2's set plus AVX-512 F, BW, VL and VNNI: the integer kernels 32 lanes wide, the
+    /// other types as `Avx2` runs them.
+    Avx512,
 }
 
 impl Isa {
@@ -41,7 +44,9 @@ impl Isa {
     pub fn detect() -> Isa {
         static DETECTED: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
         *DETECTED.get_or_init(|| {
-            if simd::avx2_available() {
+            if simd::avx512_available() {
+                Isa::Avx512
+            } else if simd::avx2_available() {
                 Isa::Avx2
             } else {
                 Isa::Portable
@@ -49,7 +54,8 @@ impl Isa {
         })
     }
 
-    /// Parses `"auto"`, `"portable"` or `"avx2"`; `avx2` on a CPU without it is a `Config` error.
+    /// Parses `"auto"`, `"portable"`, `"avx2"` or `"avx512"`; a family this CPU lacks is a
+    /// `Config` error.
     pub fn parse(name: &str) -> Result<Isa> {
         match name {
             "auto" => Ok(Isa::detect()),
@@ -58,8 +64,14 @@ impl Isa {
             "avx2" => Err(CoreError::Config(
                 "kernel \"avx2\" requested but this CPU lacks AVX2/FMA/F16C".into(),
             )),
+            "avx512" if simd::avx512_available() => Ok(Isa::Avx512),
+            "avx512" => Err(CoreError::Config(
+                "kernel \"avx512\" requested but this CPU lacks AVX-512 F/BW/VL/VNNI \
+                 (or AVX2/FMA/F16C)"
+                    .into(),
+            )),
             other => Err(CoreError::Config(format!(
-                "unknown kernel {other:?}: expected auto, portable or avx2"
+                "unknown kernel {other:?}: expected auto, portable, avx2 or avx512"
             ))),
         }
     }
@@ -69,7 +81,20 @@ impl Isa {
         match self {
             Isa::Portable => "portable",
             Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
         }
+    }
+
+    /// The families this CPU runs, plainest first.
+    pub fn available() -> Vec<Isa> {
+        let mut all = vec![Isa::Portable];
+        if simd::avx2_available() {
+            all.push(Isa::Avx2);
+        }
+        if simd::avx512_available() {
+            all.push(Isa::Avx512);
+        }
+        all
     }
 }
 
@@ -78,7 +103,7 @@ impl Isa {
 /// digit, as ggml's q8 dot products use, flips greedy tokens of small models). The result then
 /// differs from the fp32 dot by at most `sum over blocks of max|x| / 64516 * sum |w - min|`.
 pub fn rounds_activations(t: QType, isa: Isa) -> bool {
-    isa == Isa::Avx2
+    matches!(isa, Isa::Avx2 | Isa::Avx512)
         && matches!(
             t,
             QType::Q8_0 | QType::Q4_1 | QType::Q5_1 | QType::Q4K | QType::Q6K
@@ -209,6 +234,84 @@ pub fn expert_ffn(
         *gv = *gv / (1.0 + (-*gv).exp()) * uv;
     }
     matmul(down.0, down.1, &g, out, hidden, inter, threads, isa)
+}
+
+/// One routed expert of a MoE layer for [`experts_ffn`]: its three weights as
+/// [`expert_ffn`] reads them, the rows of `x` routed to it (ascending) and each row's router
+/// weight.
+#[derive(Clone, Copy)]
+pub struct RoutedExpert<'a> {
+    pub gate: (QType, &'a [u8]),
+    pub up: (QType, &'a [u8]),
+    pub down: (QType, &'a [u8]),
+    pub rows: &'a [usize],
+    pub weights: &'a [f32],
+}
+
+/// A MoE layer's routed experts in one call: for each expert in the order given,
+/// `y = expert_ffn(x[rows])`, then `out[rows[j]] += y[j] * weights[j]` (the product rounded to
+/// fp32, then one add: what `layers.moe` does in torch, so the sums agree bit for bit when the
+/// experts come in the same order). Everything is checked before any work: a mismatch is a
+/// `Config` error and `out` is not written.
+#[allow(clippy::too_many_arguments)]
+pub fn experts_ffn(
+    experts: &[RoutedExpert<'_>],
+    x: &[f32],
+    out: &mut [f32],
+    hidden: usize,
+    inter: usize,
+    threads: usize,
+    isa: Isa,
+) -> Result<()> {
+    if hidden == 0 || !x.len().is_multiple_of(hidden) || out.len() != x.len() {
+        return Err(CoreError::Config(format!(
+            "routed experts: x has {} floats and out {}: expected the same n x {hidden}",
+            x.len(),
+            out.len()
+        )));
+    }
+    let n = x.len() / hidden;
+    for (k, e) in experts.iter().enumerate() {
+        check_weight(e.gate.0, e.gate.1, inter, hidden)?;
+        check_weight(e.up.0, e.up.1, inter, hidden)?;
+        check_weight(e.down.0, e.down.1, hidden, inter)?;
+        if e.rows.is_empty() || e.rows.len() != e.weights.len() {
+            return Err(CoreError::Config(format!(
+                "routed expert {k}: {} rows and {} weights: expected the same number, >= 1",
+                e.rows.len(),
+                e.weights.len()
+            )));
+        }
+        if let Some(&r) = e.rows.iter().find(|&&r| r >= n) {
+            return Err(CoreError::Config(format!(
+                "routed expert {k}: row {r} of x, which has {n} rows"
+            )));
+        }
+    }
+    let mut gathered = Vec::new();
+    for e in experts {
+        let all = e.rows.len() == n && e.rows.iter().enumerate().all(|(j, &r)| j == r);
+        let xe: &[f32] = if all {
+            x
+        } else {
+            gathered.clear();
+            for &r in e.rows {
+                gathered.extend_from_slice(&x[r * hidden..(r + 1) * hidden]);
+            }
+            &gathered
+        };
+        let mut y = vec![0f32; xe.len()];
+        expert_ffn(
+            e.gate, e.up, e.down, xe, &mut y, hidden, inter, threads, isa,
+        )?;
+        for ((&r, &w), yr) in e.rows.iter().zip(e.weights).zip(y.chunks_exact(hidden)) {
+            for (o, &v) in out[r * hidden..(r + 1) * hidden].iter_mut().zip(yr) {
+                let p = v * w;
+                *o += p;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Decodes `rows x cols` weights of type `t` into `out` (fp32, row-major), bit-equal to the

@@ -33,6 +33,36 @@ pub fn avx2_available() -> bool {
     }
 }
 
+/// True when this CPU also has AVX-512 F, BW, VL and VNNI (besides [`avx2_available`]).
+pub fn avx512_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        avx2_available()
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// [`kernel::rows`] for `Isa::Avx512`: the integer kernels in AVX-512 (`int::wide`), every
+/// other type as [`rows_avx2`] runs it. Falls back to [`rows_avx2`] on a CPU without the
+/// features.
+pub fn rows_avx512(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if avx512_available() {
+        // SAFETY: the CPU has AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C (checked just above).
+        if unsafe { int::wide::rows(t, w, x, n, cols, out) } {
+            return;
+        }
+    }
+    rows_avx2(t, w, x, n, cols, out)
+}
+
 /// [`kernel::rows`] for `Isa::Avx2`. Falls back to the portable kernel when the CPU lacks the
 /// features (so a wrong `Isa` costs speed, never safety).
 pub fn rows_avx2(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32]) {

@@ -8,7 +8,7 @@
 use half::{bf16, f16};
 
 use super::blocks::{decode_block, scale_min_k4, scales_q3k, QType};
-use super::{dequantize, matmul, simd, Isa};
+use super::{dequantize, expert_ffn, experts_ffn, matmul, Isa, RoutedExpert};
 use crate::error::CoreError;
 
 /// Deterministic xorshift stream.
@@ -127,10 +127,7 @@ fn check_kernel(t: QType, isa: Isa, rows: usize, cols: usize, n: usize, seed: u6
 
 #[test]
 fn kernels_match_float64_dot_of_decoded_weights() {
-    let mut isas = vec![Isa::Portable];
-    if simd::avx2_available() {
-        isas.push(Isa::Avx2);
-    }
+    let isas = Isa::available();
     for t in QType::ALL {
         let (be, _) = t.block_info();
         let cols = if be == 1 {
@@ -302,4 +299,83 @@ fn sizes_are_checked_before_any_write() {
     assert_eq!(out, vec![7f32; 3]);
     assert!(matches!(QType::parse("IQ2_XXS"), Err(CoreError::Config(m)) if m.contains("IQ2_XXS")));
     assert_eq!(QType::parse("q4_k").unwrap(), QType::Q4K);
+}
+
+#[test]
+fn routed_experts_equal_one_call_per_expert_then_weighted_adds() {
+    let mut rng = Rng(21);
+    let (hidden, inter, n) = (256, 256, 5); // Q4_K rows are whole 256-blocks
+    let types = [QType::Q4K, QType::Q8_0, QType::Q5_1];
+    let expert = |rng: &mut Rng, t: QType| {
+        (
+            random_weights(t, inter, hidden, rng),
+            random_weights(t, inter, hidden, rng),
+            random_weights(QType::Q8_0, hidden, inter, rng),
+        )
+    };
+    let ws: Vec<_> = types.iter().map(|&t| expert(&mut rng, t)).collect();
+    let rows: [Vec<usize>; 3] = [vec![0, 1, 2, 3, 4], vec![1, 4], vec![3]];
+    let gates: [Vec<f32>; 3] = [
+        (0..5).map(|_| rng.unit()).collect(),
+        vec![rng.unit(), rng.unit()],
+        vec![rng.unit()],
+    ];
+    let x: Vec<f32> = (0..n * hidden).map(|_| rng.unit()).collect();
+    let isa = Isa::detect();
+    let calls: Vec<RoutedExpert<'_>> = (0..3)
+        .map(|k| RoutedExpert {
+            gate: (types[k], &ws[k].0),
+            up: (types[k], &ws[k].1),
+            down: (QType::Q8_0, &ws[k].2),
+            rows: &rows[k],
+            weights: &gates[k],
+        })
+        .collect();
+    let mut got = vec![0f32; n * hidden];
+    experts_ffn(&calls, &x, &mut got, hidden, inter, 1, isa).unwrap();
+    let mut want = vec![0f32; n * hidden];
+    for k in 0..3 {
+        let xe: Vec<f32> = rows[k]
+            .iter()
+            .flat_map(|&r| x[r * hidden..(r + 1) * hidden].to_vec())
+            .collect();
+        let mut y = vec![0f32; xe.len()];
+        let w = &ws[k];
+        expert_ffn(
+            (types[k], &w.0),
+            (types[k], &w.1),
+            (QType::Q8_0, &w.2),
+            &xe,
+            &mut y,
+            hidden,
+            inter,
+            1,
+            isa,
+        )
+        .unwrap();
+        for (j, &r) in rows[k].iter().enumerate() {
+            for c in 0..hidden {
+                want[r * hidden + c] += y[j * hidden + c] * gates[k][j];
+            }
+        }
+    }
+    assert_eq!(got, want, "the same products and adds in the same order");
+    assert!(got.iter().any(|&v| v != 0.0));
+
+    let bad_rows = [9usize];
+    let bad = RoutedExpert {
+        rows: &bad_rows,
+        weights: &gates[2],
+        ..calls[2]
+    };
+    let mut out = vec![1f32; n * hidden];
+    let e = experts_ffn(&[calls[0], bad], &x, &mut out, hidden, inter, 1, isa);
+    assert!(
+        matches!(e, Err(CoreError::Config(ref m)) if m.contains("row 9")),
+        "{e:?}"
+    );
+    assert!(
+        out.iter().all(|&v| v == 1.0),
+        "nothing written before the check fails"
+    );
 }

@@ -481,14 +481,19 @@ macro_rules! dispatch {
     }};
 }
 
+/// Whether `t` has an integer kernel here (and in [`wide`]).
+fn integer(t: QType) -> bool {
+    matches!(
+        t,
+        QType::Q8_0 | QType::Q4_1 | QType::Q5_1 | QType::Q4K | QType::Q6K
+    )
+}
+
 /// The integer kernel of `t` (Q8_0, Q4_1, Q5_1, Q4_K, Q6_K) for `n` rows of `x`; false (and
 /// nothing written) for another type.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32]) -> bool {
-    if !matches!(
-        t,
-        QType::Q8_0 | QType::Q4_1 | QType::Q5_1 | QType::Q4K | QType::Q6K
-    ) {
+    if !integer(t) {
         return false;
     }
     let x16 = quantize(x, n, cols);
@@ -501,3 +506,5 @@ pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32
     }
     true
 }
+
+pub(super) mod wide;
