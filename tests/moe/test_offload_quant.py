@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ftrs.llm import LLM
+from ftrs.moe import resident
 from ftrs.sampling import SamplingParams
 from quant_models import QWEN3MOE_TYPES, build
 
@@ -35,9 +36,15 @@ def _run(path: Path, **options: Any) -> tuple[torch.Tensor, list[list[int]], LLM
 
 
 @pytest.mark.parametrize("slots,prefetch", [(4, False), (5, True), (8, True)])
-def test_quantized_offload_equals_resident(gguf_model: Path, slots: int, prefetch: bool) -> None:
+def test_quantized_offload_equals_resident(gguf_model: Path, slots: int, prefetch: bool,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    layer_calls = []  # resident runs each layer's experts in one kernel call; offload does not
+    real = resident.routed_experts_ffn
+    monkeypatch.setattr(resident, "routed_experts_ffn",
+                        lambda *a: layer_calls.append(1) or real(*a))
     ref_logits, ref_tokens, ref = _run(gguf_model, moe_strategy="resident")
     ref.close()
+    assert layer_calls, "resident took the per-expert path: this test would compare it to itself"
     logits, tokens, llm = _run(gguf_model, moe_strategy="offload", moe_cache_size=slots,
                                moe_prefetch=prefetch)
     try:

@@ -21,8 +21,14 @@ pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
 
 from ftrs.errors import ConfigError  # noqa: E402
+from ftrs.layers.moe import combine_experts  # noqa: E402
 from ftrs.quant.formats import QuantTensor  # noqa: E402
-from ftrs.quant.matmul import expert_ffn  # noqa: E402
+from ftrs.quant.matmul import (  # noqa: E402
+    expert_ffn,
+    layer_kernel_args,
+    routed_experts_ffn,
+    use_kernels,
+)
 
 from .test_kernels import make_weights, offsets, reference, tolerance  # noqa: E402
 
@@ -100,4 +106,66 @@ def test_sizes_are_checked_before_out_is_written(bad: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         core.quant_expert_ffn("Q5_1", gate, "Q5_1", gate, "Q4_K", down, x, out,
                               bad.get("hidden", hidden), bad.get("inter", inter))
+    assert (out == 7.0).all()
+
+
+def _layer(rng: np.random.Generator, experts: int, hidden: int,
+           inter: int) -> list[tuple[QuantTensor, ...]]:
+    out = []
+    for e in range(experts):
+        t = ("Q5_1", "Q4_K", "Q8_0")[e % 3]
+        gu = [make_weights(t, inter, hidden, rng) for _ in range(2)]
+        d = make_weights("Q6_K", hidden, inter, rng)
+        out.append((*(QuantTensor(t, (inter, hidden), torch.from_numpy(w.reshape(-1).copy()))
+                      for w in gu),
+                    QuantTensor("Q6_K", (hidden, inter), torch.from_numpy(d.reshape(-1).copy()))))
+    return out
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 7])
+def test_routed_experts_in_one_call_equal_the_per_expert_path_bit_for_bit(tokens: int) -> None:
+    """The layer's one kernel call against `layers.moe.combine_experts` (one `expert_ffn` per
+    expert, weighted, added in ascending id): the same floats."""
+    rng = np.random.default_rng(10 + tokens)
+    hidden, inter, num = 256, 256, 6
+    layer = _layer(rng, num, hidden, inter)
+    args = layer_kernel_args(layer)
+    assert args is not None and args.inter == inter
+    x = torch.randn(tokens, hidden) * 0.1
+    ids = torch.stack([torch.randperm(num)[:2] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, 2), dim=-1)
+    got = torch.zeros_like(x)
+    order = routed_experts_ffn(x, ids, weights, args, got)
+    assert order == sorted(set(ids.flatten().tolist()))
+    want = torch.zeros_like(x)
+    combine_experts(x, ids, weights, order, lambda e: layer[e], want)
+    assert torch.equal(got, want)
+    assert got.abs().max() > 0
+    with use_kernels(False):  # the reference path is not this call's
+        assert routed_experts_ffn(x, ids, weights, args, torch.zeros_like(x)) is None
+
+
+def test_layer_kernel_args_decline_a_layer_with_a_plain_expert() -> None:
+    rng = np.random.default_rng(11)
+    layer = _layer(rng, 2, 256, 256)
+    assert layer_kernel_args(layer) is not None
+    plain = (torch.randn(256, 256), *layer[1][1:])
+    assert layer_kernel_args([layer[0], plain]) is None
+    assert layer_kernel_args([layer[0], layer[1][:2]]) is None  # no down
+
+
+def test_routed_experts_reject_a_row_out_of_range_before_writing() -> None:
+    rng = np.random.default_rng(12)
+    hidden, inter = 96, 256
+    gate = make_weights("Q5_1", inter, hidden, rng)
+    down = make_weights("Q4_K", hidden, inter, rng)
+    x = np.ones((2, hidden), np.float32)
+    out = np.full((2, hidden), 7.0, np.float32)
+    with pytest.raises(ConfigError, match="row 2"):
+        core.quant_experts_ffn([("Q5_1", gate, "Q5_1", gate, "Q4_K", down, [0], [0.5]),
+                                ("Q5_1", gate, "Q5_1", gate, "Q4_K", down, [2], [0.5])],
+                               x, out, hidden, inter)
+    with pytest.raises(ConfigError, match="rows and"):
+        core.quant_experts_ffn([("Q5_1", gate, "Q5_1", gate, "Q4_K", down, [0, 1], [0.5])],
+                               x, out, hidden, inter)
     assert (out == 7.0).all()

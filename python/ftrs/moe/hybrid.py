@@ -58,6 +58,7 @@ from ftrs.models.experts import HostExperts
 from ftrs.moe.base import GraphSupport, register
 from ftrs.moe.offload import OffloadStrategy
 from ftrs.quant.formats import QuantTensor
+from ftrs.quant.matmul import layer_kernel_args, routed_experts_ffn
 
 if TYPE_CHECKING:
     from ftrs.kernels.moe import SlotWeights
@@ -221,6 +222,10 @@ class HybridStrategy(OffloadStrategy):
             layer: [(*(_kernel_weight(m) for m in w[:3]), *w[3:])  # biases stay tensors
                     for w in ws] for layer, ws in views.items()}
         self.formats = {layer: layer_format(experts, layer) for layer in self.spec.moe_layers}
+        # in-place layers (`_in_place`) whose experts are all quantized: one kernel call each
+        self._kernel_args = {layer: a for layer, ws in self.host_weights.items()
+                             if on_cpu and self.act.kind == "silu"
+                             and (a := layer_kernel_args(ws)) is not None}
         rate, latency = seed_link(self.backend)
         self.cost = CostModel(rate, latency,
                               cpu_s_per_token=experts.expert_bytes / SEED_CPU_BYTES_PER_S,
@@ -300,23 +305,31 @@ class HybridStrategy(OffloadStrategy):
         """A CPU device with empty slots: the split's answer is every expert from the host
         pool, by construction, so the layer is `resident`'s over the pool, plus the counts; one
         call in `CPU_SAMPLE_EVERY` times its experts for the cost model's estimates."""
+        self._calls += 1
+        out = torch.zeros_like(x)
+        args = self._kernel_args.get(layer)
+        routed = (routed_experts_ffn(x, ids, weights, args, out)
+                  if args is not None and self._calls % CPU_SAMPLE_EVERY else None)
+        if routed is not None:  # resident's call over the same pool
+            self._count_in_place(len(routed))
+            return out
         plan = plan_experts(ids, weights, self.spec.num_experts)
         needed = plan.experts  # ascending
         host = self.host_weights[layer]
-        self._calls += 1
         if self._calls % CPU_SAMPLE_EVERY:
-            out = torch.zeros_like(x)
             for e in needed:
                 accumulate(out, expert_contribution(x, plan, e, host[e], self.act))
         else:
             parts = self._cpu_parts(layer, x, plan, needed)
-            out = torch.zeros_like(x)
             for e in needed:
                 accumulate(out, parts[e])
-        self.distinct_per_layer.append(len(needed))
-        self.step_counts[2] += len(needed)
-        self.cpu_computed += len(needed)
+        self._count_in_place(len(needed))
         return out
+
+    def _count_in_place(self, computed: int) -> None:
+        self.distinct_per_layer.append(computed)
+        self.step_counts[2] += computed
+        self.cpu_computed += computed
 
     def _device_parts(self, x: torch.Tensor, plan: ExpertPlan, device: list[int],
                       slots: list[int], ticket: int) -> dict[int, Contribution | None]:

@@ -2,8 +2,9 @@
 
 With the Triton kernels (`kernels.name == "triton"`), each layer the fused kernel supports is
 one `fused_moe` call over views of that layer's blocks (`moe.fused`): expert `e` is slot `e`,
-and nothing is read back to the host. Otherwise, or for the other layers, each expert runs
-through `layers.moe` in ascending id.
+and nothing is read back to the host. On the CPU, a layer whose experts are all quantized runs
+its routed experts in one Rust call (`quant.matmul.routed_experts_ffn`). Otherwise, or for the
+other layers, each expert runs through `layers.moe` in ascending id.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from ftrs.layers.moe import combine_experts, plan_experts
 from ftrs.models.experts import HostExperts
 from ftrs.moe.base import GraphSupport, MoEStrategy, register
+from ftrs.quant.matmul import LayerKernelArgs, layer_kernel_args, routed_experts_ffn
 
 if TYPE_CHECKING:  # the kernel modules import Triton: only when the kernels are chosen
     from ftrs.kernels import Kernels
@@ -35,6 +37,13 @@ class ResidentStrategy(MoEStrategy):
         self._num_experts = experts.spec.num_experts
         self._moe_layers = experts.spec.moe_layers
         self._act = experts.act
+        # CPU layers whose experts are all quantized: every routed expert in one kernel call
+        self._kernel_args: dict[int, LayerKernelArgs] = {}
+        if device.type == "cpu" and self._act.kind == "silu":
+            for layer, per_layer in self._weights.items():
+                args = layer_kernel_args(per_layer)
+                if args is not None:
+                    self._kernel_args[layer] = args
         # the fused kernel's views: per layer, its E blocks as slots 0..E-1
         self._fused: dict[int, SlotWeights] = {}
         if kernels is not None and kernels.name == "triton":
@@ -60,6 +69,9 @@ class ResidentStrategy(MoEStrategy):
         if fused is not None:
             return self._fused_moe(x, ids, weights, self._slot_of, fused)
         out = torch.zeros_like(x)
+        args = self._kernel_args.get(layer)
+        if args is not None and routed_experts_ffn(x, ids, weights, args, out) is not None:
+            return out
         plan = plan_experts(ids, weights, self._num_experts)
         per_layer = self._weights[layer]
         combine_experts(x, plan, None, plan.experts, lambda e: per_layer[e], out, self._act)

@@ -12,6 +12,12 @@
 its three weights are CPU `QuantTensor`s with kernels (`ftrs._core.quant_expert_ffn`); None
 otherwise, and the caller takes the matmul path.
 
+`layer_kernel_args` / `routed_experts_ffn`: a MoE layer whose experts are all such
+`QuantTensor`s runs every routed expert in one call (`ftrs._core.quant_experts_ffn`), grouped
+from the router's ids on the host: no sort, no per-expert Python. Each expert's output times its
+router weight is added to `out` in ascending expert id, as `layers.moe` adds them, so the result
+is the same, bit for bit (`tests/moe/test_offload_quant.py` holds offload's per-expert path to it).
+
 `use_kernels(False)` forces the reference path (tests compare the two).
 """
 
@@ -19,8 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
-from typing import Any, Union
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -106,6 +112,65 @@ def expert_ffn(x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch
                                     down.qtype, down.host_array, x32.numpy(), out.numpy(),
                                     hidden, inter)
     return out
+
+
+class LayerKernelArgs(NamedTuple):
+    """A MoE layer's experts as `quant_experts_ffn` reads them: per expert id, `(gate type,
+    gate bytes, up type, up bytes, down type, down bytes)`; `inter` is the FFN's width."""
+
+    experts: list[tuple[str, Any, str, Any, str, Any]]
+    inter: int
+
+
+def layer_kernel_args(experts: Sequence[Sequence[Weight]]) -> LayerKernelArgs | None:
+    """The kernel arguments of a layer's experts (each `(gate, up, down)`, no biases) when every
+    one is a CPU `QuantTensor` of a type the kernels read, with chaining shapes; else None."""
+    types = kernel_types()
+    if not types or not hasattr(_core_module(), "quant_experts_ffn"):
+        return None
+    args = []
+    shape = None
+    for w in experts:
+        if len(w) != 3:
+            return None
+        for q in w:
+            if not (isinstance(q, QuantTensor) and q.qtype in types and q.device.type == "cpu"):
+                return None
+        gate, up, down = w
+        assert isinstance(gate, QuantTensor) and isinstance(up, QuantTensor) \
+            and isinstance(down, QuantTensor)  # checked just above
+        inter, hidden = gate.shape
+        if up.shape != gate.shape or down.shape != (hidden, inter) \
+                or shape not in (None, gate.shape):
+            return None
+        shape = gate.shape
+        args.append((gate.qtype, gate.host_array, up.qtype, up.host_array, down.qtype,
+                     down.host_array))
+    return LayerKernelArgs(args, shape[0]) if shape is not None else None
+
+
+def routed_experts_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       layer: LayerKernelArgs, out: torch.Tensor) -> list[int] | None:
+    """Adds every expert `ids` routes `x`'s rows to (SiLU FFN times the router weight) into
+    `out`, in ascending id, in one kernel call; returns those ids. None (and `out` untouched)
+    when the call does not apply: kernels off, or `x`, `weights`, `out` not contiguous fp32
+    CPU tensors."""
+    if not (_state["kernels"] and x.dtype == weights.dtype == out.dtype == torch.float32
+            and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous()
+            and out.is_contiguous() and out.shape == x.shape):
+        return None
+    routed: dict[int, tuple[list[int], list[float]]] = {}
+    for t, (es, ws) in enumerate(zip(ids.tolist(), weights.tolist())):
+        for e, w in zip(es, ws):
+            r = routed.get(e)
+            if r is None:
+                routed[e] = r = ([], [])
+            r[0].append(t)
+            r[1].append(w)
+    order = sorted(routed)
+    _core_module().quant_experts_ffn([(*layer.experts[e], *routed[e]) for e in order],
+                                     x.numpy(), out.numpy(), x.shape[1], layer.inter)
+    return order
 
 
 def embedding(ids: torch.Tensor, w: Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
