@@ -33,12 +33,40 @@ pub struct X16 {
     s: Vec<f32>,
 }
 
-/// One activation row of an [`X16`].
+/// One activation row of an [`X16`]: `v` holds (at least) 32 values per entry of `d` and `s`
+/// (made only by [`group`]: cols values, cols / 32 units and sums).
 #[derive(Clone, Copy)]
 struct XRow<'a> {
     v: &'a [i16],
     d: &'a [f32],
     s: &'a [f32],
+}
+
+impl XRow<'_> {
+    /// The 32 values of block `k`, without a bounds check (the hot loops read one per weight
+    /// block; the checks were a third of their instructions).
+    ///
+    /// # Safety
+    /// `k < self.d.len()`: the kernels' block indices run over a weight row of as many blocks
+    /// as the activation row has.
+    #[inline(always)]
+    unsafe fn block(&self, k: usize) -> &[i16] {
+        debug_assert!(k < self.d.len() && self.v.len() >= 32 * self.d.len());
+        // SAFETY: k < d.len() (this function's contract) and v.len() >= 32 d.len() (group
+        // slices cols values and cols / 32 units), so 32 k + 32 <= v.len().
+        unsafe { self.v.get_unchecked(32 * k..32 * k + 32) }
+    }
+
+    /// Block `k`'s unit `u` and exact sum, unchecked as [`XRow::block`].
+    ///
+    /// # Safety
+    /// As [`XRow::block`].
+    #[inline(always)]
+    unsafe fn unit_sum(&self, k: usize) -> (f32, f32) {
+        debug_assert!(k < self.d.len() && self.s.len() == self.d.len());
+        // SAFETY: k < d.len() == s.len() (this function's contract; group).
+        unsafe { (*self.d.get_unchecked(k), *self.s.get_unchecked(k)) }
+    }
 }
 
 /// The 8 floats at `s[..8]`.
@@ -139,9 +167,13 @@ fn dot32(w: (__m256i, __m256i), x: (__m256i, __m256i)) -> __m256 {
 }
 
 /// The two i16 vectors of 32-block `k` of an activation row.
+///
+/// # Safety
+/// As [`XRow::block`]: `k` is below the row's block count.
 #[inline(always)]
-fn xblock(x: &XRow<'_>, k: usize) -> (__m256i, __m256i) {
-    let v = &x.v[32 * k..32 * k + 32];
+unsafe fn xblock(x: &XRow<'_>, k: usize) -> (__m256i, __m256i) {
+    // SAFETY: this function's contract.
+    let v = unsafe { x.block(k) };
     (ldw(v), ldw(&v[16..]))
 }
 
@@ -251,10 +283,11 @@ macro_rules! q32_block {
             }
         };
         for i in 0..NX {
-            let s = _mm256_set1_ps(d * $x[i].d[bi]);
-            $acc[i] = _mm256_fmadd_ps(dot32(wv, xblock(&$x[i], bi)), s, $acc[i]);
+            // SAFETY: bi is a block of a weight row as long as the activation rows (q32).
+            let ((u, sum), xv) = unsafe { ($x[i].unit_sum(bi), xblock(&$x[i], bi)) };
+            $acc[i] = _mm256_fmadd_ps(dot32(wv, xv), _mm256_set1_ps(d * u), $acc[i]);
             if KIND != 0 {
-                $mins[i] = m.mul_add($x[i].s[bi], $mins[i]);
+                $mins[i] = m.mul_add(sum, $mins[i]);
             }
         }
     }};
@@ -349,8 +382,10 @@ fn q4k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
                 let k = bi * 8 + 2 * c;
                 for i in 0..NX {
                     let (s0, s1) = (sc[i][2 * c], sc[i][2 * c + 1]);
-                    let p0 = dot32(lo, xblock(&x[i], k));
-                    let p1 = dot32(hi, xblock(&x[i], k + 1));
+                    // SAFETY: k + 1 < 8 nb, the activation row's block count (x16 rows are
+                    // cols / 32 blocks, the weight row cols / 256 super-blocks).
+                    let (x0, x1) = unsafe { (xblock(&x[i], k), xblock(&x[i], k + 1)) };
+                    let (p0, p1) = (dot32(lo, x0), dot32(hi, x1));
                     acc[i][0] = _mm256_fmadd_ps(p0, _mm256_set1_ps(s0), acc[i][0]);
                     acc[i][1] = _mm256_fmadd_ps(p1, _mm256_set1_ps(s1), acc[i][1]);
                 }
@@ -424,7 +459,8 @@ fn q6k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
                     let (w0, w1) = widen_i8(_mm256_sub_epi8(qs, k32));
                     let (k, j) = (bi * 8 + 4 * h + s, 8 * h + 2 * s);
                     for i in 0..NX {
-                        let xv = xblock(&x[i], k);
+                        // SAFETY: k < 8 nb, as in q4k.
+                        let xv = unsafe { xblock(&x[i], k) };
                         let p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w0, xv.0));
                         let p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w1, xv.1));
                         let (sa, sb) = (sc[i][j], sc[i][j + 1]);

@@ -19,11 +19,14 @@ use super::{
 };
 
 /// The 32 i16 of 32-block `k` of an activation row.
+///
+/// # Safety
+/// As [`XRow::block`]: `k` is below the row's block count.
 #[inline(always)]
-fn xblock(x: &XRow<'_>, k: usize) -> __m512i {
-    let v = &x.v[32 * k..32 * k + 32];
-    // SAFETY: 64 readable bytes (sliced above); loadu accepts any alignment.
-    unsafe { _mm512_loadu_si512(v.as_ptr().cast()) }
+unsafe fn xblock(x: &XRow<'_>, k: usize) -> __m512i {
+    // SAFETY: k is in range (this function's contract); the block is 64 readable bytes, and
+    // loadu accepts any alignment.
+    unsafe { _mm512_loadu_si512(x.block(k).as_ptr().cast()) }
 }
 
 /// `sum w[j] x[j]` over 32 elements as 16 fp32 lanes (exact: each lane sums 2 products).
@@ -54,10 +57,11 @@ macro_rules! q32_block {
             }
         };
         for i in 0..NX {
-            let s = _mm512_set1_ps(d * $x[i].d[bi]);
-            $acc[i] = _mm512_fmadd_ps(dot(wv, xblock(&$x[i], bi)), s, $acc[i]);
+            // SAFETY: bi is a block of a weight row as long as the activation rows (q32).
+            let ((u, sum), xv) = unsafe { ($x[i].unit_sum(bi), xblock(&$x[i], bi)) };
+            $acc[i] = _mm512_fmadd_ps(dot(wv, xv), _mm512_set1_ps(d * u), $acc[i]);
             if KIND != 0 {
-                $mins[i] = m.mul_add($x[i].s[bi], $mins[i]);
+                $mins[i] = m.mul_add(sum, $mins[i]);
             }
         }
     }};
@@ -131,8 +135,10 @@ fn q4k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
                 let k = bi * 8 + 2 * c;
                 for i in 0..NX {
                     let (s0, s1) = (sc[i][2 * c], sc[i][2 * c + 1]);
-                    let p0 = dot(lo, xblock(&x[i], k));
-                    let p1 = dot(hi, xblock(&x[i], k + 1));
+                    // SAFETY: k + 1 < 8 nb, the activation row's block count (x16 rows are
+                    // cols / 32 blocks, the weight row cols / 256 super-blocks).
+                    let (x0, x1) = unsafe { (xblock(&x[i], k), xblock(&x[i], k + 1)) };
+                    let (p0, p1) = (dot(lo, x0), dot(hi, x1));
                     acc[i][0] = _mm512_fmadd_ps(p0, _mm512_set1_ps(s0), acc[i][0]);
                     acc[i][1] = _mm512_fmadd_ps(p1, _mm512_set1_ps(s1), acc[i][1]);
                 }
@@ -199,7 +205,8 @@ fn q6k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
                     let blk = 4 * h + s;
                     for i in 0..NX {
                         let sv = _mm512_permutexvar_ps(pick[blk], su[i]);
-                        let p = dot(wv, xblock(&x[i], bi * 8 + blk));
+                        // SAFETY: bi * 8 + blk < 8 nb, as in q4k.
+                        let p = dot(wv, unsafe { xblock(&x[i], bi * 8 + blk) });
                         acc[i][s & 1] = _mm512_fmadd_ps(p, sv, acc[i][s & 1]);
                     }
                 }
