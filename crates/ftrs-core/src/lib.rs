@@ -10,7 +10,8 @@
 //! - [`quant`]: quantized CPU matmul over GGUF blocks (SIMD in `quant::simd`), multi-threaded.
 //! - [`raw`]: the only module with raw-pointer code besides the CUDA FFI.
 //!
-//! Unsafe code is denied crate-wide and allowed only in `raw`, `cuda` and `quant::simd`, plus
+//! Unsafe code is denied crate-wide and allowed only in `raw`, `cuda`, `quant::simd` and
+//! `quant::pool` (a call's task function lent to the kernel workers), plus
 //! the one call of the `unsafe fn CopyBackend::submit` in `transfer::worker` and the one of
 //! `unsafe fn CopyBackend::record_fence` in `TransferEngine::release_after` (a raw stream
 //! handle of the caller's); every other module forbids it.

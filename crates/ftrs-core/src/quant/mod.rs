@@ -9,7 +9,8 @@
 //! - [`simd`]: hand-written AVX2/FMA kernels for the hot types (Q4_K, Q6_K, Q8_0, ...), which
 //!   decode in registers (`simd::int`: the integer-product ones, and `simd::int::wide` their
 //!   AVX-512 VNNI forms); the only module here with `unsafe`.
-//! - [`threads`]: the persistent worker pools (rayon; idle workers sleep), one per thread count.
+//! - [`threads`]: the persistent worker pools, one per thread count, and the split by rows;
+//!   [`pool`]: the pool itself (the caller works too; idle workers poll briefly, then sleep).
 //!
 //! The instruction set is chosen once at run time ([`Isa::detect`]). Weights are never copied
 //! to fp32 as a whole: each block is decoded into registers or a stack buffer of at most
@@ -20,6 +21,7 @@
 
 pub mod blocks;
 pub mod kernel;
+pub mod pool;
 pub mod simd;
 pub mod threads;
 

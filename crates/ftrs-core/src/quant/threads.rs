@@ -1,25 +1,25 @@
 //! Worker pools of the quantized kernels.
 //!
-//! One persistent rayon pool per thread count asked for (in practice one or two), built on
-//! first use and kept for the process. Rayon's idle workers yield a few rounds after their last
-//! job and then sleep on a condition variable: an idle pool costs no CPU. The caller blocks
-//! (sleeping, not spinning) while the pool works.
+//! One persistent [`Pool`] per thread count asked for (in practice one or two), built on first
+//! use and kept for the process: the calling thread plus `threads - 1` workers, which poll for
+//! the next call for [`super::pool::SPIN`] after their last task and then sleep, so an idle pool
+//! costs no CPU while a decode step's back-to-back calls find them awake.
 //!
 //! Work is cut by rows: each task gets a contiguous run of weight rows and the matching run of
-//! the output, so tasks never share memory. Matrices too small to repay a wake-up run on the
+//! the output, so tasks never share memory. Matrices too small to repay the split run on the
 //! calling thread.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use rayon::prelude::*;
-
+use super::pool::Pool;
 use crate::error::{CoreError, Result};
 
-/// Below this much work (weight bytes x activation rows, capped), one thread does it all: waking
-/// a worker costs a few microseconds, the time to stream ~64 KiB.
-pub const MIN_PARALLEL_WORK: usize = 256 << 10;
+/// Below this much work (weight bytes x activation rows, capped), one thread does it all: a
+/// split costs a worker a few cache misses on the call's state, and the tail of the slowest
+/// task, about the time to stream this much.
+pub const MIN_PARALLEL_WORK: usize = 128 << 10;
 
 /// Tasks per thread, so a worker slowed by a neighbour leaves work to the others.
 const TASKS_PER_THREAD: usize = 4;
@@ -95,9 +95,10 @@ pub fn plan(rows: usize, work: usize, threads: usize) -> usize {
     (t * TASKS_PER_THREAD).min(rows)
 }
 
-/// The pool with `n` workers, built on first use; `None` if the OS refuses the threads.
-fn pool(n: usize) -> Option<Arc<rayon::ThreadPool>> {
-    static POOLS: OnceLock<Mutex<HashMap<usize, Arc<rayon::ThreadPool>>>> = OnceLock::new();
+/// The pool of `n` threads (the caller and `n - 1` workers), built on first use; `None` if
+/// the OS refuses the threads.
+fn pool(n: usize) -> Option<Arc<Pool>> {
+    static POOLS: OnceLock<Mutex<HashMap<usize, Arc<Pool>>>> = OnceLock::new();
     let mut pools = POOLS
         .get_or_init(Default::default)
         .lock()
@@ -105,18 +106,13 @@ fn pool(n: usize) -> Option<Arc<rayon::ThreadPool>> {
     if let Some(p) = pools.get(&n) {
         return Some(p.clone());
     }
-    let p = rayon::ThreadPoolBuilder::new()
-        .num_threads(n)
-        .thread_name(|i| format!("ftrs-quant-{i}"))
-        .build()
-        .ok()?;
-    let p = Arc::new(p);
+    let p = Arc::new(Pool::new(n)?);
     pools.insert(n, p.clone());
     Some(p)
 }
 
-/// Runs `f(weight rows, their output)` over `tasks` contiguous runs of rows, on the pool of
-/// `threads` workers (0 = default) when `tasks > 1`, else on the calling thread.
+/// Runs `f(weight rows, their output)` over `tasks` contiguous runs of rows, on the caller and
+/// the pool of `threads` (0 = default) when `tasks > 1`, else on the calling thread alone.
 ///
 /// `weight` holds `rows` rows of `row_bytes`; `out` holds `rows` runs of `out_per_row` floats.
 #[allow(clippy::too_many_arguments)]
@@ -144,10 +140,14 @@ pub fn for_row_chunks<F>(
         return;
     };
     let per_task = rows.div_ceil(tasks);
-    pool.install(|| {
-        weight
-            .par_chunks(per_task * row_bytes)
-            .zip(out.par_chunks_mut(per_task * out_per_row))
-            .for_each(|(w, o)| f(w, o));
+    let w: Vec<&[u8]> = weight.chunks(per_task * row_bytes).collect();
+    // each task locks its own run of the output once: no contention, and no unsafe split
+    let o: Vec<Mutex<&mut [f32]>> = out
+        .chunks_mut(per_task * out_per_row)
+        .map(Mutex::new)
+        .collect();
+    pool.run(w.len(), &|i| {
+        let mut oi = o[i].lock().unwrap_or_else(|e| e.into_inner());
+        f(w[i], &mut oi);
     });
 }
