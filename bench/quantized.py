@@ -18,6 +18,10 @@ activations, greedy, EOS ignored.
 - `--threads N` (default 1): torch's intra-op threads and the quantized kernels' threads, and
   llama.cpp's, so every engine decodes on the same number of cores (on a host shared with other
   jobs, 1 is faster than 2 for every format: a second thread mostly waits for its core).
+- `--quant-torch-threads K` (default N): torch's threads while Q8_0 and Q4_K_M decode. Their
+  matmuls run on the kernels' N threads; torch is left the norms, rotary and attention of one
+  token, where a second OpenMP thread costs more than it brings (and competes for the cores
+  with the kernels' workers). F32 keeps N: its matmuls are torch's.
 - `llama_cpp` (when `llama-cpp-python` is installed, the `bench` extra): llama.cpp's decode
   tok/s at batch 1 on the same Q4_K_M file, same chat prompt, same token count, same threads,
   timed in every round right after ftrs's batch-1 runs (median over the rounds), and
@@ -137,6 +141,8 @@ def main() -> None:
     ap.add_argument("--link-tokens", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1,
                     help="threads of torch, of the quantized kernels and of llama.cpp")
+    ap.add_argument("--quant-torch-threads", type=int, default=None,
+                    help="torch's threads while a quantized format decodes (default --threads)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     from ftrs import _core
@@ -144,6 +150,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     _core.quant_set_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
+    quant_torch = args.quant_torch_threads or args.threads
+    torch_threads = {f: args.threads if f == "F32" else quant_torch for f in FORMATS}
     paths = {f: model_path(f) for f in FORMATS}
     rows: dict[str, dict[str, Any]] = {f: {"file": paths[f].name} for f in FORMATS}
 
@@ -160,7 +168,8 @@ def main() -> None:
                     "pool_vs_file": round(pool / rows[f]["file_expert_bytes"], 4)}
     prompts = {b: chat_prompts(llms["F32"], b) for b in batches}
     chat = llms["F32"].chat_prompt([{"role": "user", "content": common.PROMPTS[0]}])
-    for llm in llms.values():
+    for f, llm in llms.items():
+        torch.set_num_threads(torch_threads[f])
         for b in batches:
             common.run_steps(llm, prompts[b], 3, prefix="warm")  # first-touch costs
     try:
@@ -172,6 +181,7 @@ def main() -> None:
     for r in range(args.rounds):
         for b in batches:
             for f, llm in llms.items():
+                torch.set_num_threads(torch_threads[f])
                 runs[f, b].append(decode_tok_s(llm, prompts[b], args.tokens))
                 note(f"round {r + 1}, batch {b}, {f}: {runs[f, b][-1]:.2f} tok/s")
             if b == 1 and peer is not None:
@@ -190,7 +200,7 @@ def main() -> None:
                 q / x for q, x in zip(runs[f, b], runs["F32", b])), 3)
     report: dict[str, Any] = {
         "bench": "quantized", "device": "cpu", "activations": "float32",
-        "strategy": "resident", "torch_threads": torch.get_num_threads(),
+        "strategy": "resident", "torch_threads": torch_threads,
         "kernel_threads": _core.quant_threads(),
         "decode_tokens_per_sequence": args.tokens - 1, "rounds": args.rounds,
         "prompt_tokens": {b: len(prompts[b][0]) for b in batches},
