@@ -49,11 +49,11 @@
 #![deny(unsafe_code)]
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use crate::backend::CopyBackend;
-use crate::cache::{Key, Policy, SlotCache};
+use crate::cache::{Policy, SlotCache};
 use crate::clock::{Clock, TokenBucket};
 use crate::error::{CoreError, DeviceFault, Result};
 use crate::pool::ExpertPool;
@@ -61,8 +61,10 @@ use crate::raw::Destination;
 
 mod fence;
 mod lookup;
+mod state;
 mod worker;
 use fence::{release_pinned, SlotFence};
+use state::{allocate, drop_prefetch, lock, queue, unpin, Drill, Prio, State, Ticket};
 use worker::run_worker;
 
 /// Engine settings.
@@ -122,107 +124,6 @@ pub struct Stats {
     pub fence_waits: u64,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Prio {
-    Demand,
-    Prefetch,
-}
-
-#[derive(Debug)]
-struct Transfer {
-    /// The expert; while not cancelled, `inflight[key] == this transfer`.
-    key: Key,
-    /// Destination slot; pinned once by this transfer until it ends.
-    slot: u32,
-    /// Current priority (a prefetch becomes Demand when demanded).
-    prio: Prio,
-    /// Issued as a prefetch (for used/wasted accounting).
-    was_prefetch: bool,
-    /// A prefetch that was demanded before landing.
-    used: bool,
-    /// Size of the expert's block (its layer's `block_bytes`, <= the slot stride): what it moves.
-    bytes: usize,
-    /// Bytes issued to the backend so far; in a queue while below `bytes`.
-    issued: usize,
-    /// Bytes landed so far; the transfer lands at `bytes`.
-    landed: usize,
-    /// Bytes issued and not finished (the copies in flight; > 0 for each one).
-    inflight_bytes: usize,
-    /// Copies in flight that were issued as prefetch chunks.
-    inflight_prefetch_chunks: usize,
-    /// Cancelled with a copy in flight: nothing more is issued, the result is discarded and
-    /// the slot freed when the last copy ends.
-    cancelled: bool,
-    /// The first failed copy: nothing more is issued; reported to the waiters at the end.
-    error: Option<CoreError>,
-    /// Tickets completed by this transfer.
-    waiters: Vec<u64>,
-}
-
-#[derive(Debug)]
-struct Ticket {
-    /// Transfers still to land; done at 0.
-    remaining: usize,
-    /// First failure among them.
-    error: Option<CoreError>,
-}
-
-#[derive(Debug)]
-struct State {
-    /// Slot ownership and policy.
-    cache: SlotCache,
-    /// `ready[s]`: slot `s` holds the landed bytes of `cache.id_of_slot(s)`.
-    ready: Vec<bool>,
-    /// `prefetched_unused[s]`: landed by a prefetch and not demanded since.
-    prefetched_unused: Vec<bool>,
-    /// Live transfers (queued or in flight) by id.
-    transfers: HashMap<u64, Transfer>,
-    /// Key → its live, non-cancelled transfer: never two for one key.
-    inflight: HashMap<Key, u64>,
-    /// Next transfer id.
-    next_transfer: u64,
-    /// Demand transfers with bytes not yet issued, FIFO.
-    demand_q: VecDeque<u64>,
-    /// Prefetch transfers with bytes not yet issued, FIFO (the head may be partly issued).
-    prefetch_q: VecDeque<u64>,
-    /// Tickets not yet waited on.
-    tickets: HashMap<u64, Ticket>,
-    /// Next ticket id; ids below it were issued.
-    next_ticket: u64,
-    /// Slots pinned by lookups since the last release (one entry per pin).
-    pinned: Vec<u32>,
-    /// `fences[s]`: fences of releases of slot `s` that no copy into `s` has waited on yet,
-    /// at most one per caller stream.
-    fences: Vec<Vec<Arc<SlotFence>>>,
-    /// Bytes of copies in flight.
-    inflight_bytes: usize,
-    /// Copies in flight that were issued as prefetch chunks.
-    inflight_prefetches: usize,
-    /// Chunk size of prefetch copies; 0 = whole expert.
-    prefetch_chunk_bytes: usize,
-    /// Prefetch copies in flight at most; 0 = unlimited (changeable while running).
-    max_inflight_prefetches: usize,
-    /// Armed drill: (what, copies to let through first).
-    fault: Option<(Drill, u64)>,
-    /// Set when the worker panicked: the error every pending and later call gets.
-    dead: Option<CoreError>,
-    /// Pacing, if on.
-    bucket: Option<TokenBucket>,
-    /// Counters.
-    stats: Stats,
-    /// Set by `close`: the worker drains and exits.
-    shutdown: bool,
-}
-
-/// What an armed drill does to its copy.
-#[derive(Debug, Clone, Copy)]
-enum Drill {
-    /// The copy fails with this device fault.
-    Fault(DeviceFault),
-    /// The worker panics while issuing the copy (tests the panic path).
-    Panic,
-}
-
 #[derive(Debug)]
 struct Inner {
     /// Bookkeeping.
@@ -250,10 +151,6 @@ pub struct TransferEngine {
     inner: Arc<Inner>,
     /// The worker; taken and joined by the first `close` (or drop).
     worker: Mutex<Option<JoinHandle<()>>>,
-}
-
-fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl TransferEngine {
@@ -564,79 +461,5 @@ impl Drop for TransferEngine {
         // Prefetches are dropped; demand copies and copies in flight finish before the join, so
         // no copy outlives the pool or the destination.
         self.close();
-    }
-}
-
-/// A slot for `key` (not resident): free or evicted per policy.
-fn allocate(st: &mut State, key: Key) -> Result<u32> {
-    let (slot, evicted) = st.cache.insert(key)?;
-    let s = slot as usize;
-    if evicted.is_some() && std::mem::take(&mut st.prefetched_unused[s]) {
-        st.stats.prefetch_wasted += 1;
-    }
-    st.ready[s] = false;
-    st.prefetched_unused[s] = false;
-    Ok(slot)
-}
-
-/// Queues a transfer of `bytes` (the block size of `key`'s layer) into `slot`.
-fn queue(st: &mut State, key: Key, bytes: usize, slot: u32, prio: Prio, ticket: Option<u64>) {
-    let tid = st.next_transfer;
-    st.next_transfer += 1;
-    st.cache.pin(slot);
-    let t = Transfer {
-        key,
-        slot,
-        prio,
-        was_prefetch: prio == Prio::Prefetch,
-        used: false,
-        bytes,
-        issued: 0,
-        landed: 0,
-        inflight_bytes: 0,
-        inflight_prefetch_chunks: 0,
-        cancelled: false,
-        error: None,
-        waiters: ticket.into_iter().collect(),
-    };
-    st.transfers.insert(tid, t);
-    debug_assert!(!st.inflight.contains_key(&key), "{key:?} fetched twice");
-    st.inflight.insert(key, tid);
-    match prio {
-        Prio::Demand => st.demand_q.push_back(tid),
-        Prio::Prefetch => st.prefetch_q.push_back(tid),
-    }
-}
-
-/// Cancels prefetch `tid`, which the caller took out of the prefetch queue if it was there.
-/// With no copy in flight it is dropped and its slot freed; otherwise its key is detached at
-/// once and the slot, reserved, is freed when its last copy ends.
-fn drop_prefetch(st: &mut State, tid: u64) {
-    let t = st
-        .transfers
-        .get_mut(&tid)
-        .expect("cancelled transfer is live");
-    debug_assert!(t.prio == Prio::Prefetch && !t.cancelled && t.waiters.is_empty());
-    let (key, slot) = (t.key, t.slot);
-    st.stats.prefetch_cancelled += 1;
-    st.stats.prefetch_wasted += 1;
-    st.inflight.remove(&key);
-    if t.inflight_bytes > 0 {
-        t.cancelled = true;
-        st.cache.detach(slot);
-        return;
-    }
-    st.transfers.remove(&tid);
-    unpin(st, slot);
-    if st.cache.pins(slot) == 0 && st.cache.id_of_slot(slot).is_some() {
-        st.cache.free(slot);
-    }
-}
-
-/// Drops one pin; a reserved slot (detached key) is freed at its last pin.
-fn unpin(st: &mut State, slot: u32) {
-    st.cache.unpin(slot);
-    if st.cache.pins(slot) == 0 && st.cache.is_reserved(slot) {
-        st.cache.free(slot);
     }
 }
