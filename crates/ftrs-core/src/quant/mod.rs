@@ -149,6 +149,20 @@ fn check_weight(t: QType, weight: &[u8], rows: usize, cols: usize) -> Result<usi
     Ok(rb)
 }
 
+/// Checks an FFN's weights: `gate` and `up` `inter x hidden`, `down` `hidden x inter`.
+fn check_ffn(
+    gate: (QType, &[u8]),
+    up: (QType, &[u8]),
+    down: (QType, &[u8]),
+    hidden: usize,
+    inter: usize,
+) -> Result<()> {
+    check_weight(gate.0, gate.1, inter, hidden)?;
+    check_weight(up.0, up.1, inter, hidden)?;
+    check_weight(down.0, down.1, hidden, inter)?;
+    Ok(())
+}
+
 /// `out[i * rows + r] = sum_c x[i * cols + c] * W[r, c]` for `n = x.len() / cols` rows of `x`.
 ///
 /// `weight` holds `rows` rows of `cols` weights of type `t`, each as GGUF stores it. `threads`
@@ -217,9 +231,7 @@ pub fn expert_ffn(
     threads: usize,
     isa: Isa,
 ) -> Result<()> {
-    check_weight(gate.0, gate.1, inter, hidden)?;
-    check_weight(up.0, up.1, inter, hidden)?;
-    check_weight(down.0, down.1, hidden, inter)?;
+    check_ffn(gate, up, down, hidden, inter)?;
     if x.is_empty() || !x.len().is_multiple_of(hidden) || out.len() != x.len() {
         return Err(CoreError::Config(format!(
             "expert FFN: x has {} floats and out {}: expected the same n x {hidden}, n >= 1",
@@ -274,9 +286,7 @@ pub fn experts_ffn(
     }
     let n = x.len() / hidden;
     for (k, e) in experts.iter().enumerate() {
-        check_weight(e.gate.0, e.gate.1, inter, hidden)?;
-        check_weight(e.up.0, e.up.1, inter, hidden)?;
-        check_weight(e.down.0, e.down.1, hidden, inter)?;
+        check_ffn(e.gate, e.up, e.down, hidden, inter)?;
         if e.rows.is_empty() || e.rows.len() != e.weights.len() {
             return Err(CoreError::Config(format!(
                 "routed expert {k}: {} rows and {} weights: expected the same number, >= 1",

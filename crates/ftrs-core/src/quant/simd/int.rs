@@ -345,6 +345,32 @@ fn scales_mins_k4(s: &[u8]) -> (__m256, __m256) {
     (f(sc), f(mn))
 }
 
+/// A Q4_K super-block's prologue, per activation row: the 8 sub-block scales `d * sc * u`, and
+/// `dmin * m * sum(x over each sub-block)` added to `mins[i]`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q4k_scales<const NX: usize>(
+    b: &[u8],
+    x: &[XRow<'_>; NX],
+    bi: usize,
+    mins: &mut [__m256; NX],
+) -> [[f32; 8]; NX] {
+    let (d, dmin) = f16x2(b);
+    let (s8, m8) = scales_mins_k4(&b[4..16]);
+    let (s8, m8) = (
+        _mm256_mul_ps(s8, _mm256_set1_ps(d)),
+        _mm256_mul_ps(m8, _mm256_set1_ps(dmin)),
+    );
+    let mut sc = [[0f32; 8]; NX];
+    for i in 0..NX {
+        let s = _mm256_mul_ps(s8, ld8(&x[i].d[bi * 8..]));
+        // SAFETY: sc[i] holds 8 f32; storeu accepts any alignment.
+        unsafe { _mm256_storeu_ps(sc[i].as_mut_ptr(), s) };
+        mins[i] = _mm256_fmadd_ps(m8, ld8(&x[i].s[bi * 8..]), mins[i]);
+    }
+    sc
+}
+
 /// Q4_K against int activations: the low nibbles of each 32-byte run are sub-block 2c, the
 /// high ones 2c + 1 (two accumulator chains); each sub-block's dot meets `d * sc * u`; the mins
 /// enter as `dmin * m * sum(x over the sub-block)`, 8 at a time.
@@ -359,20 +385,7 @@ fn q4k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
             for line in [0, 64, 128] {
                 prefetch(b, PREFETCH_AHEAD + line);
             }
-            let (d, dmin) = f16x2(b);
-            let (s8, m8) = scales_mins_k4(&b[4..16]);
-            let (s8, m8) = (
-                _mm256_mul_ps(s8, _mm256_set1_ps(d)),
-                _mm256_mul_ps(m8, _mm256_set1_ps(dmin)),
-            );
-            // per activation row, the 8 sub-block scales d * sc * u
-            let mut sc = [[0f32; 8]; NX];
-            for i in 0..NX {
-                let s = _mm256_mul_ps(s8, ld8(&x[i].d[bi * 8..]));
-                // SAFETY: sc[i] holds 8 f32; storeu accepts any alignment.
-                unsafe { _mm256_storeu_ps(sc[i].as_mut_ptr(), s) };
-                mins[i] = _mm256_fmadd_ps(m8, ld8(&x[i].s[bi * 8..]), mins[i]);
-            }
+            let sc = q4k_scales(b, x, bi, &mut mins);
             for c in 0..4 {
                 let q = &b[16 + 32 * c..16 + 32 * c + 32];
                 let v0 = _mm256_cvtepu8_epi16(ld16(q));
@@ -398,6 +411,35 @@ fn q4k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
     }
 }
 
+/// The 6-bit quants (0..63, bytes) of half `h` of a Q6_K super-block, as four 32-byte runs:
+/// run s holds the elements of activation block 4h + s (low nibble | high 2 bits << 4).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q6k_quants(b: &[u8], h: usize) -> [__m256i; 4] {
+    let (m4, m30) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+    let ql0 = ld32(&b[64 * h..]);
+    let ql1 = ld32(&b[64 * h + 32..]);
+    let qh = ld32(&b[128 + 32 * h..]);
+    [
+        _mm256_or_si256(
+            _mm256_and_si256(ql0, m4),
+            _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
+        ),
+        _mm256_or_si256(
+            _mm256_and_si256(ql1, m4),
+            _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
+        ),
+        _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+            _mm256_and_si256(qh, m30),
+        ),
+        _mm256_or_si256(
+            _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+            _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
+        ),
+    ]
+}
+
 /// Q6_K against int activations: per half block h, 32-block s of the activations meets the
 /// 6-bit quants `(low nibble | high 2 bits << 4) - 32` assembled as bytes and widened; its two
 /// 16-element halves (sub-blocks 8h + 2s and 8h + 2s + 1) meet their own `d * sc * u`, in two
@@ -405,8 +447,6 @@ fn q4k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q6k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32], g0: usize) {
     let nb = x[0].d.len() / 8;
-    let m4 = _mm256_set1_epi8(0x0F);
-    let m30 = _mm256_set1_epi8(0x30);
     let k32 = _mm256_set1_epi8(32);
     // lane j of the 16 scales' expansion takes the unit of activation block j / 2
     let pair_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
@@ -434,27 +474,7 @@ fn q6k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
                 }
             }
             for h in 0..2 {
-                let ql0 = ld32(&b[64 * h..]);
-                let ql1 = ld32(&b[64 * h + 32..]);
-                let qh = ld32(&b[128 + 32 * h..]);
-                let q = [
-                    _mm256_or_si256(
-                        _mm256_and_si256(ql0, m4),
-                        _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
-                    ),
-                    _mm256_or_si256(
-                        _mm256_and_si256(ql1, m4),
-                        _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
-                    ),
-                    _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                        _mm256_and_si256(qh, m30),
-                    ),
-                    _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
-                    ),
-                ];
+                let q = q6k_quants(b, h);
                 for (s, &qs) in q.iter().enumerate() {
                     let (w0, w1) = widen_i8(_mm256_sub_epi8(qs, k32));
                     let (k, j) = (bi * 8 + 4 * h + s, 8 * h + 2 * s);

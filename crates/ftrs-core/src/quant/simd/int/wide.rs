@@ -14,7 +14,7 @@ use std::arch::x86_64::*;
 use super::super::super::blocks::QType;
 use super::super::super::kernel::MAX_NX;
 use super::{
-    f16, f16x2, group, hsum, ld16, ld32, ld8, prefetch, quantize, scales_mins_k4, XRow,
+    f16, f16x2, group, hsum, ld16, ld32, ld8, prefetch, q4k_scales, q6k_quants, quantize, XRow,
     PREFETCH_AHEAD, X16,
 };
 
@@ -116,19 +116,7 @@ fn q4k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
             for line in [0, 64, 128] {
                 prefetch(b, PREFETCH_AHEAD + line);
             }
-            let (d, dmin) = f16x2(b);
-            let (s8, m8) = scales_mins_k4(&b[4..16]);
-            let (s8, m8) = (
-                _mm256_mul_ps(s8, _mm256_set1_ps(d)),
-                _mm256_mul_ps(m8, _mm256_set1_ps(dmin)),
-            );
-            let mut sc = [[0f32; 8]; NX];
-            for i in 0..NX {
-                let s = _mm256_mul_ps(s8, ld8(&x[i].d[bi * 8..]));
-                // SAFETY: sc[i] holds 8 f32; storeu accepts any alignment.
-                unsafe { _mm256_storeu_ps(sc[i].as_mut_ptr(), s) };
-                mins[i] = _mm256_fmadd_ps(m8, ld8(&x[i].s[bi * 8..]), mins[i]);
-            }
+            let sc = q4k_scales(b, x, bi, &mut mins);
             for c in 0..4 {
                 let v = _mm512_cvtepu8_epi16(ld32(&b[16 + 32 * c..]));
                 let (lo, hi) = (_mm512_and_si512(v, m4), _mm512_srli_epi16::<4>(v));
@@ -157,8 +145,6 @@ fn q4k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn q6k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32], g0: usize) {
     let nb = x[0].d.len() / 8;
-    let m4 = _mm256_set1_epi8(0x0F);
-    let m30 = _mm256_set1_epi8(0x30);
     let k32 = _mm256_set1_epi8(32);
     // lane j of the 16 sub-block scales takes the unit of activation block j / 2
     let pair = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
@@ -179,27 +165,7 @@ fn q6k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
                 _mm512_mul_ps(s16, _mm512_permutexvar_ps(pair, u))
             });
             for h in 0..2 {
-                let ql0 = ld32(&b[64 * h..]);
-                let ql1 = ld32(&b[64 * h + 32..]);
-                let qh = ld32(&b[128 + 32 * h..]);
-                let q = [
-                    _mm256_or_si256(
-                        _mm256_and_si256(ql0, m4),
-                        _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
-                    ),
-                    _mm256_or_si256(
-                        _mm256_and_si256(ql1, m4),
-                        _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
-                    ),
-                    _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                        _mm256_and_si256(qh, m30),
-                    ),
-                    _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
-                    ),
-                ];
+                let q = q6k_quants(b, h);
                 for (s, &qs) in q.iter().enumerate() {
                     let wv = _mm512_cvtepi8_epi16(_mm256_sub_epi8(qs, k32));
                     let blk = 4 * h + s;
