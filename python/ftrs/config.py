@@ -40,7 +40,7 @@ class EngineConfig:
     moe_prefetch: bool = True
     copy_backend: str = "auto"  # auto | host | simulated:GBPS[:LAT_US] | cuda[:N]
     pcie_pacing: float | None = None  # GB/s; None = off
-    cpu_expert_threads: int | None = None  # CPU expert kernels (hybrid); None = physical cores - 1, >= 1
+    cpu_expert_threads: int | None = None  # Rust CPU kernels (experts, quantized projections), every strategy; None = physical cores - 1
     torch_threads: int | None = None  # torch's CPU threads (process-wide); None = torch's default
     max_prefill_length: int = 8192  # token budget of one step
     max_running_requests: int = 64

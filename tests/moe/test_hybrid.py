@@ -105,6 +105,19 @@ def test_quantized_hybrid_equals_resident(tmp_path: Path) -> None:
         assert s["fetched"] + s["cpu_computed"] > 0
 
 
+@pytest.mark.parametrize("strategy", ["resident", "offload"])
+def test_cpu_expert_threads_reach_the_kernels_under_every_strategy(
+        tiny_models: dict[str, Path], strategy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ftrs import _core
+
+    set_to: list[int] = []
+    monkeypatch.setattr(_core, "quant_set_threads", set_to.append)  # process-wide: not for real
+    llm = LLM(str(tiny_models["qwen3_moe"]), device="cpu", dtype="float32", kv_tokens=256,
+              moe_strategy=strategy, cpu_expert_threads=3)
+    llm.close()
+    assert set_to == [3]
+
+
 def test_cpu_expert_threads_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="cpu_expert_threads"):
         EngineConfig(cpu_expert_threads=0)

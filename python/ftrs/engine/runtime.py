@@ -57,6 +57,10 @@ class Runtime:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.device = resolve_device(config.device)
         self.use_device()
+        if config.cpu_expert_threads is not None:  # the Rust CPU kernels, whatever the strategy
+            from ftrs import _core
+
+            _core.quant_set_threads(config.cpu_expert_threads)
         self.dtype = resolve_dtype(config.dtype, self.device)
         # before the model loads, so `--kernels triton` where it cannot run fails at once;
         # `kernels.name` ("triton" | "torch") says which side runs
