@@ -72,7 +72,7 @@ def test_cpu_fallback_keeps_a_quantized_model_quantized(tmp_path: Path,
         calls.append((qtype, int(w.ctypes.data)))
         matmul(qtype, w, *rest)
 
-    class Core:  # the extension, with the fused expert FFN recorded too
+    class Core:  # the extension, with the fused expert FFN calls recorded too
         def __getattr__(self, name: str) -> Any:
             return getattr(core, name)
 
@@ -80,6 +80,11 @@ def test_cpu_fallback_keeps_a_quantized_model_quantized(tmp_path: Path,
                              *rest: Any) -> None:
             calls.extend((q, int(w.ctypes.data)) for q, w in ((gq, g), (uq, u), (dq, d)))
             core.quant_expert_ffn(gq, g, uq, u, dq, d, *rest)
+
+        def quant_experts_ffn(self, experts: list[tuple[Any, ...]], *rest: Any) -> None:
+            for gq, g, uq, u, dq, d, *_ in experts:  # a layer's routed experts in one call
+                calls.extend((q, int(w.ctypes.data)) for q, w in ((gq, g), (uq, u), (dq, d)))
+            core.quant_experts_ffn(experts, *rest)
 
     monkeypatch.setattr(qmm, "_quant_matmul", lambda: spy_matmul)
     monkeypatch.setattr(qmm, "_core_module", lambda: Core())
