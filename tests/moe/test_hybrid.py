@@ -142,6 +142,14 @@ def test_fast_link_takes_the_misses() -> None:
     assert (cpu, fetch) == ([], [1, 4, 6])
 
 
+def test_one_call_timing_feeds_its_bucket_only_when_the_experts_share_one() -> None:
+    cm = CostModel(1e9, 0.0, cpu_s_per_token=1e-3)
+    cm.observe_cpu_layer("Q4_K", [1, 1], 4e-4)  # a decode token's two experts: 2e-4 s a row
+    cm.observe_cpu_layer("Q4_K", [1, 3], 1.0)  # buckets 1 and 2: not attributable
+    cm.observe_cpu_layer("Q4_K", [4, 6], 1e-3)  # bucket 4: 1e-4 s a row
+    assert cm.cpu == {("Q4_K", 1): 2e-4, ("Q4_K", 4): 1e-4}
+
+
 def test_fetches_never_exceed_the_free_slots() -> None:
     cm = CostModel(50e9, 0.0, cpu_s_per_token=1e-3)
     cpu, fetch = cm.split([(1, 1), (4, 3), (6, 2)], EB, "f", room=1)

@@ -135,8 +135,11 @@ def test_routed_experts_in_one_call_equal_the_per_expert_path_bit_for_bit(tokens
     ids = torch.stack([torch.randperm(num)[:2] for _ in range(tokens)])
     weights = torch.softmax(torch.randn(tokens, 2), dim=-1)
     got = torch.zeros_like(x)
-    order = routed_experts_ffn(x, ids, weights, args, got)
+    routed = routed_experts_ffn(x, ids, weights, args, got)
+    assert routed is not None
+    order = [e for e, _ in routed]
     assert order == sorted(set(ids.flatten().tolist()))
+    assert [n for _, n in routed] == [int((ids == e).sum()) for e in order]
     want = torch.zeros_like(x)
     combine_experts(x, ids, weights, order, lambda e: layer[e], want)
     assert torch.equal(got, want)

@@ -19,8 +19,10 @@ the CPU and the device work at the same time (a GPU), the split minimises the lo
 when the device *is* the CPU it minimises their sum, which on a CPU-only host sends every miss
 to the CPU: copying bytes from host memory into "device" memory that is host memory only costs.
 There the layer runs exactly as `resident` runs over the host pool, plus three counters; one
-call in `CPU_SAMPLE_EVERY` times its experts for the estimates (`/metrics`). Measured by
-`bench/hybrid.py` (MoE layers alone, hybrid and resident alternating): within the host's noise.
+call in `CPU_SAMPLE_EVERY` feeds the estimates (`/metrics`): a decode token's quantized
+experts by the time of their one kernel call (they share the bucket of one row), float experts
+and a layer of several tokens (whose experts may fall in several buckets) by timing each
+expert. Measured by `bench/hybrid.py` (MoE layers alone, hybrid and resident alternating).
 
 Results are added in ascending expert id, whatever computed them (`layers.moe.accumulate`), so
 hybrid equals `resident` bit for bit whenever both sides compute in the same dtype with the same
@@ -157,9 +159,21 @@ class CostModel:
 
     def observe_cpu(self, fmt: str, tokens: int, seconds: float) -> None:
         """One expert computed on the CPU on `tokens` rows took `seconds`."""
-        if self.learn and tokens > 0 and seconds > 0:
-            key = (fmt, bucket(tokens))
-            self.cpu[key] = self._avg(self.cpu.get(key), seconds / tokens)
+        if tokens > 0:
+            self._observe_rate(fmt, bucket(tokens), seconds / tokens)
+
+    def observe_cpu_layer(self, fmt: str, tokens: list[int], seconds: float) -> None:
+        """Experts computed on the CPU in one call, on `tokens[i]` rows each, took `seconds`:
+        a sample of their bucket's rate when they share one (a decode step's single rows);
+        nothing otherwise (the call's time cannot be split between buckets)."""
+        buckets = {bucket(t) for t in tokens}
+        if len(buckets) == 1 and sum(tokens) > 0:
+            self._observe_rate(fmt, buckets.pop(), seconds / sum(tokens))
+
+    def _observe_rate(self, fmt: str, b: int, seconds_per_token: float) -> None:
+        if self.learn and seconds_per_token > 0:
+            key = (fmt, b)
+            self.cpu[key] = self._avg(self.cpu.get(key), seconds_per_token)
 
     def observe_link(self, nbytes: int, copies: int, seconds: float) -> None:
         """`copies` experts (`nbytes` in all) were on the link for `seconds` (from the lookup
@@ -303,20 +317,26 @@ class HybridStrategy(OffloadStrategy):
     def _in_place(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                   weights: torch.Tensor) -> torch.Tensor:
         """A CPU device with empty slots: the split's answer is every expert from the host
-        pool, by construction, so the layer is `resident`'s over the pool, plus the counts; one
-        call in `CPU_SAMPLE_EVERY` times its experts for the cost model's estimates."""
+        pool, by construction, so the layer is `resident`'s over the pool, plus the counts and
+        the estimates (module doc)."""
         self._calls += 1
         out = torch.zeros_like(x)
         args = self._kernel_args.get(layer)
-        routed = (routed_experts_ffn(x, ids, weights, args, out)
-                  if args is not None and self._calls % CPU_SAMPLE_EVERY else None)
-        if routed is not None:  # resident's call over the same pool
-            self._count_in_place(len(routed))
-            return out
+        sample = self._calls % CPU_SAMPLE_EVERY == 0  # this call feeds the estimates
+        # one token: its experts share the bucket of one row, and the call's time is theirs
+        if args is not None and (ids.shape[0] == 1 or not sample):
+            t0 = time.perf_counter()
+            routed = routed_experts_ffn(x, ids, weights, args, out)
+            if routed is not None:
+                if sample:
+                    self.cost.observe_cpu_layer(self.formats[layer], [n for _, n in routed],
+                                                time.perf_counter() - t0)
+                self._count_in_place(len(routed))
+                return out
         plan = plan_experts(ids, weights, self.spec.num_experts)
         needed = plan.experts  # ascending
         host = self.host_weights[layer]
-        if self._calls % CPU_SAMPLE_EVERY:
+        if not sample:
             for e in needed:
                 accumulate(out, expert_contribution(x, plan, e, host[e], self.act))
         else:

@@ -150,11 +150,11 @@ def layer_kernel_args(experts: Sequence[Sequence[Weight]]) -> LayerKernelArgs | 
 
 
 def routed_experts_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                       layer: LayerKernelArgs, out: torch.Tensor) -> list[int] | None:
+                       layer: LayerKernelArgs, out: torch.Tensor) -> list[tuple[int, int]] | None:
     """Adds every expert `ids` routes `x`'s rows to (SiLU FFN times the router weight) into
-    `out`, in ascending id, in one kernel call; returns those ids. None (and `out` untouched)
-    when the call does not apply: kernels off, or `x`, `weights`, `out` not contiguous fp32
-    CPU tensors."""
+    `out`, in ascending id, in one kernel call; returns `(expert id, rows routed to it)` in
+    that order. None (and `out` untouched) when the call does not apply: kernels off, or `x`,
+    `weights`, `out` not contiguous fp32 CPU tensors."""
     if not (_state["kernels"] and x.dtype == weights.dtype == out.dtype == torch.float32
             and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous()
             and out.is_contiguous() and out.shape == x.shape):
@@ -170,7 +170,7 @@ def routed_experts_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     order = sorted(routed)
     _core_module().quant_experts_ffn([(*layer.experts[e], *routed[e]) for e in order],
                                      x.numpy(), out.numpy(), x.shape[1], layer.inter)
-    return order
+    return [(e, len(routed[e][0])) for e in order]
 
 
 def embedding(ids: torch.Tensor, w: Weight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
