@@ -31,7 +31,7 @@ class EngineConfig:
     model: str = "demo"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    kernels: str = "auto"  # auto | torch | triton: Triton kernels on CUDA (auto), or force one side
+    kernels: str = "auto"  # auto | torch | triton | cpu: Triton on CUDA, Rust ops on the CPU (auto), or force one side
     cuda_graphs: bool = True  # decode steps replayed as CUDA graphs where possible (engine/graphs.py)
     moe_strategy: str = "resident"  # resident | offload | hybrid
     moe_cache_size: int | None = None  # device expert slots (offload)
@@ -85,8 +85,8 @@ class EngineConfig:
             raise ConfigError(f"moe_strategy: unknown strategy {self.moe_strategy!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype: unknown dtype {self.dtype!r}")
-        if self.kernels not in ("auto", "torch", "triton"):
-            raise ConfigError(f"kernels: expected auto, torch or triton, got {self.kernels!r}")
+        if self.kernels not in ("auto", "torch", "triton", "cpu"):
+            raise ConfigError(f"kernels: expected auto, torch, triton or cpu, got {self.kernels!r}")
         if self.moe_cache_size is not None and self.moe_cache_size < 1:
             raise ConfigError(f"moe_cache_size: must be >= 1, got {self.moe_cache_size}")
         if self.moe_cache_rate is not None and not 0.0 < self.moe_cache_rate <= 1.0:

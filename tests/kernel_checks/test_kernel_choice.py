@@ -13,7 +13,7 @@ import ftrs.kernels as kernels
 from ftrs.cli import main
 from ftrs.engine import runtime
 from ftrs.errors import ConfigError
-from ftrs.kernels import attention, moe, norm
+from ftrs.kernels import attention, cpu, moe, norm
 from ftrs.llm import LLM
 from ftrs.moe.base import create_strategy
 
@@ -46,12 +46,15 @@ def test_kernels_torch_runs_the_references(tiny_models: dict[str, Path],
     llm.close()
 
 
-def test_auto_on_a_cpu_without_the_interpreter_picks_torch(tiny_models: dict[str, Path],
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_on_a_cpu_without_the_interpreter_picks_the_cpu_ops(
+        tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     _no_interpreter(monkeypatch)
     llm = LLM(str(tiny_models["llama"]), kv_tokens=256, device="cpu")  # kernels="auto"
-    assert llm.engine.rt.kernels.name == llm.engine.kernels == "torch"
-    assert not llm.engine.rt.decoder.uses_paged_kernel
+    assert llm.engine.rt.kernels.name == llm.engine.kernels == "cpu"
+    dec = llm.engine.rt.decoder
+    assert dec.norm is cpu.rms_norm_cpu and dec.rotary_ is cpu.rotary_cpu_
+    assert dec.kernels.decode_attention is cpu.decode_attention_cpu
+    assert not dec.uses_paged_kernel  # the paged Triton kernel needs block tables; not here
     llm.close()
 
 

@@ -10,7 +10,7 @@ import torch
 import ftrs.kernels as kernels
 from ftrs.config import EngineConfig, add_engine_arguments, engine_config_from_args
 from ftrs.errors import ConfigError
-from ftrs.kernels import attention, moe, norm, select_kernels
+from ftrs.kernels import attention, cpu, moe, norm, select_kernels
 
 CPU = torch.device("cpu")
 
@@ -23,6 +23,23 @@ def test_torch_mode_gives_the_references() -> None:
 
 
 def test_auto_on_the_cpu_never_interprets() -> None:
+    assert select_kernels("auto", CPU).name == "cpu"  # the Rust ops, never Triton's interpreter
+
+
+def test_cpu_mode_gives_the_rust_ops_on_the_cpu_only() -> None:
+    k = select_kernels("cpu", CPU)
+    assert (k.name, k.rms_norm, k.rotary_, k.decode_attention) == (
+        "cpu", cpu.rms_norm_cpu, cpu.rotary_cpu_, cpu.decode_attention_cpu)
+    assert k.rotates_in_place and not select_kernels("torch", CPU).rotates_in_place
+    with pytest.raises(ConfigError, match="cpu runs on the CPU"):
+        select_kernels("cpu", torch.device("cuda"))
+    assert EngineConfig(kernels="cpu").kernels == "cpu"
+
+
+def test_cpu_mode_without_the_ops_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu, "available", lambda: False)  # an extension built before them
+    with pytest.raises(ConfigError, match="no CPU ops"):
+        select_kernels("cpu", CPU)
     assert select_kernels("auto", CPU).name == "torch"
 
 

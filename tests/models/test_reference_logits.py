@@ -29,9 +29,13 @@ def greedy(n: int) -> object:
                                          pad_token_id=0)
 
 
+@pytest.mark.parametrize("kernels", ["cpu", "torch"])  # the Rust ops and the torch references
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mixtral", "qwen3_moe"])
-def test_tiny_logits_match_transformers(tiny_models: dict[str, Path], arch: str) -> None:
-    llm = LLM(str(tiny_models[arch]), kv_tokens=1024, dtype="float32")
+def test_tiny_logits_match_transformers(tiny_models: dict[str, Path], arch: str,
+                                        kernels: str) -> None:
+    llm = LLM(str(tiny_models[arch]), kv_tokens=1024, dtype="float32", device="cpu",
+              kernels=kernels)
+    assert llm.engine.kernels == kernels
     ours = llm.logits(IDS)
     with torch.no_grad():
         ref = hf_model(tiny_models[arch])(torch.tensor([IDS])).logits[0].float()

@@ -8,6 +8,7 @@
 //! - [`clock`]: real and virtual time, token bucket.
 //! - [`recorder`]: the lock-free flight recorder.
 //! - [`quant`]: quantized CPU matmul over GGUF blocks (SIMD in `quant::simd`), multi-threaded.
+//! - [`ops`]: the small fp32 ops of a CPU decode step (RMSNorm, rotary, decode attention).
 //! - [`raw`]: the only module with raw-pointer code besides the CUDA FFI.
 //!
 //! Unsafe code is denied crate-wide and allowed only in `raw`, `cuda`, `quant::simd` and
@@ -32,6 +33,7 @@ pub mod clock;
 pub mod cuda;
 pub mod error;
 pub mod layout;
+pub mod ops;
 pub mod pool;
 pub mod quant;
 pub mod raw;

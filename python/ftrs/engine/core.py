@@ -301,7 +301,7 @@ class EngineCore:
 
     @property
     def kernels(self) -> str:
-        """Which side runs the ops with a kernel: "triton" or "torch" (`ftrs.kernels`)."""
+        """Which side runs the ops with a kernel: "triton", "cpu" or "torch" (`ftrs.kernels`)."""
         return self.rt.kernels.name
 
     def set_step_budget(self, tokens: int) -> None:

@@ -63,7 +63,7 @@ class Runtime:
             _core.quant_set_threads(config.cpu_expert_threads)
         self.dtype = resolve_dtype(config.dtype, self.device)
         # before the model loads, so `--kernels triton` where it cannot run fails at once;
-        # `kernels.name` ("triton" | "torch") says which side runs
+        # `kernels.name` ("triton" | "cpu" | "torch") says which side runs
         self.kernels: Kernels = select_kernels(config.kernels, self.device)
         self.loaded = load_model(config.model, self.device, self.dtype, progress=progress)
         self.spec = self.loaded.spec

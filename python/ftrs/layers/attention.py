@@ -27,6 +27,7 @@ Two per-layer variants (gpt_oss), both exact in chunked prefill and decode:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -185,19 +186,27 @@ def paged_attention(
     scale: float,
     sinks: torch.Tensor | None = None,  # (heads,) attention-sink logits of this layer
     window: int = 0,  # a sliding-window layer's window; 0: the whole causal context
+    # the decode rows through a kernel, `Kernels.decode_attention` (no sinks); None: torch
+    decode: Callable[..., torch.Tensor | None] | None = None,
 ) -> torch.Tensor:  # (tokens, heads, head_dim)
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     wv = window_view(meta, window) if window else None
     gather, decode_mask = (meta.decode_gather, meta.decode_mask) if wv is None else wv[:2]
-    if meta.decode_only:
-        return decode_attention(q, _gather(k_cache, gather), _gather(v_cache, gather),
+
+    def decode_rows(qd: torch.Tensor) -> torch.Tensor:
+        od = None if decode is None or sinks is not None else decode(
+            qd, k_cache, v_cache, gather, decode_mask, scale)
+        if od is not None:
+            return od
+        return decode_attention(qd, _gather(k_cache, gather), _gather(v_cache, gather),
                                 decode_mask, scale, sinks)
+
+    if meta.decode_only:
+        return decode_rows(q)
     out = torch.empty_like(q)
     if meta.decode_rows.numel():
-        od = decode_attention(q.index_select(0, meta.decode_rows), _gather(k_cache, gather),
-                              _gather(v_cache, gather), decode_mask, scale, sinks)
-        out.index_copy_(0, meta.decode_rows, od)
+        out.index_copy_(0, meta.decode_rows, decode_rows(q.index_select(0, meta.decode_rows)))
     for i, span in enumerate(meta.prefills):
         rows = slice(span.q_start, span.q_start + span.q_len)
         slots, mask = span.gather, span.mask

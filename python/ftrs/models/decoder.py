@@ -20,13 +20,13 @@ per model in `__init__`, never per step:
   added to `h` by the next norm (`x, h = norm(out, w, eps, residual=h)`), the same `h + out` the
   loop did before, so the torch references give today's numbers bit for bit. The zero-centred
   norms of the Gated DeltaNet hybrids have no kernel: they keep the torch norm (same signature);
-- rotary runs in place on q and k through `kernels.rotary_` on the Triton path when every
-  channel rotates; partial rotary, and the torch path, keep `layers.rotary.rotate` with the
-  table gathered once per forward (the reference's math bit for bit, at a fraction of its
-  per-layer cost on the CPU);
+- rotary runs in place on q and k through `kernels.rotary_` on the Triton and CPU paths when
+  every channel rotates; partial rotary, and the torch path, keep `layers.rotary.rotate` with
+  the table gathered once per forward (the reference's math bit for bit);
 - on the Triton path, full-attention layers without sinks write K/V at the slot mapping and
   call the paged attention kernel over the block tables of `meta.paged`; sliding-window and
-  sink layers, linear attention layers and the torch path keep `layers.attention`.
+  sink layers, linear attention layers and the other paths keep `layers.attention`, whose
+  decode rows the CPU path computes through `kernels.decode_attention` (one Rust call).
 """
 
 from __future__ import annotations
@@ -116,9 +116,9 @@ class Decoder:
         k = self.kernels = kernels if kernels is not None else select_kernels("torch", device)
         triton = k.name == "triton"
         self.norm: Norm = rms_norm_plus_one if spec.norm_plus_one else k.rms_norm
-        # in place on q and k from the fp32 tables; the kernel rotates whole heads only
+        # in place on q and k from the fp32 tables; the kernels rotate whole heads only
         full_rotary = spec.rotary_dim in (0, spec.head_dim)
-        self.rotary_ = k.rotary_ if triton and full_rotary else None
+        self.rotary_ = k.rotary_ if k.rotates_in_place and full_rotary else None
         # per layer: attention through the paged kernel (no window, no sinks: it has neither)
         self.paged_kernel = [triton and spec.layer_type(i) == FULL_ATTENTION
                              and not spec.attention_sinks for i in range(spec.num_layers)]
@@ -164,7 +164,8 @@ class Decoder:
             o = self.kernels.paged_attention(q, k_cache, v_cache, meta.paged, self.scale)
         else:
             o = paged_attention(q, k, v, kv.k[i], kv.v[i], meta, self.scale,
-                                sinks=w.get(p + "sinks"), window=s.window(layer))
+                                sinks=w.get(p + "sinks"), window=s.window(layer),
+                                decode=self.kernels.decode_attention)
         o = o.reshape(t, s.num_heads * s.head_dim)
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(t, s.num_heads * s.head_dim))

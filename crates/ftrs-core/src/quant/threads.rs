@@ -151,3 +151,29 @@ pub fn for_row_chunks<F>(
         f(w[i], &mut oi);
     });
 }
+
+/// Runs `f(first unit, its run of units)` over `tasks` contiguous runs of `out`'s units of
+/// `unit` floats, on the caller and the pool of `threads` (0 = default) when `tasks > 1`,
+/// else on the calling thread alone.
+pub fn for_chunks<F>(tasks: usize, threads: usize, out: &mut [f32], unit: usize, f: F)
+where
+    F: Fn(usize, &mut [f32]) + Sync,
+{
+    debug_assert!(unit > 0 && out.len().is_multiple_of(unit));
+    let units = out.len() / unit.max(1);
+    let pool = if tasks > 1 && units > 1 {
+        pool(resolve(threads))
+    } else {
+        None
+    };
+    let Some(pool) = pool else {
+        f(0, out);
+        return;
+    };
+    let per_task = units.div_ceil(tasks);
+    let o: Vec<Mutex<&mut [f32]>> = out.chunks_mut(per_task * unit).map(Mutex::new).collect();
+    pool.run(o.len(), &|i| {
+        let mut oi = o[i].lock().unwrap_or_else(|e| e.into_inner());
+        f(i * per_task, &mut oi);
+    });
+}
