@@ -130,22 +130,35 @@ def test_routed_experts_in_one_call_equal_the_per_expert_path_bit_for_bit(tokens
     hidden, inter, num = 256, 256, 6
     layer = _layer(rng, num, hidden, inter)
     args = layer_kernel_args(layer)
-    assert args is not None and args.inter == inter
+    assert args is not None and args.inter == inter and len(args.handle) == num
     x = torch.randn(tokens, hidden) * 0.1
     ids = torch.stack([torch.randperm(num)[:2] for _ in range(tokens)])
     weights = torch.softmax(torch.randn(tokens, 2), dim=-1)
-    got = torch.zeros_like(x)
-    routed = routed_experts_ffn(x, ids, weights, args, got)
-    assert routed is not None
-    order = [e for e, _ in routed]
-    assert order == sorted(set(ids.flatten().tolist()))
-    assert [n for _, n in routed] == [int((ids == e).sum()) for e in order]
-    want = torch.zeros_like(x)
-    combine_experts(x, ids, weights, order, lambda e: layer[e], want)
-    assert torch.equal(got, want)
-    assert got.abs().max() > 0
+    # grouped in Rust by the layer's handle, and in Python for a build without one
+    for a in (args, args._replace(handle=None)):
+        got = torch.zeros_like(x)
+        routed = routed_experts_ffn(x, ids, weights, a, got)
+        assert routed is not None
+        order = [e for e, _ in routed]
+        assert order == sorted(set(ids.flatten().tolist()))
+        assert [n for _, n in routed] == [int((ids == e).sum()) for e in order]
+        want = torch.zeros_like(x)
+        combine_experts(x, ids, weights, order, lambda e: layer[e], want)
+        assert torch.equal(got, want)
+        assert got.abs().max() > 0
     with use_kernels(False):  # the reference path is not this call's
         assert routed_experts_ffn(x, ids, weights, args, torch.zeros_like(x)) is None
+
+
+def test_the_layer_handle_refuses_an_expert_it_does_not_have() -> None:
+    rng = np.random.default_rng(12)
+    args = layer_kernel_args(_layer(rng, 3, 256, 256))
+    assert args is not None
+    x, out = torch.randn(1, 256), torch.zeros(1, 256)
+    with pytest.raises(ConfigError, match="expert 3 of a layer of 3"):
+        args.handle.forward(torch.tensor([[0, 3]]).numpy(), torch.ones(1, 2).numpy(), x.numpy(),
+                            out.numpy())
+    assert not out.any()  # refused before any work
 
 
 def test_layer_kernel_args_decline_a_layer_with_a_plain_expert() -> None:

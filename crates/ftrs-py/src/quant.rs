@@ -9,6 +9,7 @@
 //! Python thread writing these buffers during the call is the caller's bug.
 
 use ftrs_core::quant::{self, threads, Isa, QType};
+use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 
 use crate::buffers::{buffer, check_disjoint, slice, slice_mut, span, weight_bytes};
@@ -222,6 +223,148 @@ pub fn quant_experts_ffn(
     Ok(())
 }
 
+/// A MoE layer's quantized experts, exported once: `forward` groups a router's choice by
+/// expert and runs them in one GIL-free call, with no per-call export of the weights.
+#[pyclass(name = "QuantExperts", module = "ftrs._core", frozen)]
+pub struct PyQuantExperts {
+    /// per expert id: (type, exported bytes) of gate, up, down
+    experts: Vec<[(QType, PyBuffer<u8>); 3]>,
+    hidden: usize,
+    inter: usize,
+}
+
+#[pymethods]
+impl PyQuantExperts {
+    /// `experts`: per expert id, `(gate_qtype, gate, up_qtype, up, down_qtype, down)`.
+    #[new]
+    #[allow(clippy::type_complexity)]
+    fn new(
+        py: Python<'_>,
+        experts: Vec<(
+            String,
+            Bound<'_, PyAny>,
+            String,
+            Bound<'_, PyAny>,
+            String,
+            Bound<'_, PyAny>,
+        )>,
+        hidden: usize,
+        inter: usize,
+    ) -> PyResult<Self> {
+        let mut out = Vec::with_capacity(experts.len());
+        for (gt, g, ut, u, dt, d) in experts {
+            let e = [
+                (QType::parse(&gt).py()?, weight_bytes(py, &g)?),
+                (QType::parse(&ut).py()?, weight_bytes(py, &u)?),
+                (QType::parse(&dt).py()?, weight_bytes(py, &d)?),
+            ];
+            #[allow(unsafe_code)]
+            // SAFETY: the buffers stay exported while `e` lives, as the call needs.
+            let (gs, us, ds) = unsafe {
+                (
+                    slice::<u8>(span(&e[0].1).0, span(&e[0].1).1),
+                    slice::<u8>(span(&e[1].1).0, span(&e[1].1).1),
+                    slice::<u8>(span(&e[2].1).0, span(&e[2].1).1),
+                )
+            };
+            quant::check_ffn((e[0].0, gs), (e[1].0, us), (e[2].0, ds), hidden, inter).py()?;
+            out.push(e);
+        }
+        Ok(Self {
+            experts: out,
+            hidden,
+            inter,
+        })
+    }
+
+    /// `out[t] += sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`, the experts in ascending
+    /// id (`ids` int64 and `weights` float32, both tokens x k); returns `(expert, rows routed
+    /// to it)` in that order.
+    #[pyo3(signature = (ids, weights, x, out, threads = 0, kernel = "auto"))]
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        py: Python<'_>,
+        ids: &Bound<'_, PyAny>,
+        weights: &Bound<'_, PyAny>,
+        x: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+        threads: usize,
+        kernel: &str,
+    ) -> PyResult<Vec<(usize, usize)>> {
+        let isa = Isa::parse(kernel).py()?;
+        let ib = buffer::<i64>(ids, "ids", "int64", false)?;
+        let wb = buffer::<f32>(weights, "weights", "float32", false)?;
+        let xb = buffer::<f32>(x, "x", "float32", false)?;
+        let ob = buffer::<f32>(out, "out", "float32", true)?;
+        let (is, ws, xs, o) = (span(&ib), span(&wb), span(&xb), span(&ob));
+        let tokens = xs.1 / 4 / self.hidden.max(1);
+        let k = (is.1 / 8).checked_div(tokens).unwrap_or(0);
+        let mut inputs: Vec<(usize, usize, &str)> = vec![
+            (xs.0, xs.1, "x"),
+            (is.0, is.1, "ids"),
+            (ws.0, ws.1, "weights"),
+        ];
+        inputs.extend(
+            self.experts
+                .iter()
+                .flatten()
+                .map(|(_, b)| (span(b).0, span(b).1, "an expert weight")),
+        );
+        check_disjoint(o, &inputs)?;
+        let counts = py
+            .detach(|| {
+                #[allow(unsafe_code)]
+                // SAFETY: as in quant_matmul: every buffer stays exported until this function
+                // returns (the experts' for self's life); out is writable, f32-aligned and
+                // disjoint from every input.
+                let (ids, ws, xs, o) = unsafe {
+                    (
+                        slice::<i64>(is.0, is.1),
+                        slice::<f32>(ws.0, ws.1),
+                        slice::<f32>(xs.0, xs.1),
+                        slice_mut::<f32>(o.0, o.1),
+                    )
+                };
+                let routes = quant::group_routes(ids, ws, k.max(1), self.experts.len())?;
+                let calls: Vec<quant::RoutedExpert<'_>> = routes
+                    .iter()
+                    .map(|r| {
+                        let e = &self.experts[r.expert];
+                        #[allow(unsafe_code)]
+                        // SAFETY: as above, for the three weight buffers of this expert.
+                        let (g, u, d) = unsafe {
+                            (
+                                slice::<u8>(span(&e[0].1).0, span(&e[0].1).1),
+                                slice::<u8>(span(&e[1].1).0, span(&e[1].1).1),
+                                slice::<u8>(span(&e[2].1).0, span(&e[2].1).1),
+                            )
+                        };
+                        quant::RoutedExpert {
+                            gate: (e[0].0, g),
+                            up: (e[1].0, u),
+                            down: (e[2].0, d),
+                            rows: &r.rows,
+                            weights: &r.weights,
+                        }
+                    })
+                    .collect();
+                quant::experts_ffn(&calls, xs, o, self.hidden, self.inter, threads, isa)?;
+                Ok::<_, ftrs_core::CoreError>(
+                    routes.iter().map(|r| (r.expert, r.rows.len())).collect(),
+                )
+            })
+            .py()?;
+        drop((ib, wb, xb, ob));
+        Ok(counts)
+    }
+
+    /// The number of experts.
+    fn __len__(&self) -> usize {
+        self.experts.len()
+    }
+}
+
 /// Decodes W (`rows x cols` of type `qtype`) into the float32 buffer `out`.
 #[pyfunction]
 #[pyo3(signature = (qtype, weight, out, rows, cols, threads = 0))]
@@ -298,6 +441,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(quant_expert_ffn, m)?)?;
     m.add_function(wrap_pyfunction!(quant_experts_ffn, m)?)?;
+    m.add_class::<PyQuantExperts>()?;
     m.add_function(wrap_pyfunction!(quant_block_info, m)?)?;
     m.add_function(wrap_pyfunction!(quant_threads, m)?)?;
     m.add_function(wrap_pyfunction!(quant_set_threads, m)?)?;

@@ -13,8 +13,9 @@ its three weights are CPU `QuantTensor`s with kernels (`ftrs._core.quant_expert_
 otherwise, and the caller takes the matmul path.
 
 `layer_kernel_args` / `routed_experts_ffn`: a MoE layer whose experts are all such
-`QuantTensor`s runs every routed expert in one call (`ftrs._core.quant_experts_ffn`), grouped
-from the router's ids on the host: no sort, no per-expert Python. Each expert's output times its
+`QuantTensor`s runs every routed expert in one call, grouped from the router's ids in Rust
+(`ftrs._core.QuantExperts`, the layer's weights exported once at load): no sort, no
+per-expert Python. Each expert's output times its
 router weight is added to `out` in ascending expert id, as `layers.moe` adds them, so the result
 is the same, bit for bit (`tests/moe/test_offload_quant.py` holds offload's per-expert path to it).
 
@@ -116,10 +117,12 @@ def expert_ffn(x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch
 
 class LayerKernelArgs(NamedTuple):
     """A MoE layer's experts as `quant_experts_ffn` reads them: per expert id, `(gate type,
-    gate bytes, up type, up bytes, down type, down bytes)`; `inter` is the FFN's width."""
+    gate bytes, up type, up bytes, down type, down bytes)`; `inter` is the FFN's width;
+    `handle`: the same, exported once (`_core.QuantExperts`; None in an older build)."""
 
     experts: list[tuple[str, Any, str, Any, str, Any]]
     inter: int
+    handle: Any = None
 
 
 def layer_kernel_args(experts: Sequence[Sequence[Weight]]) -> LayerKernelArgs | None:
@@ -146,7 +149,12 @@ def layer_kernel_args(experts: Sequence[Sequence[Weight]]) -> LayerKernelArgs | 
         shape = gate.shape
         args.append((gate.qtype, gate.host_array, up.qtype, up.host_array, down.qtype,
                      down.host_array))
-    return LayerKernelArgs(args, shape[0]) if shape is not None else None
+    if shape is None:
+        return None
+    core = _core_module()
+    handle = (core.QuantExperts(args, shape[1], shape[0]) if hasattr(core, "QuantExperts")
+              else None)
+    return LayerKernelArgs(args, shape[0], handle)
 
 
 def routed_experts_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
@@ -159,6 +167,11 @@ def routed_experts_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
             and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous()
             and out.is_contiguous() and out.shape == x.shape):
         return None
+    if layer.handle is not None and ids.dtype == torch.int64 and ids.is_contiguous() \
+            and weights.is_contiguous():
+        got: list[tuple[int, int]] = layer.handle.forward(ids.numpy(), weights.numpy(), x.numpy(),
+                                                          out.numpy())
+        return got
     routed: dict[int, tuple[list[int], list[float]]] = {}
     for t, (es, ws) in enumerate(zip(ids.tolist(), weights.tolist())):
         for e, w in zip(es, ws):

@@ -150,7 +150,7 @@ fn check_weight(t: QType, weight: &[u8], rows: usize, cols: usize) -> Result<usi
 }
 
 /// Checks an FFN's weights: `gate` and `up` `inter x hidden`, `down` `hidden x inter`.
-fn check_ffn(
+pub fn check_ffn(
     gate: (QType, &[u8]),
     up: (QType, &[u8]),
     down: (QType, &[u8]),
@@ -260,6 +260,50 @@ pub struct RoutedExpert<'a> {
     pub down: (QType, &'a [u8]),
     pub rows: &'a [usize],
     pub weights: &'a [f32],
+}
+
+/// One expert's share of a router's top-k choice: the rows routed to it (ascending) and each
+/// row's router weight.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Route {
+    pub expert: usize,
+    pub rows: Vec<usize>,
+    pub weights: Vec<f32>,
+}
+
+/// Groups a router's choice, `ids` and `weights` (`tokens x k`, row-major), by expert, in
+/// ascending expert id: the order every strategy adds the experts' outputs in. An id at or
+/// above `num_experts` is a `Config` error.
+pub fn group_routes(
+    ids: &[i64],
+    weights: &[f32],
+    k: usize,
+    num_experts: usize,
+) -> Result<Vec<Route>> {
+    if k == 0 || ids.len() != weights.len() || !ids.len().is_multiple_of(k) {
+        return Err(CoreError::Config(format!(
+            "routes: {} ids and {} weights: expected the same tokens x {k}",
+            ids.len(),
+            weights.len()
+        )));
+    }
+    let mut by: Vec<Option<Route>> = vec![None; num_experts];
+    for (i, (&e, &w)) in ids.iter().zip(weights).enumerate() {
+        let slot = usize::try_from(e)
+            .ok()
+            .and_then(|e| by.get_mut(e))
+            .ok_or_else(|| {
+                CoreError::Config(format!("routes: expert {e} of a layer of {num_experts}"))
+            })?;
+        let r = slot.get_or_insert_with(|| Route {
+            expert: usize::try_from(e).unwrap_or_default(),
+            rows: Vec::new(),
+            weights: Vec::new(),
+        });
+        r.rows.push(i / k);
+        r.weights.push(w);
+    }
+    Ok(by.into_iter().flatten().collect())
 }
 
 /// A MoE layer's routed experts in one call: for each expert in the order given,

@@ -8,7 +8,7 @@
 use half::{bf16, f16};
 
 use super::blocks::{decode_block, scale_min_k4, scales_q3k, QType};
-use super::{dequantize, expert_ffn, experts_ffn, matmul, Isa, RoutedExpert};
+use super::{dequantize, expert_ffn, experts_ffn, group_routes, matmul, Isa, Route, RoutedExpert};
 use crate::error::CoreError;
 
 /// Deterministic xorshift stream.
@@ -378,4 +378,33 @@ fn routed_experts_equal_one_call_per_expert_then_weighted_adds() {
         out.iter().all(|&v| v == 1.0),
         "nothing written before the check fails"
     );
+}
+
+#[test]
+fn group_routes_orders_experts_ascending_with_their_rows_and_weights() {
+    // three tokens, top-2: token 0 -> (3, 1), token 1 -> (1, 0), token 2 -> (3, 0)
+    let ids = [3i64, 1, 1, 0, 3, 0];
+    let weights = [0.6f32, 0.4, 0.7, 0.3, 0.5, 0.5];
+    let got = group_routes(&ids, &weights, 2, 4).unwrap();
+    let want = vec![
+        Route {
+            expert: 0,
+            rows: vec![1, 2],
+            weights: vec![0.3, 0.5],
+        },
+        Route {
+            expert: 1,
+            rows: vec![0, 1],
+            weights: vec![0.4, 0.7],
+        },
+        Route {
+            expert: 3,
+            rows: vec![0, 2],
+            weights: vec![0.6, 0.5],
+        },
+    ];
+    assert_eq!(got, want);
+    assert!(group_routes(&ids, &weights, 2, 3).is_err(), "expert 3 of 3");
+    assert!(group_routes(&[-1], &[1.0], 1, 4).is_err());
+    assert!(group_routes(&ids, &weights[..5], 2, 4).is_err());
 }
