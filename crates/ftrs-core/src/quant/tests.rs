@@ -408,3 +408,17 @@ fn group_routes_orders_experts_ascending_with_their_rows_and_weights() {
     assert!(group_routes(&[-1], &[1.0], 1, 4).is_err());
     assert!(group_routes(&ids, &weights[..5], 2, 4).is_err());
 }
+
+#[test]
+fn q5_1_block_pairs_cover_odd_counts_and_several_gathers() {
+    // AVX-512 takes Q5_1 two blocks at a time, up to 16 blocks per gather of their scales, and
+    // an odd last block alone: 1 block (no pair), 17 (8 pairs and one), 18 (the demo's 576
+    // columns: a full gather and a one-pair one), 35 and 48 (several gathers)
+    for blocks in [1, 2, 17, 18, 35, 48] {
+        for &isa in &Isa::available() {
+            for n in [1, 3] {
+                check_kernel(QType::Q5_1, isa, 5, 32 * blocks, n, 40 + blocks as u64);
+            }
+        }
+    }
+}

@@ -31,6 +31,29 @@ pub struct X16 {
     d: Vec<f32>,
     /// `n * cols / 32` exact fp32 block sums.
     s: Vec<f32>,
+    /// Empty, or (after [`X16::with_digits`]) each value as `256 hi + lo`, two int8 digits
+    /// (`hi` in -127..=127, `lo` in -128..=127), row-major as `v`: the form `vpdpbusd` takes.
+    hi: Vec<i8>,
+    lo: Vec<i8>,
+}
+
+impl X16 {
+    /// Adds the two-digit form of every value (`hi`, `lo`).
+    pub fn with_digits(mut self) -> X16 {
+        // |v| <= 32385, so hi = (v + 128) >> 8 stays within -127..=127 and lo within -128..=127
+        self.hi = self
+            .v
+            .iter()
+            .map(|&v| ((i32::from(v) + 128) >> 8) as i8)
+            .collect();
+        self.lo = self
+            .v
+            .iter()
+            .zip(&self.hi)
+            .map(|(&v, &h)| (i32::from(v) - 256 * i32::from(h)) as i8)
+            .collect();
+        self
+    }
 }
 
 /// One activation row of an [`X16`]: `v` holds (at least) 32 values per entry of `d` and `s`
@@ -40,6 +63,9 @@ struct XRow<'a> {
     v: &'a [i16],
     d: &'a [f32],
     s: &'a [f32],
+    /// The values' two digits ([`X16::with_digits`]), or empty.
+    hi: &'a [i8],
+    lo: &'a [i8],
 }
 
 impl XRow<'_> {
@@ -55,6 +81,23 @@ impl XRow<'_> {
         // SAFETY: k < d.len() (this function's contract) and v.len() >= 32 d.len() (group
         // slices cols values and cols / 32 units), so 32 k + 32 <= v.len().
         unsafe { self.v.get_unchecked(32 * k..32 * k + 32) }
+    }
+
+    /// The two digits of blocks `k` and `k + 1` (64 values each), without a bounds check.
+    ///
+    /// # Safety
+    /// `k + 1 < self.d.len()` and the row has its digits (`hi` and `lo` as long as `v`).
+    #[inline(always)]
+    unsafe fn digits2(&self, k: usize) -> (&[i8], &[i8]) {
+        debug_assert!(k + 1 < self.d.len() && self.hi.len() == self.v.len());
+        debug_assert!(self.lo.len() == self.v.len() && self.v.len() >= 32 * self.d.len());
+        // SAFETY: 32 k + 64 <= 32 d.len() <= v.len() == hi.len() == lo.len() (the contract).
+        unsafe {
+            (
+                self.hi.get_unchecked(32 * k..32 * k + 64),
+                self.lo.get_unchecked(32 * k..32 * k + 64),
+            )
+        }
     }
 
     /// Block `k`'s unit `u` and exact sum, unchecked as [`XRow::block`].
@@ -185,6 +228,8 @@ pub fn quantize(x: &[f32], n: usize, cols: usize) -> X16 {
         v: vec![0; n * cols],
         d: vec![0.0; blocks],
         s: vec![0.0; blocks],
+        hi: Vec::new(),
+        lo: Vec::new(),
     };
     let sign = _mm256_set1_ps(-0.0);
     let k254 = _mm256_set1_ps(254.0);
@@ -496,6 +541,15 @@ fn q6k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
     }
 }
 
+/// Row `r` of a digit array, or nothing when the values have no digits.
+fn digit_row(d: &[i8], r: usize, cols: usize) -> &[i8] {
+    if d.is_empty() {
+        d
+    } else {
+        &d[r * cols..][..cols]
+    }
+}
+
 /// Runs `f` for the group of activation rows `g0..g0 + NX`.
 #[inline(always)]
 fn group<const NX: usize>(
@@ -512,6 +566,8 @@ fn group<const NX: usize>(
         v: &x16.v[(g0 + i) * cols..][..cols],
         d: &x16.d[(g0 + i) * per..][..per],
         s: &x16.s[(g0 + i) * per..][..per],
+        hi: digit_row(&x16.hi, g0 + i, cols),
+        lo: digit_row(&x16.lo, g0 + i, cols),
     });
     f(w, &x, n, out, g0);
 }

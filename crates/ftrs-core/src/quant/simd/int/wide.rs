@@ -103,6 +103,117 @@ fn q32<const NX: usize, const KIND: u8>(
     }
 }
 
+/// Q5_1 two blocks at a time, the activations as two int8 digits (`vpdpbusd`).
+///
+/// A pair's 64 quants stay bytes: the two blocks' 16-byte runs give their low and high nibbles
+/// in two AND/shift ops and one 128-bit lane shuffle puts them in element order; the fifth bits
+/// of both blocks are one 64-bit lane mask and one masked byte add. `vpdpbusd` sums four exact
+/// products of weight byte and activation digit per i32 lane, once for the high digits and once
+/// for the low (`256 hi + lo` is the same integer as [`X16`]'s value), so lanes 0-7 hold block
+/// 2p's partial dots and 8-15 block 2p + 1's. The blocks' fp16 `d` and `m` of up to 16 blocks
+/// come in one gather, meet the activation units in one multiply, and a permute hands each lane
+/// its block's scale: per block about half the instructions of [`q32`]'s one-block step, which
+/// spends most of them on its scalar scale. Same integers, so the two differ only in the order
+/// of the fp32 sums. An odd last block takes [`q32`]'s step.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+fn q51<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32], g0: usize) {
+    const KIND: u8 = 2; // q32_block!'s Q5_1, for an odd last block
+    const BB: usize = 24;
+    let nb = x[0].d.len();
+    let m4 = _mm256_set1_epi8(0x0F);
+    let k16 = _mm512_set1_epi8(16);
+    let offsets = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(BB as i32),
+    );
+    // pair p of a group: lanes 0-7 take the scale of its block 2p, lanes 8-15 of 2p + 1
+    let lanes: [__m512i; 8] = std::array::from_fn(|p| {
+        _mm512_mask_blend_epi32(
+            0xFF00,
+            _mm512_set1_epi32(2 * p as i32),
+            _mm512_set1_epi32(2 * p as i32 + 1),
+        )
+    });
+    let zero = _mm512_setzero_si512();
+    for (row, o) in w.chunks_exact(nb * BB).zip(out.chunks_exact_mut(n)) {
+        let mut acc = [_mm512_setzero_ps(); NX];
+        let mut mins = [_mm512_setzero_ps(); NX];
+        let mut odd = [_mm512_setzero_ps(); NX];
+        let mut odd_mins = [0f32; NX];
+        let mut k = 0;
+        while k + 2 <= nb {
+            let pairs = ((nb - k) / 2).min(8);
+            let mask: __mmask16 = ((1u32 << (2 * pairs)) - 1) as u16;
+            // SAFETY: the masked lanes read the first 4 bytes (d, m) of blocks k .. k + 2
+            // pairs, all within this row; masked-off lanes read nothing.
+            let dm = unsafe {
+                _mm512_mask_i32gather_epi32::<1>(zero, mask, offsets, row[k * BB..].as_ptr().cast())
+            };
+            let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+            let m = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32::<16>(dm)));
+            let mut scale = [_mm512_setzero_ps(); NX];
+            for i in 0..NX {
+                // SAFETY: k + 2 pairs <= nb == d.len() == s.len(); masked-off lanes read nothing.
+                let (u, s) = unsafe {
+                    (
+                        _mm512_maskz_loadu_ps(mask, x[i].d.as_ptr().add(k)),
+                        _mm512_maskz_loadu_ps(mask, x[i].s.as_ptr().add(k)),
+                    )
+                };
+                scale[i] = _mm512_mul_ps(d, u);
+                mins[i] = _mm512_fmadd_ps(m, s, mins[i]);
+            }
+            for (p, lane) in lanes.iter().enumerate().take(pairs) {
+                let bi = k + 2 * p;
+                let a = &row[bi * BB..(bi + 2) * BB];
+                prefetch(a, PREFETCH_AHEAD);
+                let v = _mm256_inserti128_si256::<1>(
+                    _mm256_castsi128_si256(ld16(&a[8..])),
+                    ld16(&a[BB + 8..]),
+                );
+                let lo = _mm256_and_si256(v, m4);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
+                // 128-bit lanes [2p low, 2p+1 low, 2p high, 2p+1 high] -> element order
+                let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                let z = _mm512_shuffle_i64x2::<0xD8>(z, z);
+                let qh = u64::from(u32::from_le_bytes([a[4], a[5], a[6], a[7]]))
+                    | u64::from(u32::from_le_bytes([
+                        a[BB + 4],
+                        a[BB + 5],
+                        a[BB + 6],
+                        a[BB + 7],
+                    ])) << 32;
+                let wv = _mm512_mask_add_epi8(z, qh, z, k16);
+                for i in 0..NX {
+                    // SAFETY: bi + 1 < nb (the loop's bound) and rows() gave x its digits.
+                    let (xh, xl) = unsafe { x[i].digits2(bi) };
+                    // SAFETY: 64 readable bytes each (digits2); loadu accepts any alignment.
+                    let (xh, xl) = unsafe {
+                        (
+                            _mm512_loadu_si512(xh.as_ptr().cast()),
+                            _mm512_loadu_si512(xl.as_ptr().cast()),
+                        )
+                    };
+                    let t = _mm512_add_epi32(
+                        _mm512_slli_epi32::<8>(_mm512_dpbusd_epi32(zero, wv, xh)),
+                        _mm512_dpbusd_epi32(zero, wv, xl),
+                    );
+                    let sv = _mm512_permutexvar_ps(*lane, scale[i]);
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sv, acc[i]);
+                }
+            }
+            k += 2 * pairs;
+        }
+        if k < nb {
+            q32_block!(&row[k * BB..], x, k, odd, odd_mins);
+        }
+        for i in 0..NX {
+            o[g0 + i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], odd[i]))
+                + (_mm512_reduce_add_ps(mins[i]) + odd_mins[i]);
+        }
+    }
+}
+
 /// [`super::q4k`]: each 32-byte run of quants widens once; its low nibbles are sub-block 2c,
 /// its high ones 2c + 1.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
@@ -195,7 +306,10 @@ pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32
     match t {
         QType::Q8_0 => dispatch!(q32, 0; w, &x16, n, cols, out),
         QType::Q4_1 => dispatch!(q32, 1; w, &x16, n, cols, out),
-        QType::Q5_1 => dispatch!(q32, 2; w, &x16, n, cols, out),
+        QType::Q5_1 => {
+            let x16 = x16.with_digits();
+            dispatch!(q51; w, &x16, n, cols, out)
+        }
         QType::Q4K => dispatch!(q4k; w, &x16, n, cols, out),
         _ => dispatch!(q6k; w, &x16, n, cols, out),
     }
