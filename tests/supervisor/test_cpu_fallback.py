@@ -86,6 +86,23 @@ def test_cpu_fallback_keeps_a_quantized_model_quantized(tmp_path: Path,
                 calls.extend((q, int(w.ctypes.data)) for q, w in ((gq, g), (uq, u), (dq, d)))
             core.quant_experts_ffn(experts, *rest)
 
+        def QuantExperts(self, experts: list[tuple[Any, ...]], *rest: Any) -> Any:
+            handle = core.QuantExperts(experts, *rest)  # a layer's experts, exported once
+
+            class Spy:
+                def __len__(self) -> int:
+                    return len(handle)
+
+                def forward(self, *args: Any) -> list[tuple[int, int]]:
+                    routed: list[tuple[int, int]] = handle.forward(*args)
+                    for e, _ in routed:  # the experts that ran, read where they were handed
+                        gq, g, uq, u, dq, d = experts[e]
+                        calls.extend((q, int(w.ctypes.data))
+                                     for q, w in ((gq, g), (uq, u), (dq, d)))
+                    return routed
+
+            return Spy()
+
     monkeypatch.setattr(qmm, "_quant_matmul", lambda: spy_matmul)
     monkeypatch.setattr(qmm, "_core_module", lambda: Core())
     llm = _llm(config)
