@@ -143,6 +143,19 @@ fn kernels_match_float64_dot_of_decoded_weights() {
     }
 }
 
+/// Rows of 37 32-blocks: the AVX-512 kernels that take a row's scales 16 blocks at a time
+/// (Q8_0, and Q5_1 in pairs) run two whole groups, then a partial one ending on an odd block.
+#[test]
+fn kernels_match_on_rows_longer_than_a_scale_group() {
+    for t in [QType::Q8_0, QType::Q4_1, QType::Q5_1] {
+        for &isa in &Isa::available() {
+            for n in [1, 2, 5, 8, 9] {
+                check_kernel(t, isa, 5, 37 * 32, n, 40 + n as u64);
+            }
+        }
+    }
+}
+
 #[test]
 fn large_matrix_splits_across_threads_with_the_same_result() {
     let mut rng = Rng(9);

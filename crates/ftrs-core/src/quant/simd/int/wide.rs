@@ -105,22 +105,36 @@ fn q32<const NX: usize, const KIND: u8>(
 
 /// Q5_1 two blocks at a time, the activations as two int8 digits (`vpdpbusd`).
 ///
-/// A pair's 64 quants stay bytes: the two blocks' 16-byte runs give their low and high nibbles
-/// in two AND/shift ops and one 128-bit lane shuffle puts them in element order; the fifth bits
-/// of both blocks are one 64-bit lane mask and one masked byte add. `vpdpbusd` sums four exact
-/// products of weight byte and activation digit per i32 lane, once for the high digits and once
-/// for the low (`256 hi + lo` is the same integer as [`X16`]'s value), so lanes 0-7 hold block
-/// 2p's partial dots and 8-15 block 2p + 1's. The blocks' fp16 `d` and `m` of up to 16 blocks
-/// come in one gather, meet the activation units in one multiply, and a permute hands each lane
-/// its block's scale: per block about half the instructions of [`q32`]'s one-block step, which
-/// spends most of them on its scalar scale. Same integers, so the two differ only in the order
-/// of the fp32 sums. An odd last block takes [`q32`]'s step.
+/// A pair's 64 quants stay bytes: each block's 16-byte run is broadcast (a load) into two
+/// 128-bit lanes, and one variable shift (0 or 4 per lane) and one AND leave the low nibbles
+/// (elements 0-15) then the high ones (16-31) of 2p, then of 2p + 1: element order, in two ALU
+/// ops where AND/shift/AND on the run pair and two lane shuffles took five (13 % of a demo
+/// gate/up call, measured). The fifth bits of both blocks are one 64-bit lane mask and one
+/// masked byte add. `vpdpbusd` sums four exact products of weight byte and activation digit per
+/// i32 lane, for the high digits, whose sums are shifted by 8 and then take the low digits'
+/// products on top (`256 hi + lo` is the same integer as [`X16`]'s value), so lanes 0-7 hold
+/// block 2p's partial dots and 8-15 block 2p + 1's. The blocks' fp16 `d` and `m` of up to 16
+/// blocks come in one gather, meet the activation units in one multiply, and a permute hands
+/// each lane its block's scale: per block about half the instructions of [`q32`]'s one-block
+/// step, which spends most of them on its scalar scale. Same integers, so the two differ only
+/// in the order of the fp32 sums. An odd last block takes [`q32`]'s step.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn q51<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32], g0: usize) {
     const KIND: u8 = 2; // q32_block!'s Q5_1, for an odd last block
     const BB: usize = 24;
     let nb = x[0].d.len();
-    let m4 = _mm256_set1_epi8(0x0F);
+    let m4 = _mm512_set1_epi8(0x0F);
+    // per 128-bit lane: the low nibbles (shift 0), then the high ones (shift 4)
+    let nibble = _mm512_setr_epi64(
+        0,
+        0,
+        0x0004_0004_0004_0004,
+        0x0004_0004_0004_0004,
+        0,
+        0,
+        0x0004_0004_0004_0004,
+        0x0004_0004_0004_0004,
+    );
     let k16 = _mm512_set1_epi8(16);
     let offsets = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -167,15 +181,13 @@ fn q51<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
                 let bi = k + 2 * p;
                 let a = &row[bi * BB..(bi + 2) * BB];
                 prefetch(a, PREFETCH_AHEAD);
-                let v = _mm256_inserti128_si256::<1>(
-                    _mm256_castsi128_si256(ld16(&a[8..])),
-                    ld16(&a[BB + 8..]),
+                // 128-bit lanes [2p's run, 2p's run, 2p+1's run, 2p+1's run], each shifted by
+                // 0 or 4 and masked: the 64 quants in element order
+                let z = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_broadcastsi128_si256(ld16(&a[8..]))),
+                    _mm256_broadcastsi128_si256(ld16(&a[BB + 8..])),
                 );
-                let lo = _mm256_and_si256(v, m4);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4);
-                // 128-bit lanes [2p low, 2p+1 low, 2p high, 2p+1 high] -> element order
-                let z = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-                let z = _mm512_shuffle_i64x2::<0xD8>(z, z);
+                let z = _mm512_and_si512(_mm512_srlv_epi16(z, nibble), m4);
                 let qh = u64::from(u32::from_le_bytes([a[4], a[5], a[6], a[7]]))
                     | u64::from(u32::from_le_bytes([
                         a[BB + 4],
@@ -194,9 +206,10 @@ fn q51<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
                             _mm512_loadu_si512(xl.as_ptr().cast()),
                         )
                     };
-                    let t = _mm512_add_epi32(
+                    let t = _mm512_dpbusd_epi32(
                         _mm512_slli_epi32::<8>(_mm512_dpbusd_epi32(zero, wv, xh)),
-                        _mm512_dpbusd_epi32(zero, wv, xl),
+                        wv,
+                        xl,
                     );
                     let sv = _mm512_permutexvar_ps(*lane, scale[i]);
                     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sv, acc[i]);
