@@ -35,9 +35,23 @@ pub struct X16 {
     /// (`hi` in -127..=127, `lo` in -128..=127), row-major as `v`: the form `vpdpbusd` takes.
     hi: Vec<i8>,
     lo: Vec<i8>,
+    /// Empty, or (after [`X16::with_sums4`]) `32 *` the sum of each 4 consecutive values,
+    /// `n * cols / 4` of them: what a `vpdpbusd` lane of unsigned 6-bit quants owes the
+    /// activations for Q6_K's offset of 32.
+    s4: Vec<i32>,
 }
 
 impl X16 {
+    /// Adds [`X16::s4`]: 32 times each 4 consecutive values' sum (exact: at most 4.2e6).
+    pub fn with_sums4(mut self) -> X16 {
+        self.s4 = self
+            .v
+            .chunks_exact(4)
+            .map(|q| 32 * q.iter().map(|&v| i32::from(v)).sum::<i32>())
+            .collect();
+        self
+    }
+
     /// Adds the two-digit form of every value (`hi`, `lo`).
     pub fn with_digits(mut self) -> X16 {
         // |v| <= 32385, so hi = (v + 128) >> 8 stays within -127..=127 and lo within -128..=127
@@ -66,6 +80,8 @@ struct XRow<'a> {
     /// The values' two digits ([`X16::with_digits`]), or empty.
     hi: &'a [i8],
     lo: &'a [i8],
+    /// [`X16::s4`] of this row, or empty.
+    s4: &'a [i32],
 }
 
 impl XRow<'_> {
@@ -98,6 +114,17 @@ impl XRow<'_> {
                 self.lo.get_unchecked(32 * k..32 * k + 64),
             )
         }
+    }
+
+    /// [`X16::s4`] of blocks `k` and `k + 1` (16 sums of 4 values), without a bounds check.
+    ///
+    /// # Safety
+    /// `k + 1 < self.d.len()` and the row has its sums (`s4` a quarter as long as `v`).
+    #[inline(always)]
+    unsafe fn sums4(&self, k: usize) -> &[i32] {
+        debug_assert!(k + 1 < self.d.len() && 4 * self.s4.len() == self.v.len());
+        // SAFETY: 8 k + 16 <= 8 d.len() <= v.len() / 4 == s4.len() (the contract).
+        unsafe { self.s4.get_unchecked(8 * k..8 * k + 16) }
     }
 
     /// Block `k`'s unit `u` and exact sum, unchecked as [`XRow::block`].
@@ -233,6 +260,7 @@ pub fn quantize(x: &[f32], n: usize, cols: usize) -> X16 {
         s: vec![0.0; blocks],
         hi: Vec::new(),
         lo: Vec::new(),
+        s4: Vec::new(),
     };
     let sign = _mm256_set1_ps(-0.0);
     let k254 = _mm256_set1_ps(254.0);
@@ -571,6 +599,11 @@ fn group<const NX: usize>(
         s: &x16.s[(g0 + i) * per..][..per],
         hi: digit_row(&x16.hi, g0 + i, cols),
         lo: digit_row(&x16.lo, g0 + i, cols),
+        s4: if x16.s4.is_empty() {
+            &x16.s4
+        } else {
+            &x16.s4[(g0 + i) * cols / 4..][..cols / 4]
+        },
     });
     f(w, &x, n, out, g0);
 }

@@ -1,20 +1,21 @@
 //! The integer kernels of [`super`] in AVX-512 (F, BW, VL, VNNI): the same [`X16`] activations
-//! and the same exact integer products, a whole 32-element block per instruction.
+//! and the same exact integer products, 32 or 64 elements per instruction.
 //!
-//! A block's 32 weight quants widen into one vector of 32 i16 lanes and `vpdpwssd` sums their
-//! pairs of products with the block's 32 activation integers into 16 i32 lanes (what two
-//! `vpmaddwd` and an add do in AVX2); Q5_1's fifth bits become a lane mask (its `qh` word is
-//! one) and one masked add. The lanes turn fp32 once per block and meet the scale in a fused
-//! multiply-add, as in AVX2, so the two differ only in the order of the fp32 sums.
-//! (Q6_K: lanes 0-7 hold the block's first 16 elements, 8-15 the other 16, each half with its
-//! own sub-block scale, brought into place by one permute.)
+//! Q8_0 (and Q4_1, Q5_1's odd last block) widen a block's 32 weight quants into one vector of 32
+//! i16 lanes, and `vpdpwssd` sums their pairs of products with the block's 32 activation
+//! integers into 16 i32 lanes (what two `vpmaddwd` and an add do in AVX2). Q5_1, Q4_K and Q6_K
+//! keep 64 quants as unsigned bytes in one vector and meet the activations' two int8 digits
+//! (`vpdpbusd`, four products per lane, high digit then low): fewer unpacking ops per quant,
+//! the same integers. The lanes turn fp32 once per block or sub-block and meet the scale in a
+//! fused multiply-add, so every kernel here differs from its AVX2 twin only in the order of
+//! the fp32 sums.
 
 use std::arch::x86_64::*;
 
 use super::super::super::blocks::QType;
 use super::super::super::kernel::MAX_NX;
 use super::{
-    f16, f16x2, group, hsum, ld16, ld32, ld8, prefetch, q6k_quants, quantize, scales_mins_k4, XRow,
+    f16, f16x2, group, hsum, ld16, ld32, ld8, prefetch, quantize, scales_mins_k4, XRow,
     PREFETCH_AHEAD, X16,
 };
 
@@ -296,19 +297,29 @@ fn q4k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
     }
 }
 
-/// [`super::q6k`]: the 6-bit quants of activation block s of half h, assembled as bytes as
-/// there, widen into one vector; its 16 lanes take the scales `d * sc * u` of sub-blocks
-/// 8h + 2s (lanes 0-7) and 8h + 2s + 1 (lanes 8-15).
+/// [`super::q6k`] with the activations as two int8 digits (`vpdpbusd`): a half super-block's
+/// 128 6-bit quants are assembled as unsigned bytes in two vectors of 64 elements in order
+/// (the 64 low-nibble bytes in one load, the 32 high-bit bytes broadcast to both halves and
+/// shifted per half; seven ALU ops), each `vpdpbusd` lane sums four products `q * x` exactly,
+/// and the offset 32 leaves as one subtraction of the activations' precomputed `32 * sum`
+/// ([`X16::with_sums4`]): the exact integer `sum (q - 32) x` per lane, as the i16 path gets.
+/// Lanes 4j .. 4j + 3 hold sub-block 4m + j of the run, met by its scale `d * sc * u` through
+/// one permute. The same integers, so the two differ only in the order of the fp32 sums.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn q6k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32], g0: usize) {
     let nb = x[0].d.len() / 8;
-    let k32 = _mm256_set1_epi8(32);
+    let (m4, m30) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x30));
+    // the high 2 bits of run 0 (lower half) sit at bits 0-1 of qh, of run 1 (upper) at 2-3,
+    // of run 2 at 4-5, of run 3 at 6-7: shifted into bits 4-5
+    let up_a = _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2));
+    let down_b = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2));
     // lane j of the 16 sub-block scales takes the unit of activation block j / 2
     let pair = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    // for activation block b of a super-block: lanes 0-7 from scale 2b, lanes 8-15 from 2b + 1
-    let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    let pick: [__m512i; 8] =
-        std::array::from_fn(|b| _mm512_add_epi32(_mm512_set1_epi32(2 * b as i32), halves));
+    // run m of a super-block (64 elements): lanes 4j .. 4j + 3 from sub-block 4m + j
+    let quarters = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    let pick: [__m512i; 4] =
+        std::array::from_fn(|m| _mm512_add_epi32(_mm512_set1_epi32(4 * m as i32), quarters));
+    let zero = _mm512_setzero_si512();
     for (row, o) in w.chunks_exact(nb * 210).zip(out.chunks_exact_mut(n)) {
         let mut acc = [[_mm512_setzero_ps(); 2]; NX];
         for (bi, b) in row.chunks_exact(210).enumerate() {
@@ -322,15 +333,49 @@ fn q6k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
                 _mm512_mul_ps(s16, _mm512_permutexvar_ps(pair, u))
             });
             for h in 0..2 {
-                let q = q6k_quants(b, h);
-                for (s, &qs) in q.iter().enumerate() {
-                    let wv = _mm512_cvtepi8_epi16(_mm256_sub_epi8(qs, k32));
-                    let blk = 4 * h + s;
+                let ql = &b[64 * h..64 * h + 64];
+                // SAFETY: 64 readable bytes (sliced above); loadu accepts any alignment.
+                let l = unsafe { _mm512_loadu_si512(ql.as_ptr().cast()) };
+                let qh = _mm512_broadcast_i64x4(ld32(&b[128 + 32 * h..]));
+                // (l & 0x0F) | hb, hb already masked to bits 4-5
+                let runs = [
+                    _mm512_ternarylogic_epi32::<0xEC>(
+                        l,
+                        _mm512_and_si512(_mm512_sllv_epi16(qh, up_a), m30),
+                        m4,
+                    ),
+                    _mm512_ternarylogic_epi32::<0xEC>(
+                        _mm512_srli_epi16::<4>(l),
+                        _mm512_and_si512(_mm512_srlv_epi16(qh, down_b), m30),
+                        m4,
+                    ),
+                ];
+                for (r, z) in runs.into_iter().enumerate() {
+                    let k = bi * 8 + 4 * h + 2 * r;
                     for i in 0..NX {
-                        let sv = _mm512_permutexvar_ps(pick[blk], su[i]);
-                        // SAFETY: bi * 8 + blk < 8 nb, as in q4k.
-                        let p = dot(wv, unsafe { xblock(&x[i], bi * 8 + blk) });
-                        acc[i][s & 1] = _mm512_fmadd_ps(p, sv, acc[i][s & 1]);
+                        // SAFETY: k + 1 < 8 nb, the activation row's block count, and rows()
+                        // gave x its digits and sums.
+                        let (xh, xl, s4) = unsafe {
+                            let (xh, xl) = x[i].digits2(k);
+                            (xh, xl, x[i].sums4(k))
+                        };
+                        // SAFETY: 64 readable bytes each (digits2, sums4); loadu accepts any
+                        // alignment.
+                        let (xh, xl, s4) = unsafe {
+                            (
+                                _mm512_loadu_si512(xh.as_ptr().cast()),
+                                _mm512_loadu_si512(xl.as_ptr().cast()),
+                                _mm512_loadu_si512(s4.as_ptr().cast()),
+                            )
+                        };
+                        let t = _mm512_dpbusd_epi32(
+                            _mm512_slli_epi32::<8>(_mm512_dpbusd_epi32(zero, z, xh)),
+                            z,
+                            xl,
+                        );
+                        let t = _mm512_sub_epi32(t, s4);
+                        let sv = _mm512_permutexvar_ps(pick[2 * h + r], su[i]);
+                        acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sv, acc[i][r]);
                     }
                 }
             }
@@ -360,7 +405,10 @@ pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32
             let x16 = x16.with_digits();
             dispatch!(q4k; w, &x16, n, cols, out)
         }
-        _ => dispatch!(q6k; w, &x16, n, cols, out),
+        _ => {
+            let x16 = x16.with_digits().with_sums4();
+            dispatch!(q6k; w, &x16, n, cols, out)
+        }
     }
     true
 }
