@@ -37,6 +37,28 @@ fn dot(w: __m512i, x: __m512i) -> __m512 {
     _mm512_cvtepi32_ps(_mm512_dpwssd_epi32(_mm512_setzero_si512(), w, x))
 }
 
+/// Per i32 lane, the exact integer dot of four unsigned weight bytes of `z` and four activation
+/// values of blocks `k`, `k + 1` of `x`, from their two int8 digits: `vpdpbusd` over the high
+/// digits, shifted by 8, then over the low ones on top (`256 hi + lo` is the value).
+///
+/// # Safety
+/// As [`XRow::digits2`]: `k + 1` is below the row's block count and the row has its digits.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn dot_digits(z: __m512i, x: &XRow<'_>, k: usize) -> __m512i {
+    // SAFETY: this function's contract.
+    let (xh, xl) = unsafe { x.digits2(k) };
+    // SAFETY: 64 readable bytes each (digits2); loadu accepts any alignment.
+    let (xh, xl) = unsafe {
+        (
+            _mm512_loadu_si512(xh.as_ptr().cast()),
+            _mm512_loadu_si512(xl.as_ptr().cast()),
+        )
+    };
+    let high = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z, xh);
+    _mm512_dpbusd_epi32(_mm512_slli_epi32::<8>(high), z, xl)
+}
+
 /// [`super::q32_block`] with one 32-lane vector per block.
 macro_rules! q32_block {
     ($b:expr, $x:expr, $bi:expr, $acc:expr, $mins:expr) => {{
@@ -199,19 +221,7 @@ fn q51<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
                 let wv = _mm512_mask_add_epi8(z, qh, z, k16);
                 for i in 0..NX {
                     // SAFETY: bi + 1 < nb (the loop's bound) and rows() gave x its digits.
-                    let (xh, xl) = unsafe { x[i].digits2(bi) };
-                    // SAFETY: 64 readable bytes each (digits2); loadu accepts any alignment.
-                    let (xh, xl) = unsafe {
-                        (
-                            _mm512_loadu_si512(xh.as_ptr().cast()),
-                            _mm512_loadu_si512(xl.as_ptr().cast()),
-                        )
-                    };
-                    let t = _mm512_dpbusd_epi32(
-                        _mm512_slli_epi32::<8>(_mm512_dpbusd_epi32(zero, wv, xh)),
-                        wv,
-                        xl,
-                    );
+                    let t = unsafe { dot_digits(wv, &x[i], bi) };
                     let sv = _mm512_permutexvar_ps(*lane, scale[i]);
                     acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sv, acc[i]);
                 }
@@ -246,7 +256,6 @@ fn q4k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
     let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     let pick: [__m512i; 4] =
         std::array::from_fn(|c| _mm512_add_epi32(_mm512_set1_epi32(2 * c as i32), halves));
-    let zero = _mm512_setzero_si512();
     for (row, o) in w.chunks_exact(nb * 144).zip(out.chunks_exact_mut(n)) {
         let mut acc = [[_mm512_setzero_ps(); 2]; NX];
         let mut mins = [_mm256_setzero_ps(); NX];
@@ -272,19 +281,7 @@ fn q4k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
                     // SAFETY: k + 1 < 8 nb, the activation row's block count (x16 rows are
                     // cols / 32 blocks, the weight row cols / 256 super-blocks), and rows()
                     // gave x its digits.
-                    let (xh, xl) = unsafe { x[i].digits2(k) };
-                    // SAFETY: 64 readable bytes each (digits2); loadu accepts any alignment.
-                    let (xh, xl) = unsafe {
-                        (
-                            _mm512_loadu_si512(xh.as_ptr().cast()),
-                            _mm512_loadu_si512(xl.as_ptr().cast()),
-                        )
-                    };
-                    let t = _mm512_dpbusd_epi32(
-                        _mm512_slli_epi32::<8>(_mm512_dpbusd_epi32(zero, z, xh)),
-                        z,
-                        xl,
-                    );
+                    let t = unsafe { dot_digits(z, &x[i], k) };
                     let sv = _mm512_permutexvar_ps(pick[c], sc[i]);
                     acc[i][c & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sv, acc[i][c & 1]);
                 }
@@ -319,7 +316,6 @@ fn q6k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
     let quarters = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     let pick: [__m512i; 4] =
         std::array::from_fn(|m| _mm512_add_epi32(_mm512_set1_epi32(4 * m as i32), quarters));
-    let zero = _mm512_setzero_si512();
     for (row, o) in w.chunks_exact(nb * 210).zip(out.chunks_exact_mut(n)) {
         let mut acc = [[_mm512_setzero_ps(); 2]; NX];
         for (bi, b) in row.chunks_exact(210).enumerate() {
@@ -354,25 +350,14 @@ fn q6k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
                     let k = bi * 8 + 4 * h + 2 * r;
                     for i in 0..NX {
                         // SAFETY: k + 1 < 8 nb, the activation row's block count, and rows()
-                        // gave x its digits and sums.
-                        let (xh, xl, s4) = unsafe {
-                            let (xh, xl) = x[i].digits2(k);
-                            (xh, xl, x[i].sums4(k))
-                        };
-                        // SAFETY: 64 readable bytes each (digits2, sums4); loadu accepts any
-                        // alignment.
-                        let (xh, xl, s4) = unsafe {
+                        // gave x its digits and sums; sums4 is 64 readable bytes and loadu
+                        // accepts any alignment.
+                        let (t, s4) = unsafe {
                             (
-                                _mm512_loadu_si512(xh.as_ptr().cast()),
-                                _mm512_loadu_si512(xl.as_ptr().cast()),
-                                _mm512_loadu_si512(s4.as_ptr().cast()),
+                                dot_digits(z, &x[i], k),
+                                _mm512_loadu_si512(x[i].sums4(k).as_ptr().cast()),
                             )
                         };
-                        let t = _mm512_dpbusd_epi32(
-                            _mm512_slli_epi32::<8>(_mm512_dpbusd_epi32(zero, z, xh)),
-                            z,
-                            xl,
-                        );
                         let t = _mm512_sub_epi32(t, s4);
                         let sv = _mm512_permutexvar_ps(pick[2 * h + r], su[i]);
                         acc[i][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), sv, acc[i][r]);
