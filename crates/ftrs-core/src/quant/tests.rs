@@ -143,14 +143,21 @@ fn kernels_match_float64_dot_of_decoded_weights() {
     }
 }
 
-/// Rows of 37 32-blocks: the AVX-512 kernels that take a row's scales 16 blocks at a time
-/// (Q8_0, and Q5_1 in pairs) run two whole groups, then a partial one ending on an odd block.
+/// Long rows: 37 32-blocks, where the AVX-512 Q5_1 kernel (scales 16 blocks at a time, blocks in
+/// pairs) runs two whole groups, then a partial one ending on an odd block; and the demo's
+/// 1536-wide down rows (6 super-blocks) for Q4_K and Q6_K.
 #[test]
 fn kernels_match_on_rows_longer_than_a_scale_group() {
-    for t in [QType::Q8_0, QType::Q4_1, QType::Q5_1] {
+    for (t, cols) in [
+        (QType::Q8_0, 37 * 32),
+        (QType::Q4_1, 37 * 32),
+        (QType::Q5_1, 37 * 32),
+        (QType::Q4K, 6 * 256),
+        (QType::Q6K, 6 * 256),
+    ] {
         for &isa in &Isa::available() {
             for n in [1, 2, 5, 8, 9] {
-                check_kernel(t, isa, 5, 37 * 32, n, 40 + n as u64);
+                check_kernel(t, isa, 5, cols, n, 40 + n as u64);
             }
         }
     }
