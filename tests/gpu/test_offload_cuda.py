@@ -80,7 +80,8 @@ def test_cuda_offload_equals_resident_bit_for_bit(tiny_models: dict[str, Path],
                     moe_prefetch=bool(prefetch), copy_backend="cuda")
     moe = strategy(llm)
     assert moe.num_slots == slots
-    assert moe.backend == moe.engine.backend_name == "cuda"
+    assert moe.backend == "cuda:0"  # the strategy names the model's device...
+    assert moe.engine.backend_name == "cuda"  # ...and the engine calls ordinal 0 plain "cuda"
     assert moe.buffer.is_cuda and moe.experts.pool.pinned
 
     prefill = llm.logits(IDS)

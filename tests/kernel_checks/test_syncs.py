@@ -81,7 +81,7 @@ def test_strategy_on_the_fused_kernel_reads_nothing_per_expert(
     dev = torch.device(device)
     loaded = load_model(str(tiny_models["mixtral"]), dev, torch.float32, progress=False)
     moe = _strategy(name, loaded, dev, moe_cache_rate=0.5, moe_prefetch=False,
-                    copy_backend="host")
+                    copy_backend="cuda" if dev.type == "cuda" else "host")
     try:
         one, few = _reads_per_forward(moe, loaded, 1, host_reads)
         wide, many = _reads_per_forward(moe, loaded, 9, host_reads)
