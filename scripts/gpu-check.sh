@@ -5,6 +5,9 @@
 #                                              decode CUDA graphs captured and replayed vs eager)
 #   3. bench/gpu_check.py                     (pinned H2D/D2H GB/s, ftrs vs torch, link bound)
 #   4. bench/offload.py --quick --copy-backend cuda   (demo model, or a tiny one offline)
+#      bench/hybrid.py --device cuda              (offload, hybrid, all experts on the CPU over the
+#                                                  real link paced to 0.1..8 GB/s and unpaced;
+#                                                  the Q4_K_M demo, or bench/shaped.py's offline)
 #   5. TRITON_INTERPRET=0 pytest -m "" tests/kernel_checks (the Triton kernels compiled, on the GPU; no syncs)
 #   6. bench/kernels.py                       (each kernel vs its torch reference, and the
 #                                              decode step with vs without CUDA graphs, JSON)
@@ -13,9 +16,14 @@
 # timed-copy refusals of tests/test_core.py, gpu_check's one line, the kernel tests under
 # Triton's interpreter, bench/kernels.py timing the references) and exits 0 if they pass.
 # GPU_CHECK_NO_BOOTSTRAP=1 skips step 1 (a rerun on a machine already set up).
+# GPU_CHECK_PY=python3 uses that interpreter instead of .venv's and skips step 1: for an offline
+# GPU machine whose own Python already has torch and triton, with ftrs importable (PYTHONPATH).
+# GPU_CHECK_MODEL=DIR benches that checkpoint instead of building the demo (offline hosts).
+# GPU_CHECK_KERNEL_TESTS=PATHS runs those kernel tests instead of all of tests/kernel_checks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=.venv/bin/python
+PY=${GPU_CHECK_PY:-.venv/bin/python}
+[ -n "${GPU_CHECK_PY:-}" ] && GPU_CHECK_NO_BOOTSTRAP=1
 start=$SECONDS
 failed=()
 
@@ -57,22 +65,31 @@ if ! "$PY" -c "from ftrs.guard.link import cuda_usable; raise SystemExit(not cud
 fi
 
 "$PY" -c "import torch; print('gpu-check on', torch.cuda.get_device_name(), 'torch', torch.__version__)"
-step "pytest -m gpu" 180 "$PY" -m pytest -m gpu -v --timeout 120
+step "pytest -m gpu" 200 "$PY" -m pytest -m gpu -v --timeout 120 --durations=15
 tests_rc=$?
-step "bench/gpu_check.py" 60 "$PY" bench/gpu_check.py
+step "bench/gpu_check.py" 45 "$PY" bench/gpu_check.py
 
-model=$(timeout 60 .venv/bin/ftrs models demo 2>/dev/null | tail -n 1)
+model=${GPU_CHECK_MODEL:-$(timeout 60 "$PY" -m ftrs models demo 2>/dev/null | tail -n 1)}
+hybrid_model=demo-q4  # the Q4_K_M demo where it is built, else the fp32 demo
+decode_model=()       # bench/kernels.py's decode rows: the demo
 if [ -z "$model" ] || [ ! -e "$model" ]; then
   model=$(mktemp -d)/tiny-mixtral
-  echo "!! the demo model is not available (offline?): offload bench on a tiny random mixtral" >&2
-  .venv/bin/ftrs models make-tiny --arch mixtral --out "$model" >/dev/null
+  echo "!! the demo model is not available (offline?): offload bench on a tiny random mixtral," \
+       "hybrid bench on bench/shaped.py's random demo-shaped Q4_K_M" >&2
+  "$PY" -m ftrs models make-tiny --arch mixtral --out "$model" >/dev/null
+  hybrid_model=shaped
+  decode_model=(--decode-model "$model")
 fi
-step "bench/offload.py --copy-backend cuda" 120 \
+step "bench/offload.py --copy-backend cuda" 60 \
   "$PY" bench/offload.py --quick --copy-backend cuda --model "$model"
-step "kernel tests (compiled)" 300 env TRITON_INTERPRET=0 "$PY" -m pytest -v -m "" tests/kernel_checks --timeout 240
+step "bench/hybrid.py --device cuda" 150 "$PY" bench/hybrid.py --device cuda \
+  --model "$hybrid_model" --links 0.1 0.5 2 8 0
+# shellcheck disable=SC2086  # a list of paths
+step "kernel tests (compiled)" 150 env TRITON_INTERPRET=0 "$PY" -m pytest -v -m "" \
+  ${GPU_CHECK_KERNEL_TESTS:-tests/kernel_checks} --timeout 120
 kernels_rc=$?
 [ "$tests_rc" -eq 0 ] && tests_rc=$kernels_rc
-step "bench/kernels.py" 180 "$PY" bench/kernels.py
+step "bench/kernels.py" 90 "$PY" bench/kernels.py "${decode_model[@]}"
 
 echo "gpu-check: $((SECONDS - start))s in all"
 if [ "$tests_rc" -ne 0 ]; then
