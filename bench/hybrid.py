@@ -21,6 +21,14 @@ from the pool, so hybrid's cost model sends every miss to the CPU, and each MoE 
 resident's code over the pool plus three counters: hybrid is all_cpu within the host's noise.
 The output says which device it ran on.
 
+`--device cuda` runs the same sweep on a GPU over its real link: the `cuda` copy backend paced
+to each `--links` speed by the transfer engine's token bucket (`--pcie-pacing`; 0 = unpaced,
+the link's own rate), the dense part on the GPU. There `all_cpu` is hybrid with the link priced
+out (a cost model that never fetches, prefetch off, so no slot ever fills): every routed expert
+on the CPU kernels, everything else on the GPU, as llama.cpp's `-ot exps=CPU` runs a model.
+`--model shaped` benches `bench/shaped.py`'s random demo-shaped Q4_K_M checkpoint (hosts
+without the demo: an offline GPU machine).
+
 Before the sweep, `layer_overhead` times the MoE layers alone: hybrid (CPU device, cache 0.5)
 against resident on the same decode-shaped inputs (one token, each layer's own routing), one
 pass of every MoE layer with the per-step calls (`begin_forward`, `end_forward`, `stats`)
@@ -29,6 +37,7 @@ each, the two strategies alternating pass by pass; it prints the median of the p
     python bench/hybrid.py                 # links 0.1 0.5 2 8 GB/s, cache 0.5
     python bench/hybrid.py --model demo    # the fp32 demo
     python bench/hybrid.py --links         # the MoE-layer overhead alone
+    python bench/hybrid.py --device cuda --model shaped --links 0.1 0.5 2 8 0
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -48,7 +58,7 @@ from ftrs.config import ftrs_home
 from ftrs.layers.moe import route
 from ftrs.llm import LLM
 from ftrs.moe.base import MoEStrategy
-from ftrs.moe.hybrid import HybridStrategy
+from ftrs.moe.hybrid import CostModel, HybridStrategy
 from ftrs.moe.offload import OffloadStrategy
 
 Q4_DEMO = "smollm2-135m-instruct-moe8x2.Q4_K_M.gguf"
@@ -62,14 +72,22 @@ def default_model() -> str:
 def make(llm: LLM, name: str, link: float, rate: float) -> MoEStrategy:
     parts, resident = llm.engine.moe_parts(), llm.engine.moe_strategy()
     assert resident is not None
-    if name == "all_cpu":
+    on_gpu = parts.device.type == "cuda"
+    if name == "all_cpu" and not on_gpu:
         return resident  # the resident strategy the LLM was built with
-    cfg = dataclasses.replace(llm.config, moe_strategy=name, moe_cache_rate=rate,
-                              moe_cache_size=None, copy_backend=f"simulated:{link:g}",
-                              moe_prefetch=True)
+    link_cfg = ({"copy_backend": "cuda", "pcie_pacing": link or None} if on_gpu
+                else {"copy_backend": f"simulated:{link:g}"})
+    cfg = dataclasses.replace(llm.config, moe_strategy=name if name == "offload" else "hybrid",
+                              moe_cache_rate=rate,
+                              moe_cache_size=None, moe_prefetch=name != "all_cpu", **link_cfg)
     routers = {layer: w for layer, w in parts.routers.items() if isinstance(w, torch.Tensor)}
-    cls = HybridStrategy if name == "hybrid" else OffloadStrategy
-    return cls(experts=parts.experts, device=parts.device, config=cfg, routers=routers)
+    cls = OffloadStrategy if name == "offload" else HybridStrategy
+    strat = cls(experts=parts.experts, device=parts.device, config=cfg, routers=routers)
+    if name == "all_cpu":  # the link priced out: every miss to the CPU, no slot ever filled
+        assert isinstance(strat, HybridStrategy)
+        strat.cost = CostModel(link_bytes_per_s=1.0, link_latency_s=1.0,
+                               cpu_s_per_token=1e-9, learn=False)
+    return strat
 
 
 def decode(llm: LLM, strat: MoEStrategy, prompt: list[int], tokens: int) -> dict[str, Any]:
@@ -155,18 +173,35 @@ def main() -> None:
     ap.add_argument("--slow-tokens", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--layer-passes", type=int, default=60,
-                    help="passes of the MoE-layer overhead bench (0: skip it)")
+                    help="passes of the MoE-layer overhead bench (0: skip it; CPU device only)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="cuda: the real link paced to each --links speed (0: unpaced)")
+    ap.add_argument("--shaped-layers", type=int, default=30, help="layers of --model shaped")
     args = ap.parse_args()
-    model = default_model() if args.model in (None, "demo-q4") else (
-        common.demo_path() if args.model == "demo" else args.model)
-    llm = LLM(model, device="cpu", dtype="float32", moe_strategy="resident", kv_tokens=4096)
+    gpu = args.device == "cuda"
+    if gpu and not torch.cuda.is_available():
+        raise SystemExit("hybrid: --device cuda needs a CUDA device; none is usable here")
+    if args.model == "shaped":
+        from shaped import make_shaped_q4_k_m
+
+        model = str(make_shaped_q4_k_m(Path(tempfile.mkdtemp()) / "shaped-q4_k_m.gguf",
+                                       args.shaped_layers))
+    else:
+        model = default_model() if args.model in (None, "demo-q4") else (
+            common.demo_path() if args.model == "demo" else args.model)
+    if gpu:  # the LLM's own strategy only holds the place: each run builds its own
+        llm = LLM(model, device="cuda", moe_strategy="offload", moe_cache_rate=0.05,
+                  moe_prefetch=False, kv_tokens=4096)
+    else:
+        llm = LLM(model, device="cpu", dtype="float32", moe_strategy="resident", kv_tokens=4096)
     parts = llm.engine.moe_parts()
     prompt = llm.tokenizer.encode("The capital of France is")
     rows = []
     t0 = time.perf_counter()
-    overhead = layer_overhead(llm, args.layer_passes) if args.layer_passes > 0 else None
+    overhead = (layer_overhead(llm, args.layer_passes)
+                if args.layer_passes > 0 and not gpu else None)
     for link in args.links:
-        n = args.slow_tokens if link < 0.5 else args.tokens
+        n = args.slow_tokens if 0 < link < 0.5 else args.tokens
         row: dict[str, Any] = {"link_gbps": link}
         runs: dict[str, list[dict[str, Any]]] = {"all_cpu": [], "offload": [], "hybrid": []}
         names = list(runs)
@@ -188,7 +223,9 @@ def main() -> None:
         "model": Path(model).name, "device": str(parts.device),
         "note": ("the 'device' is the CPU on this host: device slots live in host memory and "
                  "a hit computes on the same cores as a CPU expert") if parts.device.type == "cpu"
-                else "device is a GPU",
+                else (f"device is a GPU ({torch.cuda.get_device_name()}); links are the cuda "
+                      "backend paced to each speed (0: unpaced); all_cpu is hybrid with the "
+                      "link priced out"),
         "expert_bytes": parts.experts.expert_bytes, "cache_rate": args.cache_rate,
         "batch": 1, "wall_s": round(time.perf_counter() - t0, 1),
         "moe_layer_overhead": overhead, "rows": rows}, indent=1))

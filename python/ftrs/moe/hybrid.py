@@ -199,7 +199,7 @@ def seed_link(backend: str) -> tuple[float, float]:
             return gbps * 1e9, lat_us * 1e-6
         except ValueError:
             pass
-    return SEED_LINK_BYTES_PER_S, 10e-6 if backend == "cuda" else 0.0
+    return SEED_LINK_BYTES_PER_S, 10e-6 if backend.split(":")[0] == "cuda" else 0.0
 
 
 def layer_format(experts: HostExperts, layer: int) -> str:
@@ -241,6 +241,8 @@ class HybridStrategy(OffloadStrategy):
                              if on_cpu and self.act.kind == "silu"
                              and (a := layer_kernel_args(ws)) is not None}
         rate, latency = seed_link(self.backend)
+        if config.pcie_pacing:  # the engine never copies faster than its pace: start there
+            rate = min(rate, config.pcie_pacing * 1e9)
         self.cost = CostModel(rate, latency,
                               cpu_s_per_token=experts.expert_bytes / SEED_CPU_BYTES_PER_S,
                               device_is_cpu=on_cpu)
