@@ -7,6 +7,13 @@ D2H through `_core.cuda_measure_d2h` into a pool pinned with `cuMemHostRegister`
 `--reps` copies after a warm-up). `ratio` = ftrs / torch. The link (guard.link.probe_link,
 read right after the copies, while it is trained up) gives the nominal bound of DESIGN.md.
 
+`miss latency`: what one demand miss costs through a warm engine (4 slots, 8 experts of
+`--miss-kib` each, looked up one at a time in turn so every lookup misses): microseconds from
+`lookup` to the end of `wait`, then `release` (without a fence, and with one recorded on torch's
+stream), beside one bare driver copy of the same bytes (`_core.cuda_measure_h2d`, issue to
+event synchronised); medians of `--miss-reps`. Their difference is the engine's own overhead
+per miss (a queue, a worker wake-up, a completion wake-up).
+
     python bench/gpu_check.py                  # 1..256 MiB, a table
     python bench/gpu_check.py --json           # the same figures as one JSON object
 
@@ -17,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 from typing import Any
 
 from ftrs.guard.link import CopyComparison, compare_d2h, compare_h2d, cuda_usable, probe_link
@@ -37,12 +46,54 @@ def table(title: str, rows: list[dict[str, Any]], ftrs: str) -> str:
     return "\n".join(lines)
 
 
+def miss_latency(kib: int, reps: int) -> dict[str, Any]:
+    """Median microseconds of one demand miss through a warm engine, beside one driver copy."""
+    import torch
+
+    from ftrs import _core
+
+    dev = torch.cuda.current_device()
+    experts, slots = 8, 4
+    pool = _core.ExpertPool(_core.ExpertLayout(1, experts, [kib << 10]), "float32")
+    if not pool.pin(dev):
+        raise SystemExit("gpu_check: cannot pin the pool")
+    eb = int(pool.layout.expert_bytes)
+    dst = torch.empty(slots * eb, dtype=torch.uint8, device=dev)
+    engine = _core.TransferEngine(pool, slots, dst, backend=f"cuda:{dev}")
+    stream = torch.cuda.current_stream().cuda_stream
+    out: dict[str, Any] = {"kib": kib}
+    try:
+        for fence in (False, True):
+            times = []
+            for i in range(reps + experts):  # the first pass over the experts is a warm-up
+                t0 = time.perf_counter()
+                _, ticket = engine.lookup(0, [i % experts])
+                engine.wait(ticket)
+                t1 = time.perf_counter()
+                engine.release(stream if fence else None)
+                if i >= experts:
+                    times.append((t1 - t0, time.perf_counter() - t1))
+            key = "fenced" if fence else "engine"
+            out[f"{key}_us"] = round(statistics.median(a for a, _ in times) * 1e6, 1)
+            out[f"{key}_release_us"] = round(statistics.median(b for _, b in times) * 1e6, 1)
+        misses = int(engine.stats().get("misses", 0))
+    finally:
+        engine.cancel_prefetches()
+    driver = _core.cuda_measure_h2d(dst.data_ptr(), pool.address, eb, reps, dev)
+    out["driver_us"] = round(driver * 1e6, 1)
+    out["overhead_us"] = round(out["engine_us"] - out["driver_us"], 1)
+    out["misses_counted"] = misses
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes-mib", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--block-mib", type=int, default=4, help="transfer engine block size (H2D)")
     ap.add_argument("--json", action="store_true", help="print one JSON object, no table")
+    ap.add_argument("--miss-kib", type=int, nargs="+", default=[64, 1024, 4096])
+    ap.add_argument("--miss-reps", type=int, default=64)
     args = ap.parse_args()
     if not cuda_usable():
         print("gpu_check: no CUDA device (torch or the CUDA driver sees no GPU): nothing measured")
@@ -52,6 +103,7 @@ def main() -> None:
     h2d = [compare_h2d(mib << 20, args.reps, args.block_mib << 20) for mib in args.sizes_mib]
     d2h = [compare_d2h(mib << 20, args.reps) for mib in args.sizes_mib]
     link = probe_link(under_load=True)  # right after the traffic: the link is trained up
+    misses = [miss_latency(kib, args.miss_reps) for kib in args.miss_kib]
     nominal = link.nominal_gbps
     out = {
         "bench": "gpu_check",
@@ -64,6 +116,7 @@ def main() -> None:
         "reps": args.reps,
         "h2d": [row(c, nominal) for c in h2d],
         "d2h": [row(c, nominal) for c in d2h],
+        "miss_latency": misses,
     }
     if args.json:
         print(json.dumps(out, indent=2))
@@ -75,6 +128,11 @@ def main() -> None:
                 "engine GB/s"))
     print(table("D2H device -> pinned host (ftrs: driver copy into a pinned pool)", out["d2h"],
                 "ftrs GB/s"))
+    cols = list(misses[0])
+    print("miss latency: one demand miss through a warm engine vs one driver copy (us, median)")
+    print("  ".join(f"{c:>15}" for c in cols))
+    for m in misses:
+        print("  ".join(f"{m[c]:>15}" for c in cols))
 
 
 if __name__ == "__main__":
