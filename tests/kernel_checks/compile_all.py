@@ -50,7 +50,7 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                     {"PAGE": 16, "GP": 4, "BLOCK_Q": 4, "BLOCK_N": 32, "BLOCK_D": 64,
                      "UPCAST": False, "PREC": prec}))
     weights = {"none": ("*bf16", "*bf16"), "Q8_0": ("*i8", "*fp16"), "FP8_BLOCK": ("*u8", "*fp32"),
-               "Q4_K": ("*u8", "*fp16")}
+               "Q4_K": ("*u8", "*fp16"), "Q5_1": ("*u8", "*fp16"), "Q6_K": ("*u8", "*fp16")}
     for qtype, (wt, st) in weights.items():
         for dt in ("bf16", "fp32") if qtype == "none" else ("bf16",):
             w = f"*{dt}" if qtype == "none" else wt
@@ -68,7 +68,8 @@ def main() -> int:
     quick = "--quick" in sys.argv[1:]
     archs = [int(a) for a in sys.argv[1:] if a != "--quick"] or [80, 90]
     chosen = [v for v in variants()
-              if not quick or (v[0].endswith("bf16") and "FP8" not in v[0] and "Q4_K" not in v[0])]
+              if not quick or (v[0].endswith("bf16")
+                               and not any(t in v[0] for t in ("FP8", "Q4_K", "Q5_1", "Q6_K")))]
     for arch in archs:
         for name, fn, ptrs, consts in chosen:
             t0 = time.perf_counter()

@@ -264,3 +264,50 @@ def test_dequant_fp8_block_scales_each_tile() -> None:
     sc = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     want = torch.tensor([[1, 1, 2, 2, 3], [1, 1, 2, 2, 3], [4, 4, 5, 5, 6]], dtype=torch.float32)
     assert torch.equal(dequant_fp8_block(w, sc, (2, 2), torch.float32), want)
+
+
+@pytest.mark.parametrize(("gate_up", "down", "h", "i"), [
+    ("Q5_1", "Q6_K", 96, 256),  # the demo's Q4_K_M layers; 96 columns: a partial BLOCK_K tile
+    ("Q6_K", "Q5_1", 256, 160),
+    ("Q4_K", "Q6_K", 256, 256),
+    ("Q5_1", "Q5_1", 160, 96),
+])
+def test_fused_moe_gguf_types_mixed_per_matrix(device: str, gate_up: str, down: str, h: int,
+                                               i: int) -> None:
+    from ftrs.quant.fixtures import random_blocks
+
+    slots = 3
+    rng = np.random.default_rng(13)
+
+    def stack(qtype: str, rows: int, cols: int) -> torch.Tensor:
+        return torch.stack([torch.from_numpy(random_blocks(qtype, rows, cols, rng))
+                            for _ in range(slots)])
+
+    gate, up, down_w = stack(gate_up, i, h), stack(gate_up, i, h), stack(down, h, i)
+    g = torch.Generator().manual_seed(14)
+    x = (torch.randn(5, h, generator=g) / 4).to(torch.bfloat16)
+    ids = torch.tensor([[0, 2], [2, 1], [1, 0], [2, 0], [0, 1]])
+    rw = torch.full((5, 2), 0.5).to(torch.bfloat16)
+    slot_of = torch.tensor([1, 2, 0])
+    w = SlotWeights(gate, up, down_w, gate_up, down_qtype=down)
+    want = fused_moe_ref(x, ids, rw, slot_of, w)
+    assert want.abs().max() > 0
+    got = fused_moe_triton(*_to(device, x, ids, rw, slot_of),
+                           w._replace(**dict(zip(("gate", "up", "down"),
+                                                 _to(device, gate, up, down_w)))))
+    _close(got, want, torch.bfloat16)
+
+
+def test_reference_dequantizes_q5_1_and_q6_k_as_gguf() -> None:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from ftrs.kernels.moe import dequant_gguf
+    from ftrs.quant.fixtures import random_blocks
+
+    rng = np.random.default_rng(15)
+    for qtype in ("Q5_1", "Q6_K"):
+        raw = random_blocks(qtype, 4, 512, rng)
+        want = dequantize(raw, GGMLQuantizationType[qtype])
+        assert torch.equal(dequant_gguf(torch.from_numpy(raw), qtype, torch.float32),
+                           torch.from_numpy(want))

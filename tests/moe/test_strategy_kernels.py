@@ -153,18 +153,22 @@ def test_offload_waves_with_kernels(tiny_models: dict[str, Path], device: torch.
 @pytest.mark.parametrize("qtype", ["Q8_0", pytest.param("Q4_K", marks=pytest.mark.slow)])
 def test_quantized_kernel_matches_the_reference(tmp_path: Path, device: torch.device,
                                                 kern: Kernels, qtype: str) -> None:
-    """Tiny qwen3moe GGUF (MoE layers 0 and 2): experts in `qtype`, but layer 0's `down` Q6_K."""
+    """Tiny qwen3moe GGUF (MoE layers 0 and 2): experts in `qtype`, but layer 0's `up` Q5_K (no
+    kernel reads it, and gate and up differ: the torch path) and layer 2's `down` Q6_K (a
+    Q4_K_M file's mix: the kernel reads each matrix in its own type)."""
     from quant_models import build
 
-    types = {"layers.0.mlp.experts.0.down": "Q6_K", "experts": qtype}
+    types = {"layers.0.mlp.experts.0.up": "Q5_K", "layers.2.mlp.experts.0.down": "Q6_K",
+             "experts": qtype}
     loaded = load_model(str(build("qwen3_moe", types, tmp_path)[0]), device, torch.float32,
                         progress=False)
     forwards = list(steps(loaded, device, (3,), seed=5))
     with use_kernels(False):  # the reference: dequantized in fp32, then F.linear
         want = outputs(strategy("resident", loaded, device), forwards)
         moe = strategy("resident", loaded, device, kernels=kern)
-        assert set(moe._fused) == {2}  # type: ignore[attr-defined]  # layer 0 mixes types
+        assert set(moe._fused) == {2}  # type: ignore[attr-defined]  # layer 0: gate != up
         assert moe._fused[2].qtype == qtype  # type: ignore[attr-defined]
+        assert moe._fused[2].qtype_of(2) == "Q6_K"  # type: ignore[attr-defined]
         got = outputs(moe, forwards)
         off = outputs(strategy("offload", loaded, device, kernels=kern, moe_cache_rate=0.5,
                                copy_backend="simulated:1:300"), forwards)

@@ -26,10 +26,17 @@ to fp32 and casts, the same rounding), so no scratch copy exists:
 - `Q4_K` (GGUF): uint8 (slots, rows, cols/256*144); a 256-value super-block is fp16 d and dmin,
   12 bytes of packed 6-bit scales and mins of its eight 32-value sub-blocks, 128 bytes of
   nibbles: (d*sc)*q - dmin*m, in that order (fp fusion is off, as in every kernel here).
+- `Q5_1` (GGUF): uint8 (slots, rows, cols/32*24); a 32-value block is fp16 d and m, 4 bytes of
+  fifth bits (bit j for value j), 16 bytes of nibbles (value j < 16 low, j >= 16 high): d*q + m.
+- `Q6_K` (GGUF): uint8 (slots, rows, cols/256*210); a 256-value super-block is 128 bytes of low
+  nibbles, 64 bytes of 2-bit highs, 16 int8 scales (one per 16 values) and fp16 d:
+  (d*scale)*(q - 32).
 - `FP8_BLOCK`: float8_e4m3fn (slots, rows, cols) with fp32 `scales` (slots, rows/br, cols/bc)
   per (br, bc) tile (`fp8_block`), the layout of `ftrs.quant`: w*scale.
-Any slot and row stride works, so the views can point straight into the offload strategy's
-slot buffer (`SlotWeights.from_region`).
+Gate and up share one type (one kernel reads both); `down` may have its own (`down_qtype`): a
+`Q4_K_M` GGUF stores Q5_1 or Q4_K gate/up and Q6_K or Q4_K down. Any slot and row stride works,
+so the views can point straight into the offload strategy's slot buffer
+(`SlotWeights.from_region`).
 """
 
 from __future__ import annotations
@@ -42,14 +49,16 @@ import torch.nn.functional as F
 
 from ftrs.kernels._triton import dot_precision, interpreting, triton_importable
 
-QTYPES = ("none", "Q8_0", "Q4_K", "FP8_BLOCK")
-_QUANT_CODE = {"none": 0, "Q8_0": 1, "FP8_BLOCK": 2, "Q4_K": 3}
-_BLOCK = {"Q8_0": (32, 34), "Q4_K": (256, 144)}  # GGUF: values and bytes per block
+QTYPES = ("none", "Q8_0", "Q4_K", "Q5_1", "Q6_K", "FP8_BLOCK")
+_QUANT_CODE = {"none": 0, "Q8_0": 1, "FP8_BLOCK": 2, "Q4_K": 3, "Q5_1": 4, "Q6_K": 5}
+_BLOCK = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_1": (32, 24),
+          "Q6_K": (256, 210)}  # GGUF: values and bytes per block
 
 
 class SlotWeights(NamedTuple):
     """Expert weights of every slot: gate (S, I, H), up (S, I, H), down (S, H, I), or their
-    quantized form with `qtype` naming the encoding (see the module doc)."""
+    quantized form with `qtype` naming the encoding (see the module doc) of gate and up, and
+    of down too unless `down_qtype` names another."""
 
     gate: torch.Tensor
     up: torch.Tensor
@@ -57,6 +66,11 @@ class SlotWeights(NamedTuple):
     qtype: str = "none"
     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # FP8_BLOCK only
     fp8_block: tuple[int, int] | None = None  # FP8_BLOCK only: the scale tile (br, bc)
+    down_qtype: str | None = None  # None: `qtype`
+
+    def qtype_of(self, which: int) -> str:
+        """The encoding of gate (0), up (1) or down (2)."""
+        return (self.down_qtype or self.qtype) if which == 2 else self.qtype
 
     @classmethod
     def from_region(cls, region: torch.Tensor, num_slots: int, slot_bytes: int,
@@ -116,13 +130,27 @@ def dequant_fp8_block(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
     return (w.float() * s).to(dtype)
 
 
+def dequant_gguf(raw: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Tensor:
+    """(rows, row bytes) uint8 of GGUF `qtype` -> (rows, cols) through `ftrs.quant`'s torch
+    dequantizers, in fp32, cast."""
+    from ftrs.quant.dequant import dequantize
+    from ftrs.quant.formats import QuantTensor
+
+    elems, nbytes = _BLOCK[qtype]
+    rows, cols = raw.shape[0], raw.shape[1] // nbytes * elems
+    return dequantize(QuantTensor(qtype, (rows, cols), raw.reshape(-1)), torch.float32).to(dtype)
+
+
 def _matrix(w: SlotWeights, which: int, slot: int, dtype: torch.dtype) -> torch.Tensor:
     m = (w.gate, w.up, w.down)[which][slot]
-    if w.qtype == "Q8_0":
+    qtype = w.qtype_of(which)
+    if qtype == "Q8_0":
         return dequant_q8_0(m, dtype)
-    if w.qtype == "Q4_K":
+    if qtype == "Q4_K":
         return dequant_q4_k(m, dtype)
-    if w.qtype == "FP8_BLOCK":
+    if qtype in _BLOCK:
+        return dequant_gguf(m.contiguous(), qtype, dtype)
+    if qtype == "FP8_BLOCK":
         assert w.scales is not None and w.fp8_block is not None
         return dequant_fp8_block(m, w.scales[which][slot], w.fp8_block, dtype)
     return m
@@ -201,6 +229,34 @@ if triton_importable():
             d = tl.load(hbase, mask=mask, other=0.0).to(tl.float32)
             dmin = tl.load(hbase + 1, mask=mask, other=0.0).to(tl.float32)
             return round_to((d * sc) * q - dmin * mn, DT)
+        elif QUANT == 4:  # Q5_1: 24-byte blocks of 32 values (see the module doc)
+            blk = k // 32
+            j = k % 32
+            bb = base + (blk * 24)[:, None]
+            byte = tl.load(bb + (8 + j % 16)[:, None], mask=mask, other=0).to(tl.int32)
+            nib = tl.where((j < 16)[:, None], byte & 15, byte >> 4)
+            hb = tl.load(bb + (4 + j // 8)[:, None], mask=mask, other=0).to(tl.int32)
+            q = (nib | (((hb >> (j % 8)[:, None]) & 1) << 4)).to(tl.float32)
+            hbase = sbase + (blk * 12)[:, None]
+            d = tl.load(hbase, mask=mask, other=0.0).to(tl.float32)
+            m = tl.load(hbase + 1, mask=mask, other=0.0).to(tl.float32)
+            return round_to(d * q + m, DT)
+        elif QUANT == 5:  # Q6_K: 210-byte super-blocks of 256 values (see the module doc)
+            sb = k // 256
+            i = k % 256
+            h = i // 128  # half: 64 bytes of low nibbles, 32 of high bits, 8 scales each
+            qu = (i % 128) // 32  # quarter: which nibble and which 2 high bits
+            ln = i % 32
+            bb = base + (sb * 210)[:, None]
+            lb = tl.load(bb + (h * 64 + ln + (qu % 2) * 32)[:, None], mask=mask,
+                         other=0).to(tl.int32)
+            lo = tl.where((qu < 2)[:, None], lb & 15, lb >> 4)
+            hb = tl.load(bb + (128 + h * 32 + ln)[:, None], mask=mask, other=0).to(tl.int32)
+            q = ((lo | (((hb >> (2 * qu)[:, None]) & 3) << 4)) - 32).to(tl.float32)
+            sc = tl.load(bb + (192 + i // 16)[:, None], mask=mask, other=0).to(tl.int32)
+            sc = tl.where(sc >= 128, sc - 256, sc).to(tl.float32)  # int8
+            d = tl.load(sbase + (sb * 105 + 104)[:, None], mask=mask, other=0.0).to(tl.float32)
+            return round_to((d * sc) * q, DT)
         else:
             return tl.load(base + k[:, None], mask=mask, other=0.0)
 
@@ -309,16 +365,17 @@ def sort_pairs(ids: torch.Tensor, slot_of: torch.Tensor, block_m: int) -> _Sorte
 def _weight_args(w: SlotWeights, which: int) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int]:
     """(pointer tensor, scale pointer tensor, slot stride, row stride, and the same for scales)."""
     m = (w.gate, w.up, w.down)[which]
+    qtype = w.qtype_of(which)
     if m.stride(-1) != 1:
         raise ValueError("fused_moe: expert weights need a unit last stride")
-    if w.qtype in _BLOCK:  # the fp16 fields are read through a half view of the same bytes
-        nbytes = _BLOCK[w.qtype][1]
+    if qtype in _BLOCK:  # the fp16 fields are read through a half view of the same bytes
+        nbytes = _BLOCK[qtype][1]
         if m.dtype != torch.uint8 or m.shape[-1] % nbytes or m.stride(0) % 2 or m.stride(1) % 2:
-            raise ValueError(f"fused_moe: {w.qtype} weights are uint8 rows of {nbytes}-byte "
+            raise ValueError(f"fused_moe: {qtype} weights are uint8 rows of {nbytes}-byte "
                              "blocks at even strides")
-        return (m.view(torch.int8) if w.qtype == "Q8_0" else m, m.view(torch.float16),
+        return (m.view(torch.int8) if qtype == "Q8_0" else m, m.view(torch.float16),
                 m.stride(0), m.stride(1), m.stride(0) // 2, m.stride(1) // 2)
-    if w.qtype == "FP8_BLOCK":
+    if qtype == "FP8_BLOCK":
         if w.scales is None or w.fp8_block is None or m.dtype != torch.float8_e4m3fn:
             raise ValueError("fused_moe: FP8_BLOCK needs float8_e4m3fn weights, scales and the block")
         sc = w.scales[which]
@@ -342,14 +399,17 @@ def moe_pairs_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     `y` (T*k, H) in x's dtype. Only the rows of experts with a slot are written, so calls with
     disjoint slot tables may fill one `y` in any order (experts that landed first, then the
     rest) before `combine_pairs` adds it up. A new `y` starts at zeros."""
-    if w.qtype not in QTYPES:
-        raise ValueError(f"fused_moe: weight type {w.qtype!r} has no kernel (known: {QTYPES})")
+    for qt in (w.qtype, w.qtype_of(2)):
+        if qt not in QTYPES:
+            raise ValueError(f"fused_moe: weight type {qt!r} has no kernel (known: {QTYPES})")
+    if "FP8_BLOCK" in (w.qtype, w.qtype_of(2)) and w.qtype != w.qtype_of(2):
+        raise ValueError("fused_moe: FP8_BLOCK gate/up need an FP8_BLOCK down")
     if x.stride(-1) != 1:
         x = x.contiguous()
     tokens, hidden = x.shape
     top_k = ids.shape[1]
     inter = w.gate.shape[1]
-    if _cols(w.gate, w.qtype) != hidden or _cols(w.down, w.qtype) != inter:
+    if _cols(w.gate, w.qtype) != hidden or _cols(w.down, w.qtype_of(2)) != inter:
         raise ValueError("fused_moe: weight shapes do not match the hidden/intermediate sizes")
     n = tokens * top_k
     y = torch.zeros(n, hidden, dtype=x.dtype, device=x.device) if y is None else y
@@ -361,7 +421,7 @@ def moe_pairs_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     act = torch.empty(n, inter, dtype=x.dtype, device=x.device)
     rw = weights.to(x.dtype).reshape(-1).contiguous()
     br, bc = w.fp8_block or (1, 1)
-    consts = dict(QUANT=_QUANT_CODE[w.qtype], BR=br, BC=bc, BLOCK_M=block_m, BLOCK_N=64,
+    consts = dict(BR=br, BC=bc, BLOCK_M=block_m, BLOCK_N=64,
                   BLOCK_K=64, UPCAST=interpreting(), PREC=dot_precision(x.dtype),
                   enable_fp_fusion=False)
     g, gs, ss, sr, scs, scr = _weight_args(w, 0)
@@ -370,11 +430,11 @@ def moe_pairs_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         raise ValueError("fused_moe: gate and up need the same strides")
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter, 64))](
         x, srt.pair_of_row, srt.block_slot, g, gs, u, us, act, n, top_k, hidden, inter,
-        x.stride(0), ss, sr, scs, scr, act.stride(0), **consts)
+        x.stride(0), ss, sr, scs, scr, act.stride(0), QUANT=_QUANT_CODE[w.qtype], **consts)
     d, ds, dss, dsr, dscs, dscr = _weight_args(w, 2)
     _moe_down_kernel[(num_blocks, triton.cdiv(hidden, 64))](
         act, srt.pair_of_row, srt.block_slot, d, ds, rw, y, n, hidden, inter, act.stride(0),
-        dss, dsr, dscs, dscr, y.stride(0), **consts)
+        dss, dsr, dscs, dscr, y.stride(0), QUANT=_QUANT_CODE[w.qtype_of(2)], **consts)
     return y
 
 

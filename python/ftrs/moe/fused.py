@@ -8,9 +8,11 @@ views made once at build. The pairs' results are added in ascending expert id
 (`combine_pairs`), so the strategies stay bit-identical to each other on this path too.
 
 A layer whose experts the kernel cannot compute keeps the per-expert torch path of
-`layers.moe`: an activation other than SiLU, expert biases, or gate/up/down not all in one of
-the float dtypes, `Q8_0`, `Q4_K` or `FP8_BLOCK` (a `Q4_K_M` GGUF's Q6_K `down` layers). This is
-decided once per layer when the strategy is built, and logged once.
+`layers.moe`: an activation other than SiLU, expert biases, gate and up of different types, a
+type the kernel does not read (it reads the float dtypes, `Q8_0`, `Q4_K`, `Q5_1`, `Q6_K` and
+`FP8_BLOCK`), or floats or FP8 mixed with another type. `down` may differ from gate/up among
+the GGUF types: a `Q4_K_M` file's Q5_1 or Q4_K gate/up over Q6_K or Q4_K down all take the
+kernel. This is decided once per layer when the strategy is built, and logged once.
 """
 
 from __future__ import annotations
@@ -26,40 +28,48 @@ from ftrs.quant.formats import FP8_BLOCK, fp8_scale_grid, row_bytes
 
 log = logging.getLogger(__name__)
 #: Quantized types the kernel dequantizes itself (`ftrs.kernels.moe.QTYPES`).
-KERNEL_QTYPES = ("Q8_0", "Q4_K", FP8_BLOCK)
+KERNEL_QTYPES = ("Q8_0", "Q4_K", "Q5_1", "Q6_K", FP8_BLOCK)
+#: Of those, the GGUF block types, which gate/up and down may mix.
+GGUF_KERNEL_QTYPES = ("Q8_0", "Q4_K", "Q5_1", "Q6_K")
 
 
-def layer_qtype(experts: HostExperts, layer: int) -> tuple[str | None, str]:
-    """("none" or the quantized type, "") when the fused kernel computes model layer `layer`'s
-    experts; (None, why not) otherwise."""
+def layer_qtypes(experts: HostExperts, layer: int) -> tuple[tuple[str, str] | None, str]:
+    """((gate/up type, down type), "") with "none" for floats when the fused kernel computes
+    model layer `layer`'s experts; (None, why not) otherwise."""
     act = experts.act
     if act.kind != "silu":
         return None, f"activation {act.kind}"
     if len(experts.shapes) != 3:
         return None, "expert biases"
     fmt = experts.formats[layer][:3]
-    if len({(f.qtype, f.fp8_block) for f in fmt}) > 1:
-        return None, "gate/up/down stored as " + "/".join(f.qtype or "float" for f in fmt)
-    qtype = fmt[0].qtype
+    stored = "gate/up/down stored as " + "/".join(f.qtype or "float" for f in fmt)
+    if fmt[0] != fmt[1]:
+        return None, stored
+    qtype, down = fmt[0].qtype, fmt[2].qtype
+    if fmt[2] != fmt[0] and not (qtype in GGUF_KERNEL_QTYPES and down in GGUF_KERNEL_QTYPES):
+        return None, stored
     if qtype is None:
-        return "none", ""
-    if qtype not in KERNEL_QTYPES:
-        return None, f"{qtype} has no kernel"
+        return ("none", "none"), ""
+    for qt in (qtype, down):
+        if qt not in KERNEL_QTYPES:
+            return None, f"{qt} has no kernel"
+    assert down is not None  # a float down with quantized gate/up was refused above
     if qtype == FP8_BLOCK:
         li = experts.layer_index[layer]
         for t, (rows, cols) in enumerate(experts.shapes):
             if (int(experts.layout.tensor_offset(t, li)) + rows * cols) % 4:
                 return None, "FP8 scales not 4-byte aligned"
-    return qtype, ""
+    return (qtype, down), ""
 
 
 def slot_weights(experts: HostExperts, layer: int, region: torch.Tensor, num_slots: int,
                  slot_bytes: int) -> SlotWeights:
     """Views, no copy, of `num_slots` expert blocks of `region` (a 1-D uint8 tensor, block `s`
-    at byte `s * slot_bytes`) in model layer `layer`'s format; `layer_qtype` must accept it."""
-    qtype, why = layer_qtype(experts, layer)
-    if qtype is None:
+    at byte `s * slot_bytes`) in model layer `layer`'s format; `layer_qtypes` must accept it."""
+    qtypes, why = layer_qtypes(experts, layer)
+    if qtypes is None:
         raise ValueError(f"fused MoE: layer {layer} has no kernel ({why})")
+    qtype, down = qtypes
     li = experts.layer_index[layer]
     offsets = [int(experts.layout.tensor_offset(t, li)) for t in range(3)]
     shapes = list(experts.shapes[:3])
@@ -67,9 +77,10 @@ def slot_weights(experts: HostExperts, layer: int, region: torch.Tensor, num_slo
         return SlotWeights.from_region(region, num_slots, slot_bytes, offsets, shapes,
                                        experts.dtype)
     if qtype != FP8_BLOCK:  # GGUF blocks: uint8 rows
-        rows = [(r, row_bytes(qtype, c)) for r, c in shapes]
-        return SlotWeights.from_region(region, num_slots, slot_bytes, offsets, rows,
-                                       torch.uint8, qtype)
+        rows = [(r, row_bytes(t, c)) for (r, c), t in zip(shapes, (qtype, qtype, down),
+                                                            strict=True)]
+        w = SlotWeights.from_region(region, num_slots, slot_bytes, offsets, rows, torch.uint8)
+        return w._replace(qtype=qtype, down_qtype=down if down != qtype else None)
     block = experts.formats[layer][0].fp8_block
     assert block is not None  # invariant: an FP8_BLOCK format carries its tile
     w = SlotWeights.from_region(region, num_slots, slot_bytes, offsets, shapes,
@@ -88,8 +99,8 @@ def fused_layers(experts: HostExperts, views: Callable[[int], SlotWeights],
     out: dict[int, SlotWeights] = {}
     left: dict[str, list[int]] = {}
     for layer in experts.spec.moe_layers:
-        qtype, why = layer_qtype(experts, layer)
-        if qtype is None:
+        qtypes, why = layer_qtypes(experts, layer)
+        if qtypes is None:
             left.setdefault(why, []).append(layer)
         else:
             out[layer] = views(layer)
