@@ -39,6 +39,12 @@ def device() -> torch.device:
     return torch.device("cuda")
 
 
+def link(device: torch.device) -> str:
+    """A slow simulated link on the interpreter's CPU, the real one on a GPU (the simulated and
+    host backends copy into host memory)."""
+    return "cuda" if device.type == "cuda" else "simulated:1:300"
+
+
 @pytest.fixture(scope="module")
 def kern(device: torch.device) -> Kernels:
     return select_kernels("triton", device)
@@ -123,7 +129,7 @@ def test_offload_with_kernels_equals_resident_bit_for_bit(
 
     monkeypatch.setattr(kmoe, "moe_pairs_triton", recording)
     moe = strategy("offload", loaded, device, kernels=kern, moe_cache_rate=rate,
-                   moe_prefetch=prefetch, copy_backend="simulated:1:300")
+                   moe_prefetch=prefetch, copy_backend=link(device))
     slots = moe.num_slots  # type: ignore[attr-defined]
     got = outputs(moe, forwards)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
@@ -144,7 +150,7 @@ def test_offload_waves_with_kernels(tiny_models: dict[str, Path], device: torch.
     forwards = list(steps(loaded, device, (1, 7), seed=3))  # distinct_per_layer: the last
     want = outputs(strategy("resident", loaded, device, kernels=kern), forwards)
     moe = strategy("offload", loaded, device, kernels=kern, moe_cache_size=loaded.spec.top_k,
-                   copy_backend="host")
+                   copy_backend="cuda" if device.type == "cuda" else "host")
     got = outputs(moe, forwards)
     assert max(moe.distinct_per_layer) > loaded.spec.top_k  # type: ignore[attr-defined]
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
@@ -171,7 +177,7 @@ def test_quantized_kernel_matches_the_reference(tmp_path: Path, device: torch.de
         assert moe._fused[2].qtype_of(2) == "Q6_K"  # type: ignore[attr-defined]
         got = outputs(moe, forwards)
         off = outputs(strategy("offload", loaded, device, kernels=kern, moe_cache_rate=0.5,
-                               copy_backend="simulated:1:300"), forwards)
+                               copy_backend=link(device)), forwards)
     (l0, l2), (w0, w2) = got, want
     assert torch.equal(l0, w0)  # the torch path, untouched
     torch.testing.assert_close(l2, w2, rtol=1e-5, atol=1e-5 * float(w2.abs().max()))
@@ -245,7 +251,7 @@ def test_fp8_block_kernel_matches_the_reference(fp8_model: Path, device: torch.d
         assert set(moe._fused) == set(loaded.spec.moe_layers)  # type: ignore[attr-defined]
         got = outputs(moe, forwards)
         off = outputs(strategy("offload", loaded, device, kernels=kern, moe_cache_rate=0.5,
-                               copy_backend="simulated:1:300"), forwards)
+                               copy_backend=link(device)), forwards)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
     assert all(torch.equal(a, b) for a, b in zip(off, got, strict=True))
@@ -283,6 +289,6 @@ def test_generation_offload_equals_resident_on_the_kernel(
             llm.close()
 
     want = run(moe_strategy="resident")
-    got = run(moe_strategy="offload", moe_cache_rate=0.25, copy_backend="simulated:1:300")
+    got = run(moe_strategy="offload", moe_cache_rate=0.25, copy_backend=link(device))
     assert torch.equal(got[0], want[0])
     assert got[1:] == want[1:]
