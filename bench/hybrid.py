@@ -23,9 +23,9 @@ The output says which device it ran on.
 
 `--device cuda` runs the same sweep on a GPU over its real link: the `cuda` copy backend paced
 to each `--links` speed by the transfer engine's token bucket (`--pcie-pacing`; 0 = unpaced,
-the link's own rate), the dense part on the GPU. There `all_cpu` is hybrid with the link priced
-out (a cost model that never fetches, prefetch off, so no slot ever fills): every routed expert
-on the CPU kernels, everything else on the GPU, as llama.cpp's `-ot exps=CPU` runs a model.
+the link's own rate), the dense part on the GPU. There `all_cpu` is hybrid held in its "cpu" layer
+mode with the link priced out (no lookup, no fetch, prefetch off): every routed expert on the
+CPU kernels, everything else on the GPU, as llama.cpp's `-ot exps=CPU` runs a model.
 `--model shaped` benches `bench/shaped.py`'s random demo-shaped Q4_K_M checkpoint (hosts
 without the demo: an offline GPU machine).
 
@@ -58,7 +58,7 @@ from ftrs.config import ftrs_home
 from ftrs.layers.moe import route
 from ftrs.llm import LLM
 from ftrs.moe.base import MoEStrategy
-from ftrs.moe.hybrid import CostModel, HybridStrategy
+from ftrs.moe.hybrid import CostModel, HybridStrategy, LayerModes
 from ftrs.moe.offload import OffloadStrategy
 
 Q4_DEMO = "smollm2-135m-instruct-moe8x2.Q4_K_M.gguf"
@@ -87,6 +87,9 @@ def make(llm: LLM, name: str, link: float, rate: float) -> MoEStrategy:
         assert isinstance(strat, HybridStrategy)
         strat.cost = CostModel(link_bytes_per_s=1.0, link_latency_s=1.0,
                                cpu_s_per_token=1e-9, learn=False)
+        strat.modes = LayerModes(explore_every=0, learn=False)  # every layer call: "cpu"
+        strat.modes.seconds = {("cpu", 1 << b): 0.0 for b in range(16)}
+        strat.modes.seconds |= {("split", 1 << b): 1.0 for b in range(16)}
     return strat
 
 

@@ -2,7 +2,8 @@
 
 On a GPU the CPU share computes in fp32 through the Rust kernels while the device computes
 with torch, so hybrid equals resident within fp32 rounding (not bit for bit, as on a CPU-only
-host: tests/moe/test_hybrid.py). The split is forced both ways through injected estimates.
+host: tests/moe/test_hybrid.py). The split is forced both ways through injected estimates,
+and so is the layer mode (the split, or every expert on the CPU).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from ftrs.llm import LLM
-from ftrs.moe.hybrid import CostModel, HybridStrategy
+from ftrs.moe.hybrid import CostModel, HybridStrategy, LayerModes
 from gpu.test_offload_cuda import make_cuda
 from moe.test_offload import IDS, quiesce
 
@@ -27,7 +28,14 @@ def hybrid(llm: LLM) -> HybridStrategy:
     return moe
 
 
-@pytest.mark.parametrize("link", ["slow", "fast"])
+def frozen_modes(cheap: str) -> LayerModes:
+    m = LayerModes(explore_every=0, learn=False)
+    dear = "cpu" if cheap == "split" else "split"
+    m.seconds = {(mode, 1 << b): t for b in range(8) for mode, t in ((cheap, 0.0), (dear, 1.0))}
+    return m
+
+
+@pytest.mark.parametrize("link", ["slow", "fast", "all-cpu"])
 def test_cuda_hybrid_matches_resident(tiny_models: dict[str, Path], link: str) -> None:
     ref = make_cuda(tiny_models["mixtral"], moe_strategy="resident")
     want = ref.logits(IDS)
@@ -38,12 +46,16 @@ def test_cuda_hybrid_matches_resident(tiny_models: dict[str, Path], link: str) -
     assert not moe.cost.device_is_cpu
     gbps = 1e-3 if link == "slow" else 1e3  # injected: the CPU or the link takes every miss
     moe.cost = CostModel(gbps * 1e9, 0.0, cpu_s_per_token=1e-4, learn=False)
+    moe.modes = frozen_modes("cpu" if link == "all-cpu" else "split")
     got = llm.logits(IDS)
     s = quiesce(moe)
     llm.close()
     assert got.dtype == want.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-    if link == "slow":
+    if link == "all-cpu":  # a fast link, but every layer call runs on the CPU
+        assert s["layers_all_cpu"] > 0 and s["layers_split"] == 0
+        assert s["cpu_computed"] > 0 and s["fetched"] == 0 and s["device_computed"] == 0
+    elif link == "slow":
         assert s["cpu_computed"] > 0 and s["fetched"] == 0 and s["bytes_h2d"] == 0
     else:
         assert s["fetched"] > 0 and s["cpu_computed"] == 0 and s["bytes_h2d"] > 0

@@ -16,7 +16,7 @@ import torch
 from ftrs.config import EngineConfig
 from ftrs.errors import ConfigError
 from ftrs.llm import LLM
-from ftrs.moe.hybrid import CostModel, HybridStrategy, bucket
+from ftrs.moe.hybrid import CostModel, HybridStrategy, LayerModes, bucket
 from ftrs.sampling import SamplingParams
 
 MOE_ARCHS = ("mixtral", "qwen3_moe")
@@ -45,9 +45,17 @@ def hybrid(llm: LLM) -> HybridStrategy:
     return moe
 
 
+def split_only() -> LayerModes:
+    """A GPU's layer modes held on "split" (the cost model alone decides)."""
+    m = LayerModes(explore_every=0, learn=False)
+    m.seconds = {(mode, 1 << b): t for b in range(8) for mode, t in (("split", 0.0), ("cpu", 1.0))}
+    return m
+
+
 def fast_link(llm: LLM) -> None:
     """A link that costs nothing and a device that computes for free: every miss is fetched."""
     hybrid(llm).cost = CostModel(1e15, 0.0, cpu_s_per_token=1.0, learn=False)
+    hybrid(llm).modes = split_only()
 
 
 def slow_link(llm: LLM) -> None:
@@ -193,6 +201,66 @@ def test_decode_and_prefill_get_their_own_rates() -> None:
     link.observe_link(1_000_000, 1, 2e-3)
     assert link.link_bytes_per_s == pytest.approx(1e6 / 1.5e-3)
     assert [bucket(t) for t in (1, 2, 3, 4, 63, 64, 65)] == [1, 2, 2, 4, 32, 64, 64]
+
+
+# --- a GPU's choice per layer call: the split, or every expert on the CPU -----------------------
+
+
+def test_layer_modes_try_each_then_keep_the_cheaper_and_explore() -> None:
+    m = LayerModes(alpha=1.0, explore_every=4)
+    assert m.choose(1) == "split"  # never measured: tried first...
+    m.observe("split", 1, 5e-3)
+    assert m.choose(1) == "cpu"  # ...then the other
+    m.observe("cpu", 1, 2e-3)
+    picks = [m.choose(1) for _ in range(8)]  # calls 3..10 of bucket 1: every 4th explores
+    assert picks == ["cpu", "split", "cpu", "cpu", "cpu", "split", "cpu", "cpu"]
+    assert m.choose(64) == "split"  # a prefill bucket has its own estimates
+    m.observe("cpu", 1, 8e-3)  # the CPU got busy: the split is cheaper now
+    assert m.choose(1) == "split"
+    assert m.snapshot()["layer_seconds"] == {"cpu/1": 8e-3, "split/1": 5e-3}
+
+
+def test_layer_modes_average_and_can_be_frozen() -> None:
+    m = LayerModes(alpha=0.5)
+    m.observe("cpu", 3, 4e-3)
+    m.observe("cpu", 2, 2e-3)  # bucket 2 both
+    assert m.seconds[("cpu", 2)] == pytest.approx(3e-3)
+    frozen = LayerModes(learn=False)
+    frozen.seconds = {("split", 1): 1.0, ("cpu", 1): 2.0}
+    frozen.observe("split", 1, 10.0)
+    assert frozen.seconds[("split", 1)] == 1.0
+
+
+@pytest.mark.parametrize("mode", ["cpu", "split"])
+def test_the_layer_mode_decides_where_every_expert_runs(tiny_models: dict[str, Path],
+                                                        mode: str) -> None:
+    """The general (GPU) path on the CPU: `device_is_cpu` off, a free link, frozen modes. "cpu":
+    every routed expert from the host pool, nothing looked up or fetched; "split": every miss
+    fetched. Both equal resident bit for bit (same torch code on the same bytes)."""
+    want = run(make(tiny_models["mixtral"], moe_strategy="resident"))
+    llm = make(tiny_models["mixtral"], moe_strategy="hybrid", moe_cache_rate=0.5)
+
+    def force(llm: LLM) -> None:
+        moe = hybrid(llm)
+        moe.cost = CostModel(1e15, 0.0, cpu_s_per_token=1.0, learn=False)  # device_is_cpu off
+        if mode == "split":
+            moe.modes = split_only()
+        else:
+            moe.modes = LayerModes(explore_every=0, learn=False)
+            moe.modes.seconds = {(m, 1 << b): t for b in range(8)
+                                 for m, t in (("cpu", 0.0), ("split", 1.0))}
+
+    got = run(llm, force)
+    s = hybrid(llm).stats()
+    llm.close()
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
+    if mode == "cpu":
+        assert s["layers_all_cpu"] > 0 and s["layers_split"] == 0
+        assert s["cpu_computed"] > 0 and s["fetched"] == 0 and s["bytes_h2d"] == 0
+        assert s["device_computed"] == 0
+    else:
+        assert s["layers_split"] > 0 and s["layers_all_cpu"] == 0
+        assert s["fetched"] > 0 and s["cpu_computed"] == 0
 
 
 def test_bench_strategy_measures_hybrid_and_can_pick_it(tmp_path: Path) -> None:

@@ -189,7 +189,7 @@ def test_hybrid_device_part_on_the_kernel(tiny_models: dict[str, Path], device: 
                                           kern: Kernels, link: str) -> None:
     """Every miss fetched (a free link): hybrid equals resident on the kernel bit for bit. Split
     by tokens (single-token experts on the CPU's torch path): within the kernel's tolerance."""
-    from ftrs.moe.hybrid import CostModel, HybridStrategy
+    from ftrs.moe.hybrid import CostModel, HybridStrategy, LayerModes
 
     loaded = load_model(str(tiny_models["qwen3_moe"]), device, torch.float32, progress=False)
     forwards = list(steps(loaded, device, (5, 1, 1), seed=7))
@@ -199,6 +199,8 @@ def test_hybrid_device_part_on_the_kernel(tiny_models: dict[str, Path], device: 
     assert isinstance(moe, HybridStrategy)
     moe.cost = (CostModel(1e15, 0.0, cpu_s_per_token=1.0, learn=False) if link == "fast"
                 else CostModel(1e12, 2.5e-6, cpu_s_per_token=2e-6, learn=False))
+    moe.modes = LayerModes(explore_every=0, learn=False)  # every layer call: the split
+    moe.modes.seconds = {(m, 1 << b): t for b in range(8) for m, t in (("split", 0.0), ("cpu", 1.0))}
     got = outputs(moe, forwards)
     assert moe.fetched > 0 and (moe.cpu_computed == 0) == (link == "fast")
     for a, b in zip(got, want, strict=True):

@@ -9,7 +9,9 @@ Per MoE layer and step, the experts the routed tokens need are split three ways:
   routed to them, in a worker thread while the device part runs (the Rust kernels release the
   GIL; torch's CPU matmuls do too).
 
-The split comes from `CostModel`: a miss on the link costs `latency + bytes / link rate` plus
+On a GPU each layer call first picks a mode (`hybrid_cost.LayerModes`): that split, or every
+routed expert on the CPU (no lookup, no prefetch), whichever the wall time of past calls says is
+cheaper; one call in 32 tries the other. The split comes from `CostModel`: a miss on the link costs `latency + bytes / link rate` plus
 its compute on the device; on the CPU it costs `tokens x seconds per token`, measured per block
 type and per power-of-two bucket of tokens per expert (a decode token reads the whole expert
 for one row; a prefill expert with 64 rows reuses each weight 64 times, so the two regimes get
@@ -58,6 +60,13 @@ from ftrs.layers.moe import (
 )
 from ftrs.models.experts import HostExperts
 from ftrs.moe.base import GraphSupport, register
+from ftrs.moe.hybrid_cost import (
+    SEED_CPU_BYTES_PER_S,
+    CostModel,
+    LayerModes,
+    bucket,
+    seed_link,
+)
 from ftrs.moe.offload import OffloadStrategy
 from ftrs.quant.formats import QuantTensor
 from ftrs.quant.matmul import layer_kernel_args, routed_experts_ffn
@@ -65,141 +74,12 @@ from ftrs.quant.matmul import layer_kernel_args, routed_experts_ffn
 if TYPE_CHECKING:
     from ftrs.kernels.moe import SlotWeights
 
+__all__ = ["CostModel", "HybridStrategy", "LayerModes", "bucket", "layer_format"]
+
 log = logging.getLogger(__name__)
-#: Weight of a new sample in each moving estimate.
-EWMA_ALPHA = 0.3
-#: Assumed before the first measurement: host memory streamed by the CPU kernels...
-SEED_CPU_BYTES_PER_S = 8e9
-#: ...and a link of unknown speed (a PCIe 4.0 x16 link's practical rate).
-SEED_LINK_BYTES_PER_S = 20e9
 #: On a CPU device with empty slots, one MoE layer call in this many times its experts.
 CPU_SAMPLE_EVERY = 16
 _FLOAT_QTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-
-
-def bucket(tokens: int) -> int:
-    """The power of two at or below `tokens` (>= 1): the key of a CPU rate."""
-    return 1 << (max(tokens, 1).bit_length() - 1)
-
-
-class CostModel:
-    """Expected seconds of a missed expert on the link and on the CPU, from moving estimates.
-
-    Pure: no clock, no threads. `split` decides; `observe_*` feed measurements back. Every
-    estimate may be injected (tests, or a profile's figures) through the constructor.
-    """
-
-    def __init__(self, link_bytes_per_s: float, link_latency_s: float,
-                 cpu_s_per_token: float, device_s_per_token: float = 0.0,
-                 device_is_cpu: bool = False, alpha: float = EWMA_ALPHA,
-                 learn: bool = True) -> None:
-        if link_bytes_per_s <= 0 or cpu_s_per_token <= 0:
-            raise ValueError("cost model: rates must be > 0")
-        self.link_bytes_per_s = link_bytes_per_s
-        self.link_latency_s = link_latency_s
-        self.seed_cpu_s_per_token = cpu_s_per_token  # for (format, bucket)s never measured
-        self.device_s_per_token = device_s_per_token  # a fetched expert's compute, per token
-        self.device_is_cpu = device_is_cpu  # device compute = CPU compute; the two never overlap
-        self.alpha = alpha
-        self.learn = learn  # False: the estimates stay as injected
-        self.cpu: dict[tuple[str, int], float] = {}  # (block format, bucket) -> s per token
-
-    # ------------------------------------------------------------------ estimates
-
-    def cpu_rate(self, fmt: str, tokens: int) -> float:
-        """Seconds per token of one expert on `tokens` rows: the bucket's own estimate, else the
-        nearest measured bucket of the same format (below first), else the seed."""
-        b = bucket(tokens)
-        if (fmt, b) in self.cpu:
-            return self.cpu[(fmt, b)]
-        known = sorted(k for f, k in self.cpu if f == fmt)
-        below = [k for k in known if k < b]
-        if below:
-            return self.cpu[(fmt, below[-1])]
-        return self.cpu[(fmt, known[0])] if known else self.seed_cpu_s_per_token
-
-    def cpu_cost(self, fmt: str, tokens: int) -> float:
-        return tokens * self.cpu_rate(fmt, tokens)
-
-    def link_cost(self, fmt: str, nbytes: int, tokens: int) -> float:
-        """Copy one expert, then compute it on the device."""
-        compute = (self.cpu_cost(fmt, tokens) if self.device_is_cpu
-                   else tokens * self.device_s_per_token)
-        return self.link_latency_s + nbytes / self.link_bytes_per_s + compute
-
-    # ------------------------------------------------------------------ the split
-
-    def split(self, misses: list[tuple[int, int]], nbytes: int, fmt: str,
-              room: int) -> tuple[list[int], list[int]]:
-        """`misses`: (expert, tokens routed to it). Returns (CPU experts, experts to fetch), each
-        ascending. At most `room` are fetched (free device slots). The CPU takes the experts with
-        the fewest tokens first: its cost grows with the tokens, the link's hardly does. Of the
-        `k` cheapest-on-CPU prefixes the one with the least expected time wins (ties: the CPU,
-        fewer bytes on the link)."""
-        order = sorted(misses, key=lambda m: (m[1], m[0]))
-        cpu = [self.cpu_cost(fmt, t) for _, t in order]
-        link = [self.link_cost(fmt, nbytes, t) for _, t in order]
-        n = len(order)
-        best_k, best = n, float("inf")
-        c_sum, l_rest = 0.0, sum(link)
-        for k in range(n + 1):
-            if n - k <= room:
-                cost = c_sum + l_rest if self.device_is_cpu else max(c_sum, l_rest)
-                if cost <= best:
-                    best_k, best = k, cost
-            if k < n:
-                c_sum += cpu[k]
-                l_rest -= link[k]
-        return (sorted(e for e, _ in order[:best_k]), sorted(e for e, _ in order[best_k:]))
-
-    # ------------------------------------------------------------------ measurements
-
-    def _avg(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.alpha) * old + self.alpha * new
-
-    def observe_cpu(self, fmt: str, tokens: int, seconds: float) -> None:
-        """One expert computed on the CPU on `tokens` rows took `seconds`."""
-        if tokens > 0:
-            self._observe_rate(fmt, bucket(tokens), seconds / tokens)
-
-    def observe_cpu_layer(self, fmt: str, tokens: list[int], seconds: float) -> None:
-        """Experts computed on the CPU in one call, on `tokens[i]` rows each, took `seconds`:
-        a sample of their bucket's rate when they share one (a decode step's single rows);
-        nothing otherwise (the call's time cannot be split between buckets)."""
-        buckets = {bucket(t) for t in tokens}
-        if len(buckets) == 1 and sum(tokens) > 0:
-            self._observe_rate(fmt, buckets.pop(), seconds / sum(tokens))
-
-    def _observe_rate(self, fmt: str, b: int, seconds_per_token: float) -> None:
-        if self.learn and seconds_per_token > 0:
-            key = (fmt, b)
-            self.cpu[key] = self._avg(self.cpu.get(key), seconds_per_token)
-
-    def observe_link(self, nbytes: int, copies: int, seconds: float) -> None:
-        """`copies` experts (`nbytes` in all) were on the link for `seconds` (from the lookup
-        to the end of the wait: an upper bound of the copy time)."""
-        wire = seconds - copies * self.link_latency_s
-        if self.learn and nbytes > 0 and wire > 0:
-            self.link_bytes_per_s = self._avg(self.link_bytes_per_s, nbytes / wire)
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"link_bytes_per_s": self.link_bytes_per_s,
-                "link_latency_s": self.link_latency_s,
-                "cpu_s_per_token": {f"{f}/{b}": v for (f, b), v in sorted(self.cpu.items())}}
-
-
-def seed_link(backend: str) -> tuple[float, float]:
-    """(bytes/s, latency s) assumed for a backend before it is measured: a simulated link's own
-    figures, else a fast link (so the first misses try it and measure it)."""
-    if backend.startswith("simulated:"):
-        parts = backend.split(":")
-        try:
-            gbps = float(parts[1])
-            lat_us = float(parts[2]) if len(parts) > 2 else 0.0
-            return gbps * 1e9, lat_us * 1e-6
-        except ValueError:
-            pass
-    return SEED_LINK_BYTES_PER_S, 10e-6 if backend.split(":")[0] == "cuda" else 0.0
 
 
 def layer_format(experts: HostExperts, layer: int) -> str:
@@ -246,6 +126,7 @@ class HybridStrategy(OffloadStrategy):
         self.cost = CostModel(rate, latency,
                               cpu_s_per_token=experts.expert_bytes / SEED_CPU_BYTES_PER_S,
                               device_is_cpu=on_cpu)
+        self.modes = LayerModes()  # a GPU's layer calls: the split, or every expert on the CPU
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrs-cpu-experts")
         self.device_computed = self.fetched = self.cpu_computed = 0
         self.step_counts = [0, 0, 0]  # this step: device (hits), fetched, CPU
@@ -263,15 +144,17 @@ class HybridStrategy(OffloadStrategy):
         needed = plan.experts  # ascending
         self.distinct_per_layer.append(len(needed))
         self._score_guess(layer, needed)
-        prefetch = self._predict(layer, x)
+        mode = "split" if self.cost.device_is_cpu else self.modes.choose(x.shape[0])
+        t_layer = self.clock()
+        prefetch = self._predict(layer, x) if mode == "split" else []
         # the slots hold experts only once something was fetched or prefetched
         resident = ({e for lay, e, _ in self.engine.resident() if lay == li}
-                    if self.fetched or self.prefetch else set())
+                    if mode == "split" and (self.fetched or self.prefetch) else set())
         hits = [e for e in needed if e in resident]
         misses = [(e, plan.counts[e]) for e in needed if e not in resident]
         fmt = self.formats[layer]
         fetch: list[int] = []
-        if self.cost.device_is_cpu:  # the model's answer by construction: link = CPU + copy
+        if self.cost.device_is_cpu or mode == "cpu":  # a CPU device: link = CPU + copy
             on_cpu = [e for e, _ in misses]
         else:
             on_cpu, fetch = self.cost.split(misses, self.experts.expert_bytes, fmt,
@@ -314,6 +197,8 @@ class HybridStrategy(OffloadStrategy):
         self.fetched += len(fetch)
         self.cpu_computed += len(on_cpu)
         self._t_end = self.clock()
+        if not self.cost.device_is_cpu:
+            self.modes.observe(mode, x.shape[0], self._t_end - t_layer)
         return out
 
     def _in_place(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
@@ -419,6 +304,9 @@ class HybridStrategy(OffloadStrategy):
               "split_link_latency_s": split["link_latency_s"],
               "split_cpu_s_per_token": split["cpu_s_per_token"],
               "cpu_expert_threads": self.threads}
+        modes = self.modes.snapshot()  # a GPU's per-layer choice (`hybrid_cost.LayerModes`)
+        s |= {"split_layer_seconds": modes["layer_seconds"],
+              "layers_split": modes["layers_split"], "layers_all_cpu": modes["layers_all_cpu"]}
         return s
 
     def close(self) -> None:
