@@ -11,7 +11,9 @@ Per MoE layer and step, the experts the routed tokens need are split three ways:
 
 On a GPU each layer call first picks a mode (`hybrid_cost.LayerModes`): that split, or every
 routed expert on the CPU (no lookup, no prefetch), whichever the wall time of past calls says is
-cheaper; one call in 32 tries the other. The split comes from `CostModel`: a miss on the link costs `latency + bytes / link rate` plus
+cheaper; one call in 32 tries the other.
+
+The split comes from `CostModel`: a miss on the link costs `latency + bytes / link rate` plus
 its compute on the device; on the CPU it costs `tokens x seconds per token`, measured per block
 type and per power-of-two bucket of tokens per expert (a decode token reads the whole expert
 for one row; a prefill expert with 64 rows reuses each weight 64 times, so the two regimes get

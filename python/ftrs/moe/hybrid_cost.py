@@ -1,4 +1,5 @@
-"""The hybrid strategy's estimates: pure, no clock, no threads (`ftrs.moe.hybrid` times and feeds them).
+"""The hybrid strategy's estimates: pure, no clock, no threads (`ftrs.moe.hybrid` times and
+feeds them).
 
 - `CostModel`: per missed expert, its expected time on the link (latency + bytes / rate, then
   its compute on the device) against the CPU (tokens x seconds per token, per block type and
