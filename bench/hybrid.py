@@ -38,6 +38,7 @@ each, the two strategies alternating pass by pass; it prints the median of the p
     python bench/hybrid.py --model demo    # the fp32 demo
     python bench/hybrid.py --links         # the MoE-layer overhead alone
     python bench/hybrid.py --device cuda --model shaped --links 0.1 0.5 2 8 0
+    python bench/hybrid.py --links 0.5 --profile 0.5   # where the host's time goes
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def make(llm: LLM, name: str, link: float, rate: float) -> MoEStrategy:
         assert isinstance(strat, HybridStrategy)
         strat.cost = CostModel(link_bytes_per_s=1.0, link_latency_s=1.0,
                                cpu_s_per_token=1e-9, learn=False)
-        strat.modes = LayerModes(explore_every=0, learn=False)  # every layer call: "cpu"
+        strat.modes = LayerModes(explore_share=0, learn=False)  # every layer call: "cpu"
         strat.modes.seconds = {("cpu", 1 << b): 0.0 for b in range(16)}
         strat.modes.seconds |= {("split", 1 << b): 1.0 for b in range(16)}
     return strat
@@ -113,7 +114,31 @@ def decode(llm: LLM, strat: MoEStrategy, prompt: list[int], tokens: int) -> dict
         if "cpu_computed" in c:
             out |= {f"{k}_per_token": round(c[k] / n, 2)
                     for k in ("device_computed", "fetched", "cpu_computed")}
+        if c.get("layers_split", 0) + c.get("layers_all_cpu", 0):  # a GPU's layer modes
+            out["split_layer_share"] = round(
+                c["layers_split"] / (c["layers_split"] + c["layers_all_cpu"]), 3)
     return out
+
+
+def profile(llm: LLM, link: float, rate: float, prompt: list[int], tokens: int,
+            top: int) -> str:
+    """cProfile of hybrid's and all_cpu's decode at `link`: where the host's time goes, the
+    `top` functions by own time each, and hybrid's per-mode layer seconds."""
+    import cProfile
+    import io
+    import pstats
+
+    out = io.StringIO()
+    for name in ("hybrid", "all_cpu"):
+        strat = make(llm, name, link, rate)
+        prof = cProfile.Profile()
+        prof.enable()
+        got = decode(llm, strat, prompt, tokens)
+        prof.disable()
+        modes = strat.stats().get("split_layer_seconds") if name == "hybrid" else None
+        print(f"== profile {name} at {link:g} GB/s: {got}; layer seconds {modes}", file=out)
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
 
 
 def layer_overhead(llm: LLM, passes: int, seed: int = 0) -> dict[str, Any]:
@@ -180,6 +205,8 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: the real link paced to each --links speed (0: unpaced)")
     ap.add_argument("--shaped-layers", type=int, default=30, help="layers of --model shaped")
+    ap.add_argument("--profile", type=float, default=None, metavar="GBPS",
+                    help="after the sweep, cProfile hybrid's and all_cpu's decode at this link")
     args = ap.parse_args()
     gpu = args.device == "cuda"
     if gpu and not torch.cuda.is_available():
@@ -221,6 +248,8 @@ def main() -> None:
             h["tok_per_s"] / max(a["tok_per_s"], o["tok_per_s"])
             for h, a, o in zip(runs["hybrid"], runs["all_cpu"], runs["offload"], strict=True)), 3)
         rows.append(row)
+    prof = (profile(llm, args.profile, args.cache_rate, prompt, args.tokens, 25)
+            if args.profile is not None else None)
     llm.close()
     print(json.dumps({
         "model": Path(model).name, "device": str(parts.device),
@@ -232,6 +261,8 @@ def main() -> None:
         "expert_bytes": parts.experts.expert_bytes, "cache_rate": args.cache_rate,
         "batch": 1, "wall_s": round(time.perf_counter() - t0, 1),
         "moe_layer_overhead": overhead, "rows": rows}, indent=1))
+    if prof:
+        print(prof)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def hybrid(llm: LLM) -> HybridStrategy:
 
 
 def frozen_modes(cheap: str) -> LayerModes:
-    m = LayerModes(explore_every=0, learn=False)
+    m = LayerModes(explore_share=0, learn=False)
     dear = "cpu" if cheap == "split" else "split"
     m.seconds = {(mode, 1 << b): t for b in range(8) for mode, t in ((cheap, 0.0), (dear, 1.0))}
     return m

@@ -47,7 +47,7 @@ def hybrid(llm: LLM) -> HybridStrategy:
 
 def split_only() -> LayerModes:
     """A GPU's layer modes held on "split" (the cost model alone decides)."""
-    m = LayerModes(explore_every=0, learn=False)
+    m = LayerModes(explore_share=0, learn=False)
     m.seconds = {(mode, 1 << b): t for b in range(8) for mode, t in (("split", 0.0), ("cpu", 1.0))}
     return m
 
@@ -207,21 +207,43 @@ def test_decode_and_prefill_get_their_own_rates() -> None:
 
 
 def test_layer_modes_try_each_then_keep_the_cheaper_and_explore() -> None:
-    m = LayerModes(alpha=1.0, explore_every=4)
+    m = LayerModes(alpha=1.0, explore_share=0.25, max_gap=0, warmup=1)
     assert m.choose(1) == "split"  # never measured: tried first...
-    m.observe("split", 1, 5e-3)
-    assert m.choose(1) == "cpu"  # ...then the other
-    m.observe("cpu", 1, 2e-3)
-    picks = [m.choose(1) for _ in range(8)]  # calls 3..10 of bucket 1: every 4th explores
-    assert picks == ["cpu", "split", "cpu", "cpu", "cpu", "split", "cpu", "cpu"]
-    assert m.choose(64) == "split"  # a prefill bucket has its own estimates
-    m.observe("cpu", 1, 8e-3)  # the CPU got busy: the split is cheaper now
+    m.observe("split", 1, 90.0)  # a cold call: not kept
     assert m.choose(1) == "split"
-    assert m.snapshot()["layer_seconds"] == {"cpu/1": 8e-3, "split/1": 5e-3}
+    m.observe("split", 1, 5.0)
+    assert m.choose(1) == "cpu"  # ...then the other
+    m.observe("cpu", 1, 70.0)
+    assert m.choose(1) == "cpu"
+    m.observe("cpu", 1, 2.0)
+    # the split costs 3.0 more; each call earns 0.25 x 2.0 = 0.5: every 6th call explores
+    picks = [m.choose(1) for _ in range(12)]
+    assert picks == ["cpu"] * 5 + ["split"] + ["cpu"] * 5 + ["split"]
+    assert m.choose(64) == "split"  # a prefill bucket has its own estimates
+    m.observe("cpu", 1, 8.0)  # the CPU got busy: the split is cheaper now
+    assert m.choose(1) == "split"
+    s = m.snapshot()
+    assert s["layer_seconds"] == {"cpu/1": 8.0, "split/1": 5.0}
+    assert s["layers_explored"] == 2
+
+
+def test_layer_modes_explore_within_their_share_however_dear_the_other_mode() -> None:
+    """The extra seconds spent exploring stay within `explore_share` of the time the cheaper
+    mode would have taken, plus the forced runs of `max_gap`."""
+    for dear in (2.5e-3, 5e-2, 10.0):
+        m = LayerModes(alpha=1.0, explore_share=1 / 32, max_gap=256, warmup=0)
+        m.seconds = {("cpu", 1): 1e-3, ("split", 1): dear}
+        picks = [m.choose(1) for _ in range(2048)]
+        explored = picks.count("split")
+        forced = 2048 // 256
+        assert explored >= forced  # never starved: at least once per max_gap calls
+        assert explored * (dear - 1e-3) <= 2048 * 1e-3 / 32 + forced * (dear - 1e-3)
+        if dear == 2.5e-3:  # cheap to explore: the budget, not the gap, sets the pace
+            assert explored > 2 * forced
 
 
 def test_layer_modes_average_and_can_be_frozen() -> None:
-    m = LayerModes(alpha=0.5)
+    m = LayerModes(alpha=0.5, warmup=0)
     m.observe("cpu", 3, 4e-3)
     m.observe("cpu", 2, 2e-3)  # bucket 2 both
     assert m.seconds[("cpu", 2)] == pytest.approx(3e-3)
@@ -232,13 +254,21 @@ def test_layer_modes_average_and_can_be_frozen() -> None:
 
 
 @pytest.mark.parametrize("mode", ["cpu", "split"])
+@pytest.mark.parametrize("weights", ["fp32", "quantized"])
 def test_the_layer_mode_decides_where_every_expert_runs(tiny_models: dict[str, Path],
-                                                        mode: str) -> None:
+                                                        tmp_path: Path, mode: str,
+                                                        weights: str) -> None:
     """The general (GPU) path on the CPU: `device_is_cpu` off, a free link, frozen modes. "cpu":
-    every routed expert from the host pool, nothing looked up or fetched; "split": every miss
-    fetched. Both equal resident bit for bit (same torch code on the same bytes)."""
-    want = run(make(tiny_models["mixtral"], moe_strategy="resident"))
-    llm = make(tiny_models["mixtral"], moe_strategy="hybrid", moe_cache_rate=0.5)
+    every routed expert from the host pool, nothing looked up or fetched (quantized: the
+    layer's one kernel call, as resident makes it); "split": every miss fetched. Both equal
+    resident bit for bit (same code on the same bytes)."""
+    if weights == "fp32":
+        path = tiny_models["mixtral"]
+    else:
+        quant_models = pytest.importorskip("quant_models")
+        path = quant_models.build("qwen3_moe", quant_models.QWEN3MOE_TYPES, tmp_path)[0]
+    want = run(make(path, moe_strategy="resident"))
+    llm = make(path, moe_strategy="hybrid", moe_cache_rate=0.5)
 
     def force(llm: LLM) -> None:
         moe = hybrid(llm)
@@ -246,7 +276,7 @@ def test_the_layer_mode_decides_where_every_expert_runs(tiny_models: dict[str, P
         if mode == "split":
             moe.modes = split_only()
         else:
-            moe.modes = LayerModes(explore_every=0, learn=False)
+            moe.modes = LayerModes(explore_share=0, learn=False)
             moe.modes.seconds = {(m, 1 << b): t for b in range(8)
                                  for m, t in (("cpu", 0.0), ("split", 1.0))}
 

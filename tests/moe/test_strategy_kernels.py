@@ -199,7 +199,7 @@ def test_hybrid_device_part_on_the_kernel(tiny_models: dict[str, Path], device: 
     assert isinstance(moe, HybridStrategy)
     moe.cost = (CostModel(1e15, 0.0, cpu_s_per_token=1.0, learn=False) if link == "fast"
                 else CostModel(1e12, 2.5e-6, cpu_s_per_token=2e-6, learn=False))
-    moe.modes = LayerModes(explore_every=0, learn=False)  # every layer call: the split
+    moe.modes = LayerModes(explore_share=0, learn=False)  # every layer call: the split
     moe.modes.seconds = {(m, 1 << b): t for b in range(8) for m, t in (("split", 0.0), ("cpu", 1.0))}
     got = outputs(moe, forwards)
     assert moe.fetched > 0 and (moe.cpu_computed == 0) == (link == "fast")

@@ -10,8 +10,10 @@ Per MoE layer and step, the experts the routed tokens need are split three ways:
   GIL; torch's CPU matmuls do too).
 
 On a GPU each layer call first picks a mode (`hybrid_cost.LayerModes`): that split, or every
-routed expert on the CPU (no lookup, no prefetch), whichever the wall time of past calls says is
-cheaper; one call in 32 tries the other.
+routed expert on the CPU (no lookup, no prefetch: the layer's input copied to the host once, its
+experts in one kernel call as `resident` runs them on a CPU host, the sum copied back once),
+whichever the wall time of past calls says is cheaper; the other runs as often as costs at most
+1/32 of the layers' time, so its estimate follows the host.
 
 The split comes from `CostModel`: a miss on the link costs `latency + bytes / link rate` plus
 its compute on the device; on the CPU it costs `tokens x seconds per token`, measured per block
@@ -118,9 +120,9 @@ class HybridStrategy(OffloadStrategy):
             layer: [(*(_kernel_weight(m) for m in w[:3]), *w[3:])  # biases stay tensors
                     for w in ws] for layer, ws in views.items()}
         self.formats = {layer: layer_format(experts, layer) for layer in self.spec.moe_layers}
-        # in-place layers (`_in_place`) whose experts are all quantized: one kernel call each
+        # layers whose experts the Rust kernels read in one call (`_in_place`, `_all_on_cpu`)
         self._kernel_args = {layer: a for layer, ws in self.host_weights.items()
-                             if on_cpu and self.act.kind == "silu"
+                             if self.act.kind == "silu"
                              and (a := layer_kernel_args(ws)) is not None}
         rate, latency = seed_link(self.backend)
         if config.pcie_pacing:  # the engine never copies faster than its pace: start there
@@ -140,23 +142,25 @@ class HybridStrategy(OffloadStrategy):
                 weights: torch.Tensor) -> torch.Tensor:
         if self.cost.device_is_cpu and not self.fetched:
             return self._in_place(layer, x, ids, weights)
+        mode = "split" if self.cost.device_is_cpu else self.modes.choose(x.shape[0])
+        if mode == "cpu":
+            return self._all_on_cpu(layer, x, ids, weights)
         li = self.experts.layer_index[layer]
         self._slot_views = self.slot_weights[layer]
         plan = plan_experts(ids, weights, self.spec.num_experts)
         needed = plan.experts  # ascending
         self.distinct_per_layer.append(len(needed))
         self._score_guess(layer, needed)
-        mode = "split" if self.cost.device_is_cpu else self.modes.choose(x.shape[0])
         t_layer = self.clock()
-        prefetch = self._predict(layer, x) if mode == "split" else []
+        prefetch = self._predict(layer, x)
         # the slots hold experts only once something was fetched or prefetched
         resident = ({e for lay, e, _ in self.engine.resident() if lay == li}
-                    if mode == "split" and (self.fetched or self.prefetch) else set())
+                    if self.fetched or self.prefetch else set())
         hits = [e for e in needed if e in resident]
         misses = [(e, plan.counts[e]) for e in needed if e not in resident]
         fmt = self.formats[layer]
         fetch: list[int] = []
-        if self.cost.device_is_cpu or mode == "cpu":  # a CPU device: link = CPU + copy
+        if self.cost.device_is_cpu:  # a CPU device: link = CPU + copy
             on_cpu = [e for e, _ in misses]
         else:
             on_cpu, fetch = self.cost.split(misses, self.experts.expert_bytes, fmt,
@@ -200,7 +204,38 @@ class HybridStrategy(OffloadStrategy):
         self.cpu_computed += len(on_cpu)
         self._t_end = self.clock()
         if not self.cost.device_is_cpu:
-            self.modes.observe(mode, x.shape[0], self._t_end - t_layer)
+            self.modes.observe("split", x.shape[0], self._t_end - t_layer)
+        return out
+
+    def _all_on_cpu(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+        """A GPU's "cpu" layer mode: every routed expert from the host pool, on host copies of
+        the layer's input, in one kernel call when the layer's experts allow it (as `resident`
+        runs on a CPU host), summed in fp32 and sent back once. No slot lookup, no prefetch."""
+        ids_h = ids.cpu()  # the layer's wait for the device (routing), as the split's plan
+        t0 = self.clock()
+        x_h = x.to("cpu", torch.float32).contiguous()
+        w_h = weights.to("cpu", torch.float32).contiguous()
+        out_h = torch.zeros_like(x_h)
+        args = self._kernel_args.get(layer)
+        fmt = self.formats[layer]
+        routed = None if args is None else routed_experts_ffn(x_h, ids_h, w_h, args, out_h)
+        if routed is not None:
+            self.cost.observe_cpu_layer(fmt, [n for _, n in routed], self.clock() - t0)
+            needed = [e for e, _ in routed]
+        else:  # per expert (float weights, biases, another activation)
+            plan = plan_experts(ids_h, w_h, self.spec.num_experts)
+            needed = plan.experts
+            parts = self._cpu_parts(layer, x_h, plan, needed)
+            for e in needed:
+                accumulate(out_h, parts[e])
+        out = out_h.to(x.device, x.dtype)
+        self._score_guess(layer, needed)
+        self.distinct_per_layer.append(len(needed))
+        self.step_counts[2] += len(needed)
+        self.cpu_computed += len(needed)
+        self._t_end = self.clock()
+        self.modes.observe("cpu", x.shape[0], self._t_end - t0)
         return out
 
     def _in_place(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
@@ -308,7 +343,8 @@ class HybridStrategy(OffloadStrategy):
               "cpu_expert_threads": self.threads}
         modes = self.modes.snapshot()  # a GPU's per-layer choice (`hybrid_cost.LayerModes`)
         s |= {"split_layer_seconds": modes["layer_seconds"],
-              "layers_split": modes["layers_split"], "layers_all_cpu": modes["layers_all_cpu"]}
+              "layers_split": modes["layers_split"], "layers_all_cpu": modes["layers_all_cpu"],
+              "layers_explored": modes["layers_explored"]}
         return s
 
     def close(self) -> None:

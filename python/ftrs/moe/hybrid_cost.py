@@ -11,8 +11,11 @@ feeds them).
   decode layer's device part cost about twice the CPU computing the layer's two experts, so
   the split lost to "all experts on the CPU" at every link. The modes are timed by the wall
   clock of the layer call (after routing's host transfer, which both pay), kept as moving
-  averages per bucket of tokens, and the cheaper one runs; one call in `EXPLORE_EVERY` runs the
-  other, so an estimate made on a cold cache or a busy host does not stick.
+  averages per bucket of tokens (the first call of each left out: it runs cold), and the cheaper
+  one runs. The other one runs too, so an estimate made on a cold cache or a busy host does not
+  stick, but only as often as it costs at most `EXPLORE_SHARE` of the layers' time (each call
+  earns that share of its time; the other mode runs when the earnings cover its extra cost), or
+  once in `EXPLORE_MAX_GAP` calls: the bound holds however far apart the two modes are.
 
 Both are built from injected figures in the tests (tests/moe/test_hybrid.py).
 """
@@ -27,9 +30,15 @@ EWMA_ALPHA = 0.3
 SEED_CPU_BYTES_PER_S = 8e9
 #: ...and a link of unknown speed (a PCIe 4.0 x16 link's practical rate).
 SEED_LINK_BYTES_PER_S = 20e9
-#: On a GPU, one MoE layer call in this many (per bucket of tokens) takes the mode the estimates
-#: did not pick, so both estimates follow the host.
-EXPLORE_EVERY = 32
+#: On a GPU, running the mode the estimates did not pick (so both follow the host) costs at most
+#: this share of the layer calls' time, per bucket of tokens...
+EXPLORE_SHARE = 1 / 32
+#: ...and that mode runs at least once in this many calls, however dear its estimate (an
+#: estimate taken in a busy moment is measured again).
+EXPLORE_MAX_GAP = 256
+#: Calls of each mode (per bucket) whose time is not kept: the first ones run cold (a kernel
+#: compiled, pages touched for the first time).
+WARMUP_CALLS = 1
 
 
 def bucket(tokens: int) -> int:
@@ -162,39 +171,57 @@ class LayerModes:
 
     MODES = ("split", "cpu")
 
-    def __init__(self, alpha: float = EWMA_ALPHA, explore_every: int = EXPLORE_EVERY,
+    def __init__(self, alpha: float = EWMA_ALPHA, explore_share: float = EXPLORE_SHARE,
+                 max_gap: int = EXPLORE_MAX_GAP, warmup: int = WARMUP_CALLS,
                  learn: bool = True) -> None:
         self.alpha = alpha
-        self.explore_every = explore_every
+        self.explore_share = explore_share  # 0: never explore
+        self.max_gap = max_gap  # 0: no forced exploration
+        self.warmup = warmup
         self.learn = learn  # False: the estimates stay as injected
         self.seconds: dict[tuple[str, int], float] = {}  # (mode, bucket) -> s per layer call
-        self.calls: dict[int, int] = {}  # bucket -> calls chosen so far
+        self.samples: dict[tuple[str, int], int] = {}  # calls observed, warm-up included
+        self.budget: dict[int, float] = {}  # bucket -> exploration seconds earned, not spent
+        self.since: dict[int, int] = {}  # bucket -> calls since the other mode last ran
         self.chosen = {"split": 0, "cpu": 0}
+        self.explored = 0
 
     def choose(self, tokens: int) -> str:
-        """The mode of a layer call on `tokens` rows: each mode once first, then the cheaper,
-        and the other one call in `explore_every`."""
+        """The mode of a layer call on `tokens` rows: each mode until it has a kept sample, then
+        the cheaper; the other when the exploration budget covers its extra cost (each call
+        earns `explore_share` of the cheaper one's time), or `max_gap` calls after it last ran."""
         b = bucket(tokens)
-        n = self.calls.get(b, 0)
-        self.calls[b] = n + 1
         split, cpu = self.seconds.get(("split", b)), self.seconds.get(("cpu", b))
         if split is None or cpu is None:
             mode = "split" if split is None else "cpu"
         else:
-            mode = "split" if split <= cpu else "cpu"
-            if self.explore_every and n % self.explore_every == self.explore_every - 1:
-                mode = "cpu" if mode == "split" else "split"
+            mode, other = ("split", "cpu") if split <= cpu else ("cpu", "split")
+            t_best, extra = min(split, cpu), abs(split - cpu)
+            budget = self.budget.get(b, 0.0) + self.explore_share * t_best
+            gap = self.since.get(b, 0) + 1
+            if self.explore_share > 0 and (budget >= extra
+                                           or (self.max_gap > 0 and gap >= self.max_gap)):
+                mode, budget, gap = other, max(0.0, budget - extra), 0
+                self.explored += 1
+            self.budget[b], self.since[b] = budget, gap
         self.chosen[mode] += 1
         return mode
 
     def observe(self, mode: str, tokens: int, seconds: float) -> None:
+        """A layer call in `mode` on `tokens` rows took `seconds` (the first `warmup` calls of
+        each mode and bucket are not kept: they run cold)."""
         if not self.learn or seconds <= 0:
             return
         key = (mode, bucket(tokens))
+        n = self.samples.get(key, 0)
+        self.samples[key] = n + 1
+        if n < self.warmup:
+            return
         old = self.seconds.get(key)
         self.seconds[key] = seconds if old is None else (
             (1 - self.alpha) * old + self.alpha * seconds)
 
     def snapshot(self) -> dict[str, Any]:
         return {"layer_seconds": {f"{m}/{b}": v for (m, b), v in sorted(self.seconds.items())},
-                "layers_split": self.chosen["split"], "layers_all_cpu": self.chosen["cpu"]}
+                "layers_split": self.chosen["split"], "layers_all_cpu": self.chosen["cpu"],
+                "layers_explored": self.explored}
