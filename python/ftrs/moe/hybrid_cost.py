@@ -35,7 +35,7 @@ SEED_LINK_BYTES_PER_S = 20e9
 EXPLORE_SHARE = 1 / 32
 #: ...and that mode runs at least once in this many calls, however dear its estimate (an
 #: estimate taken in a busy moment is measured again).
-EXPLORE_MAX_GAP = 256
+EXPLORE_MAX_GAP = 1024
 #: Calls of each mode (per bucket) whose time is not kept: the first ones run cold (a kernel
 #: compiled, pages touched for the first time).
 WARMUP_CALLS = 1
