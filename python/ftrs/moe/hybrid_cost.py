@@ -181,7 +181,7 @@ class LayerModes:
         self.learn = learn  # False: the estimates stay as injected
         self.seconds: dict[tuple[str, int], float] = {}  # (mode, bucket) -> s per layer call
         self.samples: dict[tuple[str, int], int] = {}  # calls observed, warm-up included
-        self.budget: dict[int, float] = {}  # bucket -> exploration seconds earned, not spent
+        self.earned: dict[int, float] = {}  # bucket -> exploration seconds earned, not spent
         self.since: dict[int, int] = {}  # bucket -> calls since the other mode last ran
         self.chosen = {"split": 0, "cpu": 0}
         self.explored = 0
@@ -197,13 +197,13 @@ class LayerModes:
         else:
             mode, other = ("split", "cpu") if split <= cpu else ("cpu", "split")
             t_best, extra = min(split, cpu), abs(split - cpu)
-            budget = self.budget.get(b, 0.0) + self.explore_share * t_best
+            budget = self.earned.get(b, 0.0) + self.explore_share * t_best
             gap = self.since.get(b, 0) + 1
             if self.explore_share > 0 and (budget >= extra
                                            or (self.max_gap > 0 and gap >= self.max_gap)):
                 mode, budget, gap = other, max(0.0, budget - extra), 0
                 self.explored += 1
-            self.budget[b], self.since[b] = budget, gap
+            self.earned[b], self.since[b] = budget, gap
         self.chosen[mode] += 1
         return mode
 
