@@ -38,7 +38,7 @@ each, the two strategies alternating pass by pass; it prints the median of the p
     python bench/hybrid.py --model demo    # the fp32 demo
     python bench/hybrid.py --links         # the MoE-layer overhead alone
     python bench/hybrid.py --device cuda --model shaped --links 0.1 0.5 2 8 0
-    python bench/hybrid.py --links 0.5 --profile 0.5   # where the host's time goes
+    python bench/hybrid.py --links --profile 0.5   # where the host's time goes
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ import argparse
 import dataclasses
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -83,7 +84,8 @@ def make(llm: LLM, name: str, link: float, rate: float) -> MoEStrategy:
                               moe_cache_size=None, moe_prefetch=name != "all_cpu", **link_cfg)
     routers = {layer: w for layer, w in parts.routers.items() if isinstance(w, torch.Tensor)}
     cls = OffloadStrategy if name == "offload" else HybridStrategy
-    strat = cls(experts=parts.experts, device=parts.device, config=cfg, routers=routers)
+    strat = cls(experts=parts.experts, device=parts.device, config=cfg, routers=routers,
+                kernels=parts.kernels)  # the engine's (on a GPU: the fused Triton MoE)
     if name == "all_cpu":  # the link priced out: every miss to the CPU, no slot ever filled
         assert isinstance(strat, HybridStrategy)
         strat.cost = CostModel(link_bytes_per_s=1.0, link_latency_s=1.0,
@@ -124,21 +126,41 @@ def decode(llm: LLM, strat: MoEStrategy, prompt: list[int], tokens: int) -> dict
 
 def profile(llm: LLM, link: float, rate: float, prompt: list[int], tokens: int,
             top: int) -> str:
-    """cProfile of hybrid's and all_cpu's decode at `link`: where the host's time goes, the
-    `top` functions by own time each."""
+    """cProfile of the decode of offload, hybrid held on its split, and all_cpu at `link`:
+    where the host's time goes. Each strategy decodes once unprofiled (warm-up: graphs captured,
+    kernels compiled, the cache filled), then once under the profiler; `top` functions by own
+    time and, of ftrs's own, by cumulative time."""
     import cProfile
     import io
     import pstats
 
+    resident = llm.engine.moe_strategy()
+    assert resident is not None
     out = io.StringIO()
-    for name in ("hybrid", "all_cpu"):
+    for name in ("offload", "hybrid", "all_cpu"):
         strat = make(llm, name, link, rate)
+        if name == "hybrid":
+            assert isinstance(strat, HybridStrategy)
+            strat.modes = LayerModes(explore_share=0, learn=False)  # every layer call: split
+            strat.modes.seconds = {(m, 1 << b): t for b in range(16)
+                                   for m, t in (("split", 0.0), ("cpu", 1.0))}
+        common.use_strategy(llm, strat)
         prof = cProfile.Profile()
-        prof.enable()
-        got = decode(llm, strat, prompt, tokens)
-        prof.disable()
-        print(f"== profile {name} at {link:g} GB/s: {got}", file=out)
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+        try:
+            common.run_steps(llm, [prompt], tokens)
+            prof.enable()
+            steps = common.run_steps(llm, [prompt], tokens)
+            prof.disable()
+        finally:
+            common.use_strategy(llm, resident)
+            if strat is not resident:
+                strat.close()
+        label = "hybrid (split only)" if name == "hybrid" else name
+        print(f"== profile {label} at {link:g} GB/s: "
+              f"{common.decode_summary(steps)['tok_per_s']:.2f} tok/s", file=out)
+        stats = pstats.Stats(prof, stream=out)
+        stats.sort_stats("tottime").print_stats(top)
+        stats.sort_stats("cumulative").print_stats("ftrs", top)
     return out.getvalue()
 
 
@@ -208,7 +230,8 @@ def main() -> None:
                     help="cuda: the real link paced to each --links speed (0: unpaced)")
     ap.add_argument("--shaped-layers", type=int, default=30, help="layers of --model shaped")
     ap.add_argument("--profile", type=float, default=None, metavar="GBPS",
-                    help="after the sweep, cProfile hybrid's and all_cpu's decode at this link")
+                    help="after the sweep, cProfile offload's, hybrid's (split only) and all_cpu's "
+                         "decode at this link")
     args = ap.parse_args()
     gpu = args.device == "cuda"
     if gpu and not torch.cuda.is_available():
@@ -254,6 +277,7 @@ def main() -> None:
             h["tok_per_s"] / max(a["tok_per_s"], o["tok_per_s"])
             for h, a, o in zip(runs["hybrid"], runs["all_cpu"], runs["offload"], strict=True)), 3)
         rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)  # progress: a row per link
     prof = (profile(llm, args.profile, args.cache_rate, prompt, args.tokens, 25)
             if args.profile is not None else None)
     llm.close()

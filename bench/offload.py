@@ -91,7 +91,7 @@ def offload(llm: LLM, link: float, rate: float, prefetch: bool,
     cfg = dataclasses.replace(llm.config, moe_strategy="offload", moe_cache_rate=rate,
                               moe_cache_size=None, copy_backend=spec, moe_prefetch=prefetch)
     return OffloadStrategy(experts=parts.experts, device=parts.device, config=cfg,
-                           routers=parts.routers)
+                           routers=parts.routers, kernels=parts.kernels)
 
 
 def prefill_run(common: ModuleType, llm: LLM, chunk: list[int], link: float, args: argparse.Namespace,

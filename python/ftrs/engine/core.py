@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Iterable
 from concurrent import futures
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -30,6 +30,9 @@ from ftrs.sampling import SamplingParams
 from ftrs.scheduler.scheduler import Scheduler, Work
 from ftrs.scheduler.sequence import Sequence
 
+if TYPE_CHECKING:
+    from ftrs.kernels import Kernels
+
 log = logging.getLogger(__name__)
 
 
@@ -40,6 +43,7 @@ class MoEParts(NamedTuple):
     experts: HostExperts
     routers: dict[int, Any]  # MoE layer -> router weight (a tensor, or the file's QuantTensor)
     device: torch.device
+    kernels: Kernels | None = None  # the engine's: a GPU strategy built without them runs torch
 
 
 class EngineCore:
@@ -360,7 +364,7 @@ class EngineCore:
             raise ConfigError(f"{self.spec.arch}: a dense model has no routed experts")
         dense = self.rt.loaded.dense
         routers = {layer: dense[f"{layer}.router"] for layer in self.spec.moe_layers}
-        return MoEParts(self.spec, experts, routers, self.rt.device)
+        return MoEParts(self.spec, experts, routers, self.rt.device, self.rt.kernels)
 
     @torch.inference_mode()
     def forward_once(self, ids: list[int]) -> None:
