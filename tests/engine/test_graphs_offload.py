@@ -35,7 +35,7 @@ def make(path: Path, strategy: str, device: str = "cpu") -> LLM:
     if not triton_runs_on(dev):
         pytest.skip(f"the fused kernel cannot run on {device} (on the CPU: TRITON_INTERPRET=1)")
     options: dict[str, Any] = {}
-    if strategy == "offload":
+    if strategy in ("offload", "hybrid"):
         options = {"moe_cache_rate": 0.25, "moe_prefetch": True,
                    "copy_backend": "simulated:1:300" if dev.type == "cpu" else "cuda"}
     llm = LLM(str(path), device=device, dtype="float32", kv_tokens=256,
@@ -78,3 +78,92 @@ def test_offload_through_split_graphs_equals_eager_offload_and_resident(
         assert tokens == want_tokens
         for a, b in zip(want_steps, steps, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def split_by(moe: Any, link: str) -> None:
+    """Hybrid's split injected (`device_is_cpu` off, as on a GPU): "slow" sends every miss to
+    the CPU, "fast" to the link, "by-tokens" single-token experts to the CPU and wider ones to
+    the link; eager layers held on the split (`LayerModes`), as graphs always are."""
+    from ftrs.moe.hybrid import CostModel, LayerModes
+
+    moe.cost = {"slow": CostModel(1.0, 1.0, cpu_s_per_token=1e-9, learn=False),
+                "fast": CostModel(1e15, 0.0, cpu_s_per_token=1.0, learn=False),
+                "by-tokens": CostModel(1e12, 2.5e-6, cpu_s_per_token=2e-6, learn=False)}[link]
+    moe.modes = LayerModes(explore_share=0, learn=False)
+    moe.modes.seconds = {(m, 1 << b): t for b in range(8) for m, t in (("split", 0.0), ("cpu", 1.0))}
+
+
+@pytest.mark.parametrize("link", ["slow", "fast", "by-tokens"])
+def test_hybrid_through_split_graphs_equals_eager_hybrid_and_resident(
+        tiny_models: dict[str, Path], link: str) -> None:
+    """Hybrid in "layer" mode: the split and the CPU share in the host step, the CPU experts'
+    rows written into the pair buffer the captured kernel fills for the device's."""
+    path = tiny_models["mixtral"]
+    want = run(make(path, "resident"))
+    eager_llm = make(path, "hybrid")
+    split_by(eager_llm.engine.rt.decoder.moe, link)
+    eager = run(eager_llm)
+    eager_llm.close()
+    llm = make(path, "hybrid")
+    moe: Any = llm.engine.rt.decoder.moe
+    split_by(moe, link)
+    assert moe.graph_support() == GraphSupport("layer")
+    graphs = attach(llm, (8,))
+    before = moe.stats()
+    tokens, steps = run(llm)
+    after = moe.stats()
+    llm.close()
+    assert graphs.replays == GREEDY.max_tokens - 1
+    cpu, fetched, hits = (after[k] - before[k] for k in ("cpu_computed", "fetched",
+                                                          "device_computed"))
+    if link == "slow":  # (no prefetch on a CPU device: nothing is ever in a slot)
+        assert cpu > 0 and fetched == 0 and hits == 0
+    elif link == "fast":  # the CPU takes only what the free slots cannot hold
+        assert fetched > 0  # computed on the device, in the graph
+    else:
+        assert cpu > 0 and fetched > 0
+    for want_tokens, want_steps in (eager, want):
+        assert tokens == want_tokens
+        for a, b in zip(want_steps, steps, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_hybrid_graph_host_step_runs_an_all_cpu_layer_in_one_kernel_call(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every miss on the CPU, a Q8_0 GGUF: the host step computes each layer's experts in the
+    Rust kernels' one call and puts each token's sum into its first pair row; the graph gives
+    eager hybrid's logits bit for bit, and resident's tokens."""
+    from ftrs.moe import hybrid_graph
+    from quant_models import build
+
+    path = build("qwen3_moe", {"experts": "Q8_0"}, tmp_path)[0]
+    calls: list[int] = []
+    one_call = hybrid_graph.routed_experts_ffn
+
+    def counting(*a: Any) -> Any:
+        calls.append(1)
+        return one_call(*a)
+
+    monkeypatch.setattr(hybrid_graph, "routed_experts_ffn", counting)
+    want = run(make(path, "resident"))
+    eager_llm = make(path, "hybrid")
+    split_by(eager_llm.engine.rt.decoder.moe, "slow")
+    eager = run(eager_llm)
+    eager_llm.close()
+    assert calls == []  # the eager layers make their own calls
+    llm = make(path, "hybrid")
+    moe: Any = llm.engine.rt.decoder.moe
+    split_by(moe, "slow")
+    assert moe.graph_support() == GraphSupport("layer")
+    graphs = attach(llm, (8,))
+    tokens, steps = run(llm)
+    llm.close()
+    assert graphs.replays == GREEDY.max_tokens - 1
+    assert len(calls) == graphs.replays * len(moe.spec.moe_layers)
+    # no expert on the device: the same kernel calls as eager, the same sums, bit for bit
+    assert tokens == eager[0] and tokens == want[0]
+    assert all(torch.equal(a, b) for a, b in zip(eager[1], steps, strict=True))
+    # resident computes the experts in the fused Triton kernel (fp32 dequantized weights),
+    # the Rust kernels with Q8 activations: measured 3e-4 apart on logits of magnitude 5.6
+    for a, b in zip(want[1], steps, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)

@@ -78,18 +78,21 @@ def graph_step(moe: Any, step: list[Any], rows: int) -> list[torch.Tensor]:
     return out
 
 
-def test_offload_declares_layer_mode_only_on_the_fused_kernel(loaded: LoadedModel) -> None:
+def test_offload_and_hybrid_declare_layer_mode_only_on_the_fused_kernel(loaded: LoadedModel) -> None:
     fused = strategy("offload", loaded, moe_cache_rate=0.5, copy_backend=LINK)
     loop = strategy("offload", loaded, kernels="torch", moe_cache_rate=0.5, copy_backend=LINK)
     hybrid = strategy("hybrid", loaded, moe_cache_rate=0.5, copy_backend=LINK)
+    hybrid_loop = strategy("hybrid", loaded, kernels="torch", moe_cache_rate=0.5,
+                           copy_backend=LINK)
     try:
         assert fused.graph_support() == GraphSupport("layer")
         off = loop.graph_support()
         assert off.mode == "off" and "per-expert loop" in off.why
-        off = hybrid.graph_support()
-        assert off.mode == "off" and "CPU share" in off.why
+        assert hybrid.graph_support() == GraphSupport("layer")  # its host step: moe.hybrid_graph
+        off = hybrid_loop.graph_support()
+        assert off.mode == "off" and "fused kernel" in off.why
     finally:
-        for m in (fused, loop, hybrid):
+        for m in (fused, loop, hybrid, hybrid_loop):
             m.close()
 
 

@@ -40,6 +40,11 @@ handed to the Rust kernels as F32/F16/BF16 rows and the CPU share computes in fp
 
 Prefetch (the next layer's predicted experts) runs only when the device is not the CPU: a hit
 computed on a CPU "device" is no faster than the same expert computed from the host pool.
+
+Decode CUDA graphs: offload's "layer" mode (every MoE layer on the fused kernel), the split and
+the CPU share in the host step between the captured segments (`moe.hybrid_graph`), which writes
+the CPU experts' rows into the pair buffer the captured kernel fills for the device's. The
+layer modes are for eager calls only: in a graph a hit costs its kernel, so it runs there.
 `--cpu-expert-threads` sets the Rust kernels' thread count.
 """
 
@@ -63,6 +68,7 @@ from ftrs.layers.moe import (
     plan_experts,
 )
 from ftrs.models.experts import HostExperts
+from ftrs.moe import hybrid_graph
 from ftrs.moe.base import GraphSupport, register
 from ftrs.moe.hybrid_cost import (
     SEED_CPU_BYTES_PER_S,
@@ -109,7 +115,6 @@ class HybridStrategy(OffloadStrategy):
     def __init__(self, experts: HostExperts, device: torch.device, config: EngineConfig,
                  routers: dict[int, torch.Tensor], **kw: Any) -> None:
         super().__init__(experts, device, config, routers, **kw)
-        self._graph = None  # no decode graphs (`graph_support`)
         self.device = device
         self.threads = config.cpu_expert_threads or int(_core.quant_threads())
         _core.quant_set_threads(self.threads)  # the kernels' pool for every call passing 0
@@ -197,11 +202,7 @@ class HybridStrategy(OffloadStrategy):
         out = torch.zeros_like(x)
         for e in needed:  # ascending, as every strategy adds
             accumulate(out, parts[e])
-        for i, n in enumerate((len(hits), len(fetch), len(on_cpu))):
-            self.step_counts[i] += n
-        self.device_computed += len(hits)
-        self.fetched += len(fetch)
-        self.cpu_computed += len(on_cpu)
+        self.count(len(hits), len(fetch), len(on_cpu))
         self._t_end = self.clock()
         if not self.cost.device_is_cpu:
             self.modes.observe("split", x.shape[0], self._t_end - t_layer)
@@ -237,6 +238,14 @@ class HybridStrategy(OffloadStrategy):
         self._t_end = self.clock()
         self.modes.observe("cpu", x.shape[0], self._t_end - t0)
         return out
+
+    def count(self, hits: int, fetched: int, on_cpu: int) -> None:
+        """A layer's experts: computed on the device from the cache, fetched, on the CPU."""
+        for i, n in enumerate((hits, fetched, on_cpu)):
+            self.step_counts[i] += n
+        self.device_computed += hits
+        self.fetched += fetched
+        self.cpu_computed += on_cpu
 
     def _in_place(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                   weights: torch.Tensor) -> torch.Tensor:
@@ -325,10 +334,17 @@ class HybridStrategy(OffloadStrategy):
         self.step_counts = [0, 0, 0]
 
     def graph_support(self) -> GraphSupport:
-        # not offload's "layer" mode: the CPU share runs on the host between the device parts
-        # and is added to them per expert, which a captured device step cannot wait for
-        return GraphSupport("off", "the hybrid strategy computes its CPU share on the host "
-                                   "inside each MoE layer: no CUDA graph")
+        # offload's "layer" mode, the CPU share computed in the host step (`moe.hybrid_graph`)
+        if self._graph is None:
+            return GraphSupport("off", "the hybrid strategy has MoE layers off the fused "
+                                       "kernel: its CPU share has no pair rows to go into")
+        return GraphSupport("layer")
+
+    def host_step(self, layer: int, ids: torch.Tensor, weights: torch.Tensor, rows: int,
+                  x: torch.Tensor) -> None:
+        """The layer's split, fetches and CPU share, outside any graph (`moe.hybrid_graph`);
+        the captured `device_step` is offload's."""
+        hybrid_graph.host_step(self, layer, ids, weights, rows, x)
 
     def stats(self) -> dict[str, Any]:
         s = super().stats()

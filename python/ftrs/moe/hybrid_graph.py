@@ -1,0 +1,120 @@
+"""The CUDA-graph half of the `hybrid` strategy: offload's split of a decode MoE layer into a
+host step (outside the graph) and a captured device step (`moe.offload_graph`), with the CPU
+share computed in the host step.
+
+The host step reads the layer's routing once, splits the experts as the eager layer does (hits
+on the device, misses on the link or the CPU by `CostModel.split`), issues the fetches, computes
+the CPU experts on host copies of the real rows while those copies are on the link, writes each
+CPU expert's weighted rows into their (token, expert) rows of the static pair buffer, waits for
+the fetches and writes the slot table of the device experts. The captured device step is
+offload's: the fused kernel fills the device experts' pair rows through the table (a CPU
+expert has no slot, so the kernel leaves its rows as written) and `combine_pairs` adds each
+token's rows in ascending expert id, the order of every strategy, so the graph adds the same
+parts in the same order as the eager layer (`HybridStrategy._fused_parts` and `_cpu_parts`).
+
+There is no layer mode here (`hybrid_cost.LayerModes` picks between the split and all-CPU for
+eager calls): inside a graph the device part of a layer costs its kernels, not the host work of
+an eager layer, so a hit is always computed on the device.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ftrs.layers.moe import plan_experts
+from ftrs.moe.offload_graph import _stream_of
+from ftrs.quant.matmul import routed_experts_ffn
+
+if TYPE_CHECKING:
+    from ftrs.moe.hybrid import HybridStrategy
+
+
+def host_step(h: HybridStrategy, layer: int, ids: torch.Tensor, weights: torch.Tensor,
+              rows: int, x: torch.Tensor) -> None:
+    """The layer's split, fetches and CPU share, outside any graph (module doc). Only the first
+    `rows` rows are real: padding rows fetch and compute nothing (their pair rows stay zero)."""
+    g = h._graph
+    if g is None:
+        raise ValueError("hybrid: host_step needs every MoE layer on the fused kernel")
+    stream = _stream_of(x)
+    h.engine.release(stream)  # the previous layer's slots: read by the queued segment
+    li = h.experts.layer_index[layer]
+    num_experts = h.spec.num_experts
+    y = g.pairs(ids.numel(), x)
+    y.zero_()  # stream-ordered, after the previous layer's combine read it
+    ids_h = ids[:rows].cpu()  # the one read-back of the layer: the real rows' routing
+    counts = torch.bincount(ids_h.reshape(-1), minlength=num_experts).tolist()
+    needed = [e for e, c in enumerate(counts) if c]  # ascending
+    h.distinct_per_layer.append(len(needed))
+    h._score_guess(layer, needed)
+    prefetch = h._predict(layer, x[:rows]) if rows else []
+    resident = {e for lay, e, _ in h.engine.resident() if lay == li}
+    hits = [e for e in needed if e in resident]
+    misses = [(e, counts[e]) for e in needed if e not in resident]
+    fetch: list[int] = []
+    if h.cost.device_is_cpu:  # a CPU device (the tests' stand-in): link = CPU + copy
+        on_cpu = [e for e, _ in misses]
+    else:
+        on_cpu, fetch = h.cost.split(misses, h.experts.expert_bytes, h.formats[layer],
+                                     room=h.num_slots - len(hits))
+    device = sorted(hits + fetch)
+    table = [-1] * num_experts
+    try:
+        t0 = h.clock()
+        slots, ticket = h._lookup(li, device, prefetch) if device or prefetch else ([], None)
+        if on_cpu:  # on the host while the fetches are on the link
+            _cpu_rows(h, layer, x[:rows], ids_h, weights[:rows], on_cpu, y)
+        if ticket is not None:
+            t1 = h.clock()
+            h.engine.wait(ticket)
+            h._wait_s += h.clock() - t1
+        if fetch:
+            h.cost.observe_link(len(fetch) * h.experts.expert_bytes, len(fetch), h.clock() - t0)
+        for e, s in zip(device, slots, strict=True):
+            table[e] = s
+        g.write(layer, table)
+    except BaseException:
+        h.engine.release(stream)  # no segment will read them
+        raise
+    h.count(len(hits), len(fetch), len(on_cpu))
+    h._t_end = h.clock()
+
+
+def _cpu_rows(h: HybridStrategy, layer: int, x: torch.Tensor, ids_h: torch.Tensor,
+              weights: torch.Tensor, experts: list[int], y: torch.Tensor) -> None:
+    """`experts` computed from the host pool on the real rows, each (token, expert) pair's
+    weighted output written into row `token * k + j` of the pair buffer `y` (j: the expert's
+    place in the token's routing), as the fused kernel writes the device experts' rows."""
+    k = ids_h.shape[1]
+    args = h._kernel_args.get(layer)
+    if args is not None and len(experts) == len(set(ids_h.reshape(-1).tolist())):
+        # every routed expert on the CPU: the layer's one kernel call, as the eager CPU mode
+        # makes it; each token's sum goes into its first pair row (the others stay zero, and
+        # adding zeros changes nothing)
+        x_h = x.to("cpu", torch.float32).contiguous()
+        w_h = weights.to("cpu", torch.float32).contiguous()
+        out_h = torch.zeros_like(x_h)
+        t0 = h.clock()
+        routed = routed_experts_ffn(x_h, ids_h.contiguous(), w_h, args, out_h)
+        if routed is not None:
+            h.cost.observe_cpu_layer(h.formats[layer], [n for _, n in routed], h.clock() - t0)
+            first = torch.arange(x_h.shape[0]) * k
+            y.index_copy_(0, first.to(y.device), out_h.to(y.device, y.dtype))
+            return
+    x_h = x.cpu()
+    plan = plan_experts(ids_h, weights.cpu(), h.spec.num_experts)
+    parts = h._cpu_parts(layer, x_h, plan, experts)
+    index, values = [], []
+    for e in experts:
+        part = parts[e]
+        if part is None:
+            continue
+        tok, out = part
+        place = (ids_h.index_select(0, tok) == e).int().argmax(dim=1)
+        index.append(tok * k + place)
+        values.append(out)
+    if index:
+        y.index_copy_(0, torch.cat(index).to(y.device),
+                      torch.cat(values).to(y.device, y.dtype))
