@@ -82,8 +82,8 @@ if [ -z "$model" ] || [ ! -e "$model" ]; then
 fi
 step "bench/offload.py --copy-backend cuda" 60 \
   "$PY" bench/offload.py --quick --copy-backend cuda --model "$model"
-step "bench/hybrid.py --device cuda" 150 "$PY" bench/hybrid.py --device cuda \
-  --model "$hybrid_model" --links 0.1 0.5 2 8 0
+step "bench/hybrid.py --device cuda" 200 "$PY" bench/hybrid.py --device cuda \
+  --model "$hybrid_model" --links 0.1 0.5 2 8 0 --tokens 24 --slow-tokens 12 --rounds 2
 # shellcheck disable=SC2086  # a list of paths
 step "kernel tests (compiled)" 150 env TRITON_INTERPRET=0 "$PY" -m pytest -v -m "" \
   ${GPU_CHECK_KERNEL_TESTS:-tests/kernel_checks} --timeout 120
