@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ftrs.layers.moe import plan_experts
-from ftrs.moe.offload_graph import _stream_of
+from ftrs.moe.offload_graph import begin_host_step
 from ftrs.quant.matmul import routed_experts_ffn
 
 if TYPE_CHECKING:
@@ -35,15 +35,9 @@ def host_step(h: HybridStrategy, layer: int, ids: torch.Tensor, weights: torch.T
               rows: int, x: torch.Tensor) -> None:
     """The layer's split, fetches and CPU share, outside any graph (module doc). Only the first
     `rows` rows are real: padding rows fetch and compute nothing (their pair rows stay zero)."""
-    g = h._graph
-    if g is None:
-        raise ValueError("hybrid: host_step needs every MoE layer on the fused kernel")
-    stream = _stream_of(x)
-    h.engine.release(stream)  # the previous layer's slots: read by the queued segment
+    g, stream, y = begin_host_step(h, ids, x)
     li = h.experts.layer_index[layer]
     num_experts = h.spec.num_experts
-    y = g.pairs(ids.numel(), x)
-    y.zero_()  # stream-ordered, after the previous layer's combine read it
     ids_h = ids[:rows].cpu()  # the one read-back of the layer: the real rows' routing
     counts = torch.bincount(ids_h.reshape(-1), minlength=num_experts).tolist()
     needed = [e for e, c in enumerate(counts) if c]  # ascending

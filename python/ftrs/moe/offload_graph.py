@@ -31,16 +31,10 @@ def host_step(off: OffloadStrategy, layer: int, ids: torch.Tensor, weights: torc
     from ftrs.kernels.moe import moe_pairs_triton
     from ftrs.moe.fused import slot_table
 
-    g = off._graph
-    if g is None:
-        raise ValueError("offload: host_step needs every MoE layer on the fused kernel")
-    stream = _stream_of(x)
-    off.engine.release(stream)  # the previous layer's slots: read by the queued segment
+    g, stream, y = begin_host_step(off, ids, x)
     li = off.experts.layer_index[layer]
     num_experts = off.spec.num_experts
     sw = off._fused[layer]
-    y = g.pairs(ids.numel(), x)
-    y.zero_()  # stream-ordered, after the previous layer's combine read it
     # the one read-back of the layer: the real rows' distinct experts
     counts = torch.bincount(ids[:rows].reshape(-1), minlength=num_experts).tolist()
     needed = [e for e, c in enumerate(counts) if c]  # ascending
@@ -69,6 +63,21 @@ def host_step(off: OffloadStrategy, layer: int, ids: torch.Tensor, weights: torc
         off.engine.release(stream)  # no segment will read them
         raise
     off._t_end = off.clock()
+
+
+def begin_host_step(off: OffloadStrategy, ids: torch.Tensor,
+                    x: torch.Tensor) -> tuple[GraphTables, int | None, torch.Tensor]:
+    """What every host step starts with: the graph's buffers, the previous layer's slots
+    released behind a fence on the current stream (the segment just queued reads them), and
+    the bucket's pair buffer zeroed. Returns (tables, the stream's handle, the pair buffer)."""
+    g = off._graph
+    if g is None:
+        raise ValueError(f"{off.name}: host_step needs every MoE layer on the fused kernel")
+    stream = _stream_of(x)
+    off.engine.release(stream)
+    y = g.pairs(ids.numel(), x)
+    y.zero_()  # stream-ordered, after the previous layer's combine read it
+    return g, stream, y
 
 
 def device_step(off: OffloadStrategy, layer: int, x: torch.Tensor, ids: torch.Tensor,
