@@ -23,11 +23,14 @@ The output says which device it ran on.
 
 `--device cuda` runs the same sweep on a GPU over its real link: the `cuda` copy backend paced
 to each `--links` speed by the transfer engine's token bucket (`--pcie-pacing`; 0 = unpaced,
-the link's own rate), the dense part on the GPU. There `all_cpu` is hybrid held in its "cpu" layer
-mode with the link priced out (no lookup, no fetch, prefetch off): every routed expert on the
-CPU kernels, everything else on the GPU, as llama.cpp's `-ot exps=CPU` runs a model.
-`--model shaped` benches `bench/shaped.py`'s random demo-shaped Q4_K_M checkpoint (hosts
-without the demo: an offline GPU machine).
+the link's own rate), the dense part on the GPU, every strategy built with the engine's kernels
+(the fused Triton MoE) and run with its decode CUDA graphs, as `serve` runs them. There
+`all_cpu` is hybrid with the link priced out and prefetch off, held in its "cpu" layer mode for
+eager layers (a graph's host step splits by the cost model alone, which then sends every
+expert to the CPU too): no lookup, no fetch, every routed expert on the CPU kernels, everything
+else on the GPU, as llama.cpp's `-ot exps=CPU` runs a model. `--model shaped` benches
+`bench/shaped.py`'s demo-shaped Q4_K_M checkpoint of a random initialisation (hosts without
+the demo: an offline GPU machine).
 
 Before the sweep, `layer_overhead` times the MoE layers alone: hybrid (CPU device, cache 0.5)
 against resident on the same decode-shaped inputs (one token, each layer's own routing), one
