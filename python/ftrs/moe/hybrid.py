@@ -232,9 +232,7 @@ class HybridStrategy(OffloadStrategy):
                 accumulate(out_h, parts[e])
         out = out_h.to(x.device, x.dtype)
         self._score_guess(layer, needed)
-        self.distinct_per_layer.append(len(needed))
-        self.step_counts[2] += len(needed)
-        self.cpu_computed += len(needed)
+        self._count_in_place(len(needed))
         self._t_end = self.clock()
         self.modes.observe("cpu", x.shape[0], self._t_end - t0)
         return out
@@ -285,6 +283,7 @@ class HybridStrategy(OffloadStrategy):
         return out
 
     def _count_in_place(self, computed: int) -> None:
+        """A layer whose every routed expert was computed from the host pool."""
         self.distinct_per_layer.append(computed)
         self.step_counts[2] += computed
         self.cpu_computed += computed

@@ -30,6 +30,10 @@ from ftrs.quant.matmul import routed_experts_ffn
 if TYPE_CHECKING:
     from ftrs.moe.hybrid import HybridStrategy
 
+#: With a CPU share in the layer, a wait for the fetches shorter than this (a call's own cost)
+#: means they landed during the CPU work: no sample of the link.
+LINK_SAMPLE_MIN_WAIT_S = 1e-4
+
 
 def host_step(h: HybridStrategy, layer: int, ids: torch.Tensor, weights: torch.Tensor,
               rows: int, x: torch.Tensor) -> None:
@@ -60,11 +64,15 @@ def host_step(h: HybridStrategy, layer: int, ids: torch.Tensor, weights: torch.T
         slots, ticket = h._lookup(li, device, prefetch) if device or prefetch else ([], None)
         if on_cpu:  # on the host while the fetches are on the link
             _cpu_rows(h, layer, x[:rows], ids_h, weights[:rows], on_cpu, y)
+        waited = 0.0
         if ticket is not None:
             t1 = h.clock()
             h.engine.wait(ticket)
-            h._wait_s += h.clock() - t1
-        if fetch:
+            waited = h.clock() - t1
+            h._wait_s += waited
+        # the copies ran from the lookup on: their time is the elapsed time when the wait
+        # blocked, but only a bound above it when the CPU share outlasted them
+        if fetch and (not on_cpu or waited > LINK_SAMPLE_MIN_WAIT_S):
             h.cost.observe_link(len(fetch) * h.experts.expert_bytes, len(fetch), h.clock() - t0)
         for e, s in zip(device, slots, strict=True):
             table[e] = s
