@@ -128,11 +128,25 @@ def test_hybrid_through_split_graphs_equals_eager_hybrid_and_resident(
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def hold_mode(moe: Any, mode: str) -> None:
+    """Every miss to the CPU (`split_by` "slow"), the layer modes held on `mode`."""
+    from ftrs.moe.hybrid import LayerModes
+
+    split_by(moe, "slow")
+    if mode == "cpu":
+        moe.modes = LayerModes(explore_share=0, learn=False)
+        moe.modes.seconds = {(m, 1 << b): t for b in range(8)
+                             for m, t in (("split", 1.0), ("cpu", 0.0))}
+
+
+@pytest.mark.parametrize("mode", ["split", "cpu"])
 def test_hybrid_graph_host_step_runs_an_all_cpu_layer_in_one_kernel_call(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every miss on the CPU, a Q8_0 GGUF: the host step computes each layer's experts in the
-    Rust kernels' one call and puts each token's sum into its first pair row; the graph gives
-    eager hybrid's logits bit for bit, and resident's tokens."""
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """Every routed expert on the CPU, a Q8_0 GGUF, by the split (every miss priced onto the
+    CPU) or by the "cpu" layer mode (no lookup, no prefetch, an empty slot table): the host step
+    computes each layer's experts in the Rust kernels' one call and puts each token's sum into
+    its first pair row; the graph gives eager hybrid's logits bit for bit (eager held on the
+    same mode), and resident's tokens."""
     from ftrs.moe import hybrid_graph
     from quant_models import build
 
@@ -147,19 +161,28 @@ def test_hybrid_graph_host_step_runs_an_all_cpu_layer_in_one_kernel_call(
     monkeypatch.setattr(hybrid_graph, "routed_experts_ffn", counting)
     want = run(make(path, "resident"))
     eager_llm = make(path, "hybrid")
-    split_by(eager_llm.engine.rt.decoder.moe, "slow")
+    hold_mode(eager_llm.engine.rt.decoder.moe, mode)
     eager = run(eager_llm)
     eager_llm.close()
     assert calls == []  # the eager layers make their own calls
     llm = make(path, "hybrid")
     moe: Any = llm.engine.rt.decoder.moe
-    split_by(moe, "slow")
+    hold_mode(moe, mode)
     assert moe.graph_support() == GraphSupport("layer")
     graphs = attach(llm, (8,))
+    before, lookups = moe.stats(), moe.engine.stats()["lookups"]
     tokens, steps = run(llm)
+    after, lookups = moe.stats(), moe.engine.stats()["lookups"] - lookups
     llm.close()
     assert graphs.replays == GREEDY.max_tokens - 1
-    assert len(calls) == graphs.replays * len(moe.spec.moe_layers)
+    layer_calls = graphs.replays * len(moe.spec.moe_layers)
+    assert len(calls) == layer_calls
+    held = {"split": "layers_split", "cpu": "layers_all_cpu"}[mode]
+    assert after[held] - before[held] >= layer_calls  # (the prefill's eager calls add theirs)
+    if mode == "cpu":  # the engine never asked: not even for a hit
+        assert lookups == 0
+        assert after["device_computed"] == before["device_computed"]
+    assert after["cpu_computed"] - before["cpu_computed"] >= layer_calls
     # no expert on the device: the same kernel calls as eager, the same sums, bit for bit
     assert tokens == eager[0] and tokens == want[0]
     assert all(torch.equal(a, b) for a, b in zip(eager[1], steps, strict=True))

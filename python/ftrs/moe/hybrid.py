@@ -43,8 +43,8 @@ computed on a CPU "device" is no faster than the same expert computed from the h
 
 Decode CUDA graphs: offload's "layer" mode (every MoE layer on the fused kernel), the split and
 the CPU share in the host step between the captured segments (`moe.hybrid_graph`), which writes
-the CPU experts' rows into the pair buffer the captured kernel fills for the device's. The
-layer modes are for eager calls only: in a graph a hit costs its kernel, so it runs there.
+the CPU experts' rows into the pair buffer the captured kernel fills for the device's. The host
+step picks the layer mode too, timed by its own wall clock (the captured kernels are not in it).
 `--cpu-expert-threads` sets the Rust kernels' thread count.
 """
 

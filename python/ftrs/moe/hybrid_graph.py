@@ -12,9 +12,17 @@ expert has no slot, so the kernel leaves its rows as written) and `combine_pairs
 token's rows in ascending expert id, the order of every strategy, so the graph adds the same
 parts in the same order as the eager layer (`HybridStrategy._fused_parts` and `_cpu_parts`).
 
-There is no layer mode here (`hybrid_cost.LayerModes` picks between the split and all-CPU for
-eager calls): inside a graph the device part of a layer costs its kernels, not the host work of
-an eager layer, so a hit is always computed on the device.
+Each host step first picks the layer's mode (`hybrid_cost.LayerModes`, the strategy's one
+instance, as eager calls do): the split above, or every routed expert on the CPU in one kernel
+call (no slot lookup, no prefetch, an empty slot table, so the captured kernel computes
+nothing). The mode is timed by the host step's wall clock after the routing's read-back (which
+both pay); the device part of a split's hits runs in the next captured segment and is not in
+that time: a hit's kernel is microseconds, where the host work the split adds (the next layer's
+predicted routing read back for the prefetch, the lookup, the CPU experts one by one) is what
+the modes differ by. Measured on an H200 host (bench/hybrid.py --device cuda, the demo-shaped
+Q4_K_M, 16 cores): graph decode with every expert on the CPU ran 46-53 tok/s, offload 1.5-41
+and the split alone 25-37 at 0.1-8 GB/s and unpaced: the host work of a split layer cost more
+than the CPU computing its two experts, at every link.
 """
 
 from __future__ import annotations
@@ -43,10 +51,19 @@ def host_step(h: HybridStrategy, layer: int, ids: torch.Tensor, weights: torch.T
     li = h.experts.layer_index[layer]
     num_experts = h.spec.num_experts
     ids_h = ids[:rows].cpu()  # the one read-back of the layer: the real rows' routing
+    t_layer = h.clock()
     counts = torch.bincount(ids_h.reshape(-1), minlength=num_experts).tolist()
     needed = [e for e, c in enumerate(counts) if c]  # ascending
     h.distinct_per_layer.append(len(needed))
     h._score_guess(layer, needed)
+    timed = rows > 0 and not h.cost.device_is_cpu  # a GPU's layer modes (module doc)
+    if timed and h.modes.choose(rows) == "cpu":
+        _cpu_rows(h, layer, x[:rows], ids_h, weights[:rows], needed, y)  # nothing pinned
+        g.write(layer, [-1] * num_experts)  # no slot: the captured kernel computes nothing
+        h.count(0, 0, len(needed))
+        h._t_end = h.clock()
+        h.modes.observe("cpu", rows, h._t_end - t_layer)
+        return
     prefetch = h._predict(layer, x[:rows]) if rows else []
     resident = {e for lay, e, _ in h.engine.resident() if lay == li}
     hits = [e for e in needed if e in resident]
@@ -82,6 +99,8 @@ def host_step(h: HybridStrategy, layer: int, ids: torch.Tensor, weights: torch.T
         raise
     h.count(len(hits), len(fetch), len(on_cpu))
     h._t_end = h.clock()
+    if timed:
+        h.modes.observe("split", rows, h._t_end - t_layer)
 
 
 def _cpu_rows(h: HybridStrategy, layer: int, x: torch.Tensor, ids_h: torch.Tensor,
