@@ -6,7 +6,9 @@ eager `forward`, for the real rows; the rows of the batch themselves for which e
 fetched (the distinct experts of the real rows, never a padding row's). Padding rows join the
 experts' matmuls when a real row shares their expert, so the kernel's row blocks hold other
 rows than in the unpadded call: real rows agree within fp32 rounding (the graph tests'
-tolerance for MoE models, 1e-5), not bit for bit.
+tolerance for MoE models, 1e-5), not bit for bit. Hybrid's host step: when its time to the end
+of the wait is a sample of the link (a serial simulated link of 20 ms a copy, a CPU share held
+longer than that or not).
 """
 
 from __future__ import annotations
@@ -164,3 +166,61 @@ def test_a_table_names_only_the_slots_of_the_last_wave_and_padding_is_not_comput
     finally:
         moe.close()
     assert len(named) == s.top_k
+
+
+@pytest.mark.parametrize("case", ["no-cpu-share", "short-cpu-share", "long-cpu-share"])
+def test_hybrid_host_step_samples_the_link_only_when_its_wait_measured_the_copies(
+        loaded: LoadedModel, case: str) -> None:
+    """The copies run from the lookup on, beside the CPU share: the time to the end of the
+    wait is the link's only when the wait blocked (or no CPU share sat in between); a CPU share
+    that outlasts the copies makes it a bound, not a sample (`hybrid_graph`). A serial link of
+    20 ms a copy; a CPU share held 0.3 s outlasts any layer's copies (at most 6)."""
+    import time
+
+    from ftrs.moe import hybrid_graph
+    from ftrs.moe.hybrid import CostModel, LayerModes
+
+    rows, bucket = 3, 4
+    moe: Any = strategy("hybrid", loaded, moe_cache_rate=0.5, moe_prefetch=False,
+                        copy_backend="simulated:1:20000")
+    # single-token experts to the CPU, wider ones to the link; no CPU share: all to the link
+    moe.cost = (CostModel(1e15, 0.0, cpu_s_per_token=1.0, learn=False) if case == "no-cpu-share"
+                else CostModel(1e12, 2.5e-6, cpu_s_per_token=2e-6, learn=False))
+    moe.modes = LayerModes(explore_share=0, learn=False)  # every call: the split
+    moe.modes.seconds = {(m, 1 << b): t for b in range(8) for m, t in (("split", 0.0), ("cpu", 1.0))}
+    splits: list[tuple[list[int], list[int]]] = []
+    split, observe = moe.cost.split, moe.cost.observe_link
+    samples: list[int] = []
+
+    def recording_split(*a: Any, **kw: Any) -> Any:
+        splits.append(split(*a, **kw))
+        return splits[-1]
+
+    def recording_observe(nbytes: int, copies: int, seconds: float) -> None:
+        samples.append(copies)
+        observe(nbytes, copies, seconds)
+
+    moe.cost.split, moe.cost.observe_link = recording_split, recording_observe
+    cpu_rows = hybrid_graph._cpu_rows
+
+    def slow_cpu_rows(*a: Any) -> None:
+        time.sleep(0.3)
+        cpu_rows(*a)
+
+    if case == "long-cpu-share":
+        hybrid_graph._cpu_rows = slow_cpu_rows  # type: ignore[assignment]
+    try:
+        graph_step(moe, layers(loaded, rows, bucket, seed=0), rows)
+    finally:
+        hybrid_graph._cpu_rows = cpu_rows  # type: ignore[assignment]
+        moe.close()
+    fetching = [(cpu, fetch) for cpu, fetch in splits if fetch]
+    assert fetching  # the premise: the layers fetch
+    if case == "no-cpu-share":
+        assert all(not cpu for cpu, _ in splits)
+        want = [len(f) for _, f in fetching]
+    else:
+        assert any(cpu for cpu, _ in fetching)  # the premise: a CPU share beside the copies
+        want = ([len(f) for _, f in fetching] if case == "short-cpu-share"
+                else [len(f) for cpu, f in fetching if not cpu])
+    assert samples == want
