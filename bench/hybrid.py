@@ -25,10 +25,11 @@ The output says which device it ran on.
 to each `--links` speed by the transfer engine's token bucket (`--pcie-pacing`; 0 = unpaced,
 the link's own rate), the dense part on the GPU, every strategy built with the engine's kernels
 (the fused Triton MoE) and run with its decode CUDA graphs, as `serve` runs them. There
-`all_cpu` is hybrid with the link priced out and prefetch off, held in its "cpu" layer mode for
-eager layers (a graph's host step splits by the cost model alone, which then sends every
-expert to the CPU too): no lookup, no fetch, every routed expert on the CPU kernels, everything
-else on the GPU, as llama.cpp's `-ot exps=CPU` runs a model. `--model shaped` benches
+`all_cpu` is hybrid with the link priced out and prefetch off, held in its "cpu" layer mode
+(eager layers and a graph's host steps alike): no lookup, no fetch, every routed expert on the
+CPU kernels in one call a layer, everything else on the GPU, as llama.cpp's `-ot exps=CPU` runs
+a model. A GPU row carries `split_layer_share` (the share of layer calls hybrid ran split) and
+`layer_ms` (its per-bucket estimate of each mode's time). `--model shaped` benches
 `bench/shaped.py`'s demo-shaped Q4_K_M checkpoint of a random initialisation (hosts without
 the demo: an offline GPU machine).
 
