@@ -1,7 +1,14 @@
 """qwen3_5_moe and qwen3_next (Gated DeltaNet + gated attention + shared expert) against
 transformers on tiny checkpoints it wrote (tests/hybrid_models.py), fp32: the logits of a
 57-token prompt, and an incremental decode (prefill 40, then 17 one-token steps) against
-transformers' full forward at every step. The chunked delta rule is held to the recurrent one."""
+transformers' full forward at every step. The chunked delta rule is held to the recurrent one.
+
+The prompt's logits are held to transformers' float64 forward (near enough the exact answer):
+within `TOL`, or within 1.5x of how far transformers' own fp32 forward lands from it where that
+is further. fp32 rounding alone moves qwen3_next's logits by about 1e-4 here (torch 2.15,
+transformers 5.25: transformers' fp32 1.05e-4 from its float64, ours 0.7e-4 with blocks of 16
+and 1.1e-4 in one block, the recurrence 0.7e-4), so a fixed 1e-4 against the fp32 forward
+failed on rounding, not on a wrong formula (which moves logits by far more than 1e-3)."""
 
 from __future__ import annotations
 
@@ -33,10 +40,15 @@ def ref_logits(path: Path, ids: list[int]) -> torch.Tensor:
 def test_logits_match_transformers(hybrid_models: dict[str, Path], arch: str, chunk: int,
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(deltanet, "CHUNK", chunk)
+    from hybrid_models import hf_model
+
     ours = LLM(str(hybrid_models[arch]), kv_tokens=1024, dtype="float32").logits(IDS)
     ref = ref_logits(hybrid_models[arch], IDS)
-    assert ours.shape == ref.shape == (57, 512)
-    assert (ours - ref).abs().max().item() <= TOL
+    with torch.no_grad():
+        exact = hf_model(hybrid_models[arch]).double()(torch.tensor([IDS])).logits[0]
+    assert ours.shape == ref.shape == exact.shape == (57, 512)
+    hf_fp32 = (ref.double() - exact).abs().max().item()
+    assert (ours.double() - exact).abs().max().item() <= max(TOL, 1.5 * hf_fp32)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
