@@ -68,26 +68,35 @@ def test_offload_split_graphs_give_the_eager_steps(tiny_models: dict[str, Path])
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("link", ["slow", "by-tokens"])
+@pytest.mark.parametrize("link", ["slow", "by-tokens", "cpu-mode"])
 def test_hybrid_split_graphs_give_the_eager_steps(tiny_models: dict[str, Path],
                                                   link: str) -> None:
     """Hybrid in "layer" mode with a real link: the host step's CPU share and fetches around
-    captured segments give the eager hybrid's tokens and logits (split injected both runs)."""
-    from engine.test_graphs_offload import split_by
+    captured segments give the eager hybrid's tokens and logits (split injected both runs;
+    "cpu-mode": both held in the all-CPU layer mode, an empty slot table in every replay)."""
+    from engine.test_graphs_offload import hold_mode, split_by
+
+    def inject(moe: object) -> None:
+        if link == "cpu-mode":
+            hold_mode(moe, "cpu")
+        else:
+            split_by(moe, link)
 
     llm = make_fused(tiny_models["mixtral"], "hybrid", device="cuda")
-    split_by(llm.engine.rt.decoder.moe, link)
+    inject(llm.engine.rt.decoder.moe)
     eager_tokens, eager_steps = run(llm)
     llm.close()
     llm = make_fused(tiny_models["mixtral"], "hybrid", device="cuda")
     moe = llm.engine.rt.decoder.moe
-    split_by(moe, link)
+    inject(moe)
     graphs = attach(llm, (1, 2, 4, 8), cls=CudaGraphs)
     tokens, steps = run(llm)
     s = moe.stats()
     llm.close()
     assert graphs.replays == GREEDY.max_tokens - 1
     assert s["cpu_computed"] > 0
+    if link == "cpu-mode":
+        assert s["layers_split"] == 0 and s["device_computed"] == s["fetched"] == 0
     assert tokens == eager_tokens
     for a, b in zip(eager_steps, steps, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
