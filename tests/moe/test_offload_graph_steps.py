@@ -8,7 +8,7 @@ experts' matmuls when a real row shares their expert, so the kernel's row blocks
 rows than in the unpadded call: real rows agree within fp32 rounding (the graph tests'
 tolerance for MoE models, 1e-5), not bit for bit. Hybrid's host step: when its time to the end
 of the wait is a sample of the link (a serial simulated link of 20 ms a copy, a CPU share held
-longer than that or not).
+longer than that or not), and which layer mode it runs once its own timings are in.
 """
 
 from __future__ import annotations
@@ -224,3 +224,49 @@ def test_hybrid_host_step_samples_the_link_only_when_its_wait_measured_the_copie
         want = ([len(f) for _, f in fetching] if case == "short-cpu-share"
                 else [len(f) for cpu, f in fetching if not cpu])
     assert samples == want
+
+
+@pytest.mark.parametrize("dear", ["split", "cpu"])
+def test_hybrid_host_step_runs_the_mode_its_own_timings_find_cheaper(
+        loaded: LoadedModel, dear: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer modes learned from the host steps' own wall clock (nothing injected but the
+    split, and 30 ms added to one mode's work): each mode runs twice (a warm-up call, then a
+    kept one), then only the cheaper; at 1/32 of a layer's time the exploration budget never
+    covers 30 ms within these calls."""
+    import time
+
+    from ftrs.moe import hybrid_graph
+    from ftrs.moe.hybrid import CostModel
+
+    moe: Any = strategy("hybrid", loaded, moe_cache_rate=0.5, moe_prefetch=False,
+                        copy_backend=LINK)
+    moe.cost = CostModel(1e15, 0.0, cpu_s_per_token=1.0, learn=False)  # split: all fetched
+    if dear == "split":
+        lookup = moe._lookup
+
+        def slow_lookup(*a: Any) -> Any:
+            time.sleep(0.03)
+            return lookup(*a)
+
+        moe._lookup = slow_lookup
+    else:
+        cpu_rows = hybrid_graph._cpu_rows
+
+        def slow_cpu_rows(*a: Any) -> None:
+            time.sleep(0.03)
+            cpu_rows(*a)
+
+        monkeypatch.setattr(hybrid_graph, "_cpu_rows", slow_cpu_rows)
+    try:
+        for seed in range(8):
+            graph_step(moe, layers(loaded, 1, 1, seed), 1)
+        chosen = dict(moe.modes.chosen)
+        stats = moe.stats()
+    finally:
+        moe.close()
+    calls = 8 * len(loaded.spec.moe_layers)
+    cheap = "cpu" if dear == "split" else "split"
+    assert chosen == {dear: 2, cheap: calls - 2}
+    assert stats["layers_explored"] == 0
+    if dear == "split":  # the CPU mode computed every expert after the first two calls
+        assert stats["fetched"] + stats["device_computed"] <= 2 * loaded.spec.top_k
