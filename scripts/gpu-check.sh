@@ -18,6 +18,8 @@
 # GPU_CHECK_NO_BOOTSTRAP=1 skips step 1 (a rerun on a machine already set up).
 # GPU_CHECK_PY=python3 uses that interpreter instead of .venv's and skips step 1: for an offline
 # GPU machine whose own Python already has torch and triton, with ftrs importable (PYTHONPATH).
+# scripts/offline-bundle.sh prepares that elsewhere: `source .offline/env.sh` on the host, then
+# GPU_CHECK_PY=python3 scripts/gpu-check.sh.
 # GPU_CHECK_MODEL=DIR benches that checkpoint instead of building the demo (offline hosts).
 # GPU_CHECK_KERNEL_TESTS=PATHS runs those kernel tests instead of all of tests/kernel_checks.
 set -uo pipefail
