@@ -1,6 +1,6 @@
 """Pinned copy bandwidth through ftrs beside torch, both directions, against the link's bound.
 
-For each size: H2D through the transfer engine's `cuda` backend (blocks of `--block-mib`), one
+For each size: H2D through a warm transfer engine's `cuda` backend (blocks of `--block-mib`), one
 bare driver copy (`_core.cuda_measure_h2d`) and torch's `copy_` from its own pinned buffer;
 D2H through `_core.cuda_measure_d2h` into a pool pinned with `cuMemHostRegister` and torch's
 `copy_` into pinned memory (guard.link.compare_h2d / compare_d2h; each figure the median of

@@ -54,3 +54,36 @@ def test_the_startup_probe_reads_the_link_of_the_configured_gpu(
     assert link("cuda:1") == (SECOND, 4, 8)
     assert link("auto") == (GPU, 3, 16)
     assert link("cuda:5") == (GPU, 3, 16)  # a device torch cannot describe: the first GPU
+
+
+def test_a_transfer_pass_is_timed_on_one_warm_engine_and_moves_one_layer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`transfer_pass_s`: one engine for every pass (the passes alternate between the pool's
+    two layers, each evicting the other's blocks), the first two untimed; over a simulated
+    link of 1 GB/s and no latency a pass of 4 x 1 MiB moves one layer and takes at least what
+    the link model says (the oracle: bytes / rate); `measure_transfer_gbps` stays under the
+    link's rate."""
+    from ftrs import _core
+    from ftrs.guard import link
+
+    made: list[str] = []
+    engine_cls = _core.TransferEngine
+
+    def counting(*a: object, **kw: object) -> object:
+        made.append(str(kw.get("backend")))
+        return engine_cls(*a, **kw)
+
+    monkeypatch.setattr(_core, "TransferEngine", counting)
+    layout = _core.ExpertLayout(2, 4, [1 << 20])
+    pool = _core.ExpertPool(layout, "float32")
+    dst = torch.zeros(4 * layout.expert_bytes, dtype=torch.uint8)
+    seconds, moved, name = link.transfer_pass_s(pool, dst, "simulated:1:0", reps=3)
+    assert made == ["simulated:1:0"]  # one engine, five passes
+    assert moved == 4 << 20 and name == "simulated:1:0"
+    assert seconds >= (4 << 20) / 1e9  # the link model's time, at least (no upper bound: a
+    # loaded host only adds to it)
+    gbps, _ = link.measure_transfer_gbps("simulated:4", block_bytes=1 << 20, blocks=8)
+    assert 0 < gbps <= 4.0 + 1e-9
+    with pytest.raises(ValueError, match="two layers"):
+        link.transfer_pass_s(_core.ExpertPool(_core.ExpertLayout(1, 4, [1 << 20]), "float32"),
+                             dst, "host")
