@@ -29,7 +29,10 @@ ver=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 rm -rf "$out/wheels" "$out/ext"
 mkdir -p "$out/wheels" "$out/ext"
 # the dependencies as pyproject.toml names them, less what the host brings or never needs
-python3 -c "import tomllib" 2>/dev/null || { echo "offline-bundle: needs python3 >= 3.11 here (tomllib)" >&2; exit 2; }
+if ! python3 -c "import tomllib" 2>/dev/null; then
+  echo "offline-bundle: needs python3 >= 3.11 here (tomllib reads pyproject.toml)" >&2
+  exit 2
+fi
 mapfile -t reqs < <(python3 - <<'EOF'
 import re
 import tomllib

@@ -187,7 +187,8 @@ def test_hybrid_host_step_samples_the_link_only_when_its_wait_measured_the_copie
     moe.cost = (CostModel(1e15, 0.0, cpu_s_per_token=1.0, learn=False) if case == "no-cpu-share"
                 else CostModel(1e12, 2.5e-6, cpu_s_per_token=2e-6, learn=False))
     moe.modes = LayerModes(explore_share=0, learn=False)  # every call: the split
-    moe.modes.seconds = {(m, 1 << b): t for b in range(8) for m, t in (("split", 0.0), ("cpu", 1.0))}
+    moe.modes.seconds = {(m, 1 << b): t for b in range(8)
+                         for m, t in (("split", 0.0), ("cpu", 1.0))}
     splits: list[tuple[list[int], list[int]]] = []
     split, observe = moe.cost.split, moe.cost.observe_link
     samples: list[int] = []

@@ -3,8 +3,9 @@
 The link comes from the health probes: sysfs (`health.sysfs.probe_pci`, any root) first, NVML
 (`health.nvml.NvmlProbe`) for what sysfs does not say. Bandwidth is measured through the Rust
 copy engine: one warm `TransferEngine` over a small two-layer expert pool streams a layer's
-blocks into a destination buffer, pass after pass (the `cuda` backend into device memory when CUDA is usable, else the `host`
-backend, or whatever backend spec the caller names, e.g. `simulated:12`), and the raw
+blocks into a destination buffer, pass after pass (the `cuda` backend into device memory when
+CUDA is usable, else the `host` backend, or whatever backend spec the caller names, e.g.
+`simulated:12`), and the raw
 `_core.host_copy` gives the host's memcpy bandwidth. D2H goes through the Rust driver layer
 too (`_core.cuda_measure_d2h`) into an `ExpertPool` pinned with `cuMemHostRegister`.
 
