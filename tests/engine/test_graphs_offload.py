@@ -141,33 +141,40 @@ def hold_mode(moe: Any, mode: str) -> None:
 
 @pytest.mark.parametrize("mode", ["split", "cpu"])
 def test_hybrid_graph_host_step_runs_an_all_cpu_layer_in_one_kernel_call(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+        tmp_path: Path, mode: str) -> None:
     """Every routed expert on the CPU, a Q8_0 GGUF, by the split (every miss priced onto the
     CPU) or by the "cpu" layer mode (no lookup, no prefetch, an empty slot table): the host step
     computes each layer's experts in the Rust kernels' one call and puts each token's sum into
     its first pair row; the graph gives eager hybrid's logits bit for bit (eager held on the
     same mode), and resident's tokens."""
-    from ftrs.moe import hybrid_graph
     from quant_models import build
 
     path = build("qwen3_moe", {"experts": "Q8_0"}, tmp_path)[0]
     calls: list[int] = []
-    one_call = hybrid_graph.routed_experts_ffn
 
-    def counting(*a: Any) -> Any:
-        calls.append(1)
-        return one_call(*a)
+    def counted(moe: Any) -> None:
+        """`moe.cpu_share` (the host step's one kernel call) counted into `calls`."""
+        one_call = moe.cpu_share
 
-    monkeypatch.setattr(hybrid_graph, "routed_experts_ffn", counting)
+        def counting(*a: Any) -> Any:
+            calls.append(1)
+            got = one_call(*a)
+            assert got is not None  # the call applied: not expert by expert
+            return got
+
+        moe.cpu_share = counting
+
     want = run(make(path, "resident"))
     eager_llm = make(path, "hybrid")
     hold_mode(eager_llm.engine.rt.decoder.moe, mode)
+    counted(eager_llm.engine.rt.decoder.moe)
     eager = run(eager_llm)
     eager_llm.close()
     assert calls == []  # the eager layers make their own calls
     llm = make(path, "hybrid")
     moe: Any = llm.engine.rt.decoder.moe
     hold_mode(moe, mode)
+    counted(moe)
     assert moe.graph_support() == GraphSupport("layer")
     graphs = attach(llm, (8,))
     before, lookups = moe.stats(), moe.engine.stats()["lookups"]
@@ -190,3 +197,53 @@ def test_hybrid_graph_host_step_runs_an_all_cpu_layer_in_one_kernel_call(
     # the Rust kernels with Q8 activations: measured 3e-4 apart on logits of magnitude 5.6
     for a, b in zip(want[1], steps, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph"])
+def test_hybrid_split_cpu_share_in_one_call_equals_expert_by_expert(
+        tmp_path: Path, graphs: bool) -> None:
+    """A GPU's split computes its CPU share in one kernel call (`HybridStrategy.cpu_share`),
+    each token's CPU experts summed where its lowest one's part goes. Here on the CPU stand-in
+    (`one_call_share` on), a Q8_0 GGUF, four prompts, the split by tokens (single-token experts
+    on the CPU, wider ones fetched), so layers have a CPU share beside device experts, eager
+    and through the graph machinery. Oracle: the same split expert by expert (`one_call_share`
+    off, the CPU device's own path): the same tokens, logits within 1e-4 (a token's CPU
+    experts are summed before they join its device experts' parts, not interleaved by id: fp32
+    sums in another order, through every layer; measured up to 1.6e-5 apart), and resident's
+    tokens."""
+    from quant_models import build
+
+    path = build("qwen3_moe", {"experts": "Q8_0"}, tmp_path)[0]
+    want_tokens, _ = run(make(path, "resident"))
+
+    def hybrid_run(one_call: bool) -> tuple[Any, list[tuple[int, int]], dict[str, Any]]:
+        llm = make(path, "hybrid")
+        moe: Any = llm.engine.rt.decoder.moe
+        split_by(moe, "by-tokens")
+        moe.one_call_share = one_call
+        shares: list[tuple[int, int]] = []  # (experts in the call, experts the rows route to)
+        share = moe.cpu_share
+
+        def recording(layer: int, x_h: torch.Tensor, ids_h: torch.Tensor, w_h: torch.Tensor,
+                      experts: list[int]) -> Any:
+            shares.append((len(experts), int(torch.unique(ids_h).numel())))
+            got = share(layer, x_h, ids_h, w_h, experts)
+            assert got is not None
+            return got
+
+        moe.cpu_share = recording
+        if graphs:
+            attach(llm, (8,))
+        got = run(llm)
+        stats = moe.stats()
+        llm.close()
+        return got, shares, stats
+
+    (ref_tokens, ref_steps), ref_shares, _ = hybrid_run(False)
+    (tokens, steps), shares, stats = hybrid_run(True)
+    assert all(n == routed for n, routed in ref_shares)  # only whole layers in one call
+    assert any(n < routed for n, routed in shares)  # the premise: partial shares in one call
+    assert stats["fetched"] > 0 and stats["cpu_computed"] > 0
+    assert tokens == ref_tokens == want_tokens
+    for a, b in zip(ref_steps, steps, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

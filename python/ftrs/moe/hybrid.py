@@ -36,7 +36,12 @@ kernels. On a CPU device the CPU share runs through `layers.moe.expert_mlp` on v
 pool, the very code `resident` runs (torch for float weights, the Rust kernels for quantized
 ones): bit-identical. The Rust F32 kernel does not reproduce torch's fp32 sums bit for bit, so
 on a CPU device float weights stay with torch. With a GPU as the device, float host weights are
-handed to the Rust kernels as F32/F16/BF16 rows and the CPU share computes in fp32.
+handed to the Rust kernels as F32/F16/BF16 rows and the CPU share computes in fp32, in one
+kernel call (`cpu_share`, as the "cpu" mode runs a whole layer: on the H200 host that mode
+went from 10-13 to 46-53 tok/s when it stopped running experts one by one): each token's CPU
+experts summed in ascending id, the sum added where its lowest CPU expert's part goes, so a
+token's CPU experts join its device experts' parts as one term (fp32 sums in another order
+than one by one; eager and graph add the same terms in the same order).
 
 Prefetch (the next layer's predicted experts) runs only when the device is not the CPU: a hit
 computed on a CPU "device" is no faster than the same expert computed from the host pool.
@@ -136,6 +141,9 @@ class HybridStrategy(OffloadStrategy):
                               cpu_s_per_token=experts.expert_bytes / SEED_CPU_BYTES_PER_S,
                               device_is_cpu=on_cpu)
         self.modes = LayerModes()  # a GPU's layer calls: the split, or every expert on the CPU
+        # a split's CPU share in one kernel call (`cpu_share`) on a GPU; on a CPU device it
+        # adds expert by expert, as `resident` does, bit for bit
+        self.one_call_share = not on_cpu
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ftrs-cpu-experts")
         self.device_computed = self.fetched = self.cpu_computed = 0
         self.step_counts = [0, 0, 0]  # this step: device (hits), fetched, CPU
@@ -173,10 +181,15 @@ class HybridStrategy(OffloadStrategy):
         parts: dict[int, Contribution | None] = {}
         job: Future[dict[int, Contribution | None]] | None = None
         x_host, plan_host = x, plan
-        if on_cpu and x.device.type != "cpu":  # the worker touches host tensors only
+        if on_cpu and self.one_call_share and layer in self._kernel_args:
+            # a GPU's CPU share in one kernel call (`cpu_share`); the worker gets host copies
+            host = (x.to("cpu", torch.float32).contiguous(), ids.cpu().contiguous(),
+                    weights.to("cpu", torch.float32).contiguous())
+            job = self._pool.submit(self._share_parts, layer, *host, on_cpu)
+        elif on_cpu and x.device.type != "cpu":  # the worker touches host tensors only
             x_host = x.cpu()
             plan_host = plan._replace(tokens=plan.tokens.cpu(), weights=plan.weights.cpu())
-        if on_cpu and (fetch or x.device.type != "cpu"):
+        if job is None and on_cpu and (fetch or x.device.type != "cpu"):
             job = self._pool.submit(self._cpu_parts, layer, x_host, plan_host, on_cpu)
         device = sorted(hits + fetch)
         if device or prefetch:
@@ -195,8 +208,9 @@ class HybridStrategy(OffloadStrategy):
                                        self.clock() - t0)
         if on_cpu:
             done = job.result() if job is not None else self._cpu_parts(layer, x, plan, on_cpu)
-            if x.device.type != "cpu":
-                done = {e: None if p is None else (p[0].to(x.device), p[1].to(x.device))
+            if x.device.type != "cpu" or any(p is not None and p[1].dtype != x.dtype
+                                             for p in done.values()):  # a share's fp32 sums
+                done = {e: None if p is None else (p[0].to(x.device), p[1].to(x.device, x.dtype))
                         for e, p in done.items()}
             parts.update(done)
         out = torch.zeros_like(x)
@@ -314,6 +328,49 @@ class HybridStrategy(OffloadStrategy):
             tok = plan.tokens[plan.starts[e]:plan.starts[e] + plan.counts[e]]
             pos = (ids.index_select(0, tok) == e).int().argmax(dim=1)  # e's place in each row
             parts[e] = (tok, y.index_select(0, tok * ids.shape[1] + pos))
+        return parts
+
+    def cpu_share(self, layer: int, x_h: torch.Tensor, ids_h: torch.Tensor, w_h: torch.Tensor,
+                  experts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """`experts` (ascending, a share of the layer's routed ones or all of them) computed
+        from the host pool in one kernel call, as `resident` runs a CPU host's layer: host
+        fp32 `x_h` and `w_h`, int64 `ids_h`. Each token's CPU experts are summed in ascending
+        id; returns `(tokens with a CPU expert, the place in each one's routing of its lowest
+        CPU expert, their sums)`, the sum to be added where that expert's part would be
+        (eager: its contribution; a graph: its pair row), so eager and graph add the same
+        rows in the same order. None when the layer's experts are not one-call kernels (float
+        weights with biases, another activation): the caller goes expert by expert."""
+        args = self._kernel_args.get(layer)
+        if args is None:
+            return None
+        every = len(experts) == int(torch.unique(ids_h).numel())
+        out_h = torch.zeros_like(x_h)
+        t0 = self.clock()
+        routed = routed_experts_ffn(x_h, ids_h, w_h, args, out_h,
+                                    only=None if every else set(experts))
+        if routed is None:
+            return None
+        self.cost.observe_cpu_layer(self.formats[layer], [n for _, n in routed],
+                                    self.clock() - t0)
+        mine = torch.isin(ids_h, torch.tensor(experts, dtype=ids_h.dtype))
+        place = torch.where(mine, ids_h, self.spec.num_experts).argmin(dim=1)
+        tok = mine.any(dim=1).nonzero().flatten()
+        return tok, place.index_select(0, tok), out_h.index_select(0, tok)
+
+    def _share_parts(self, layer: int, x_h: torch.Tensor, ids_h: torch.Tensor,
+                     w_h: torch.Tensor, experts: list[int]) -> dict[int, Contribution | None]:
+        """`cpu_share` as contributions (any thread): expert `e`'s holds the sums of the tokens
+        whose lowest CPU expert is `e`; the other CPU experts' are empty."""
+        share = self.cpu_share(layer, x_h, ids_h, w_h, experts)
+        if share is None:  # not one-call kernels after all: expert by expert
+            return self._cpu_parts(layer, x_h, plan_experts(ids_h, w_h, self.spec.num_experts),
+                                   experts)
+        tok, place, sums = share
+        lowest = ids_h.index_select(0, tok).gather(1, place[:, None]).flatten()
+        parts: dict[int, Contribution | None] = {}
+        for e in experts:
+            sel = (lowest == e).nonzero().flatten()
+            parts[e] = (tok.index_select(0, sel), sums.index_select(0, sel)) if sel.numel() else None
         return parts
 
     def _cpu_parts(self, layer: int, x: torch.Tensor, plan: ExpertPlan,

@@ -18,8 +18,8 @@ call (no slot lookup, no prefetch, an empty slot table, so the captured kernel c
 nothing). The mode is timed by the host step's wall clock after the routing's read-back (which
 both pay); the device part of a split's hits runs in the next captured segment and is not in
 that time: a hit's kernel is microseconds, where the host work the split adds (the next layer's
-predicted routing read back for the prefetch, the lookup, the CPU experts one by one) is what
-the modes differ by. Measured on an H200 host (bench/hybrid.py --device cuda, the demo-shaped
+predicted routing read back for the prefetch, the lookup; then, the CPU experts one by one, now
+one kernel call, `HybridStrategy.cpu_share`) is what the modes differ by. Measured on an H200 host (bench/hybrid.py --device cuda, the demo-shaped
 Q4_K_M, 16 cores): graph decode with every expert on the CPU ran 46-53 tok/s, offload 1.5-41
 and the split alone 25-37 at 0.1-8 GB/s and unpaced: the host work of a split layer cost more
 than the CPU computing its two experts, at every link.
@@ -33,7 +33,6 @@ import torch
 
 from ftrs.layers.moe import plan_experts
 from ftrs.moe.offload_graph import begin_host_step
-from ftrs.quant.matmul import routed_experts_ffn
 
 if TYPE_CHECKING:
     from ftrs.moe.hybrid import HybridStrategy
@@ -109,20 +108,19 @@ def _cpu_rows(h: HybridStrategy, layer: int, x: torch.Tensor, ids_h: torch.Tenso
     weighted output written into row `token * k + j` of the pair buffer `y` (j: the expert's
     place in the token's routing), as the fused kernel writes the device experts' rows."""
     k = ids_h.shape[1]
-    args = h._kernel_args.get(layer)
-    if args is not None and len(experts) == len(set(ids_h.reshape(-1).tolist())):
-        # every routed expert on the CPU: the layer's one kernel call, as the eager CPU mode
-        # makes it; each token's sum goes into its first pair row (the others stay zero, and
-        # adding zeros changes nothing)
-        x_h = x.to("cpu", torch.float32).contiguous()
-        w_h = weights.to("cpu", torch.float32).contiguous()
-        out_h = torch.zeros_like(x_h)
-        t0 = h.clock()
-        routed = routed_experts_ffn(x_h, ids_h.contiguous(), w_h, args, out_h)
-        if routed is not None:
-            h.cost.observe_cpu_layer(h.formats[layer], [n for _, n in routed], h.clock() - t0)
-            first = torch.arange(x_h.shape[0]) * k
-            y.index_copy_(0, first.to(y.device), out_h.to(y.device, y.dtype))
+    if h._kernel_args.get(layer) is not None and (
+            h.one_call_share or len(experts) == len(set(ids_h.reshape(-1).tolist()))):
+        # the layer's CPU share in one kernel call (`HybridStrategy.cpu_share`): each token's
+        # sum goes into the pair row of its lowest CPU expert (that expert's other rows and the
+        # token's other CPU experts' stay zero; adding zeros changes nothing), which is where
+        # the eager split adds it. On a CPU device only when every expert is on the CPU
+        # (`one_call_share`).
+        share = h.cpu_share(layer, x.to("cpu", torch.float32).contiguous(),
+                            ids_h.contiguous(), weights.to("cpu", torch.float32).contiguous(),
+                            experts)
+        if share is not None:
+            tok, place, sums = share
+            y.index_copy_(0, (tok * k + place).to(y.device), sums.to(y.device, y.dtype))
             return
     x_h = x.cpu()
     plan = plan_experts(ids_h, weights.cpu(), h.spec.num_experts)

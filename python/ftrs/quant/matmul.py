@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any, NamedTuple, Union
 
 import torch
@@ -158,29 +158,35 @@ def layer_kernel_args(experts: Sequence[Sequence[Weight]]) -> LayerKernelArgs | 
 
 
 def routed_experts_ffn(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                       layer: LayerKernelArgs, out: torch.Tensor) -> list[tuple[int, int]] | None:
+                       layer: LayerKernelArgs, out: torch.Tensor,
+                       only: Collection[int] | None = None) -> list[tuple[int, int]] | None:
     """Adds every expert `ids` routes `x`'s rows to (SiLU FFN times the router weight) into
     `out`, in ascending id, in one kernel call; returns `(expert id, rows routed to it)` in
-    that order. None (and `out` untouched) when the call does not apply: kernels off, or `x`,
+    that order. `only`: just these experts (a share of the layer's, the rest computed
+    elsewhere). None (and `out` untouched) when the call does not apply: kernels off, or `x`,
     `weights`, `out` not contiguous fp32 CPU tensors."""
     if not (_state["kernels"] and x.dtype == weights.dtype == out.dtype == torch.float32
             and x.device.type == "cpu" and x.dim() == 2 and x.is_contiguous()
             and out.is_contiguous() and out.shape == x.shape):
         return None
-    if layer.handle is not None and ids.dtype == torch.int64 and ids.is_contiguous() \
-            and weights.is_contiguous():
+    if layer.handle is not None and only is None and ids.dtype == torch.int64 \
+            and ids.is_contiguous() and weights.is_contiguous():
         got: list[tuple[int, int]] = layer.handle.forward(ids.numpy(), weights.numpy(), x.numpy(),
                                                           out.numpy())
         return got
     routed: dict[int, tuple[list[int], list[float]]] = {}
     for t, (es, ws) in enumerate(zip(ids.tolist(), weights.tolist())):
         for e, w in zip(es, ws):
+            if only is not None and e not in only:
+                continue
             r = routed.get(e)
             if r is None:
                 routed[e] = r = ([], [])
             r[0].append(t)
             r[1].append(w)
     order = sorted(routed)
+    if not order:
+        return []
     _core_module().quant_experts_ffn([(*layer.experts[e], *routed[e]) for e in order],
                                      x.numpy(), out.numpy(), x.shape[1], layer.inter)
     return [(e, len(routed[e][0])) for e in order]
