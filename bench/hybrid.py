@@ -43,6 +43,7 @@ each, the two strategies alternating pass by pass; it prints the median of the p
     python bench/hybrid.py --links         # the MoE-layer overhead alone
     python bench/hybrid.py --device cuda --model shaped --links 0.1 0.5 2 8 0
     python bench/hybrid.py --links --profile 0.5   # where the host's time goes
+    python bench/hybrid.py --device cuda --model shaped --cpu-expert-threads 4   # fewer cores
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from typing import Any
 import torch
 
 import _common as common
+from ftrs import _core
 from ftrs.config import ftrs_home
 from ftrs.layers.moe import route
 from ftrs.llm import LLM
@@ -84,7 +86,7 @@ def make(llm: LLM, name: str, link: float, rate: float) -> MoEStrategy:
     link_cfg = ({"copy_backend": "cuda", "pcie_pacing": link or None} if on_gpu
                 else {"copy_backend": f"simulated:{link:g}"})
     cfg = dataclasses.replace(llm.config, moe_strategy=name if name == "offload" else "hybrid",
-                              moe_cache_rate=rate,
+                              moe_cache_rate=rate, cpu_expert_threads=int(_core.quant_threads()),
                               moe_cache_size=None, moe_prefetch=name != "all_cpu", **link_cfg)
     routers = {layer: w for layer, w in parts.routers.items() if isinstance(w, torch.Tensor)}
     cls = OffloadStrategy if name == "offload" else HybridStrategy
@@ -233,11 +235,18 @@ def main() -> None:
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                     help="cuda: the real link paced to each --links speed (0: unpaced)")
     ap.add_argument("--shaped-layers", type=int, default=30, help="layers of --model shaped")
+    ap.add_argument("--cpu-expert-threads", type=int, default=None, metavar="N",
+                    help="the CPU kernels' threads for every strategy (default: physical cores "
+                         "minus one): a host of fewer cores on the same machine")
     ap.add_argument("--profile", type=float, default=None, metavar="GBPS",
                     help="after the sweep, cProfile offload's, hybrid's (split only) and all_cpu's "
                          "decode at this link")
     args = ap.parse_args()
     gpu = args.device == "cuda"
+    if args.cpu_expert_threads is not None:  # the kernels' pool, for every strategy's calls
+        if args.cpu_expert_threads < 1:
+            raise SystemExit("hybrid: --cpu-expert-threads must be at least 1")
+        _core.quant_set_threads(args.cpu_expert_threads)
     if gpu and not torch.cuda.is_available():
         raise SystemExit("hybrid: --device cuda needs a CUDA device; none is usable here")
     if args.model == "shaped":
@@ -293,6 +302,7 @@ def main() -> None:
                       "backend paced to each speed (0: unpaced); all_cpu is hybrid with the "
                       "link priced out"),
         "expert_bytes": parts.experts.expert_bytes, "cache_rate": args.cache_rate,
+        "cpu_expert_threads": int(_core.quant_threads()),
         "batch": 1, "wall_s": round(time.perf_counter() - t0, 1),
         "moe_layer_overhead": overhead, "rows": rows}, indent=1))
     if prof:

@@ -311,3 +311,46 @@ def test_bench_strategy_measures_hybrid_and_can_pick_it(tmp_path: Path) -> None:
                                    home=tmp_path)
     assert (choice.strategy, choice.cache_rate) == ("hybrid", 0.5)
     EngineConfig(moe_strategy=choice.strategy, moe_cache_rate=choice.cache_rate)  # accepted
+
+
+@pytest.mark.parametrize("py_rows", [64, 0], ids=["python-bookkeeping", "torch-bookkeeping"])
+def test_cpu_share_sums_each_tokens_cpu_experts_at_its_lowest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, py_rows: int) -> None:
+    """`cpu_share` (a GPU's split, in one kernel call) on a Q8_0 layer: only the share's experts,
+    each token's summed in ascending id, bit for bit the per-expert contributions added in that
+    order (the kernels' own rounding, `_cpu_parts`); each token's place is that of its lowest
+    CPU expert; tokens without one are left out. Both bookkeeping paths (plain Python up to
+    `SHARE_PY_ROWS` rows, torch above)."""
+    from ftrs.layers.moe import accumulate, plan_experts
+    from ftrs.moe import hybrid as hybrid_mod
+
+    quant_models = pytest.importorskip("quant_models")
+    path = quant_models.build("qwen3_moe", {"experts": "Q8_0"}, tmp_path)[0]
+    monkeypatch.setattr(hybrid_mod, "SHARE_PY_ROWS", py_rows)
+    llm = make(path, moe_strategy="hybrid")
+    try:
+        moe = hybrid(llm)
+        spec = moe.spec
+        layer = spec.moe_layers[0]
+        g = torch.Generator().manual_seed(1)
+        rows = 6
+        x = torch.randn(rows, spec.hidden_size, generator=g)
+        ids = torch.stack([torch.randperm(spec.num_experts, generator=g)[:spec.top_k]
+                           for _ in range(rows)])
+        w = torch.rand(rows, spec.top_k, generator=g)
+        routed = sorted(set(ids.flatten().tolist()))
+        for share in (routed, routed[::2], routed[1:2]):
+            got = moe.cpu_share(layer, x, ids, w, share)
+            assert got is not None
+            parts = moe._cpu_parts(layer, x, plan_experts(ids, w, spec.num_experts), share)
+            want = torch.zeros_like(x)
+            for e in share:
+                accumulate(want, parts[e])
+            mine = [[e for e in row if e in share] for row in ids.tolist()]
+            assert got.tokens == [t for t in range(rows) if mine[t]]
+            assert got.lowest == [min(mine[t]) for t in got.tokens]
+            assert [ids[t, j].item() for t, j in zip(got.tokens, got.places)] == got.lowest
+            assert torch.equal(got.sums, want[got.tokens])
+            assert not want[[t for t in range(rows) if not mine[t]]].any()
+    finally:
+        llm.close()

@@ -428,3 +428,45 @@ def test_cache_larger_than_model_is_clamped(tiny_models: dict[str, Path],
     assert strategy(llm).num_slots == shape["qwen3_moe"][1]
     rate = make(tiny_models["qwen3_moe"], moe_strategy="offload", moe_cache_rate=0.25)
     assert strategy(rate).num_slots == shape["qwen3_moe"][1] // 4
+
+
+@pytest.mark.parametrize("rows,experts,top_k", [(1, 8, 2), (3, 8, 2), (8, 64, 8), (5, 128, 8)])
+def test_host_ranking_of_the_next_layer_equals_the_device_path(rows: int, experts: int,
+                                                               top_k: int) -> None:
+    """`rank_on_host` (hybrid's graph host step predicts with it: numpy on rows already on the
+    host) against torch's `route` and the ranking `_predict` makes on the device: the same
+    experts in the same order (random fp32 inputs, so no two scores tie)."""
+    from ftrs.layers.moe import route
+
+    g = torch.Generator().manual_seed(rows * experts + top_k)
+    for _ in range(20):
+        x = torch.randn(rows, 48, generator=g)
+        router = torch.randn(experts, 48, generator=g)
+        ids, w = route(x, router, top_k, False)
+        score: dict[int, float] = {}
+        for e, v in zip(ids.flatten().tolist(), w.flatten().tolist()):
+            score[e] = score.get(e, 0.0) + v
+        want = sorted(score, key=lambda e: -score[e])
+        assert offload_mod.rank_on_host(x, router.numpy(), top_k) == want
+
+
+def test_hybrid_predicts_the_same_prefetch_from_host_rows(tiny_models: dict[str, Path]) -> None:
+    """Hybrid's `_predict` given the rows on the host (its graph host step) issues the same
+    prefetch list as from the device rows (prefetch forced on: a CPU device turns it off)."""
+    llm = LLM(str(tiny_models["mixtral"]), device="cpu", dtype="float32", moe_strategy="hybrid",
+              moe_cache_rate=0.75)
+    try:
+        moe: Any = llm.engine.rt.decoder.moe
+        moe.prefetch = True
+        spec = moe.spec
+        g = torch.Generator().manual_seed(0)
+        lists = 0
+        for layer in spec.moe_layers[:-1]:
+            for rows in (1, 4):
+                x = torch.randn(rows, spec.hidden_size, generator=g)
+                device = moe._predict(layer, x)
+                assert moe._predict(layer, x, x_host=x.clone()) == device
+                lists += bool(device)
+        assert lists > 0  # the premise: predictions were made
+    finally:
+        llm.close()

@@ -58,7 +58,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -89,12 +89,25 @@ from ftrs.quant.matmul import layer_kernel_args, routed_experts_ffn
 if TYPE_CHECKING:
     from ftrs.kernels.moe import SlotWeights
 
-__all__ = ["CostModel", "HybridStrategy", "LayerModes", "bucket", "layer_format"]
+__all__ = ["CostModel", "CpuShare", "HybridStrategy", "LayerModes", "bucket", "layer_format"]
 
 log = logging.getLogger(__name__)
 #: On a CPU device with empty slots, one MoE layer call in this many times its experts.
 CPU_SAMPLE_EVERY = 16
+#: `cpu_share` keeps its bookkeeping in plain Python up to this many rows.
+SHARE_PY_ROWS = 64
 _FLOAT_QTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+class CpuShare(NamedTuple):
+    """A layer's CPU experts computed in one call (`HybridStrategy.cpu_share`): for each token
+    with a CPU expert (ascending), the place in its routing and the id of its lowest CPU
+    expert, and the sum of its CPU experts' weighted outputs (fp32, host; row i is tokens[i])."""
+
+    tokens: list[int]
+    places: list[int]
+    lowest: list[int]
+    sums: torch.Tensor
 
 
 def layer_format(experts: HostExperts, layer: int) -> str:
@@ -331,31 +344,51 @@ class HybridStrategy(OffloadStrategy):
         return parts
 
     def cpu_share(self, layer: int, x_h: torch.Tensor, ids_h: torch.Tensor, w_h: torch.Tensor,
-                  experts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                  experts: list[int]) -> CpuShare | None:
         """`experts` (ascending, a share of the layer's routed ones or all of them) computed
         from the host pool in one kernel call, as `resident` runs a CPU host's layer: host
         fp32 `x_h` and `w_h`, int64 `ids_h`. Each token's CPU experts are summed in ascending
-        id; returns `(tokens with a CPU expert, the place in each one's routing of its lowest
-        CPU expert, their sums)`, the sum to be added where that expert's part would be
-        (eager: its contribution; a graph: its pair row), so eager and graph add the same
-        rows in the same order. None when the layer's experts are not one-call kernels (float
-        weights with biases, another activation): the caller goes expert by expert."""
+        id, the sum to be added where the token's lowest CPU expert's part would be (eager:
+        its contribution; a graph: its pair row), so eager and graph add the same rows in the
+        same order. None when the layer's experts are not one-call kernels (float weights with
+        biases, another activation): the caller goes expert by expert. The bookkeeping is
+        plain Python up to `SHARE_PY_ROWS` rows (a decode step's: torch's per-call overhead,
+        not the work, is what a handful of rows costs), torch's vector ops above."""
         args = self._kernel_args.get(layer)
         if args is None:
             return None
-        every = len(experts) == int(torch.unique(ids_h).numel())
+        mine = set(experts)
+        small = ids_h.shape[0] <= SHARE_PY_ROWS
+        rows: list[list[int]] = ids_h.tolist() if small else []
+        every = (mine.issuperset(e for row in rows for e in row) if small
+                 else len(mine) == int(torch.unique(ids_h).numel()))
         out_h = torch.zeros_like(x_h)
         t0 = self.clock()
-        routed = routed_experts_ffn(x_h, ids_h, w_h, args, out_h,
-                                    only=None if every else set(experts))
+        routed = routed_experts_ffn(x_h, ids_h, w_h, args, out_h, only=None if every else mine)
         if routed is None:
             return None
         self.cost.observe_cpu_layer(self.formats[layer], [n for _, n in routed],
                                     self.clock() - t0)
-        mine = torch.isin(ids_h, torch.tensor(experts, dtype=ids_h.dtype))
-        place = torch.where(mine, ids_h, self.spec.num_experts).argmin(dim=1)
-        tok = mine.any(dim=1).nonzero().flatten()
-        return tok, place.index_select(0, tok), out_h.index_select(0, tok)
+        tok: list[int] = []
+        place: list[int] = []
+        lowest: list[int] = []
+        if small:
+            for t, row in enumerate(rows):
+                j = min((j for j, e in enumerate(row) if e in mine), key=row.__getitem__,
+                        default=-1)
+                if j >= 0:
+                    tok.append(t)
+                    place.append(j)
+                    lowest.append(row[j])
+        else:
+            ours = torch.isin(ids_h, torch.tensor(experts, dtype=ids_h.dtype))
+            at = torch.where(ours, ids_h, self.spec.num_experts).argmin(dim=1)
+            rows_t = ours.any(dim=1).nonzero().flatten()
+            tok, place = rows_t.tolist(), at.index_select(0, rows_t).tolist()
+            lowest = ids_h.index_select(0, rows_t).gather(
+                1, at.index_select(0, rows_t)[:, None]).flatten().tolist()
+        sums = out_h if len(tok) == x_h.shape[0] else out_h.index_select(0, torch.tensor(tok))
+        return CpuShare(tok, place, lowest, sums)
 
     def _share_parts(self, layer: int, x_h: torch.Tensor, ids_h: torch.Tensor,
                      w_h: torch.Tensor, experts: list[int]) -> dict[int, Contribution | None]:
@@ -365,12 +398,16 @@ class HybridStrategy(OffloadStrategy):
         if share is None:  # not one-call kernels after all: expert by expert
             return self._cpu_parts(layer, x_h, plan_experts(ids_h, w_h, self.spec.num_experts),
                                    experts)
-        tok, place, sums = share
-        lowest = ids_h.index_select(0, tok).gather(1, place[:, None]).flatten()
-        parts: dict[int, Contribution | None] = {}
-        for e in experts:
-            sel = (lowest == e).nonzero().flatten()
-            parts[e] = (tok.index_select(0, sel), sums.index_select(0, sel)) if sel.numel() else None
+        parts: dict[int, Contribution | None] = dict.fromkeys(experts)
+        by: dict[int, list[int]] = {}
+        for i, e in enumerate(share.lowest):
+            by.setdefault(e, []).append(i)
+        for e, idx in by.items():
+            if len(idx) == len(share.tokens):  # one expert is every token's lowest
+                parts[e] = (torch.tensor(share.tokens), share.sums)
+            else:
+                parts[e] = (torch.tensor([share.tokens[i] for i in idx]),
+                            share.sums.index_select(0, torch.tensor(idx)))
         return parts
 
     def _cpu_parts(self, layer: int, x: torch.Tensor, plan: ExpertPlan,

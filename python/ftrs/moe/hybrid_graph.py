@@ -18,8 +18,10 @@ call (no slot lookup, no prefetch, an empty slot table, so the captured kernel c
 nothing). The mode is timed by the host step's wall clock after the routing's read-back (which
 both pay); the device part of a split's hits runs in the next captured segment and is not in
 that time: a hit's kernel is microseconds, where the host work the split adds (the next layer's
-predicted routing read back for the prefetch, the lookup; then, the CPU experts one by one, now
-one kernel call, `HybridStrategy.cpu_share`) is what the modes differ by. Measured on an H200 host (bench/hybrid.py --device cuda, the demo-shaped
+predicted routing read back for the prefetch, the lookup; then, the CPU experts one by one) is
+what the modes differ by. Since then the split reads the real rows back once, predicts the next
+layer's experts from them on the host (`offload.rank_on_host`: no device round trip) and
+computes its CPU share from them in one kernel call (`HybridStrategy.cpu_share`). Measured on an H200 host (bench/hybrid.py --device cuda, the demo-shaped
 Q4_K_M, 16 cores): graph decode with every expert on the CPU ran 46-53 tok/s, offload 1.5-41
 and the split alone 25-37 at 0.1-8 GB/s and unpaced: the host work of a split layer cost more
 than the CPU computing its two experts, at every link.
@@ -63,7 +65,10 @@ def host_step(h: HybridStrategy, layer: int, ids: torch.Tensor, weights: torch.T
         h._t_end = h.clock()
         h.modes.observe("cpu", rows, h._t_end - t_layer)
         return
-    prefetch = h._predict(layer, x[:rows]) if rows else []
+    # the real rows on the host once: the next layer's routing is predicted there (no device
+    # round trip) and the CPU share reads them
+    x_h = x[:rows].to("cpu", torch.float32).contiguous()
+    prefetch = h._predict(layer, x[:rows], x_h) if rows else []
     resident = {e for lay, e, _ in h.engine.resident() if lay == li}
     hits = [e for e in needed if e in resident]
     misses = [(e, counts[e]) for e in needed if e not in resident]
@@ -79,7 +84,7 @@ def host_step(h: HybridStrategy, layer: int, ids: torch.Tensor, weights: torch.T
         t0 = h.clock()
         slots, ticket = h._lookup(li, device, prefetch) if device or prefetch else ([], None)
         if on_cpu:  # on the host while the fetches are on the link
-            _cpu_rows(h, layer, x[:rows], ids_h, weights[:rows], on_cpu, y)
+            _cpu_rows(h, layer, x_h, ids_h, weights[:rows], on_cpu, y)
         waited = 0.0
         if ticket is not None:
             t1 = h.clock()
@@ -119,8 +124,8 @@ def _cpu_rows(h: HybridStrategy, layer: int, x: torch.Tensor, ids_h: torch.Tenso
                             ids_h.contiguous(), weights.to("cpu", torch.float32).contiguous(),
                             experts)
         if share is not None:
-            tok, place, sums = share
-            y.index_copy_(0, (tok * k + place).to(y.device), sums.to(y.device, y.dtype))
+            rows = torch.tensor([t * k + j for t, j in zip(share.tokens, share.places)])
+            y.index_copy_(0, rows.to(y.device), share.sums.to(y.device, y.dtype))
             return
     x_h = x.cpu()
     plan = plan_experts(ids_h, weights.cpu(), h.spec.num_experts)

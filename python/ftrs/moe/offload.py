@@ -76,6 +76,7 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from ftrs import _core
@@ -135,6 +136,23 @@ def cache_slots(config: EngineConfig, experts: HostExperts, device: torch.device
     if slots < top_k:
         raise ConfigError(f"moe cache of {slots} slots is below top_k={top_k}: nothing could run")
     return min(slots, total)
+
+
+def rank_on_host(x: torch.Tensor, router: np.ndarray, top_k: int) -> list[int]:
+    """The experts a softmax router (`router`: experts x hidden, fp32) sends the rows of host
+    fp32 `x` to, top `top_k` per row, ranked by their summed weight, heaviest first (ties:
+    lower id first): `route` followed by the ranking `_predict` makes on the device, in numpy
+    and plain Python (a decode step's handful of rows: a device's round trip and torch's
+    per-call overhead cost more than the work)."""
+    logits = x.numpy() @ router.T
+    top = np.argpartition(logits, -top_k, axis=1)[:, -top_k:]  # softmax keeps the order
+    peak = logits.max(axis=1, keepdims=True)
+    weight = (np.exp(np.take_along_axis(logits, top, axis=1) - peak)
+              / np.exp(logits - peak).sum(axis=1, keepdims=True))
+    score: dict[int, float] = {}
+    for e, w in zip(top.ravel().tolist(), weight.ravel().tolist()):
+        score[e] = score.get(e, 0.0) + w
+    return sorted((e for e, w in score.items() if w > 0), key=lambda e: (-score[e], e))
 
 
 def cuda_ordinal(device: torch.device) -> int:
@@ -203,6 +221,7 @@ class OffloadStrategy(MoEStrategy):
         self.working_set = len(self.spec.moe_layers) * self.spec.top_k
         self.next_moe = {a: b for a, b in zip(self.spec.moe_layers, self.spec.moe_layers[1:])}
         self._predicted: dict[int, set[int]] = {}
+        self._routers_host: dict[int, np.ndarray] = {}  # fp32 copies for `rank_on_host`
         self.pred_hits = self.pred_issued = self.pred_needed = 0
         # The link-bound gate (module docstring): this forward's start, transfer waits and end;
         # per width (False: narrow, True: wide), whether its last forward was link-bound and
@@ -220,18 +239,28 @@ class OffloadStrategy(MoEStrategy):
                  self.num_slots, experts.num_experts_total, self.buffer.numel() / 2**20,
                  backend, config.moe_cache_policy)
 
-    def _predict(self, layer: int, x: torch.Tensor) -> list[tuple[int, int]]:
+    def _predict(self, layer: int, x: torch.Tensor,
+                 x_host: torch.Tensor | None = None) -> list[tuple[int, int]]:
+        """The next MoE layer's experts, routed from this layer's input `x`, likeliest first
+        (summed router weight over the batch): the engine keeps few prefetches in flight and
+        `spare` may cut the list, so the order decides what goes. `x_host`: the same rows
+        already in host memory (fp32), ranked there (`rank_on_host`): no device round trip."""
         nxt = self.next_moe.get(layer)
         spare = self.num_slots - self.working_set
         if nxt is None or not self.prefetch or spare <= 0 or self._gated:
             return []
-        ids, w = route(x, self.routers[nxt], self.spec.top_k, False)
-        # likeliest first (summed router weight over the batch): the engine keeps few
-        # prefetches in flight and `spare` may cut the list, so the order decides what goes
-        score = torch.zeros(self.spec.num_experts, dtype=torch.float32, device=ids.device)
-        score.index_add_(0, ids.flatten(), w.flatten().float())
-        ranked = torch.argsort(score, descending=True, stable=True)
-        guess = ranked[: int((score > 0).sum())].tolist()[:spare]
+        if x_host is not None:
+            router = self._routers_host.get(nxt)
+            if router is None:
+                router = self._routers_host[nxt] = (
+                    self.routers[nxt].detach().to("cpu", torch.float32).numpy())
+            guess = rank_on_host(x_host, router, self.spec.top_k)[:spare]
+        else:
+            ids, w = route(x, self.routers[nxt], self.spec.top_k, False)
+            score = torch.zeros(self.spec.num_experts, dtype=torch.float32, device=ids.device)
+            score.index_add_(0, ids.flatten(), w.flatten().float())
+            ranked = torch.argsort(score, descending=True, stable=True)
+            guess = ranked[: int((score > 0).sum())].tolist()[:spare]
         self._predicted[nxt] = set(guess)
         li = self.experts.layer_index[nxt]
         return [(li, e) for e in guess]
