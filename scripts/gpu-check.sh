@@ -22,6 +22,8 @@
 # GPU_CHECK_PY=python3 scripts/gpu-check.sh.
 # GPU_CHECK_MODEL=DIR benches that checkpoint instead of building the demo (offline hosts).
 # GPU_CHECK_KERNEL_TESTS=PATHS runs those kernel tests instead of all of tests/kernel_checks.
+# GPU_CHECK_HYBRID_THREADS="4 8" runs the hybrid sweep again with the CPU kernels on that many
+# threads each (a host of fewer cores: where the device's share of the experts should pay).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${GPU_CHECK_PY:-.venv/bin/python}
@@ -86,6 +88,11 @@ step "bench/offload.py --copy-backend cuda" 60 \
   "$PY" bench/offload.py --quick --copy-backend cuda --model "$model"
 step "bench/hybrid.py --device cuda" 200 "$PY" bench/hybrid.py --device cuda \
   --model "$hybrid_model" --links 0.1 0.5 2 8 0 --tokens 24 --slow-tokens 12 --rounds 2
+for threads in ${GPU_CHECK_HYBRID_THREADS:-}; do
+  step "bench/hybrid.py --device cuda --cpu-expert-threads $threads" 200 "$PY" bench/hybrid.py \
+    --device cuda --model "$hybrid_model" --links 0.1 0.5 2 8 0 --tokens 24 --slow-tokens 12 \
+    --rounds 2 --layer-passes 0 --cpu-expert-threads "$threads"
+done
 # shellcheck disable=SC2086  # a list of paths
 step "kernel tests (compiled)" 150 env TRITON_INTERPRET=0 "$PY" -m pytest -v -m "" \
   ${GPU_CHECK_KERNEL_TESTS:-tests/kernel_checks} --timeout 120
