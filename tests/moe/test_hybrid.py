@@ -354,3 +354,62 @@ def test_cpu_share_sums_each_tokens_cpu_experts_at_its_lowest(
             assert not want[[t for t in range(rows) if not mine[t]]].any()
     finally:
         llm.close()
+
+
+def test_one_call_shares_leave_one_mixed_share_in_sixteen_to_timing_each_expert(
+        tmp_path: Path) -> None:
+    """A GPU's split runs its CPU share in one kernel call (`HybridStrategy.one_call`), except
+    one in `CPU_SAMPLE_EVERY` of the shares whose experts fall in several buckets of tokens:
+    one call's time cannot be split between buckets, so that share goes expert by expert and
+    each expert's time feeds its bucket's rate. Eager layer calls on a Q8_0 GGUF with the split
+    held on every miss to the CPU (`one_call_share` on, as on a GPU), 8 rows each."""
+    from ftrs.moe.hybrid import CPU_SAMPLE_EVERY
+
+    quant_models = pytest.importorskip("quant_models")
+    path = quant_models.build("qwen3_moe", {"experts": "Q8_0"}, tmp_path)[0]
+    llm = make(path, moe_strategy="hybrid")
+    try:
+        moe = hybrid(llm)
+        spec = moe.spec
+        layer = spec.moe_layers[0]
+        moe.one_call_share = True
+        assert all(moe.one_call(layer, [1, 1, 1]) for _ in range(2 * CPU_SAMPLE_EVERY))
+        moe.cost = CostModel(1.0, 1.0, cpu_s_per_token=1e-9)  # the link priced out
+        moe.modes = LayerModes(explore_share=0, learn=False)
+        moe.modes.seconds = {(m, 1 << b): t for b in range(8)
+                             for m, t in (("split", 0.0), ("cpu", 1.0))}
+        timed: list[int] = []  # per-expert tokens of each expert timed alone
+        observe = moe.cost.observe_cpu
+
+        def recording(fmt: str, tokens: int, seconds: float) -> None:
+            timed.append(tokens)
+            observe(fmt, tokens, seconds)
+
+        moe.cost.observe_cpu = recording  # type: ignore[method-assign]
+        by_expert: list[int] = []  # layer calls that went expert by expert
+        cpu_parts = moe._cpu_parts
+
+        def counting(*a: Any) -> Any:
+            by_expert.append(1)
+            return cpu_parts(*a)
+
+        moe._cpu_parts = counting  # type: ignore[method-assign]
+        g = torch.Generator().manual_seed(2)
+        mixed = 0
+        for _ in range(3 * CPU_SAMPLE_EVERY):
+            x = torch.randn(8, spec.hidden_size, generator=g)
+            ids = torch.stack([torch.randperm(spec.num_experts, generator=g)[:spec.top_k]
+                               for _ in range(8)])
+            w = torch.rand(8, spec.top_k, generator=g)
+            counts = torch.bincount(ids.flatten(), minlength=spec.num_experts)
+            mixed += len({1 << (int(c).bit_length() - 1) for c in counts if c}) > 1
+            moe.forward(layer, x, ids, w)
+        sampled = mixed // CPU_SAMPLE_EVERY
+        assert sampled >= 2  # the premise: 8 rows over few experts mix buckets
+        assert moe._mixed_shares == mixed
+        assert len(by_expert) == sampled  # every other share in one call
+        # the sampled shares' experts, each timed alone, buckets above one row among them
+        assert len(timed) >= sampled and max(timed) > 1
+        assert {b for _, b in moe.cost.cpu} - {1}
+    finally:
+        llm.close()

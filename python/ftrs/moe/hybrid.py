@@ -41,7 +41,9 @@ kernel call (`cpu_share`, as the "cpu" mode runs a whole layer: on the H200 host
 went from 10-13 to 46-53 tok/s when it stopped running experts one by one): each token's CPU
 experts summed in ascending id, the sum added where its lowest CPU expert's part goes, so a
 token's CPU experts join its device experts' parts as one term (fp32 sums in another order
-than one by one; eager and graph add the same terms in the same order).
+than one by one; eager and graph add the same terms in the same order). One in
+`CPU_SAMPLE_EVERY` of the shares whose experts fall in several buckets of tokens still goes
+expert by expert, each timed, so every bucket's CPU rate keeps being measured (`one_call`).
 
 Prefetch (the next layer's predicted experts) runs only when the device is not the CPU: a hit
 computed on a CPU "device" is no faster than the same expert computed from the host pool.
@@ -161,6 +163,7 @@ class HybridStrategy(OffloadStrategy):
         self.device_computed = self.fetched = self.cpu_computed = 0
         self.step_counts = [0, 0, 0]  # this step: device (hits), fetched, CPU
         self._calls = 0  # MoE layer calls served in place (`_in_place`)
+        self._mixed_shares = 0  # CPU shares whose experts fell in several buckets (`one_call`)
         log.info("hybrid: CPU experts on %d kernel threads; link seed %.2f GB/s",
                  self.threads, rate / 1e9)
 
@@ -194,7 +197,7 @@ class HybridStrategy(OffloadStrategy):
         parts: dict[int, Contribution | None] = {}
         job: Future[dict[int, Contribution | None]] | None = None
         x_host, plan_host = x, plan
-        if on_cpu and self.one_call_share and layer in self._kernel_args:
+        if on_cpu and self.one_call(layer, [plan.counts[e] for e in on_cpu]):
             # a GPU's CPU share in one kernel call (`cpu_share`); the worker gets host copies
             host = (x.to("cpu", torch.float32).contiguous(), ids.cpu().contiguous(),
                     weights.to("cpu", torch.float32).contiguous())
@@ -342,6 +345,20 @@ class HybridStrategy(OffloadStrategy):
             pos = (ids.index_select(0, tok) == e).int().argmax(dim=1)  # e's place in each row
             parts[e] = (tok, y.index_select(0, tok * ids.shape[1] + pos))
         return parts
+
+    def one_call(self, layer: int, counts: list[int]) -> bool:
+        """Whether a split's CPU share (`counts`: tokens routed to each of its experts) runs in
+        one kernel call (`cpu_share`): on a GPU, when the layer's experts are one-call kernels,
+        except one in `CPU_SAMPLE_EVERY` of the shares whose experts fall in several buckets of
+        tokens: that one goes expert by expert, each timed, since one call's time cannot be
+        split between buckets and each bucket's rate must keep being measured (a prefill
+        chunk's experts: `CostModel.observe_cpu_layer`)."""
+        if not (self.one_call_share and layer in self._kernel_args):
+            return False
+        if len({bucket(n) for n in counts}) <= 1:
+            return True
+        self._mixed_shares += 1
+        return self._mixed_shares % CPU_SAMPLE_EVERY != 0
 
     def cpu_share(self, layer: int, x_h: torch.Tensor, ids_h: torch.Tensor, w_h: torch.Tensor,
                   experts: list[int]) -> CpuShare | None:

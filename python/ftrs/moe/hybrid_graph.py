@@ -113,13 +113,15 @@ def _cpu_rows(h: HybridStrategy, layer: int, x: torch.Tensor, ids_h: torch.Tenso
     weighted output written into row `token * k + j` of the pair buffer `y` (j: the expert's
     place in the token's routing), as the fused kernel writes the device experts' rows."""
     k = ids_h.shape[1]
-    if h._kernel_args.get(layer) is not None and (
-            h.one_call_share or len(experts) == len(set(ids_h.reshape(-1).tolist()))):
+    flat = ids_h.reshape(-1).tolist()
+    every = len(experts) == len(set(flat))
+    if (h._kernel_args.get(layer) is not None if every
+            else h.one_call(layer, [flat.count(e) for e in experts])):
         # the layer's CPU share in one kernel call (`HybridStrategy.cpu_share`): each token's
         # sum goes into the pair row of its lowest CPU expert (that expert's other rows and the
         # token's other CPU experts' stay zero; adding zeros changes nothing), which is where
-        # the eager split adds it. On a CPU device only when every expert is on the CPU
-        # (`one_call_share`).
+        # the eager split adds it. A share of the layer's experts: only where `one_call` says
+        # (a GPU; not the sampled calls that time each expert).
         share = h.cpu_share(layer, x.to("cpu", torch.float32).contiguous(),
                             ids_h.contiguous(), weights.to("cpu", torch.float32).contiguous(),
                             experts)
