@@ -162,6 +162,7 @@ def test_lookup_copies_pool_blocks_into_the_returned_slots_and_hits_next_time() 
     assert s["layer_hits"] == [1, 2] and s["layer_misses"] == [0, 2]
     assert s["bytes_h2d"] == 3 * lay.expert_bytes
     assert sorted(eng.resident()) == sorted([(1, 2, slots[0]), (1, 5, slots[1]), (0, 1, slots0[0])])
+    assert (eng.resident_in(1), eng.resident_in(0), eng.resident_in(2)) == ([2, 5], [1], [])
     eng.reset_stats()
     assert eng.stats()["lookups"] == 0
 
@@ -176,7 +177,7 @@ def test_cancelled_prefetches_never_land() -> None:
     eng.wait(ticket)
     assert eng.cancel_prefetches() == 3
     wait_idle(eng)
-    assert eng.resident() == []
+    assert eng.resident() == [] and eng.resident_in(1) == []  # never landed: not resident
     s = eng.stats()
     assert (s["prefetch_issued"], s["prefetch_cancelled"], s["prefetch_wasted"]) == (3, 3, 3)
 

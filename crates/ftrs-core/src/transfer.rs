@@ -319,6 +319,20 @@ impl TransferEngine {
         };
     }
 
+    /// The experts of `layer` whose bytes have landed, ascending: `resident` for one layer,
+    /// without listing every slot (a hybrid layer asks it once a call).
+    pub fn resident_in(&self, layer: u32) -> Vec<u32> {
+        let st = lock(&self.inner.state);
+        let mut v: Vec<u32> = st
+            .cache
+            .resident()
+            .filter(|((l, _), s)| *l == layer && st.ready[*s as usize])
+            .map(|((_, e), _)| e)
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
     /// (layer, expert, slot) of every slot whose bytes have landed.
     pub fn resident(&self) -> Vec<(u32, u32, u32)> {
         let st = lock(&self.inner.state);

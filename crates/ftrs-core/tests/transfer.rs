@@ -34,6 +34,10 @@ fn demanded_bytes_land_in_the_returned_slots_and_hit_the_second_time() {
     assert_eq!(s.layer_hits[1], 2);
     assert_eq!(s.bytes_h2d, 2 * pool.layout().expert_bytes() as u64);
     assert_eq!(eng.resident(), vec![(1, 3, slots[0]), (1, 5, slots[1])]);
+    assert_eq!(
+        (eng.resident_in(1), eng.resident_in(0)),
+        (vec![3, 5], vec![])
+    );
     eng.check_invariants().unwrap();
 }
 

@@ -270,6 +270,11 @@ impl PyTransferEngine {
         self.engine().resident()
     }
 
+    /// The experts of `layer` whose bytes landed, ascending.
+    fn resident_in(&self, layer: u32) -> Vec<u32> {
+        self.engine().resident_in(layer)
+    }
+
     /// Drill: the copy after the next `after_copies` ones fails with `kind`
     /// (device_lost | kernel_fault | oom), or, for `worker_panic`, the worker panics on it
     /// (every waiter then gets `KernelFault`, and the engine stays dead).

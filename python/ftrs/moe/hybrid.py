@@ -183,7 +183,7 @@ class HybridStrategy(OffloadStrategy):
         t_layer = self.clock()
         prefetch = self._predict(layer, x)
         # the slots hold experts only once something was fetched or prefetched
-        resident = ({e for lay, e, _ in self.engine.resident() if lay == li}
+        resident = (set(self.engine.resident_in(li))
                     if self.fetched or self.prefetch else set())
         hits = [e for e in needed if e in resident]
         misses = [(e, plan.counts[e]) for e in needed if e not in resident]

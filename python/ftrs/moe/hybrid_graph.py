@@ -69,7 +69,7 @@ def host_step(h: HybridStrategy, layer: int, ids: torch.Tensor, weights: torch.T
     # round trip) and the CPU share reads them
     x_h = x[:rows].to("cpu", torch.float32).contiguous()
     prefetch = h._predict(layer, x[:rows], x_h) if rows else []
-    resident = {e for lay, e, _ in h.engine.resident() if lay == li}
+    resident = set(h.engine.resident_in(li))
     hits = [e for e in needed if e in resident]
     misses = [(e, counts[e]) for e in needed if e not in resident]
     fetch: list[int] = []
