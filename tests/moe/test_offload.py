@@ -430,12 +430,15 @@ def test_cache_larger_than_model_is_clamped(tiny_models: dict[str, Path],
     assert strategy(rate).num_slots == shape["qwen3_moe"][1] // 4
 
 
-@pytest.mark.parametrize("rows,experts,top_k", [(1, 8, 2), (3, 8, 2), (8, 64, 8), (5, 128, 8)])
+@pytest.mark.parametrize("rows,experts,top_k", [(1, 8, 2), (3, 8, 2), (4, 64, 4), (8, 64, 8),
+                                               (5, 128, 8)])
 def test_host_ranking_of_the_next_layer_equals_the_device_path(rows: int, experts: int,
                                                                top_k: int) -> None:
-    """`rank_on_host` (hybrid's graph host step predicts with it: numpy on rows already on the
+    """`rank_on_host` (hybrid's graph host step predicts with it, from rows already on the
     host) against torch's `route` and the ranking `_predict` makes on the device: the same
-    experts in the same order (random fp32 inputs, so no two scores tie)."""
+    experts in the same order (random fp32 inputs, so no two scores tie), in plain Python (up
+    to `RANK_PY_LOGITS` logits: the first three shapes) and in numpy (the last two)."""
+    assert 4 * 64 <= offload_mod.RANK_PY_LOGITS < 8 * 64  # the premise of the shapes
     from ftrs.layers.moe import route
 
     g = torch.Generator().manual_seed(rows * experts + top_k)

@@ -71,6 +71,7 @@ the host for it.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 import time
@@ -138,20 +139,34 @@ def cache_slots(config: EngineConfig, experts: HostExperts, device: torch.device
     return min(slots, total)
 
 
+#: `rank_on_host` ranks in plain Python up to this many logits (rows x experts), numpy above.
+RANK_PY_LOGITS = 256
+
+
 def rank_on_host(x: torch.Tensor, router: np.ndarray, top_k: int) -> list[int]:
     """The experts a softmax router (`router`: experts x hidden, fp32) sends the rows of host
     fp32 `x` to, top `top_k` per row, ranked by their summed weight, heaviest first (ties:
-    lower id first): `route` followed by the ranking `_predict` makes on the device, in numpy
-    and plain Python (a decode step's handful of rows: a device's round trip and torch's
-    per-call overhead cost more than the work)."""
+    lower id first): `route` followed by the ranking `_predict` makes on the device, on the
+    host. The logits by numpy; the rest, for a decode step's few rows and experts
+    (`RANK_PY_LOGITS`), in plain Python: there a device's round trip, torch's and numpy's
+    per-call overheads cost more than the work (measured inside hybrid's host step, between
+    the CPU experts' kernel calls, which leave the caches cold)."""
     logits = x.numpy() @ router.T
-    top = np.argpartition(logits, -top_k, axis=1)[:, -top_k:]  # softmax keeps the order
-    peak = logits.max(axis=1, keepdims=True)
-    weight = (np.exp(np.take_along_axis(logits, top, axis=1) - peak)
-              / np.exp(logits - peak).sum(axis=1, keepdims=True))
     score: dict[int, float] = {}
-    for e, w in zip(top.ravel().tolist(), weight.ravel().tolist()):
-        score[e] = score.get(e, 0.0) + w
+    if logits.size <= RANK_PY_LOGITS:
+        for row in logits.tolist():
+            top = heapq.nlargest(top_k, range(len(row)), key=row.__getitem__)
+            peak = row[top[0]]
+            total = math.fsum(math.exp(v - peak) for v in row)
+            for e in top:
+                score[e] = score.get(e, 0.0) + math.exp(row[e] - peak) / total
+    else:
+        picked = np.argpartition(logits, -top_k, axis=1)[:, -top_k:]  # softmax keeps order
+        high = logits.max(axis=1, keepdims=True)
+        weight = (np.exp(np.take_along_axis(logits, picked, axis=1) - high)
+                  / np.exp(logits - high).sum(axis=1, keepdims=True))
+        for e, w in zip(picked.ravel().tolist(), weight.ravel().tolist()):
+            score[e] = score.get(e, 0.0) + w
     return sorted((e for e, w in score.items() if w > 0), key=lambda e: (-score[e], e))
 
 
