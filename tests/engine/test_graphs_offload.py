@@ -202,7 +202,7 @@ def test_hybrid_graph_host_step_runs_an_all_cpu_layer_in_one_kernel_call(
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph"])
 def test_hybrid_split_cpu_share_in_one_call_equals_expert_by_expert(
         tmp_path: Path, graphs: bool) -> None:
-    """A GPU's split computes its CPU share in one kernel call (`HybridStrategy.cpu_share`),
+    """A GPU's split computes its CPU share in one kernel call (`moe.hybrid_share.cpu_share`),
     each token's CPU experts summed where its lowest one's part goes. Here on the CPU stand-in
     (`one_call_share` on), a Q8_0 GGUF, four prompts, the split by tokens (single-token experts
     on the CPU, wider ones fetched), so layers have a CPU share beside device experts, eager

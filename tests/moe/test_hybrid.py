@@ -316,17 +316,17 @@ def test_bench_strategy_measures_hybrid_and_can_pick_it(tmp_path: Path) -> None:
 @pytest.mark.parametrize("py_rows", [64, 0], ids=["python-bookkeeping", "torch-bookkeeping"])
 def test_cpu_share_sums_each_tokens_cpu_experts_at_its_lowest(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, py_rows: int) -> None:
-    """`cpu_share` (a GPU's split, in one kernel call) on a Q8_0 layer: only the share's experts,
+    """`hybrid_share.cpu_share` (a GPU's split, in one kernel call) on a Q8_0 layer: only the share's experts,
     each token's summed in ascending id, bit for bit the per-expert contributions added in that
     order (the kernels' own rounding, `_cpu_parts`); each token's place is that of its lowest
     CPU expert; tokens without one are left out. Both bookkeeping paths (plain Python up to
     `SHARE_PY_ROWS` rows, torch above)."""
     from ftrs.layers.moe import accumulate, plan_experts
-    from ftrs.moe import hybrid as hybrid_mod
+    from ftrs.moe import hybrid_share
 
     quant_models = pytest.importorskip("quant_models")
     path = quant_models.build("qwen3_moe", {"experts": "Q8_0"}, tmp_path)[0]
-    monkeypatch.setattr(hybrid_mod, "SHARE_PY_ROWS", py_rows)
+    monkeypatch.setattr(hybrid_share, "SHARE_PY_ROWS", py_rows)
     llm = make(path, moe_strategy="hybrid")
     try:
         moe = hybrid(llm)
@@ -358,7 +358,7 @@ def test_cpu_share_sums_each_tokens_cpu_experts_at_its_lowest(
 
 def test_one_call_shares_leave_one_mixed_share_in_sixteen_to_timing_each_expert(
         tmp_path: Path) -> None:
-    """A GPU's split runs its CPU share in one kernel call (`HybridStrategy.one_call`), except
+    """A GPU's split runs its CPU share in one kernel call (`hybrid_share.one_call`), except
     one in `CPU_SAMPLE_EVERY` of the shares whose experts fall in several buckets of tokens:
     one call's time cannot be split between buckets, so that share goes expert by expert and
     each expert's time feeds its bucket's rate. Eager layer calls on a Q8_0 GGUF with the split

@@ -24,6 +24,7 @@ from ftrs.errors import (
 )
 from ftrs.llm import LLM
 from ftrs.moe import offload as offload_mod
+from ftrs.moe import rank as rank_mod
 from ftrs.moe.offload import OffloadStrategy
 from ftrs.sampling import SamplingParams
 
@@ -438,7 +439,7 @@ def test_host_ranking_of_the_next_layer_equals_the_device_path(rows: int, expert
     host) against torch's `route` and the ranking `_predict` makes on the device: the same
     experts in the same order (random fp32 inputs, so no two scores tie), in plain Python (up
     to `RANK_PY_LOGITS` logits: the first three shapes) and in numpy (the last two)."""
-    assert 4 * 64 <= offload_mod.RANK_PY_LOGITS < 8 * 64  # the premise of the shapes
+    assert 4 * 64 <= rank_mod.RANK_PY_LOGITS < 8 * 64  # the premise of the shapes
     from ftrs.layers.moe import route
 
     g = torch.Generator().manual_seed(rows * experts + top_k)
@@ -450,7 +451,7 @@ def test_host_ranking_of_the_next_layer_equals_the_device_path(rows: int, expert
         for e, v in zip(ids.flatten().tolist(), w.flatten().tolist()):
             score[e] = score.get(e, 0.0) + v
         want = sorted(score, key=lambda e: -score[e])
-        assert offload_mod.rank_on_host(x, router.numpy(), top_k) == want
+        assert rank_mod.rank_on_host(x, router.numpy(), top_k) == want
 
 
 def test_hybrid_predicts_the_same_prefetch_from_host_rows(tiny_models: dict[str, Path]) -> None:

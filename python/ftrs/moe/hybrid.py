@@ -37,13 +37,8 @@ pool, the very code `resident` runs (torch for float weights, the Rust kernels f
 ones): bit-identical. The Rust F32 kernel does not reproduce torch's fp32 sums bit for bit, so
 on a CPU device float weights stay with torch. With a GPU as the device, float host weights are
 handed to the Rust kernels as F32/F16/BF16 rows and the CPU share computes in fp32, in one
-kernel call (`cpu_share`, as the "cpu" mode runs a whole layer: on the H200 host that mode
-went from 10-13 to 46-53 tok/s when it stopped running experts one by one): each token's CPU
-experts summed in ascending id, the sum added where its lowest CPU expert's part goes, so a
-token's CPU experts join its device experts' parts as one term (fp32 sums in another order
-than one by one; eager and graph add the same terms in the same order). One in
-`CPU_SAMPLE_EVERY` of the shares whose experts fall in several buckets of tokens still goes
-expert by expert, each timed, so every bucket's CPU rate keeps being measured (`one_call`).
+kernel call (`moe.hybrid_share`: each token's CPU experts summed, added as one term where its
+lowest CPU expert's part goes).
 
 Prefetch (the next layer's predicted experts) runs only when the device is not the CPU: a hit
 computed on a CPU "device" is no faster than the same expert computed from the host pool.
@@ -60,7 +55,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -75,7 +70,7 @@ from ftrs.layers.moe import (
     plan_experts,
 )
 from ftrs.models.experts import HostExperts
-from ftrs.moe import hybrid_graph
+from ftrs.moe import hybrid_graph, hybrid_share
 from ftrs.moe.base import GraphSupport, register
 from ftrs.moe.hybrid_cost import (
     SEED_CPU_BYTES_PER_S,
@@ -84,6 +79,7 @@ from ftrs.moe.hybrid_cost import (
     bucket,
     seed_link,
 )
+from ftrs.moe.hybrid_share import CPU_SAMPLE_EVERY, CpuShare
 from ftrs.moe.offload import OffloadStrategy
 from ftrs.quant.formats import QuantTensor
 from ftrs.quant.matmul import layer_kernel_args, routed_experts_ffn
@@ -94,22 +90,7 @@ if TYPE_CHECKING:
 __all__ = ["CostModel", "CpuShare", "HybridStrategy", "LayerModes", "bucket", "layer_format"]
 
 log = logging.getLogger(__name__)
-#: On a CPU device with empty slots, one MoE layer call in this many times its experts.
-CPU_SAMPLE_EVERY = 16
-#: `cpu_share` keeps its bookkeeping in plain Python up to this many rows.
-SHARE_PY_ROWS = 64
 _FLOAT_QTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
-
-
-class CpuShare(NamedTuple):
-    """A layer's CPU experts computed in one call (`HybridStrategy.cpu_share`): for each token
-    with a CPU expert (ascending), the place in its routing and the id of its lowest CPU
-    expert, and the sum of its CPU experts' weighted outputs (fp32, host; row i is tokens[i])."""
-
-    tokens: list[int]
-    places: list[int]
-    lowest: list[int]
-    sums: torch.Tensor
 
 
 def layer_format(experts: HostExperts, layer: int) -> str:
@@ -201,7 +182,7 @@ class HybridStrategy(OffloadStrategy):
             # a GPU's CPU share in one kernel call (`cpu_share`); the worker gets host copies
             host = (x.to("cpu", torch.float32).contiguous(), ids.cpu().contiguous(),
                     weights.to("cpu", torch.float32).contiguous())
-            job = self._pool.submit(self._share_parts, layer, *host, on_cpu)
+            job = self._pool.submit(hybrid_share.share_parts, self, layer, *host, on_cpu)
         elif on_cpu and x.device.type != "cpu":  # the worker touches host tensors only
             x_host = x.cpu()
             plan_host = plan._replace(tokens=plan.tokens.cpu(), weights=plan.weights.cpu())
@@ -347,85 +328,13 @@ class HybridStrategy(OffloadStrategy):
         return parts
 
     def one_call(self, layer: int, counts: list[int]) -> bool:
-        """Whether a split's CPU share (`counts`: tokens routed to each of its experts) runs in
-        one kernel call (`cpu_share`): on a GPU, when the layer's experts are one-call kernels,
-        except one in `CPU_SAMPLE_EVERY` of the shares whose experts fall in several buckets of
-        tokens: that one goes expert by expert, each timed, since one call's time cannot be
-        split between buckets and each bucket's rate must keep being measured (a prefill
-        chunk's experts: `CostModel.observe_cpu_layer`)."""
-        if not (self.one_call_share and layer in self._kernel_args):
-            return False
-        if len({bucket(n) for n in counts}) <= 1:
-            return True
-        self._mixed_shares += 1
-        return self._mixed_shares % CPU_SAMPLE_EVERY != 0
+        """Whether a split's CPU share runs in one kernel call (`hybrid_share.one_call`)."""
+        return hybrid_share.one_call(self, layer, counts)
 
     def cpu_share(self, layer: int, x_h: torch.Tensor, ids_h: torch.Tensor, w_h: torch.Tensor,
                   experts: list[int]) -> CpuShare | None:
-        """`experts` (ascending, a share of the layer's routed ones or all of them) computed
-        from the host pool in one kernel call, as `resident` runs a CPU host's layer: host
-        fp32 `x_h` and `w_h`, int64 `ids_h`. Each token's CPU experts are summed in ascending
-        id, the sum to be added where the token's lowest CPU expert's part would be (eager:
-        its contribution; a graph: its pair row), so eager and graph add the same rows in the
-        same order. None when the layer's experts are not one-call kernels (float weights with
-        biases, another activation): the caller goes expert by expert. The bookkeeping is
-        plain Python up to `SHARE_PY_ROWS` rows (a decode step's: torch's per-call overhead,
-        not the work, is what a handful of rows costs), torch's vector ops above."""
-        args = self._kernel_args.get(layer)
-        if args is None:
-            return None
-        mine = set(experts)
-        small = ids_h.shape[0] <= SHARE_PY_ROWS
-        rows: list[list[int]] = ids_h.tolist() if small else []
-        every = (mine.issuperset(e for row in rows for e in row) if small
-                 else len(mine) == int(torch.unique(ids_h).numel()))
-        out_h = torch.zeros_like(x_h)
-        t0 = self.clock()
-        routed = routed_experts_ffn(x_h, ids_h, w_h, args, out_h, only=None if every else mine)
-        if routed is None:
-            return None
-        self.cost.observe_cpu_layer(self.formats[layer], [n for _, n in routed],
-                                    self.clock() - t0)
-        tok: list[int] = []
-        place: list[int] = []
-        lowest: list[int] = []
-        if small:
-            for t, row in enumerate(rows):
-                j = min((j for j, e in enumerate(row) if e in mine), key=row.__getitem__,
-                        default=-1)
-                if j >= 0:
-                    tok.append(t)
-                    place.append(j)
-                    lowest.append(row[j])
-        else:
-            ours = torch.isin(ids_h, torch.tensor(experts, dtype=ids_h.dtype))
-            at = torch.where(ours, ids_h, self.spec.num_experts).argmin(dim=1)
-            rows_t = ours.any(dim=1).nonzero().flatten()
-            tok, place = rows_t.tolist(), at.index_select(0, rows_t).tolist()
-            lowest = ids_h.index_select(0, rows_t).gather(
-                1, at.index_select(0, rows_t)[:, None]).flatten().tolist()
-        sums = out_h if len(tok) == x_h.shape[0] else out_h.index_select(0, torch.tensor(tok))
-        return CpuShare(tok, place, lowest, sums)
-
-    def _share_parts(self, layer: int, x_h: torch.Tensor, ids_h: torch.Tensor,
-                     w_h: torch.Tensor, experts: list[int]) -> dict[int, Contribution | None]:
-        """`cpu_share` as contributions (any thread): expert `e`'s holds the sums of the tokens
-        whose lowest CPU expert is `e`; the other CPU experts' are empty."""
-        share = self.cpu_share(layer, x_h, ids_h, w_h, experts)
-        if share is None:  # not one-call kernels after all: expert by expert
-            return self._cpu_parts(layer, x_h, plan_experts(ids_h, w_h, self.spec.num_experts),
-                                   experts)
-        parts: dict[int, Contribution | None] = dict.fromkeys(experts)
-        by: dict[int, list[int]] = {}
-        for i, e in enumerate(share.lowest):
-            by.setdefault(e, []).append(i)
-        for e, idx in by.items():
-            if len(idx) == len(share.tokens):  # one expert is every token's lowest
-                parts[e] = (torch.tensor(share.tokens), share.sums)
-            else:
-                parts[e] = (torch.tensor([share.tokens[i] for i in idx]),
-                            share.sums.index_select(0, torch.tensor(idx)))
-        return parts
+        """A split's CPU share in one kernel call (`hybrid_share.cpu_share`)."""
+        return hybrid_share.cpu_share(self, layer, x_h, ids_h, w_h, experts)
 
     def _cpu_parts(self, layer: int, x: torch.Tensor, plan: ExpertPlan,
                    experts: list[int]) -> dict[int, Contribution | None]:

@@ -20,8 +20,8 @@ both pay); the device part of a split's hits runs in the next captured segment a
 that time: a hit's kernel is microseconds, where the host work the split adds (the next layer's
 predicted routing read back for the prefetch, the lookup; then, the CPU experts one by one) is
 what the modes differ by. Since then the split reads the real rows back once, predicts the next
-layer's experts from them on the host (`offload.rank_on_host`: no device round trip) and
-computes its CPU share from them in one kernel call (`HybridStrategy.cpu_share`). Measured on an H200 host (bench/hybrid.py --device cuda, the demo-shaped
+layer's experts from them on the host (`moe.rank.rank_on_host`: no device round trip) and
+computes its CPU share from them in one kernel call (`moe.hybrid_share.cpu_share`). Measured on an H200 host (bench/hybrid.py --device cuda, the demo-shaped
 Q4_K_M, 16 cores): graph decode with every expert on the CPU ran 46-53 tok/s, offload 1.5-41
 and the split alone 25-37 at 0.1-8 GB/s and unpaced: the host work of a split layer cost more
 than the CPU computing its two experts, at every link.
@@ -117,7 +117,7 @@ def _cpu_rows(h: HybridStrategy, layer: int, x: torch.Tensor, ids_h: torch.Tenso
     every = len(experts) == len(set(flat))
     if (h._kernel_args.get(layer) is not None if every
             else h.one_call(layer, [flat.count(e) for e in experts])):
-        # the layer's CPU share in one kernel call (`HybridStrategy.cpu_share`): each token's
+        # the layer's CPU share in one kernel call (`moe.hybrid_share.cpu_share`): each token's
         # sum goes into the pair row of its lowest CPU expert (that expert's other rows and the
         # token's other CPU experts' stay zero; adding zeros changes nothing), which is where
         # the eager split adds it. A share of the layer's experts: only where `one_call` says

@@ -71,7 +71,6 @@ the host for it.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 import time
@@ -96,6 +95,7 @@ from ftrs.models.experts import HostExperts
 from ftrs.moe import offload_graph
 from ftrs.moe.base import GraphSupport, MoEStrategy, register
 from ftrs.moe.offload_graph import GraphTables
+from ftrs.moe.rank import rank_on_host
 
 if TYPE_CHECKING:  # the kernel modules import Triton: only when the kernels are chosen
     from ftrs.kernels import Kernels
@@ -137,37 +137,6 @@ def cache_slots(config: EngineConfig, experts: HostExperts, device: torch.device
     if slots < top_k:
         raise ConfigError(f"moe cache of {slots} slots is below top_k={top_k}: nothing could run")
     return min(slots, total)
-
-
-#: `rank_on_host` ranks in plain Python up to this many logits (rows x experts), numpy above.
-RANK_PY_LOGITS = 256
-
-
-def rank_on_host(x: torch.Tensor, router: np.ndarray, top_k: int) -> list[int]:
-    """The experts a softmax router (`router`: experts x hidden, fp32) sends the rows of host
-    fp32 `x` to, top `top_k` per row, ranked by their summed weight, heaviest first (ties:
-    lower id first): `route` followed by the ranking `_predict` makes on the device, on the
-    host. The logits by numpy; the rest, for a decode step's few rows and experts
-    (`RANK_PY_LOGITS`), in plain Python: there a device's round trip, torch's and numpy's
-    per-call overheads cost more than the work (measured inside hybrid's host step, between
-    the CPU experts' kernel calls, which leave the caches cold)."""
-    logits = x.numpy() @ router.T
-    score: dict[int, float] = {}
-    if logits.size <= RANK_PY_LOGITS:
-        for row in logits.tolist():
-            top = heapq.nlargest(top_k, range(len(row)), key=row.__getitem__)
-            peak = row[top[0]]
-            total = math.fsum(math.exp(v - peak) for v in row)
-            for e in top:
-                score[e] = score.get(e, 0.0) + math.exp(row[e] - peak) / total
-    else:
-        picked = np.argpartition(logits, -top_k, axis=1)[:, -top_k:]  # softmax keeps order
-        high = logits.max(axis=1, keepdims=True)
-        weight = (np.exp(np.take_along_axis(logits, picked, axis=1) - high)
-                  / np.exp(logits - high).sum(axis=1, keepdims=True))
-        for e, w in zip(picked.ravel().tolist(), weight.ravel().tolist()):
-            score[e] = score.get(e, 0.0) + w
-    return sorted((e for e, w in score.items() if w > 0), key=lambda e: (-score[e], e))
 
 
 def cuda_ordinal(device: torch.device) -> int:
