@@ -22,9 +22,10 @@ predicted routing read back for the prefetch, the lookup; then, the CPU experts 
 what the modes differ by. Since then the split reads the real rows back once, predicts the next
 layer's experts from them on the host (`moe.rank.rank_on_host`: no device round trip) and
 computes its CPU share from them in one kernel call (`moe.hybrid_share.cpu_share`). Measured
-on an H200 host before that (bench/hybrid.py --device cuda, the demo-shaped Q4_K_M, 16 cores): graph decode with every expert on the CPU ran 46-53 tok/s, offload 1.5-41
-and the split alone 25-37 at 0.1-8 GB/s and unpaced: the host work of a split layer cost more
-than the CPU computing its two experts, at every link.
+on an H200 host before that (bench/hybrid.py --device cuda, the demo-shaped Q4_K_M, 16
+cores): graph decode with every expert on the CPU ran 46-53 tok/s, offload 1.5-41 and the
+split alone 25-37 at 0.1-8 GB/s and unpaced: the host work of a split layer cost more than the
+CPU computing its two experts, at every link.
 """
 
 from __future__ import annotations
