@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ftrs.config import EngineConfig
+from ftrs.engine import probes
 from ftrs.engine.batch import build_batch
 from ftrs.engine.grammar import GrammarCache, MaskFiller, advance
 from ftrs.engine.protocol import GenerateRequest, StepStats, TokenEvent
@@ -26,8 +27,7 @@ from ftrs.kvcache.state import StateSlots
 from ftrs.models.arch import ArchSpec
 from ftrs.models.experts import HostExperts
 from ftrs.moe.base import MoEStrategy
-from ftrs.sampling import SamplingParams
-from ftrs.scheduler.scheduler import Scheduler, Work
+from ftrs.scheduler.scheduler import Scheduler
 from ftrs.scheduler.sequence import Sequence
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class EngineCore:
             prefix_cache=not self.has_states,
             states=StateSlots(self.rt.state_slots) if self.has_states else None)
         self._seqs: dict[str, Sequence] = {}
-        self._prompt_logits: dict[str, dict[int, torch.Tensor]] = {}  # see `logits`
+        self._prompt_logits: dict[str, dict[int, torch.Tensor]] = {}  # `probes.prompt_logits`
         self._step = 0
         self._step_ids: list[str] | None = None  # the requests of the step running (or last run)
         self._seed_gen = torch.Generator().manual_seed(config.seed)
@@ -189,7 +189,7 @@ class EngineCore:
                 hidden = self.rt.decoder.forward(batch.input_ids, batch.positions, batch.meta,
                                                  self.rt.kv)
             if self._prompt_logits:
-                self._keep_prompt_logits(work, hidden)
+                probes.keep_prompt_logits(self, work, hidden)
             rows = hidden if batch.sample_all else hidden[batch.sample_rows]
             allowed = self._masks.wait(masks) if masks is not None and self._masks else None
             sampled = sample(self.rt.decoder.logits(rows), batch.sample_seqs,  # on the device
@@ -366,82 +366,11 @@ class EngineCore:
         routers = {layer: dense[f"{layer}.router"] for layer in self.spec.moe_layers}
         return MoEParts(self.spec, experts, routers, self.rt.device, self.rt.kernels)
 
-    @torch.inference_mode()
     def forward_once(self, ids: list[int]) -> None:
-        """One forward over `ids` as a fresh prompt, into KV pages taken from the pool and given
-        back (no logits, no sampling, nothing cached); returns when the device is done. For
-        benches that time a prefill chunk alone. Needs a model without linear attention state
-        and enough free pages: InvalidRequest otherwise."""
-        if not ids:
-            raise InvalidRequest("forward_once: need at least one token")
-        if self.has_states:
-            raise InvalidRequest(f"forward_once: {self.spec.arch} keeps per-sequence state")
-        seq = Sequence("forward-once", list(ids), len(ids), SamplingParams(max_tokens=1), None, 0.0)
-        seq.pages = self.pool.alloc(-(-len(ids) // self.pool.page_size)) or []
-        if not seq.pages:
-            raise InvalidRequest(f"forward_once: not enough free KV pages for {len(ids)} tokens")
-        try:
-            batch = build_batch([Work(seq, len(ids))], self.pool.page_size, self.rt.device,
-                                paged=self.rt.decoder.uses_paged_kernel)
-            self.rt.decoder.forward(batch.input_ids, batch.positions, batch.meta, self.rt.kv)
-            if self.rt.device.type == "cuda":
-                torch.cuda.synchronize(self.rt.device)  # kernels run asynchronously
-        finally:
-            for p in seq.pages:
-                self.pool.unref(p)
+        """One forward over `ids` as a fresh prompt, nothing kept: `probes.forward_once`."""
+        probes.forward_once(self, ids)
 
-    @torch.inference_mode()
     def logits(self, prompt_ids: Iterable[int], *, chunked: bool = False) -> torch.Tensor:
-        """Logits at every position of one prompt: (len, vocab) fp32, on the CPU.
-
-        The prompt runs as a request through the scheduler like any other (KV pages from the
-        pool or evicted from the prefix cache, cached when done), but in full: it takes no
-        prefix from the cache, since every position's logits need its hidden state. By default
-        the step budget is raised to the prompt's length for it, so it runs in one forward (as
-        a reference, and for counters of one forward); `chunked=True` keeps the budget, which
-        then splits it like any prompt. Steps run until it is done, so the engine must hold no
-        other request (their events would be lost): InvalidRequest otherwise, and for a bad
-        prompt."""
-        ids = list(prompt_ids)
-        if not ids:
-            raise InvalidRequest("logits: need at least one token", evidence={"param": "prompt"})
-        if self._seqs:
-            raise InvalidRequest("logits: the engine is serving other requests")
-        rid = f"logits-{self._step}"
-        self.add_request(GenerateRequest(rid, ids, SamplingParams(max_tokens=1, temperature=0.0,
-                                                                  ignore_eos=True)))
-        self._seqs[rid].prompt_logits = True
-        chunks = self._prompt_logits[rid] = {}
-        budget = self.scheduler.budget
-        if not chunked:
-            self.scheduler.budget = max(budget, len(ids))
-        try:
-            while rid in self._seqs:
-                self.step()
-        finally:
-            self.scheduler.budget = budget
-            self._prompt_logits.pop(rid, None)
-            self.abort(rid)  # a step that raised leaves it in the scheduler
-        out, at = [], 0
-        for start in sorted(chunks):
-            if start != at:
-                break
-            out.append(chunks[start])
-            at += chunks[start].shape[0]
-        if at != len(ids):  # cannot happen while the scheduler computes every position once
-            raise FtrsError(f"logits: computed {at} of {len(ids)} positions")
-        return torch.cat(out)
-
-    def _keep_prompt_logits(self, work: list[Work], hidden: torch.Tensor) -> None:
-        """Keep the logits of every prompt row of the requests `logits` runs. `hidden` holds the
-        rows of `work` in order (`build_batch`); a chunk recomputed after a preemption
-        replaces the one computed before."""
-        row = 0
-        for seq, n in work:
-            chunks = self._prompt_logits.get(seq.request_id)
-            if chunks is not None:
-                end = min(seq.num_computed + n, seq.num_prompt)
-                if end > seq.num_computed:
-                    rows = hidden[row:row + end - seq.num_computed]  # (tokens, hidden)
-                    chunks[seq.num_computed] = self.rt.decoder.logits(rows).float().cpu()
-            row += n
+        """Logits at every position of one prompt, (len, vocab) fp32 on the CPU:
+        `probes.prompt_logits`."""
+        return probes.prompt_logits(self, prompt_ids, chunked=chunked)
