@@ -454,10 +454,14 @@ def test_host_ranking_of_the_next_layer_equals_the_device_path(rows: int, expert
         assert rank_mod.rank_on_host(x, router.numpy(), top_k) == want
 
 
-def test_hybrid_predicts_the_same_prefetch_from_host_rows(tiny_models: dict[str, Path]) -> None:
-    """Hybrid's `_predict` given the rows on the host (its graph host step) issues the same
-    prefetch list as from the device rows (prefetch forced on: a CPU device turns it off)."""
-    llm = LLM(str(tiny_models["mixtral"]), device="cpu", dtype="float32", moe_strategy="hybrid",
+@pytest.mark.parametrize("name", ["hybrid", "offload"])
+def test_host_rows_predict_the_same_prefetch_as_the_device_rows(tiny_models: dict[str, Path],
+                                                                name: str) -> None:
+    """`_predict` given the rows on the host (hybrid's graph host step), or told to copy them
+    there (`on_host=True`: offload's graph host step, a GPU's decode-sized eager layers), issues
+    the same prefetch list as ranking them where they are (prefetch forced on: hybrid on a CPU
+    device turns it off)."""
+    llm = LLM(str(tiny_models["mixtral"]), device="cpu", dtype="float32", moe_strategy=name,
               moe_cache_rate=0.75)
     try:
         moe: Any = llm.engine.rt.decoder.moe
@@ -469,7 +473,9 @@ def test_hybrid_predicts_the_same_prefetch_from_host_rows(tiny_models: dict[str,
             for rows in (1, 4):
                 x = torch.randn(rows, spec.hidden_size, generator=g)
                 device = moe._predict(layer, x)
+                assert moe._predict(layer, x, on_host=False) == device
                 assert moe._predict(layer, x, x_host=x.clone()) == device
+                assert moe._predict(layer, x, on_host=True) == device
                 lists += bool(device)
         assert lists > 0  # the premise: predictions were made
     finally:

@@ -168,6 +168,48 @@ def test_a_table_names_only_the_slots_of_the_last_wave_and_padding_is_not_comput
     assert len(named) == s.top_k
 
 
+def test_offload_host_step_ranks_the_next_layer_on_the_host_from_the_real_rows(
+        loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefetch a host step issues is the next layer's experts ranked on the host
+    (`rank_on_host`) from the real rows only; torch's device routing is never called (it
+    raises here), and padding rows, routed elsewhere, add nothing."""
+    import ftrs.moe.offload as offload_mod
+    from ftrs.moe.rank import rank_on_host
+
+    s = loaded.spec
+    rows, bucket = 2, 4
+    step = layers(loaded, rows, bucket, seed=11)
+    moe: Any = strategy("offload", loaded, moe_cache_rate=0.75, moe_prefetch=True,
+                        copy_backend=LINK)
+
+    def no_device_routing(*_: Any) -> Any:
+        raise AssertionError("the host step routed on the device")
+
+    monkeypatch.setattr(offload_mod, "route", no_device_routing)
+    issued: list[list[tuple[int, int]]] = []
+    lookup = moe._lookup
+
+    def recording(li: int, wave: list[int], pre: list[tuple[int, int]]) -> Any:
+        issued.append(list(pre))
+        return lookup(li, wave, pre)
+
+    moe._lookup = recording
+    try:
+        assert moe.num_slots > moe.working_set  # the premise: room to prefetch
+        graph_step(moe, step, rows)
+        spare = moe.num_slots - moe.working_set
+        for (layer, x, _, _), pre in zip(step[:-1], issued, strict=False):
+            nxt = moe.next_moe[layer]
+            router = loaded.dense[f"{nxt}.router"]
+            assert isinstance(router, torch.Tensor)
+            want = rank_on_host(x[:rows], router.numpy(), s.top_k)[:spare]
+            li = loaded.experts.layer_index[nxt]  # type: ignore[union-attr]
+            assert pre == [(li, e) for e in want]
+    finally:
+        moe.close()
+    assert sum(map(bool, issued)) > 0  # predictions were made
+
+
 @pytest.mark.parametrize("case", ["no-cpu-share", "short-cpu-share", "long-cpu-share"])
 def test_hybrid_host_step_samples_the_link_only_when_its_wait_measured_the_copies(
         loaded: LoadedModel, case: str) -> None:

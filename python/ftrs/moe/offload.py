@@ -119,6 +119,9 @@ MIN_CHUNK_BYTES = 1 << 20
 CHUNK_ALIGN = 64 << 10
 #: Compute the experts already in their slots before waiting for the rest of the layer's.
 COMPUTE_LANDED_FIRST = True
+#: A GPU batch of at most this many rows (the decode graphs' largest bucket) ranks the next
+#: layer's experts on the host (`_predict`): <= 32 x hidden fp32 rows read back once.
+HOST_RANK_ROWS = 32
 CAPACITY_RETRY_S = 5.0  # how long a lookup may wait for in-flight prefetches to land
 
 
@@ -223,16 +226,24 @@ class OffloadStrategy(MoEStrategy):
                  self.num_slots, experts.num_experts_total, self.buffer.numel() / 2**20,
                  backend, config.moe_cache_policy)
 
-    def _predict(self, layer: int, x: torch.Tensor,
-                 x_host: torch.Tensor | None = None) -> list[tuple[int, int]]:
+    def _predict(self, layer: int, x: torch.Tensor, x_host: torch.Tensor | None = None,
+                 on_host: bool | None = None) -> list[tuple[int, int]]:
         """The next MoE layer's experts, routed from this layer's input `x`, likeliest first
         (summed router weight over the batch): the engine keeps few prefetches in flight and
         `spare` may cut the list, so the order decides what goes. `x_host`: the same rows
-        already in host memory (fp32), ranked there (`rank_on_host`): no device round trip."""
+        already in host memory (fp32), ranked there (`rank_on_host`). Otherwise `on_host`
+        says where: True copies `x` to the host (one read-back) and ranks there; None (the
+        default) does so for a GPU's decode-sized batch (`HOST_RANK_ROWS`), where the device
+        path's launches and its two read-backs cost more than copying the few rows; False,
+        or a CPU device, ranks with torch where `x` is."""
         nxt = self.next_moe.get(layer)
         spare = self.num_slots - self.working_set
         if nxt is None or not self.prefetch or spare <= 0 or self._gated:
             return []
+        if on_host is None:
+            on_host = x.is_cuda and x.shape[0] <= HOST_RANK_ROWS
+        if x_host is None and on_host:
+            x_host = x.to("cpu", torch.float32).contiguous()
         if x_host is not None:
             router = self._routers_host.get(nxt)
             if router is None:

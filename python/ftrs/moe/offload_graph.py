@@ -2,8 +2,10 @@
 into a host step (the lookup and the wait, outside the graph) and a device step (the fused
 kernel over static buffers, inside it), and `GraphTables` holds those buffers.
 
-`OffloadStrategy.host_step` / `device_step` call the two functions here; `hybrid` has no decode
-graphs. docs/kernels.md, item 7, describes the split.
+`OffloadStrategy.host_step` / `device_step` call the two functions here; `hybrid`'s host step
+(`moe.hybrid_graph`) starts as this one does (`begin_host_step`) and shares the device step.
+The next layer's prefetch is ranked on the host from the real rows (`moe.rank.rank_on_host`).
+docs/kernels.md, item 7, describes the split.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def host_step(off: OffloadStrategy, layer: int, ids: torch.Tensor, weights: torc
     needed = [e for e, c in enumerate(counts) if c]  # ascending
     off.distinct_per_layer.append(len(needed))
     off._score_guess(layer, needed)
-    prefetch = off._predict(layer, x[:rows]) if rows else []
+    prefetch = off._predict(layer, x[:rows], on_host=True) if rows else []  # `_predict`
     table = [-1] * num_experts
     try:
         for start in range(0, len(needed), off.num_slots):

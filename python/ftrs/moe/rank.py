@@ -3,9 +3,10 @@
 `rank_on_host` routes rows already in host memory through a softmax router and ranks the
 experts by their summed weight: what `OffloadStrategy._predict` does on the device with torch,
 without a device round trip. Hybrid's decode-graph host step reads the real rows back once (its
-CPU share needs them) and predicts the next layer's experts from them here; on a GPU the device
-path cost two more read-backs a layer. For a decode step's few rows and experts the top-k and
-softmax run in plain Python, the logits in numpy.
+CPU share needs them) and predicts the next layer's experts from them here; offload's, and a
+GPU's decode-sized eager layers, copy the rows back for it (`OffloadStrategy._predict`): the
+device path costs its launches and two read-backs a layer. For a decode step's few rows and
+experts the top-k and softmax run in plain Python, the logits in numpy.
 
 Tests: tests/moe/test_offload.py (against torch's `route` and the device ranking).
 """
