@@ -35,7 +35,13 @@
 //! - `cancel_prefetches`: a prefetch with no chunk in flight is dropped and its slot freed; one
 //!   with a chunk in flight is marked cancelled and its key detached at once (the slot is
 //!   reserved, not published, and freed when the chunk ends), so a cancelled prefetch never
-//!   lands. Its chunks not yet issued never are.
+//!   lands. Its chunks not yet issued never are. Fill requests are dropped too.
+//! - `fill(keys)`: experts computed elsewhere this step (hybrid's CPU share) are copied in when
+//!   the link is idle, for later steps to hit. A request is a key, not a transfer: it takes no
+//!   slot while it waits. When nothing is queued and a prefetch copy may start, the worker
+//!   turns the newest request into a prefetch transfer (slot evicted per policy), which every
+//!   demand and later prefetch overtakes and the stale rule keeps. Counted apart
+//!   (`fill_*`), so prefetch precision stays the router's.
 //! - Failures (backend errors, injected faults) stop the transfer's remaining chunks, free the
 //!   slot and reach `wait(ticket)`.
 //! - A panic of the worker is caught at the top of its thread: the copies it had started are
@@ -53,7 +59,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use crate::backend::CopyBackend;
-use crate::cache::{Policy, SlotCache};
+use crate::cache::{Key, Policy, SlotCache};
 use crate::clock::{Clock, TokenBucket};
 use crate::error::{CoreError, DeviceFault, Result};
 use crate::pool::ExpertPool;
@@ -66,6 +72,10 @@ mod worker;
 use fence::{release_pinned, SlotFence};
 use state::{allocate, drop_prefetch, lock, queue, unpin, Drill, Prio, State, Ticket};
 use worker::run_worker;
+
+/// Fill requests kept at most: on a link too slow to serve them the oldest are never reached
+/// (the newest go first), and each `fill` call scans the queue to move a repeated key.
+pub const MAX_FILL_REQUESTS: usize = 256;
 
 /// Engine settings.
 #[derive(Debug, Clone)]
@@ -122,6 +132,18 @@ pub struct Stats {
     pub fences_recorded: u64,
     /// Release fences a copy waited on before writing into a slot they guard.
     pub fence_waits: u64,
+    /// Fill requests taken (`fill`: experts not resident nor in flight then).
+    pub fill_requested: u64,
+    /// Fill transfers started (the link idle).
+    pub fill_issued: u64,
+    /// Filled experts demanded before eviction (in flight or landed).
+    pub fill_used: u64,
+    /// Filled experts evicted before any use.
+    pub fill_wasted: u64,
+    /// Fill transfers dropped before landing (room for a demand, `cancel_prefetches`).
+    pub fill_dropped: u64,
+    /// Fill requests waiting for an idle link (gauge).
+    pub fill_queued: u64,
 }
 
 #[derive(Debug)]
@@ -187,11 +209,13 @@ impl TransferEngine {
             cache,
             ready: vec![false; cfg.num_slots],
             prefetched_unused: vec![false; cfg.num_slots],
+            filled_unused: vec![false; cfg.num_slots],
             transfers: HashMap::new(),
             inflight: HashMap::new(),
             next_transfer: 0,
             demand_q: VecDeque::new(),
             prefetch_q: VecDeque::new(),
+            fill_q: VecDeque::new(),
             tickets: HashMap::new(),
             next_ticket: 0,
             pinned: Vec::new(),
@@ -270,16 +294,60 @@ impl TransferEngine {
     /// nothing reads those slots any more (see [`Self::release_after`] otherwise).
     pub fn release(&self) {
         let mut st = lock(&self.inner.state);
-        release_pinned(&mut st, None);
+        if release_pinned(&mut st, None) {
+            self.inner.work.notify_all();
+        }
     }
 
-    /// Cancels every prefetch not yet demanded; returns how many.
+    /// Asks for `keys` to be copied in whenever the link is idle, for a later step to hit:
+    /// experts a forward computed elsewhere (hybrid's CPU share). Keys resident or in flight
+    /// are skipped; the others join the fill queue (again asked: moved to its newest end),
+    /// which keeps the newest [`MAX_FILL_REQUESTS`] (at most `num_slots`). The worker starts one, newest first, only
+    /// when no demand and no prefetch is queued and a prefetch copy may start; it is then a
+    /// prefetch in chunks (overtaken by every demand and later prefetch) that the stale rule
+    /// of `lookup` keeps. Returns how many keys were queued.
+    pub fn fill(&self, keys: &[Key]) -> Result<usize> {
+        let layout = self.inner.pool.layout();
+        for &(l, e) in keys {
+            layout.check(l as usize, e as usize)?;
+        }
+        let mut st = lock(&self.inner.state);
+        let st = &mut *st;
+        if let Some(e) = &st.dead {
+            return Err(e.clone());
+        }
+        if st.shutdown {
+            return Err(CoreError::Closed);
+        }
+        let mut n = 0;
+        for &key in keys {
+            if st.cache.slot_for(key).is_some() {
+                continue;
+            }
+            st.fill_q.retain(|&k| k != key);
+            st.fill_q.push_back(key);
+            n += 1;
+        }
+        let cap = st.cache.capacity().min(MAX_FILL_REQUESTS);
+        while st.fill_q.len() > cap {
+            st.fill_q.pop_front();
+        }
+        st.stats.fill_requested += n as u64;
+        if n > 0 {
+            self.inner.work.notify_all();
+        }
+        Ok(n)
+    }
+
+    /// Cancels every prefetch not yet demanded and every fill request; returns how many
+    /// prefetch and fill transfers it dropped.
     pub fn cancel_prefetches(&self) -> usize {
         let mut st = lock(&self.inner.state);
         let st = &mut *st;
         if st.dead.is_some() {
             return 0; // nothing will be copied any more (see `release`)
         }
+        st.fill_q.clear();
         let mut n = 0;
         while let Some(tid) = st.prefetch_q.pop_front() {
             drop_prefetch(st, tid);
@@ -304,6 +372,7 @@ impl TransferEngine {
         let st = lock(&self.inner.state);
         let mut s = st.stats.clone();
         s.queue_depth = (st.demand_q.len() + st.prefetch_q.len()) as u64;
+        s.fill_queued = st.fill_q.len() as u64;
         s.inflight_bytes = st.inflight_bytes as u64;
         s
     }

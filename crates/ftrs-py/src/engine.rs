@@ -200,7 +200,13 @@ impl PyTransferEngine {
         Ok(())
     }
 
-    /// Drops prefetches not yet demanded; returns how many.
+    /// Asks for `keys` ((layer, expert)) to be copied in when the link is idle, for a later
+    /// step to hit (`TransferEngine::fill`); returns how many were queued.
+    fn fill(&self, keys: Vec<(u32, u32)>) -> PyResult<usize> {
+        self.live()?.fill(&keys).py()
+    }
+
+    /// Drops prefetches not yet demanded and fill requests; returns how many transfers.
     fn cancel_prefetches(&self) -> PyResult<usize> {
         Ok(self.live()?.cancel_prefetches())
     }
@@ -223,6 +229,12 @@ impl PyTransferEngine {
             ("inflight_bytes", s.inflight_bytes),
             ("fences_recorded", s.fences_recorded),
             ("fence_waits", s.fence_waits),
+            ("fill_requested", s.fill_requested),
+            ("fill_issued", s.fill_issued),
+            ("fill_used", s.fill_used),
+            ("fill_wasted", s.fill_wasted),
+            ("fill_dropped", s.fill_dropped),
+            ("fill_queued", s.fill_queued),
         ] {
             d.set_item(k, v)?;
         }

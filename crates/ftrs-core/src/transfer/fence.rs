@@ -47,15 +47,18 @@ impl TransferEngine {
         let fence = Arc::new(SlotFence { stream, fence });
         let mut st = lock(&self.inner.state);
         st.stats.fences_recorded += 1;
-        release_pinned(&mut st, Some(&fence));
+        if release_pinned(&mut st, Some(&fence)) {
+            self.inner.work.notify_all();
+        }
         Ok(())
     }
 }
 
 /// Unpins every slot pinned since the last release, leaving `fence` (if any) with each.
-pub(super) fn release_pinned(st: &mut State, fence: Option<&Arc<SlotFence>>) {
+/// Returns whether fill requests wait (a freed slot may let the worker start one).
+pub(super) fn release_pinned(st: &mut State, fence: Option<&Arc<SlotFence>>) -> bool {
     if st.dead.is_some() {
-        return; // a panic may have left the bookkeeping half-updated: leave it alone
+        return false; // a panic may have left the bookkeeping half-updated: leave it alone
     }
     for slot in std::mem::take(&mut st.pinned) {
         if let Some(f) = fence {
@@ -69,4 +72,5 @@ pub(super) fn release_pinned(st: &mut State, fence: Option<&Arc<SlotFence>>) {
     }
     st.tickets
         .retain(|_, t| t.remaining > 0 || t.error.is_some());
+    !st.fill_q.is_empty()
 }

@@ -69,12 +69,17 @@ impl TransferEngine {
             }
         }
         // Queued prefetches for this layer or an earlier one are stale: the forward has reached
-        // this layer, and those it needs were just moved to the demand queue above.
+        // this layer, and those it needs were just moved to the demand queue above. A fill is
+        // for a later step: it stays.
         let stale: Vec<u64> = st
             .prefetch_q
             .iter()
             .copied()
-            .filter(|tid| st.transfers.get(tid).is_some_and(|t| t.key.0 <= layer))
+            .filter(|tid| {
+                st.transfers
+                    .get(tid)
+                    .is_some_and(|t| t.key.0 <= layer && !t.fill)
+            })
             .collect();
         if !stale.is_empty() {
             st.prefetch_q.retain(|tid| !stale.contains(tid));
@@ -113,15 +118,22 @@ impl TransferEngine {
             if std::mem::take(&mut st.prefetched_unused[slot as usize]) {
                 st.stats.prefetch_used += 1;
             }
+            if std::mem::take(&mut st.filled_unused[slot as usize]) {
+                st.stats.fill_used += 1;
+            }
         }
         for &tid in &waits_on {
             let t = st
                 .transfers
                 .get_mut(&tid)
                 .expect("in-flight map points at a live transfer");
-            if t.was_prefetch && !t.used {
+            if (t.was_prefetch || t.fill) && !t.used {
                 t.used = true;
-                st.stats.prefetch_used += 1;
+                if t.fill {
+                    st.stats.fill_used += 1;
+                } else {
+                    st.stats.prefetch_used += 1;
+                }
             }
             t.waiters.push(ticket);
         }
@@ -130,7 +142,15 @@ impl TransferEngine {
             let slot = allocate(st, key).expect("capacity checked above");
             st.cache.pin(slot);
             pinned_now.push(slot);
-            queue(st, key, bytes_of(key), slot, Prio::Demand, Some(ticket));
+            queue(
+                st,
+                key,
+                bytes_of(key),
+                slot,
+                Prio::Demand,
+                Some(ticket),
+                false,
+            );
             st.stats.demand_fetches += 1;
             remaining += 1;
         }
@@ -154,7 +174,7 @@ impl TransferEngine {
                 continue;
             }
             let slot = allocate(st, key).expect("an evictable slot exists");
-            queue(st, key, bytes_of(key), slot, Prio::Prefetch, None);
+            queue(st, key, bytes_of(key), slot, Prio::Prefetch, None, false);
             st.stats.prefetch_issued += 1;
         }
         let slots = demand

@@ -29,6 +29,8 @@ pub(super) struct Transfer {
     pub(super) was_prefetch: bool,
     /// A prefetch that was demanded before landing.
     pub(super) used: bool,
+    /// Started from a fill request (`TransferEngine::fill`): a prefetch the stale rule keeps.
+    pub(super) fill: bool,
     /// Size of the expert's block (its layer's `block_bytes`, <= the slot stride): what it moves.
     pub(super) bytes: usize,
     /// Bytes issued to the backend so far; in a queue while below `bytes`.
@@ -64,6 +66,8 @@ pub(super) struct State {
     pub(super) ready: Vec<bool>,
     /// `prefetched_unused[s]`: landed by a prefetch and not demanded since.
     pub(super) prefetched_unused: Vec<bool>,
+    /// `filled_unused[s]`: landed by a fill and not demanded since.
+    pub(super) filled_unused: Vec<bool>,
     /// Live transfers (queued or in flight) by id.
     pub(super) transfers: HashMap<u64, Transfer>,
     /// Key → its live, non-cancelled transfer: never two for one key.
@@ -72,8 +76,11 @@ pub(super) struct State {
     pub(super) next_transfer: u64,
     /// Demand transfers with bytes not yet issued, FIFO.
     pub(super) demand_q: VecDeque<u64>,
-    /// Prefetch transfers with bytes not yet issued, FIFO (the head may be partly issued).
+    /// Prefetch transfers with bytes not yet issued, FIFO (the head may be partly issued); a
+    /// fill's transfer (at most one) after the others.
     pub(super) prefetch_q: VecDeque<u64>,
+    /// Fill requests not yet started, oldest first, each key once (`TransferEngine::fill`).
+    pub(super) fill_q: VecDeque<Key>,
     /// Tickets not yet waited on.
     pub(super) tickets: HashMap<u64, Ticket>,
     /// Next ticket id; ids below it were issued.
@@ -123,12 +130,18 @@ pub(super) fn allocate(st: &mut State, key: Key) -> Result<u32> {
     if evicted.is_some() && std::mem::take(&mut st.prefetched_unused[s]) {
         st.stats.prefetch_wasted += 1;
     }
+    if evicted.is_some() && std::mem::take(&mut st.filled_unused[s]) {
+        st.stats.fill_wasted += 1;
+    }
     st.ready[s] = false;
     st.prefetched_unused[s] = false;
+    st.filled_unused[s] = false;
     Ok(slot)
 }
 
-/// Queues a transfer of `bytes` (the block size of `key`'s layer) into `slot`.
+/// Queues a transfer of `bytes` (the block size of `key`'s layer) into `slot`; `fill`: a
+/// prefetch started from a fill request. A prefetch goes ahead of a queued fill.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn queue(
     st: &mut State,
     key: Key,
@@ -136,6 +149,7 @@ pub(super) fn queue(
     slot: u32,
     prio: Prio,
     ticket: Option<u64>,
+    fill: bool,
 ) {
     let tid = st.next_transfer;
     st.next_transfer += 1;
@@ -144,8 +158,9 @@ pub(super) fn queue(
         key,
         slot,
         prio,
-        was_prefetch: prio == Prio::Prefetch,
+        was_prefetch: prio == Prio::Prefetch && !fill,
         used: false,
+        fill,
         bytes,
         issued: 0,
         landed: 0,
@@ -160,7 +175,17 @@ pub(super) fn queue(
     st.inflight.insert(key, tid);
     match prio {
         Prio::Demand => st.demand_q.push_back(tid),
-        Prio::Prefetch => st.prefetch_q.push_back(tid),
+        Prio::Prefetch if fill => st.prefetch_q.push_back(tid),
+        Prio::Prefetch => {
+            // before the fill, if one is queued: the worker issues the head, and a fill's
+            // chunks left resume once the prefetches ahead of it are out
+            let at = st
+                .prefetch_q
+                .iter()
+                .position(|id| st.transfers.get(id).is_some_and(|t| t.fill))
+                .unwrap_or(st.prefetch_q.len());
+            st.prefetch_q.insert(at, tid);
+        }
     }
 }
 
@@ -174,8 +199,12 @@ pub(super) fn drop_prefetch(st: &mut State, tid: u64) {
         .expect("cancelled transfer is live");
     debug_assert!(t.prio == Prio::Prefetch && !t.cancelled && t.waiters.is_empty());
     let (key, slot) = (t.key, t.slot);
-    st.stats.prefetch_cancelled += 1;
-    st.stats.prefetch_wasted += 1;
+    if t.fill {
+        st.stats.fill_dropped += 1;
+    } else {
+        st.stats.prefetch_cancelled += 1;
+        st.stats.prefetch_wasted += 1;
+    }
     st.inflight.remove(&key);
     if t.inflight_bytes > 0 {
         t.cancelled = true;

@@ -21,9 +21,10 @@ use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use super::{lock, unpin, Drill, Inner, Prio, SlotFence, State};
+use super::{allocate, lock, queue, unpin, Drill, Inner, Prio, SlotFence, State};
 use crate::backend::Completion;
 use crate::error::{CoreError, Result};
+use crate::layout::ExpertLayout;
 use crate::raw::CopyJob;
 
 /// One copy issued to the backend: a whole transfer or one chunk of it.
@@ -103,6 +104,9 @@ fn worker_loop(inner: &Inner, pending: &mut Pending) {
             loop {
                 let prefetch_room = st.max_inflight_prefetches == 0
                     || st.inflight_prefetches < st.max_inflight_prefetches;
+                if prefetch_room && st.demand_q.is_empty() && st.prefetch_q.is_empty() {
+                    start_fill(&mut st, inner.pool.layout());
+                }
                 let next = st
                     .demand_q
                     .front()
@@ -238,6 +242,28 @@ fn worker_loop(inner: &Inner, pending: &mut Pending) {
     }
 }
 
+/// The link is idle (nothing queued, room for a prefetch copy): the newest fill request not
+/// resident or in flight becomes a prefetch transfer into a slot evicted per policy (none
+/// evictable: the requests wait). Older requests stay queued for the next idle moment.
+fn start_fill(st: &mut State, layout: &ExpertLayout) {
+    while let Some(key) = st.fill_q.pop_back() {
+        if st.cache.slot_for(key).is_some() {
+            continue; // resident or in flight since it was asked for
+        }
+        if st.cache.evictable() == 0 {
+            st.fill_q.push_back(key);
+            return;
+        }
+        let Ok(slot) = allocate(st, key) else {
+            return; // not reached: a slot is evictable
+        };
+        let bytes = layout.block_bytes(key.0 as usize).unwrap_or(0);
+        queue(st, key, bytes, slot, Prio::Prefetch, None, true);
+        st.stats.fill_issued += 1;
+        return;
+    }
+}
+
 /// Gives `slot` back the fences a failed wait took from it (beside any recorded since), so
 /// the next copy into it waits on them.
 fn restore_fences(inner: &Inner, slot: u32, fences: Vec<Arc<SlotFence>>) {
@@ -304,6 +330,7 @@ fn complete(inner: &Inner, c: &Issued, r: Result<()>) {
         (None, false) => {
             st.ready[s] = true;
             st.prefetched_unused[s] = t.was_prefetch && !t.used;
+            st.filled_unused[s] = t.fill && !t.used;
         }
         (Some(_), false) => {
             st.cache.detach(t.slot);
