@@ -293,6 +293,38 @@ def test_the_layer_mode_decides_where_every_expert_runs(tiny_models: dict[str, P
         assert s["fetched"] > 0 and s["cpu_computed"] == 0
 
 
+def test_cpu_experts_are_filled_on_the_idle_link_and_later_steps_hit_them(
+        tiny_models: dict[str, Path]) -> None:
+    """The general (GPU) path on the CPU with a link the split never uses (every miss to the
+    CPU) and the router's prefetch off: the experts computed on the CPU are copied in by the
+    fill while the link idles, so later steps compute them from the slots (hits) without a
+    single demand fetch, and the logits still equal resident's bit for bit. With speculative
+    copies off (`prefetch`, as for the bench's all-CPU), nothing is filled."""
+    path = tiny_models["mixtral"]
+    want = run(make(path, moe_strategy="resident"))
+    stats = {}
+    for fill in (True, False):
+        llm = make(path, moe_strategy="hybrid", moe_cache_rate=0.5)
+
+        def force(llm: LLM, fill: bool = fill) -> None:
+            moe = hybrid(llm)
+            moe.cost = CostModel(1.0, 1.0, cpu_s_per_token=1e-9, learn=False)  # the CPU's
+            moe.modes = split_only()
+            moe.prefetch = fill  # a CPU device turns it off; a GPU's is on
+            moe._predict = lambda *_, **__: []  # no router prefetch: hits come from fills
+
+        got = run(llm, force)
+        stats[fill] = hybrid(llm).stats()
+        llm.close()
+        assert torch.equal(got[0], want[0]) and got[1] == want[1]
+    s = stats[True]
+    assert s["fetched"] == 0 and s["demand_fetches"] == 0 and s["prefetch_issued"] == 0
+    assert s["fill_issued"] > 0 and s["bytes_h2d"] > 0
+    assert s["device_computed"] > 0 and s["fill_used"] > 0
+    off = stats[False]
+    assert off["fill_requested"] == off["bytes_h2d"] == off["device_computed"] == 0
+
+
 def test_bench_strategy_measures_hybrid_and_can_pick_it(tmp_path: Path) -> None:
     from ftrs.guard.bench_strategy import BenchRow, Candidate, run_strategy_bench
     from ftrs.guard.profile import resolve_auto_strategy

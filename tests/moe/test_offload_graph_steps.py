@@ -13,6 +13,7 @@ longer than that or not), and which layer mode it runs once its own timings are 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -313,3 +314,48 @@ def test_hybrid_host_step_runs_the_mode_its_own_timings_find_cheaper(
     assert stats["layers_explored"] == 0
     if dear == "split":  # the CPU mode computed every expert after the first two calls
         assert stats["fetched"] + stats["device_computed"] <= 2 * loaded.spec.top_k
+
+
+@pytest.mark.parametrize("mode", ["split", "cpu"])
+def test_hybrid_host_step_fills_what_the_cpu_computed_and_the_next_step_hits_it(
+        loaded: LoadedModel, mode: str) -> None:
+    """Hybrid's host step with the link priced out of the split (every miss to the CPU) and no
+    router prefetch: the CPU's experts (the split's share, or the whole layer in the "cpu"
+    mode) are queued as fills and land while the link idles; the same step again, split,
+    finds them in the slots (device hits, no demand fetch) and gives the same rows."""
+    from ftrs.moe.hybrid import CostModel, LayerModes
+
+    rows = 2
+    step = layers(loaded, rows, rows, seed=3)
+    moe: Any = strategy("hybrid", loaded, moe_cache_rate=1.0, moe_prefetch=True,
+                        copy_backend="host")
+    moe.cost = CostModel(1.0, 1.0, cpu_s_per_token=1e-9, learn=False)  # device_is_cpu off
+    moe.prefetch = True  # a CPU device turns speculative copies off; a GPU's are on
+    moe._predict = lambda *_, **__: []  # hits can only come from fills
+
+    def held(on: str) -> LayerModes:
+        m = LayerModes(explore_share=0, learn=False)
+        m.seconds = {(k, 1 << b): float(k != on) for b in range(8) for k in ("split", "cpu")}
+        return m
+
+    try:
+        moe.modes = held(mode)
+        first = graph_step(moe, step, rows)
+        for _ in range(1000):  # the fills land on the worker thread
+            s = moe.engine.stats()
+            if s["fill_queued"] == s["queue_depth"] == s["inflight_bytes"] == 0:
+                break
+            time.sleep(0.001)
+        moe.modes = held("split")
+        before = moe.stats()
+        again = graph_step(moe, step, rows)
+        after = moe.stats()
+    finally:
+        moe.close()
+    needed = sum(len(set(ids[:rows].flatten().tolist())) for _, _, ids, _ in step)
+    assert before["fill_requested"] == before["fill_issued"] == needed
+    assert after["device_computed"] - before["device_computed"] == needed  # every one a hit
+    assert after["cpu_computed"] == before["cpu_computed"]
+    assert after["demand_fetches"] == 0 and after["fill_used"] == needed
+    for a, b in zip(first, again, strict=True):
+        torch.testing.assert_close(a[:rows], b[:rows], **TOL)

@@ -74,6 +74,21 @@ def test_pcie_bytes_are_derived_from_fetch_counts_when_the_core_does_not_report_
     s = _samples(m)
     assert s["ftrs_pcie_bytes_total{direction=h2d}"] == 4000
     assert s["ftrs_transfer_queue_depth"] == 4 and s["ftrs_transfer_inflight_bytes"] == 2000
+    # hybrid's fills are copies too: those started and not dropped
+    m.observe_experts({"demand_fetches": 3, "prefetch_issued": 2, "prefetch_cancelled": 1,
+                       "fill_issued": 5, "fill_dropped": 2, "expert_bytes": 1000})
+    assert _samples(m)["ftrs_pcie_bytes_total{direction=h2d}"] == 7000
+
+
+def test_fill_outcomes_are_counted_from_the_cores_cumulative_counters() -> None:
+    m = ServerMetrics()
+    assert _samples(m)["ftrs_expert_fill_total{outcome=issued}"] == 0  # declared before use
+    m.observe_experts({"fill_issued": 4, "fill_used": 1, "fill_wasted": 0})
+    m.observe_experts({"fill_issued": 9, "fill_used": 6, "fill_wasted": 2})
+    s = _samples(m)
+    assert s["ftrs_expert_fill_total{outcome=issued}"] == 9
+    assert s["ftrs_expert_fill_total{outcome=used}"] == 6
+    assert s["ftrs_expert_fill_total{outcome=wasted}"] == 2
 
 
 def test_hybrid_cpu_compute_counter_and_split_estimates() -> None:

@@ -41,7 +41,11 @@ kernel call (`moe.hybrid_share`: each token's CPU experts summed, added as one t
 lowest CPU expert's part goes).
 
 Prefetch (the next layer's predicted experts) runs only when the device is not the CPU: a hit
-computed on a CPU "device" is no faster than the same expert computed from the host pool.
+computed on a CPU "device" is no faster than the same expert computed from the host pool. So
+does the fill: the experts a layer computed on the CPU (a split's CPU share, or every expert in
+the "cpu" mode) are queued with `TransferEngine.fill`, copied in only while the link has
+nothing else to do, so the cache warms on a link too slow for the split to fetch and later
+steps hit.
 
 Decode CUDA graphs: offload's "layer" mode (every MoE layer on the fused kernel), the split and
 the CPU share in the host step between the captured segments (`moe.hybrid_graph`), which writes
@@ -210,6 +214,7 @@ class HybridStrategy(OffloadStrategy):
                 done = {e: None if p is None else (p[0].to(x.device), p[1].to(x.device, x.dtype))
                         for e, p in done.items()}
             parts.update(done)
+        self.fill(li, on_cpu)
         out = torch.zeros_like(x)
         for e in needed:  # ascending, as every strategy adds
             accumulate(out, parts[e])
@@ -223,7 +228,8 @@ class HybridStrategy(OffloadStrategy):
                     weights: torch.Tensor) -> torch.Tensor:
         """A GPU's "cpu" layer mode: every routed expert from the host pool, on host copies of
         the layer's input, in one kernel call when the layer's experts allow it (as `resident`
-        runs on a CPU host), summed in fp32 and sent back once. No slot lookup, no prefetch."""
+        runs on a CPU host), summed in fp32 and sent back once. No slot lookup, no prefetch;
+        the experts are queued as fills (`fill`), so the split finds them later."""
         ids_h = ids.cpu()  # the layer's wait for the device (routing), as the split's plan
         t0 = self.clock()
         x_h = x.to("cpu", torch.float32).contiguous()
@@ -242,11 +248,21 @@ class HybridStrategy(OffloadStrategy):
             for e in needed:
                 accumulate(out_h, parts[e])
         out = out_h.to(x.device, x.dtype)
+        self.fill(self.experts.layer_index[layer], needed)
         self._score_guess(layer, needed)
         self._count_in_place(len(needed))
         self._t_end = self.clock()
         self.modes.observe("cpu", x.shape[0], self._t_end - t0)
         return out
+
+    def fill(self, li: int, experts: list[int]) -> None:
+        """Experts this layer computed on the CPU, copied into the slots when the link is idle
+        (`TransferEngine.fill`), so a later step finds them on the device: on a slow link the
+        split fetches nothing, and the cache would otherwise hold only what prefetch guessed.
+        With prefetch (speculative copies both; off on a CPU device, where a slot is no
+        faster than the pool)."""
+        if self.prefetch and experts:
+            self.engine.fill([(li, e) for e in experts])
 
     def count(self, hits: int, fetched: int, on_cpu: int) -> None:
         """A layer's experts: computed on the device from the cache, fetched, on the CPU."""

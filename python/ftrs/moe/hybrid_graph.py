@@ -15,7 +15,8 @@ parts in the same order as the eager layer (`HybridStrategy._fused_parts` and `_
 Each host step first picks the layer's mode (`hybrid_cost.LayerModes`, the strategy's one
 instance, as eager calls do): the split above, or every routed expert on the CPU in one kernel
 call (no slot lookup, no prefetch, an empty slot table, so the captured kernel computes
-nothing). The mode is timed by the host step's wall clock after the routing's read-back (which
+nothing). Either way the experts computed on the CPU are queued as fills
+(`HybridStrategy.fill`): copied in while the link idles, they are hits for later steps. The mode is timed by the host step's wall clock after the routing's read-back (which
 both pay); the device part of a split's hits runs in the next captured segment and is not in
 that time: a hit's kernel is microseconds, where the host work the split adds (the next layer's
 predicted routing read back for the prefetch, the lookup; then, the CPU experts one by one) is
@@ -62,6 +63,7 @@ def host_step(h: HybridStrategy, layer: int, ids: torch.Tensor, weights: torch.T
     if timed and h.modes.choose(rows) == "cpu":
         _cpu_rows(h, layer, x[:rows], ids_h, weights[:rows], needed, y)  # nothing pinned
         g.write(layer, [-1] * num_experts)  # no slot: the captured kernel computes nothing
+        h.fill(li, needed)
         h.count(0, 0, len(needed))
         h._t_end = h.clock()
         h.modes.observe("cpu", rows, h._t_end - t_layer)
@@ -102,6 +104,7 @@ def host_step(h: HybridStrategy, layer: int, ids: torch.Tensor, weights: torch.T
     except BaseException:
         h.engine.release(stream)  # no segment will read them
         raise
+    h.fill(li, on_cpu)  # copied in while the link is idle, for a later step to hit
     h.count(len(hits), len(fetch), len(on_cpu))
     h._t_end = h.clock()
     if timed:

@@ -7,9 +7,11 @@ observed by the request handlers, which see the tokens arrive.
 `StepStats.experts` carries the expert/PCIe counters of the Rust core. Counters there are
 *cumulative since the engine started*; the registry adds the difference from the last value
 (a smaller value means the engine restarted: the new value is added whole). Keys read:
-  counters: h2d_bytes, d2h_bytes, hits, misses, prefetch_used, prefetch_wasted
-            (without h2d_bytes: (demand_fetches + prefetch_issued - prefetch_cancelled)
-             * expert_bytes, the names `ftrs._core` TransferEngine.stats() uses)
+  counters: h2d_bytes, d2h_bytes, hits, misses, prefetch_used, prefetch_wasted,
+            fill_issued, fill_used, fill_wasted (ftrs_expert_fill_total{outcome})
+            (without h2d_bytes: (demand_fetches + prefetch_issued - prefetch_cancelled
+             + fill_issued - fill_dropped) * expert_bytes, the names `ftrs._core`
+             TransferEngine.stats() uses)
   gauges:   slots, queue_depth, inflight_bytes, prefill_cap_tokens
   per step: prefill_fetch_bytes (histogram, observed when the step had prefill tokens)
   hybrid:   cpu_computed (counter ftrs_expert_cpu_compute_total: experts computed on the CPU);
@@ -50,6 +52,9 @@ _EXPERT_COUNTERS = {
     "misses": ("expert_lookups", "miss"),
     "prefetch_used": ("expert_prefetch", "used"),
     "prefetch_wasted": ("expert_prefetch", "wasted"),
+    "fill_issued": ("expert_fill", "issued"),
+    "fill_used": ("expert_fill", "used"),
+    "fill_wasted": ("expert_fill", "wasted"),
 }
 DEVICE_STATES = ("ok", "degraded", "lost", "unknown")
 REQUEST_STATUSES = ("success", "aborted", "rejected", "failed")
@@ -89,6 +94,7 @@ class ServerMetrics:
         self.pcie_bytes = Counter(p + "pcie_bytes", "Bytes copied over PCIe.", ["direction"], registry=r)
         self.expert_lookups = Counter(p + "expert_lookups", "Expert-cache lookups.", ["result"], registry=r)
         self.expert_prefetch = Counter(p + "expert_prefetch", "Speculative expert prefetches.", ["outcome"], registry=r)
+        self.expert_fill = Counter(p + "expert_fill", "Experts computed on the CPU copied in on an idle link (hybrid): started, demanded later, evicted unused.", ["outcome"], registry=r)
         for attr, label in _EXPERT_COUNTERS.values():
             getattr(self, attr).labels(label)
         self.cpu_compute = Counter(p + "expert_cpu_compute", "Routed experts computed on the CPU from the host pool (hybrid).", registry=r)
@@ -241,7 +247,7 @@ class ServerMetrics:
 
 def _h2d_bytes(experts: Mapping[str, object]) -> object:
     """`h2d_bytes` if the core reports it; else copies started times `expert_bytes` (the
-    offload strategy's view: demand fetches plus prefetches that were not cancelled)."""
+    offload strategy's view: demand fetches plus prefetches and fills that were not dropped)."""
     if "h2d_bytes" in experts:
         return experts["h2d_bytes"]
     parts = [_number(experts.get(k)) for k in ("demand_fetches", "prefetch_issued", "expert_bytes")]
@@ -249,7 +255,9 @@ def _h2d_bytes(experts: Mapping[str, object]) -> object:
         return None
     demand, issued, size = (float(p or 0) for p in parts)
     cancelled = _number(experts.get("prefetch_cancelled")) or 0.0
-    return (demand + issued - cancelled) * size
+    fills = (_number(experts.get("fill_issued")) or 0.0) - (_number(experts.get("fill_dropped"))
+                                                           or 0.0)
+    return (demand + issued - cancelled + fills) * size
 
 
 def _number(value: object) -> float | None:
