@@ -13,8 +13,13 @@ captured device step is not called (nothing here waits for it).
 Three host-step variants per layer, interleaved step by step over the same routed inputs
 (one decode token, each layer's own router): `cpu` (the layer mode "cpu"), `split` (the split,
 its CPU share in one call: a GPU's path) and `split_by_expert` (the same split, its CPU share
-expert by expert: a CPU device's path). Prints, per variant, the median host-step time per
-layer and its ratio to `cpu`, and the experts computed on the device, fetched and on the CPU.
+expert by expert: a CPU device's path) and `split_no_fill` (the split without the fill of its
+CPU share on the idle link, `HybridStrategy.fill`: the cache then holds only what the router's
+prefetch guessed). Prints, per variant, the median host-step time per layer and its ratio to
+`cpu`, the experts computed on the device, fetched and on the CPU, and the fills started and
+later hit. The steps are `--steps` routed tokens replayed `--rounds` times after a warm-up of
+five; the "device" hits are free here (the captured kernel is not run), as they nearly are
+on a GPU, so the split's host time falls with its hit rate.
 
     python bench/hybrid_host_step.py [--link 0.1] [--layers 30] [--steps 40] [--rounds 3]
 """
@@ -88,7 +93,9 @@ def main() -> None:
         steps.append(step)
     variants = {"cpu": make(path, loaded, "cpu", args.link, True),
                 "split": make(path, loaded, "split", args.link, True),
-                "split_by_expert": make(path, loaded, "split", args.link, False)}
+                "split_by_expert": make(path, loaded, "split", args.link, False),
+                "split_no_fill": make(path, loaded, "split", args.link, True)}
+    variants["split_no_fill"].fill = lambda li, experts: None  # type: ignore[method-assign]
 
     def run(h: HybridStrategy, step: list[Any]) -> float:
         h.begin_forward(1)
@@ -121,7 +128,8 @@ def main() -> None:
                          "quartiles_us": [round(q * 1e6, 1)
                                           for q in statistics.quantiles(times[name], n=4)],
                          "device_fetched_cpu": [s["device_computed"], s["fetched"],
-                                                s["cpu_computed"]]}
+                                                s["cpu_computed"]],
+                         "fills_issued_used": [s["fill_issued"], s["fill_used"]]}
     finally:
         for h in variants.values():
             h.close()
