@@ -302,10 +302,10 @@ impl TransferEngine {
     /// Asks for `keys` to be copied in whenever the link is idle, for a later step to hit:
     /// experts a forward computed elsewhere (hybrid's CPU share). Keys resident or in flight
     /// are skipped; the others join the fill queue (again asked: moved to its newest end),
-    /// which keeps the newest [`MAX_FILL_REQUESTS`] (at most `num_slots`). The worker starts one, newest first, only
-    /// when no demand and no prefetch is queued and a prefetch copy may start; it is then a
-    /// prefetch in chunks (overtaken by every demand and later prefetch) that the stale rule
-    /// of `lookup` keeps. Returns how many keys were queued.
+    /// which keeps the newest [`MAX_FILL_REQUESTS`] (at most `num_slots`). The worker starts
+    /// one, newest first, only when no demand and no prefetch is queued and a prefetch copy
+    /// may start; it is then a prefetch in chunks (overtaken by every demand and later
+    /// prefetch) that the stale rule of `lookup` keeps. Returns how many keys were queued.
     pub fn fill(&self, keys: &[Key]) -> Result<usize> {
         let layout = self.inner.pool.layout();
         for &(l, e) in keys {
@@ -313,12 +313,7 @@ impl TransferEngine {
         }
         let mut st = lock(&self.inner.state);
         let st = &mut *st;
-        if let Some(e) = &st.dead {
-            return Err(e.clone());
-        }
-        if st.shutdown {
-            return Err(CoreError::Closed);
-        }
+        st.usable()?;
         let mut n = 0;
         for &key in keys {
             if st.cache.slot_for(key).is_some() {

@@ -25,12 +25,7 @@ impl TransferEngine {
         let bytes_of = |k: Key| layout.block_bytes(k.0 as usize).unwrap_or(0);
         let mut st = lock(&self.inner.state);
         let st = &mut *st;
-        if let Some(e) = &st.dead {
-            return Err(e.clone());
-        }
-        if st.shutdown {
-            return Err(CoreError::Closed);
-        }
+        st.usable()?;
         let mut seen = HashSet::new();
         let keys: Vec<Key> = demand
             .iter()

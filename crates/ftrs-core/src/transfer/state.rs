@@ -119,6 +119,19 @@ pub(super) enum Drill {
     Panic,
 }
 
+impl State {
+    /// `Ok` while the engine takes calls: else the worker's panic, or [`CoreError::Closed`].
+    pub(super) fn usable(&self) -> Result<()> {
+        if let Some(e) = &self.dead {
+            return Err(e.clone());
+        }
+        if self.shutdown {
+            return Err(CoreError::Closed);
+        }
+        Ok(())
+    }
+}
+
 pub(super) fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
