@@ -174,7 +174,7 @@ def test_offload_host_step_ranks_the_next_layer_on_the_host_from_the_real_rows(
     """The prefetch a host step issues is the next layer's experts ranked on the host
     (`rank_on_host`) from the real rows only; torch's device routing is never called (it
     raises here), and padding rows, routed elsewhere, add nothing."""
-    import ftrs.moe.offload as offload_mod
+    import ftrs.moe.rank as rank_mod
     from ftrs.moe.rank import rank_on_host
 
     s = loaded.spec
@@ -186,7 +186,7 @@ def test_offload_host_step_ranks_the_next_layer_on_the_host_from_the_real_rows(
     def no_device_routing(*_: Any) -> Any:
         raise AssertionError("the host step routed on the device")
 
-    monkeypatch.setattr(offload_mod, "route", no_device_routing)
+    monkeypatch.setattr(rank_mod, "route", no_device_routing)
     issued: list[list[tuple[int, int]]] = []
     lookup = moe._lookup
 

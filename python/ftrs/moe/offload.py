@@ -76,7 +76,6 @@ import math
 import time
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from ftrs import _core
@@ -89,13 +88,12 @@ from ftrs.layers.moe import (
     accumulate,
     expert_contribution,
     plan_experts,
-    route,
 )
 from ftrs.models.experts import HostExperts
 from ftrs.moe import offload_graph
 from ftrs.moe.base import GraphSupport, MoEStrategy, register
 from ftrs.moe.offload_graph import GraphTables
-from ftrs.moe.rank import rank_on_host
+from ftrs.moe.rank import NextLayerRanker
 
 if TYPE_CHECKING:  # the kernel modules import Triton: only when the kernels are chosen
     from ftrs.kernels import Kernels
@@ -119,9 +117,6 @@ MIN_CHUNK_BYTES = 1 << 20
 CHUNK_ALIGN = 64 << 10
 #: Compute the experts already in their slots before waiting for the rest of the layer's.
 COMPUTE_LANDED_FIRST = True
-#: A GPU batch of at most this many rows (the decode graphs' largest bucket) ranks the next
-#: layer's experts on the host (`_predict`): <= 32 x hidden fp32 rows read back once.
-HOST_RANK_ROWS = 32
 CAPACITY_RETRY_S = 5.0  # how long a lookup may wait for in-flight prefetches to land
 
 
@@ -208,7 +203,7 @@ class OffloadStrategy(MoEStrategy):
         self.working_set = len(self.spec.moe_layers) * self.spec.top_k
         self.next_moe = {a: b for a, b in zip(self.spec.moe_layers, self.spec.moe_layers[1:])}
         self._predicted: dict[int, set[int]] = {}
-        self._routers_host: dict[int, np.ndarray] = {}  # fp32 copies for `rank_on_host`
+        self._ranker = NextLayerRanker(routers, self.spec.top_k, self.spec.num_experts)
         self.pred_hits = self.pred_issued = self.pred_needed = 0
         # The link-bound gate (module docstring): this forward's start, transfer waits and end;
         # per width (False: narrow, True: wide), whether its last forward was link-bound and
@@ -230,32 +225,13 @@ class OffloadStrategy(MoEStrategy):
                  on_host: bool | None = None) -> list[tuple[int, int]]:
         """The next MoE layer's experts, routed from this layer's input `x`, likeliest first
         (summed router weight over the batch): the engine keeps few prefetches in flight and
-        `spare` may cut the list, so the order decides what goes. `x_host`: the same rows
-        already in host memory (fp32), ranked there (`rank_on_host`). Otherwise `on_host`
-        says where: True copies `x` to the host (one read-back) and ranks there; None (the
-        default) does so for a GPU's decode-sized batch (`HOST_RANK_ROWS`), where the device
-        path's launches and its two read-backs cost more than copying the few rows; False,
-        or a CPU device, ranks with torch where `x` is."""
+        `spare` may cut the list, so the order decides what goes. Where the ranking runs
+        (`x_host`, `on_host`): `rank.NextLayerRanker.rank`."""
         nxt = self.next_moe.get(layer)
         spare = self.num_slots - self.working_set
         if nxt is None or not self.prefetch or spare <= 0 or self._gated:
             return []
-        if on_host is None:
-            on_host = x.is_cuda and x.shape[0] <= HOST_RANK_ROWS
-        if x_host is None and on_host:
-            x_host = x.to("cpu", torch.float32).contiguous()
-        if x_host is not None:
-            router = self._routers_host.get(nxt)
-            if router is None:
-                router = self._routers_host[nxt] = (
-                    self.routers[nxt].detach().to("cpu", torch.float32).numpy())
-            guess = rank_on_host(x_host, router, self.spec.top_k)[:spare]
-        else:
-            ids, w = route(x, self.routers[nxt], self.spec.top_k, False)
-            score = torch.zeros(self.spec.num_experts, dtype=torch.float32, device=ids.device)
-            score.index_add_(0, ids.flatten(), w.flatten().float())
-            ranked = torch.argsort(score, descending=True, stable=True)
-            guess = ranked[: int((score > 0).sum())].tolist()[:spare]
+        guess = self._ranker.rank(nxt, x, x_host, on_host)[:spare]
         self._predicted[nxt] = set(guess)
         li = self.experts.layer_index[nxt]
         return [(li, e) for e in guess]

@@ -1,12 +1,12 @@
-"""Ranking a MoE layer's likeliest experts on the host, for prefetch.
+"""Ranking the next MoE layer's likeliest experts, for prefetch (`OffloadStrategy._predict`).
 
-`rank_on_host` routes rows already in host memory through a softmax router and ranks the
-experts by their summed weight: what `OffloadStrategy._predict` does on the device with torch,
-without a device round trip. Hybrid's decode-graph host step reads the real rows back once (its
-CPU share needs them) and predicts the next layer's experts from them here; offload's, and a
-GPU's decode-sized eager layers, copy the rows back for it (`OffloadStrategy._predict`): the
-device path costs its launches and two read-backs a layer. For a decode step's few rows and
-experts the top-k and softmax run in plain Python, the logits in numpy.
+`NextLayerRanker.rank` routes this layer's rows through the next layer's router and ranks the
+experts by their summed weight, with torch where the rows are or on the host. `rank_on_host`
+is the host side: no device round trip. Hybrid's decode-graph host step reads the real rows
+back once (its CPU share needs them) and ranks them here; offload's graph host step, and a
+GPU's decode-sized eager layers, copy the rows back for it: the device path costs its launches
+and two read-backs a layer. For a decode step's few rows and experts the top-k and softmax run
+in plain Python, the logits in numpy.
 
 Tests: tests/moe/test_offload.py (against torch's `route` and the device ranking).
 """
@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import heapq
 import math
+from typing import Any
 
 import numpy as np
 import torch
 
+from ftrs.layers.moe import route
+
 #: `rank_on_host` ranks in plain Python up to this many logits (rows x experts), numpy above.
 RANK_PY_LOGITS = 256
+#: A GPU batch of at most this many rows (the decode graphs' largest bucket) is ranked on the
+#: host by default (`NextLayerRanker.rank`): <= 32 x hidden fp32 rows read back once.
+HOST_RANK_ROWS = 32
 
 
 def rank_on_host(x: torch.Tensor, router: np.ndarray, top_k: int) -> list[int]:
@@ -48,3 +54,39 @@ def rank_on_host(x: torch.Tensor, router: np.ndarray, top_k: int) -> list[int]:
         for e, w in zip(picked.ravel().tolist(), weight.ravel().tolist()):
             score[e] = score.get(e, 0.0) + w
     return sorted((e for e, w in score.items() if w > 0), key=lambda e: (-score[e], e))
+
+
+class NextLayerRanker:
+    """Ranks a MoE layer's experts from the previous layer's rows through its router, for
+    `OffloadStrategy._predict`: on the host (`rank_on_host`, the routers copied there once, fp32)
+    or with torch where the rows are."""
+
+    def __init__(self, routers: dict[int, Any], top_k: int, num_experts: int) -> None:
+        self.routers = routers
+        self.top_k = top_k
+        self.num_experts = num_experts
+        self._host: dict[int, np.ndarray] = {}  # fp32 host copies of the routers
+
+    def rank(self, layer: int, x: torch.Tensor, x_host: torch.Tensor | None = None,
+             on_host: bool | None = None) -> list[int]:
+        """`layer`'s experts for the rows `x`, heaviest summed weight first (ties: lower id).
+        `x_host`: the same rows already in host memory (fp32), ranked there. Otherwise
+        `on_host` says where: True copies `x` to the host (one read-back) and ranks there; None
+        (the default) does so for a GPU's decode-sized batch (`HOST_RANK_ROWS`), where the
+        device path's launches and its two read-backs cost more than copying the few rows;
+        False, or a CPU device, ranks with torch where `x` is."""
+        if on_host is None:
+            on_host = x.is_cuda and x.shape[0] <= HOST_RANK_ROWS
+        if x_host is None and on_host:
+            x_host = x.to("cpu", torch.float32).contiguous()
+        if x_host is not None:
+            router = self._host.get(layer)
+            if router is None:
+                router = self._host[layer] = (
+                    self.routers[layer].detach().to("cpu", torch.float32).numpy())
+            return rank_on_host(x_host, router, self.top_k)
+        ids, w = route(x, self.routers[layer], self.top_k, False)
+        score = torch.zeros(self.num_experts, dtype=torch.float32, device=ids.device)
+        score.index_add_(0, ids.flatten(), w.flatten().float())
+        ranked = torch.argsort(score, descending=True, stable=True)
+        return ranked[: int((score > 0).sum())].tolist()
