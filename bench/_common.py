@@ -107,7 +107,7 @@ def decode_summary(steps: list[StepStats]) -> dict[str, float]:
 
 def counter_delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, float]:
     """Scalar counters of `stats()` after minus before (lists and gauges left out)."""
-    gauges = {"queue_depth", "inflight_bytes", "slots", "expert_bytes"}
+    gauges = {"queue_depth", "inflight_bytes", "slots", "expert_bytes", "fill_queued"}
     return {k: v - before.get(k, 0) for k, v in after.items()
             if isinstance(v, int) and k not in gauges}
 

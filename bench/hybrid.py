@@ -122,6 +122,8 @@ def decode(llm: LLM, strat: MoEStrategy, prompt: list[int], tokens: int) -> dict
         if "cpu_computed" in c:
             out |= {f"{k}_per_token": round(c[k] / n, 2)
                     for k in ("device_computed", "fetched", "cpu_computed")}
+            if c.get("fill_issued"):  # the CPU's experts copied in on the idle link
+                out |= {f"{k}_per_token": round(c[k] / n, 2) for k in ("fill_issued", "fill_used")}
         if c.get("layers_split", 0) + c.get("layers_all_cpu", 0):  # a GPU's layer modes
             out["split_layer_share"] = round(
                 c["layers_split"] / (c["layers_split"] + c["layers_all_cpu"]), 3)
