@@ -18,10 +18,13 @@ CPU share on the idle link, `HybridStrategy.fill`: the cache then holds only wha
 prefetch guessed). Prints, per variant, the median host-step time per layer and its ratio to
 `cpu`, the experts computed on the device, fetched and on the CPU, and the fills started and
 later hit. The steps are `--steps` routed tokens replayed `--rounds` times after a warm-up of
-five; the "device" hits are free here (the captured kernel is not run), as they nearly are
-on a GPU, so the split's host time falls with its hit rate.
+five (with `--fresh`, every round routes new tokens instead, so no step repeats one the cache
+has seen; replaying favours a warm cache); the "device" hits are free here (the captured
+kernel is not run), as they nearly are on a GPU, so the split's host time falls with its hit
+rate.
 
     python bench/hybrid_host_step.py [--link 0.1] [--layers 30] [--steps 40] [--rounds 3]
+                                     [--fresh]
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30, help="layers of the shaped model")
     ap.add_argument("--steps", type=int, default=40, help="decode steps of routed inputs")
     ap.add_argument("--rounds", type=int, default=3, help="passes over those steps")
+    ap.add_argument("--fresh", action="store_true",
+                    help="route new tokens in every round instead of replaying the steps")
     args = ap.parse_args()
     if not triton_runs_on(CPU):
         raise SystemExit("hybrid_host_step: needs Triton's interpreter (TRITON_INTERPRET=1)")
@@ -82,7 +87,9 @@ def main() -> None:
     spec = loaded.spec
     gen = torch.Generator().manual_seed(0)
     steps = []
-    for _ in range(args.steps):
+    warm = min(5, args.steps - 1)
+    n_steps = warm + (args.steps - warm) * args.rounds if args.fresh else args.steps
+    for _ in range(n_steps):
         step = []
         for layer in spec.moe_layers:
             x = torch.randn(1, spec.hidden_size, generator=gen)
@@ -106,19 +113,23 @@ def main() -> None:
         h.end_forward()
         return took / len(step)
 
-    warm = min(5, len(steps) - 1)
+    rounds = [steps[warm:]] * args.rounds
+    if args.fresh:
+        per = args.steps - warm
+        rounds = [steps[warm + r * per:warm + (r + 1) * per] for r in range(args.rounds)]
     times: dict[str, list[float]] = {k: [] for k in variants}
     t_start = time.perf_counter()
     try:
         for step in steps[:warm]:  # caches filled, the estimates' first calls
             for h in variants.values():
                 run(h, step)
-        for _ in range(args.rounds):
-            for step in steps[warm:]:
+        for round_steps in rounds:
+            for step in round_steps:
                 for name, h in variants.items():
                     times[name].append(run(h, step))
         base = statistics.median(times["cpu"])
         out: dict[str, Any] = {"link_gbps": args.link, "layers": len(spec.moe_layers),
+                               "fresh_tokens": args.fresh,
                                "wall_s": round(time.perf_counter() - t_start, 1)}
         for name, h in variants.items():
             s = h.stats()
