@@ -217,18 +217,47 @@ impl SlotCache {
                 .count()
     }
 
+    /// Slots an insert limited to `layer` ([`Self::insert_in_layer`]) could use now, and the
+    /// slots that layer holds: (free plus its unpinned occupied, its occupied).
+    pub fn layer_room(&self, layer: u32) -> (usize, usize) {
+        let (mut unpinned, mut held) = (0, 0);
+        for s in self
+            .slots
+            .iter()
+            .filter(|s| s.key.is_some_and(|k| k.0 == layer))
+        {
+            held += 1;
+            unpinned += usize::from(s.pins == 0);
+        }
+        (self.free.len() + unpinned, held)
+    }
+
     /// Puts `key` (not resident) in a free slot, or evicts a victim. Returns the slot and the
     /// evicted key. The new slot is unpinned; its recency is the current tick.
     pub fn insert(&mut self, key: Key) -> Result<(u32, Option<Key>)> {
+        self.insert_where(key, false)
+    }
+
+    /// As [`Self::insert`], but the victim (when no slot is free) is one of `key`'s own
+    /// layer's: the insert changes what a layer holds, never how many slots it holds.
+    pub fn insert_in_layer(&mut self, key: Key) -> Result<(u32, Option<Key>)> {
+        self.insert_where(key, true)
+    }
+
+    fn insert_where(&mut self, key: Key, same_layer: bool) -> Result<(u32, Option<Key>)> {
         debug_assert!(!self.map.contains_key(&key), "{key:?} inserted twice");
         let (slot, evicted) = match self.free.pop() {
             Some(slot) => (slot, None),
             None => {
-                let slot = self.victim().ok_or_else(|| {
-                    CoreError::Capacity(format!(
-                        "all {} expert slots are pinned; compute this layer in waves",
-                        self.capacity()
-                    ))
+                let slot = self.victim(same_layer.then_some(key.0)).ok_or_else(|| {
+                    CoreError::Capacity(if same_layer {
+                        format!("layer {} holds no unpinned slot", key.0)
+                    } else {
+                        format!(
+                            "all {} expert slots are pinned; compute this layer in waves",
+                            self.capacity()
+                        )
+                    })
                 })?;
                 let old = self.slots[slot as usize].key.take();
                 if let Some(old) = old {
@@ -266,12 +295,12 @@ impl SlotCache {
         self.free.push(slot);
     }
 
-    fn victim(&self) -> Option<u32> {
+    fn victim(&self, layer: Option<u32>) -> Option<u32> {
         let mut cands: Vec<(u64, u32)> = self
             .slots
             .iter()
             .enumerate()
-            .filter(|(_, s)| s.key.is_some() && s.pins == 0)
+            .filter(|(_, s)| s.key.is_some_and(|k| layer.is_none_or(|l| k.0 == l)) && s.pins == 0)
             .map(|(i, s)| (s.last_use, i as u32))
             .collect();
         if cands.is_empty() {

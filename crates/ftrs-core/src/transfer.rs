@@ -39,9 +39,10 @@
 //! - `fill(keys)`: experts computed elsewhere this step (hybrid's CPU share) are copied in when
 //!   the link is idle, for later steps to hit. A request is a key, not a transfer: it takes no
 //!   slot while it waits. When nothing is queued and a prefetch copy may start, the worker
-//!   turns the newest request into a prefetch transfer (slot evicted per policy), which every
-//!   demand and later prefetch overtakes and the stale rule keeps. Counted apart
-//!   (`fill_*`), so prefetch precision stays the router's.
+//!   turns the newest request into a prefetch transfer (into a free slot, else one of its own
+//!   layer's evicted per policy: a fill never moves slots between layers), which every demand
+//!   and later prefetch overtakes and the stale rule keeps. Counted apart (`fill_*`), so
+//!   prefetch precision stays the router's.
 //! - Failures (backend errors, injected faults) stop the transfer's remaining chunks, free the
 //!   slot and reach `wait(ticket)`.
 //! - A panic of the worker is caught at the top of its thread: the copies it had started are
@@ -70,7 +71,9 @@ mod lookup;
 mod state;
 mod worker;
 use fence::{release_pinned, SlotFence};
-use state::{allocate, drop_prefetch, lock, queue, unpin, Drill, Prio, State, Ticket};
+use state::{
+    allocate, allocate_in_layer, drop_prefetch, lock, queue, unpin, Drill, Prio, State, Ticket,
+};
 use worker::run_worker;
 
 /// Fill requests kept at most: on a link too slow to serve them the oldest are never reached
@@ -305,7 +308,9 @@ impl TransferEngine {
     /// which keeps the newest [`MAX_FILL_REQUESTS`] (at most `num_slots`). The worker starts
     /// one, newest first, only when no demand and no prefetch is queued and a prefetch copy
     /// may start; it is then a prefetch in chunks (overtaken by every demand and later
-    /// prefetch) that the stale rule of `lookup` keeps. Returns how many keys were queued.
+    /// prefetch) that the stale rule of `lookup` keeps, into a free slot or else one its own
+    /// layer holds (a request whose layer holds none is dropped). Returns how many keys were
+    /// queued.
     pub fn fill(&self, keys: &[Key]) -> Result<usize> {
         let layout = self.inner.pool.layout();
         for &(l, e) in keys {

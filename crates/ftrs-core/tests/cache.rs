@@ -29,6 +29,36 @@ fn pinned_slots_are_never_victims_and_full_pinning_is_a_capacity_error() {
 }
 
 #[test]
+fn insert_in_layer_evicts_only_its_layers_keys() {
+    let mut c = SlotCache::new(3, Policy::Lru).unwrap();
+    assert_eq!(c.layer_room(1), (3, 0)); // free slots serve any layer
+    for k in [(0, 0), (1, 0), (1, 1)] {
+        c.access(k);
+        c.insert_in_layer(k).unwrap();
+    }
+    assert_eq!(
+        (c.layer_room(0), c.layer_room(1), c.layer_room(2)),
+        ((1, 1), (2, 2), (0, 0))
+    );
+    // (0,0) is the least recent in the cache; layer 1's own least recent goes instead
+    c.access((1, 2));
+    let (s, evicted) = c.insert_in_layer((1, 2)).unwrap();
+    assert_eq!(evicted, Some((1, 0)));
+    assert_eq!(c.id_of_slot(s), Some((1, 2)));
+    assert!(matches!(
+        c.insert_in_layer((2, 0)),
+        Err(CoreError::Capacity(_))
+    ));
+    c.pin(c.slot_for((0, 0)).unwrap());
+    assert_eq!(c.layer_room(0), (0, 1)); // held, but pinned
+    assert!(matches!(
+        c.insert_in_layer((0, 1)),
+        Err(CoreError::Capacity(_))
+    ));
+    assert_eq!(c.insert((0, 1)).unwrap().1, Some((1, 1))); // a plain insert takes any layer's
+}
+
+#[test]
 fn lfru_keeps_a_frequent_key_over_a_recent_one_time_key() {
     let mut c = SlotCache::new(4, Policy::Lfru).unwrap();
     for k in 0..4 {

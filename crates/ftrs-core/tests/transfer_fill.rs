@@ -1,7 +1,8 @@
 //! Fills (`TransferEngine::fill`): experts computed elsewhere are copied in only when the link
 //! is idle, land whole for a later lookup to hit, wait behind every demand and prefetch, are
 //! kept by the stale rule, are upgraded (not fetched twice) when demanded in flight, skip what
-//! is resident, and take no slot while none is evictable.
+//! is resident, take no slot while none is evictable, and replace only their own layer's
+//! experts when no slot is free.
 
 mod common;
 
@@ -117,23 +118,52 @@ fn a_demand_for_a_fill_in_flight_upgrades_it_instead_of_fetching_twice() {
 }
 
 #[test]
-fn a_fill_skips_what_is_resident_and_waits_for_an_evictable_slot() {
+fn a_fill_skips_what_is_resident_and_waits_for_its_layers_slot() {
     let (eng, dst, p) = host_engine(2);
     let (_, t) = eng.lookup(0, &[0, 1], &[]).unwrap();
     eng.wait(t).unwrap();
-    // both slots pinned: (0,1) is resident, skipped; (1,1) waits for a slot
-    assert_eq!(eng.fill(&[(0, 1), (1, 1)]).unwrap(), 1);
+    // both slots pinned: (0,1) is resident, skipped; (0,2) waits for a slot of layer 0
+    assert_eq!(eng.fill(&[(0, 1), (0, 2)]).unwrap(), 1);
     std::thread::sleep(Duration::from_millis(20));
     let s = eng.stats();
     assert_eq!((s.fill_issued, s.fill_queued), (0, 1));
     eng.release(); // a slot is evictable again: the fill starts, evicting per policy (LRU)
     settled(&eng);
     assert_eq!(eng.stats().fill_issued, 1);
-    assert_eq!(
-        slot_byte(&dst, &p, slot_of(&eng, (1, 1)).unwrap()),
-        16 + 1 + 1
-    );
+    assert_eq!(slot_byte(&dst, &p, slot_of(&eng, (0, 2)).unwrap()), 2 + 1);
     assert!(slot_of(&eng, (0, 0)).is_none() && slot_of(&eng, (0, 1)).is_some());
+    eng.check_invariants().unwrap();
+}
+
+#[test]
+fn a_fill_replaces_only_its_own_layers_experts() {
+    let (eng, dst, p) = host_engine(4);
+    for layer in [0, 1] {
+        let (_, t) = eng.lookup(layer, &[0, 1], &[]).unwrap();
+        eng.wait(t).unwrap();
+        eng.release();
+    }
+    // the cache is full and layer 0's experts are the least recent: a fill of layer 1 still
+    // evicts layer 1's least recent, (1,0); one of layer 2, which holds no slot, is dropped
+    eng.fill(&[(1, 2)]).unwrap();
+    settled(&eng);
+    eng.fill(&[(2, 0)]).unwrap();
+    settled(&eng);
+    let s = eng.stats();
+    assert_eq!((s.fill_requested, s.fill_issued, s.fill_queued), (2, 1, 0));
+    assert_eq!(
+        slot_byte(&dst, &p, slot_of(&eng, (1, 2)).unwrap()),
+        16 + 2 + 1
+    );
+    for (key, held) in [
+        ((0, 0), true),
+        ((0, 1), true),
+        ((1, 0), false),
+        ((1, 1), true),
+    ] {
+        assert_eq!(slot_of(&eng, key).is_some(), held, "{key:?}");
+    }
+    assert!(slot_of(&eng, (2, 0)).is_none());
     eng.check_invariants().unwrap();
 }
 
@@ -158,15 +188,15 @@ fn the_fill_queue_keeps_the_newest_requests() {
     let (_, t) = eng.lookup(0, &[0, 1], &[]).unwrap();
     eng.wait(t).unwrap();
     // no slot evictable: three requests wait, the queue keeps two (the slot count)
-    eng.fill(&[(1, 1), (1, 2), (1, 3)]).unwrap();
-    eng.fill(&[(1, 2)]).unwrap(); // asked again: now the newest
+    eng.fill(&[(0, 2), (0, 3), (0, 4)]).unwrap();
+    eng.fill(&[(0, 3)]).unwrap(); // asked again: now the newest
     assert_eq!(eng.stats().fill_queued, 2);
     eng.release();
     settled(&eng);
-    // (1,1) was dropped; (1,2) and (1,3) were copied (ties in recency may evict one for the
+    // (0,2) was dropped; (0,3) and (0,4) were copied (ties in recency may evict one for the
     // other: `fills_are_served_newest_first` has their order)
-    assert!(slot_of(&eng, (1, 1)).is_none());
-    assert!(slot_of(&eng, (1, 3)).is_some());
+    assert!(slot_of(&eng, (0, 2)).is_none());
+    assert!(slot_of(&eng, (0, 4)).is_some());
     let s = eng.stats();
     assert_eq!((s.fill_requested, s.fill_issued), (4, 2));
     eng.check_invariants().unwrap();

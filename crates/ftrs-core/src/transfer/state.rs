@@ -138,7 +138,18 @@ pub(super) fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
 
 /// A slot for `key` (not resident): free or evicted per policy.
 pub(super) fn allocate(st: &mut State, key: Key) -> Result<u32> {
-    let (slot, evicted) = st.cache.insert(key)?;
+    let inserted = st.cache.insert(key)?;
+    account(st, inserted)
+}
+
+/// A slot for `key` (not resident): free or one of its own layer's, evicted per policy.
+pub(super) fn allocate_in_layer(st: &mut State, key: Key) -> Result<u32> {
+    let inserted = st.cache.insert_in_layer(key)?;
+    account(st, inserted)
+}
+
+/// Counts the eviction of an insert (an unused prefetch or fill wasted) and resets the slot.
+fn account(st: &mut State, (slot, evicted): (u32, Option<Key>)) -> Result<u32> {
     let s = slot as usize;
     if evicted.is_some() && std::mem::take(&mut st.prefetched_unused[s]) {
         st.stats.prefetch_wasted += 1;

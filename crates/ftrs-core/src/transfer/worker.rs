@@ -21,7 +21,7 @@ use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use super::{allocate, lock, queue, unpin, Drill, Inner, Prio, SlotFence, State};
+use super::{allocate_in_layer, lock, queue, unpin, Drill, Inner, Prio, SlotFence, State};
 use crate::backend::Completion;
 use crate::error::{CoreError, Result};
 use crate::layout::ExpertLayout;
@@ -243,19 +243,28 @@ fn worker_loop(inner: &Inner, pending: &mut Pending) {
 }
 
 /// The link is idle (nothing queued, room for a prefetch copy): the newest fill request not
-/// resident or in flight becomes a prefetch transfer into a slot evicted per policy (none
-/// evictable: the requests wait). Older requests stay queued for the next idle moment.
+/// resident or in flight becomes a prefetch transfer into a free slot, or else into one its
+/// own layer holds, evicted per policy. A fill changes what a layer holds, never how many
+/// slots: demands and prefetches set that. In a decode's cycle over the layers the policy's
+/// victim from the whole cache is a layer that comes next (least recently used), so a fill
+/// taking it would trade a hit soon for one a whole token later. A request whose layer holds
+/// only pinned slots waits (its layer is computing; `release` wakes the worker); one whose
+/// layer holds none is dropped. Older requests stay queued for the next idle moment.
 fn start_fill(st: &mut State, layout: &ExpertLayout) {
     while let Some(key) = st.fill_q.pop_back() {
         if st.cache.slot_for(key).is_some() {
             continue; // resident or in flight since it was asked for
         }
-        if st.cache.evictable() == 0 {
+        let (room, held) = st.cache.layer_room(key.0);
+        if room == 0 && held == 0 {
+            continue; // no free slot, and its layer holds none to give
+        }
+        if room == 0 {
             st.fill_q.push_back(key);
             return;
         }
-        let Ok(slot) = allocate(st, key) else {
-            return; // not reached: a slot is evictable
+        let Ok(slot) = allocate_in_layer(st, key) else {
+            return; // not reached: a free slot or one of the layer's is evictable
         };
         let bytes = layout.block_bytes(key.0 as usize).unwrap_or(0);
         queue(st, key, bytes, slot, Prio::Prefetch, None, true);
