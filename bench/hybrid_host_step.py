@@ -21,10 +21,12 @@ later hit. The steps are `--steps` routed tokens replayed `--rounds` times after
 five (with `--fresh`, every round routes new tokens instead, so no step repeats one the cache
 has seen; replaying favours a warm cache); the "device" hits are free here (the captured
 kernel is not run), as they nearly are on a GPU, so the split's host time falls with its hit
-rate.
+rate. Each layer's input is random, independent from token to token unless `--correlation R`
+makes it R times the previous token's plus fresh noise (unit variance either way): consecutive
+tokens then share experts, as text's do, and recency has something to find.
 
     python bench/hybrid_host_step.py [--link 0.1] [--layers 30] [--steps 40] [--rounds 3]
-                                     [--fresh]
+                                     [--fresh] [--correlation 0.9]
 """
 
 from __future__ import annotations
@@ -79,20 +81,29 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="passes over those steps")
     ap.add_argument("--fresh", action="store_true",
                     help="route new tokens in every round instead of replaying the steps")
+    ap.add_argument("--correlation", type=float, default=0.0,
+                    help="each layer's input is this much the previous token's (0: independent)")
     args = ap.parse_args()
     if not triton_runs_on(CPU):
         raise SystemExit("hybrid_host_step: needs Triton's interpreter (TRITON_INTERPRET=1)")
     path = make_shaped_q4_k_m(Path(tempfile.mkdtemp()) / "shaped-q4_k_m.gguf", args.layers)
     loaded = load_model(str(path), CPU, torch.float32, progress=False)
     spec = loaded.spec
+    if not 0.0 <= args.correlation < 1.0:
+        raise SystemExit("hybrid_host_step: --correlation must be in [0, 1)")
     gen = torch.Generator().manual_seed(0)
+    keep, new = args.correlation, (1.0 - args.correlation ** 2) ** 0.5  # unit variance
+    prev: dict[int, torch.Tensor] = {}
     steps = []
     warm = min(5, args.steps - 1)
     n_steps = warm + (args.steps - warm) * args.rounds if args.fresh else args.steps
     for _ in range(n_steps):
         step = []
         for layer in spec.moe_layers:
-            x = torch.randn(1, spec.hidden_size, generator=gen)
+            x = new * torch.randn(1, spec.hidden_size, generator=gen)
+            if layer in prev:
+                x += keep * prev[layer]
+            prev[layer] = x
             router = loaded.dense[f"{layer}.router"]
             assert isinstance(router, torch.Tensor)
             ids, w = route(x, router, spec.top_k, spec.norm_topk_prob)
@@ -129,7 +140,7 @@ def main() -> None:
                     times[name].append(run(h, step))
         base = statistics.median(times["cpu"])
         out: dict[str, Any] = {"link_gbps": args.link, "layers": len(spec.moe_layers),
-                               "fresh_tokens": args.fresh,
+                               "fresh_tokens": args.fresh, "correlation": args.correlation,
                                "wall_s": round(time.perf_counter() - t_start, 1)}
         for name, h in variants.items():
             s = h.stats()
