@@ -4,7 +4,7 @@ One process loads the demo model once; strategies are swapped on the same weight
 - `resident` gives t_compute: seconds per decode token (batch 1) and the compute time of the
   prefill chunk, measured right before EACH offload run (a shared host's load drifts; each
   row's bound uses its own neighbour, printed as `t_compute_s_per_token`).
-- `offload` (`--cache-rate` of all experts, lru) over `simulated:GBPS` at each `--links` speed,
+- `offload` (`--cache-rate` of all experts, the default policy, lrfu) over `simulated:GBPS` at each `--links` speed,
   with prefetch and without. Each starts from an empty expert cache.
 
 Decode (batch 1, greedy, one chat prompt, `--max-tokens` tokens; only steps with no prefill

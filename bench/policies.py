@@ -11,6 +11,13 @@ Two traces are reported: `all` (prefill and decode forwards) and `decode` (singl
 forwards only, the steady state of a stream). `belady` is Belady's MIN on the same trace: no
 online policy can beat it; `*_vs_belady` is the fraction of the bound each policy reaches.
 
+`engine` then serves the same chats again through the offload strategy itself, once per online
+policy (`--engine-rate` of all experts, prefetch on as `serve` runs it, the `host` copy
+backend: the bytes are what counts here, not the link's speed), each from an empty cache, and
+reports the transfer engine's own counters: the lookup hit rate (prefetched experts that were
+ready count as hits) and the bytes copied per token, all forwards and decode forwards alone.
+Routing does not depend on the strategy, so every policy serves the same lookups.
+
     python bench/policies.py            # 8 prompts x 64 tokens
     python bench/policies.py --quick    # 3 prompts x 16 tokens
 """
@@ -18,14 +25,17 @@ online policy can beat it; `*_vs_belady` is the fraction of the bound each polic
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from typing import Any
 
 from ftrs import _core
 from ftrs.llm import LLM
+from ftrs.moe.offload import OffloadStrategy
 
-POLICIES = ("lru", "lfru", "belady")
+POLICIES = ("lru", "lfru", "lrfu", "belady")
+ONLINE = POLICIES[:-1]
 RATES = (0.25, 0.5, 0.75)
 
 
@@ -38,9 +48,41 @@ def hit_rates(trace: list[list[tuple[int, int]]], total: int) -> dict[str, Any]:
         for policy in POLICIES:
             hits, misses = _core.simulate_cache(trace, cap, policy)
             row[policy] = round(hits / (hits + misses), 4)
-        for policy in POLICIES[:-1]:
+        for policy in ONLINE:
             row[f"{policy}_vs_belady"] = round(row[policy] / row["belady"], 4) if row["belady"] else None
         out[f"{int(rate * 100)}%"] = row
+    return out
+
+
+def engine_run(common: Any, llm: LLM, chats: list[str], policy: str, rate: float,
+                max_tokens: int) -> dict[str, Any]:
+    """The chats through an offload strategy with `policy`; its counters, all and decode."""
+    parts = llm.engine.moe_parts()
+    cfg = dataclasses.replace(llm.config, moe_strategy="offload", moe_cache_rate=rate,
+                              moe_cache_size=None, copy_backend="host", moe_cache_policy=policy)
+    strat = OffloadStrategy(experts=parts.experts, device=parts.device, config=cfg,
+                            routers=parts.routers, kernels=parts.kernels)
+    common.use_strategy(llm, strat)
+    keys = ("hits", "misses", "bytes_h2d")
+    tot = {"all": dict.fromkeys(keys, 0), "decode": dict.fromkeys(keys, 0)}
+    tokens = {"all": 0, "decode": 0}
+    for text in chats:
+        prev = strat.stats()
+        for st in common.run_steps(llm, [llm.tokenizer.encode(text)], max_tokens):
+            delta = common.counter_delta(st.experts, prev)
+            prev = st.experts
+            parts_of = ("all", "decode") if st.kind == "decode" else ("all",)
+            for part in parts_of:
+                tokens[part] += st.decode_tokens + st.prefill_tokens
+                for k in keys:
+                    tot[part][k] += delta[k]
+    strat.close()
+    out: dict[str, Any] = {"slots": strat.num_slots}
+    for part, c in tot.items():
+        looked = c["hits"] + c["misses"]
+        out[part] = {"hit_rate": round(c["hits"] / looked, 4) if looked else None,
+                     "mb_per_token": round(c["bytes_h2d"] / tokens[part] / 1e6, 2),
+                     "tokens": tokens[part]}
     return out
 
 
@@ -50,6 +92,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="3 prompts x 16 tokens")
+    ap.add_argument("--engine-rate", type=float, default=0.5,
+                    help="expert cache of the engine runs, a fraction of all experts")
+    ap.add_argument("--no-engine", action="store_true", help="replay the trace only")
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.max_tokens = 3, 16
@@ -67,6 +112,10 @@ def main() -> None:
     for text in chats:  # one request after another: the cache lives across requests
         common.run_steps(llm, [llm.tokenizer.encode(text)], args.max_tokens)
     record_s = time.perf_counter() - t0
+    engine = {} if args.no_engine else {
+        policy: engine_run(common, llm, chats, policy, args.engine_rate, args.max_tokens)
+        for policy in ONLINE}
+    common.use_strategy(llm, moe)
 
     all_steps = [[(layer, e) for e in experts] for _, layer, experts in rec.steps]
     decode_steps = [[(layer, e) for e in experts] for f, layer, experts in rec.steps
@@ -85,6 +134,8 @@ def main() -> None:
                      "layer_steps_all": len(all_steps), "layer_steps_decode": len(decode_steps),
                      "record_s": round(record_s, 1)},
         "hit_rate": {"all": hit_rates(all_steps, total), "decode": hit_rates(decode_steps, total)},
+        "engine": {"cache_rate": args.engine_rate, "prefetch": llm.config.moe_prefetch,
+                   "copy_backend": "host", **engine},
     }, indent=2))
     llm.close()
 

@@ -408,7 +408,7 @@ def test_timed_cuda_copies_check_arguments_then_need_the_driver(
     assert not host.any()
 
 
-def test_simulate_cache_belady_is_never_worse_than_lru_or_lfru() -> None:
+def test_simulate_cache_belady_is_never_worse_than_an_online_policy() -> None:
     rng = random.Random(7)
     for _ in range(20):
         trace = [
@@ -417,7 +417,7 @@ def test_simulate_cache_belady_is_never_worse_than_lru_or_lfru() -> None:
         ]
         cap = rng.randrange(4, 24)
         best = _core.simulate_cache(trace, cap, "belady")
-        for policy in ("lru", "lfru"):
+        for policy in ("lru", "lfru", "lrfu"):
             hits, misses = _core.simulate_cache(trace, cap, policy)
             assert hits + misses == sum(best)
             assert best[0] >= hits

@@ -36,7 +36,7 @@ class EngineConfig:
     moe_strategy: str = "resident"  # resident | offload | hybrid
     moe_cache_size: int | None = None  # device expert slots (offload)
     moe_cache_rate: float | None = None  # fraction of all experts (offload)
-    moe_cache_policy: str = "lru"  # lru | lfru
+    moe_cache_policy: str = "lrfu"  # lrfu | lru | lfru (ftrs-core cache.rs; bench/policies.py)
     moe_prefetch: bool = True
     copy_backend: str = "auto"  # auto | host | simulated:GBPS[:LAT_US] | cuda[:N]
     pcie_pacing: float | None = None  # GB/s; None = off

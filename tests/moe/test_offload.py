@@ -194,7 +194,9 @@ def test_offload_equals_resident_bit_for_bit(tiny_models: dict[str, Path],
     {"copy_backend": "host", "pcie_pacing": 2.0},
     {"copy_backend": "simulated:8", "moe_cache_policy": "lfru"},
     {"moe_cache_policy": "lfru", "moe_cache_rate": 0.5},
-], ids=["sim20", "sim4-lat30", "paced2", "sim8-lfru", "lfru-half"])
+    {"moe_cache_policy": "lrfu", "moe_cache_rate": 0.5},
+    {"moe_cache_policy": "lru", "moe_cache_rate": 0.5},
+], ids=["sim20", "sim4-lat30", "paced2", "sim8-lfru", "lfru-half", "lrfu-half", "lru-half"])
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_links_and_policies_give_the_same_logits(tiny_models: dict[str, Path],
                                                  reference: dict[str, Run], arch: str,

@@ -85,7 +85,7 @@ pub const MAX_FILL_REQUESTS: usize = 256;
 pub struct EngineConfig {
     /// Device slots; > 0.
     pub num_slots: usize,
-    /// Eviction policy (`lru` or `lfru`; `belady` is offline only).
+    /// Eviction policy (`lru`, `lfru` or `lrfu`; `belady` is offline only).
     pub policy: Policy,
     /// Byte budget of copies in flight; 0 = unlimited.
     pub max_inflight_bytes: usize,
