@@ -15,7 +15,8 @@ online policy can beat it; `*_vs_belady` is the fraction of the bound each polic
 policy (`--engine-rate` of all experts, prefetch on as `serve` runs it, the `host` copy
 backend: the bytes are what counts here, not the link's speed), each from an empty cache, and
 reports the transfer engine's own counters: the lookup hit rate (prefetched experts that were
-ready count as hits) and the bytes copied per token, all forwards and decode forwards alone.
+ready count as hits), the bytes copied, misses, prefetches issued and prefetches later used,
+per token, all forwards and decode forwards alone.
 Routing does not depend on the strategy, so every policy serves the same lookups.
 
     python bench/policies.py            # 8 prompts x 64 tokens
@@ -63,7 +64,7 @@ def engine_run(common: Any, llm: LLM, chats: list[str], policy: str, rate: float
     strat = OffloadStrategy(experts=parts.experts, device=parts.device, config=cfg,
                             routers=parts.routers, kernels=parts.kernels)
     common.use_strategy(llm, strat)
-    keys = ("hits", "misses", "bytes_h2d")
+    keys = ("hits", "misses", "bytes_h2d", "prefetch_issued", "prefetch_used")
     tot = {"all": dict.fromkeys(keys, 0), "decode": dict.fromkeys(keys, 0)}
     tokens = {"all": 0, "decode": 0}
     for text in chats:
@@ -82,7 +83,10 @@ def engine_run(common: Any, llm: LLM, chats: list[str], policy: str, rate: float
         looked = c["hits"] + c["misses"]
         out[part] = {"hit_rate": round(c["hits"] / looked, 4) if looked else None,
                      "mb_per_token": round(c["bytes_h2d"] / tokens[part] / 1e6, 2),
-                     "tokens": tokens[part]}
+                     "tokens": tokens[part],
+                     "misses_per_token": round(c["misses"] / tokens[part], 2),
+                     "prefetches_per_token": round(c["prefetch_issued"] / tokens[part], 2),
+                     "prefetches_used_per_token": round(c["prefetch_used"] / tokens[part], 2)}
     return out
 
 
