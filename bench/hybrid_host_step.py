@@ -26,7 +26,7 @@ makes it R times the previous token's plus fresh noise (unit variance either way
 tokens then share experts, as text's do, and recency has something to find.
 
     python bench/hybrid_host_step.py [--link 0.1] [--layers 30] [--steps 40] [--rounds 3]
-                                     [--fresh] [--correlation 0.9]
+                                     [--fresh] [--correlation 0.9] [--policy lru]
 """
 
 from __future__ import annotations
@@ -55,11 +55,13 @@ from shaped import make_shaped_q4_k_m
 CPU = torch.device("cpu")
 
 
-def make(path: Path, loaded: Any, mode: str, link: float, one_call: bool) -> HybridStrategy:
+def make(path: Path, loaded: Any, mode: str, link: float, one_call: bool,
+         policy: str) -> HybridStrategy:
     """A hybrid strategy held on `mode`, the device priced as a GPU (module doc)."""
     import_strategy("hybrid")
     cfg = EngineConfig(model=str(path), moe_strategy="hybrid", moe_cache_rate=0.5,
-                       moe_prefetch=True, copy_backend=f"simulated:{link:g}")
+                       moe_prefetch=True, copy_backend=f"simulated:{link:g}",
+                       moe_cache_policy=policy)
     routers = {la: loaded.dense[f"{la}.router"] for la in loaded.spec.moe_layers}
     h = create_strategy("hybrid", experts=loaded.experts, device=CPU, config=cfg,
                         routers=routers, kernels=select_kernels("triton", CPU))
@@ -83,6 +85,8 @@ def main() -> None:
                     help="route new tokens in every round instead of replaying the steps")
     ap.add_argument("--correlation", type=float, default=0.0,
                     help="each layer's input is this much the previous token's (0: independent)")
+    ap.add_argument("--policy", default=EngineConfig.moe_cache_policy,
+                    help="the expert cache's eviction policy (default: the engine's)")
     args = ap.parse_args()
     if not triton_runs_on(CPU):
         raise SystemExit("hybrid_host_step: needs Triton's interpreter (TRITON_INTERPRET=1)")
@@ -109,10 +113,10 @@ def main() -> None:
             ids, w = route(x, router, spec.top_k, spec.norm_topk_prob)
             step.append((layer, x, ids, w))
         steps.append(step)
-    variants = {"cpu": make(path, loaded, "cpu", args.link, True),
-                "split": make(path, loaded, "split", args.link, True),
-                "split_by_expert": make(path, loaded, "split", args.link, False),
-                "split_no_fill": make(path, loaded, "split", args.link, True)}
+    variants = {"cpu": make(path, loaded, "cpu", args.link, True, args.policy),
+                "split": make(path, loaded, "split", args.link, True, args.policy),
+                "split_by_expert": make(path, loaded, "split", args.link, False, args.policy),
+                "split_no_fill": make(path, loaded, "split", args.link, True, args.policy)}
     variants["split_no_fill"].fill = lambda li, experts: None  # type: ignore[method-assign]
 
     def run(h: HybridStrategy, step: list[Any]) -> float:
@@ -141,6 +145,7 @@ def main() -> None:
         base = statistics.median(times["cpu"])
         out: dict[str, Any] = {"link_gbps": args.link, "layers": len(spec.moe_layers),
                                "fresh_tokens": args.fresh, "correlation": args.correlation,
+                               "policy": args.policy,
                                "wall_s": round(time.perf_counter() - t_start, 1)}
         for name, h in variants.items():
             s = h.stats()

@@ -303,8 +303,11 @@ impl TransferEngine {
     }
 
     /// Asks for `keys` to be copied in whenever the link is idle, for a later step to hit:
-    /// experts a forward computed elsewhere (hybrid's CPU share). Keys resident or in flight
-    /// are skipped; the others join the fill queue (again asked: moved to its newest end),
+    /// experts a forward computed elsewhere (hybrid's CPU share). Each key counts as used now
+    /// in the cache's policy, as a lookup's keys do: the eviction policy sees every expert a
+    /// layer used, wherever it was computed (without it, `lrfu` scored a filled expert as
+    /// used once however often the CPU computed it, and evicted it first). Keys resident or
+    /// in flight are then skipped; the others join the fill queue (again asked: moved to its newest end),
     /// which keeps the newest [`MAX_FILL_REQUESTS`] (at most `num_slots`). The worker starts
     /// one, newest first, only when no demand and no prefetch is queued and a prefetch copy
     /// may start; it is then a prefetch in chunks (overtaken by every demand and later
@@ -321,7 +324,7 @@ impl TransferEngine {
         st.usable()?;
         let mut n = 0;
         for &key in keys {
-            if st.cache.slot_for(key).is_some() {
+            if st.cache.access(key).is_some() {
                 continue;
             }
             st.fill_q.retain(|&k| k != key);

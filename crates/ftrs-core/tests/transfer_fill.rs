@@ -1,14 +1,15 @@
 //! Fills (`TransferEngine::fill`): experts computed elsewhere are copied in only when the link
 //! is idle, land whole for a later lookup to hit, wait behind every demand and prefetch, are
 //! kept by the stale rule, are upgraded (not fetched twice) when demanded in flight, skip what
-//! is resident, take no slot while none is evictable, and replace only their own layer's
-//! experts when no slot is free.
+//! is resident, take no slot while none is evictable, replace only their own layer's
+//! experts when no slot is free, and count as uses of their experts in the eviction policy.
 
 mod common;
 
 use std::time::Duration;
 
 use common::*;
+use ftrs_core::Policy;
 
 /// Waits until nothing is queued, in flight or asked for.
 fn settled(eng: &ftrs_core::TransferEngine) {
@@ -164,6 +165,41 @@ fn a_fill_replaces_only_its_own_layers_experts() {
         assert_eq!(slot_of(&eng, key).is_some(), held, "{key:?}");
     }
     assert!(slot_of(&eng, (2, 0)).is_none());
+    eng.check_invariants().unwrap();
+}
+
+#[test]
+fn a_fill_counts_as_a_use_of_its_experts() {
+    // LRU: (0,0) and (0,1) resident, (0,0) the older; the CPU then uses (0,0) (a fill of a
+    // resident expert is no copy, but it is a use), so a demand for (0,2) evicts (0,1).
+    let (eng, _dst, _p) = host_engine(2);
+    let (_, t) = eng.lookup(0, &[0, 1], &[]).unwrap();
+    eng.wait(t).unwrap();
+    eng.release();
+    assert_eq!(eng.fill(&[(0, 0)]).unwrap(), 0);
+    let (_, t) = eng.lookup(0, &[2], &[]).unwrap();
+    eng.wait(t).unwrap();
+    eng.release();
+    assert!(slot_of(&eng, (0, 0)).is_some() && slot_of(&eng, (0, 1)).is_none());
+
+    // LRFU: the device used (0,0) at three turns; the CPU then used (0,1) at four, each a
+    // fill (landed after the first). A demand for (0,2) evicts (0,0), the lower score; had
+    // the fills not counted, (0,1) would score one use and go.
+    let (eng, _dst, _p) = host_engine_with(2, Policy::Lrfu);
+    for _ in 0..3 {
+        let (_, t) = eng.lookup(0, &[0], &[]).unwrap();
+        eng.wait(t).unwrap();
+        eng.release();
+    }
+    for _ in 0..4 {
+        eng.fill(&[(0, 1)]).unwrap();
+        settled(&eng);
+    }
+    assert_eq!(eng.stats().fill_issued, 1);
+    let (_, t) = eng.lookup(0, &[2], &[]).unwrap();
+    eng.wait(t).unwrap();
+    eng.release();
+    assert!(slot_of(&eng, (0, 0)).is_none() && slot_of(&eng, (0, 1)).is_some());
     eng.check_invariants().unwrap();
 }
 

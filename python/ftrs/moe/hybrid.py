@@ -260,7 +260,7 @@ class HybridStrategy(OffloadStrategy):
         (`TransferEngine.fill`), so a later step finds them on the device: on a slow link the
         split fetches nothing, and the cache would otherwise hold only what prefetch guessed.
         With prefetch (speculative copies both; off on a CPU device, where a slot is no
-        faster than the pool)."""
+        faster than the pool). The engine counts each as a use in its eviction policy."""
         if self.prefetch and experts:
             self.engine.fill([(li, e) for e in experts])
 

@@ -67,13 +67,6 @@ pub fn engine_chunked(
     pace: f64,
     chunk: usize,
 ) -> (TransferEngine, Box<Dst>) {
-    let mut dst = Box::new(Dst {
-        buf: vec![0u8; slots * pool.layout().expert_bytes()],
-    });
-    // SAFETY: `dst.buf` is host memory that outlives the engine (tuple fields drop in order:
-    // the engine first), disjoint from the pool, and read only after `wait` or when idle.
-    let d =
-        unsafe { Destination::new(dst.buf.as_mut_ptr() as usize, dst.buf.len(), MemKind::Host) };
     let cfg = EngineConfig {
         num_slots: slots,
         policy: Policy::Lru,
@@ -82,8 +75,47 @@ pub fn engine_chunked(
         prefetch_chunk_bytes: chunk,
         pacing_bytes_per_s: pace,
     };
+    engine_cfg(pool, cfg, backend, clock)
+}
+
+pub fn engine_cfg(
+    pool: Arc<ExpertPool>,
+    cfg: EngineConfig,
+    backend: Arc<dyn CopyBackend>,
+    clock: Arc<dyn Clock>,
+) -> (TransferEngine, Box<Dst>) {
+    let mut dst = Box::new(Dst {
+        buf: vec![0u8; cfg.num_slots * pool.layout().expert_bytes()],
+    });
+    // SAFETY: `dst.buf` is host memory that outlives the engine (tuple fields drop in order:
+    // the engine first), disjoint from the pool, and read only after `wait` or when idle.
+    let d =
+        unsafe { Destination::new(dst.buf.as_mut_ptr() as usize, dst.buf.len(), MemKind::Host) };
     let eng = TransferEngine::new(pool, d, cfg, backend, clock).unwrap();
     (eng, dst)
+}
+
+/// A host engine with `policy` (the others use LRU).
+pub fn host_engine_with(
+    slots: usize,
+    policy: Policy,
+) -> (TransferEngine, Box<Dst>, Arc<ExpertPool>) {
+    let p = pool();
+    let cfg = EngineConfig {
+        num_slots: slots,
+        policy,
+        max_inflight_bytes: 0,
+        max_inflight_prefetches: 1,
+        prefetch_chunk_bytes: 0,
+        pacing_bytes_per_s: 0.0,
+    };
+    let (e, d) = engine_cfg(
+        Arc::clone(&p),
+        cfg,
+        Arc::new(HostBackend { threads: 1 }),
+        Arc::new(RealClock::new()),
+    );
+    (e, d, p)
 }
 
 pub fn host_engine(slots: usize) -> (TransferEngine, Box<Dst>, Arc<ExpertPool>) {
