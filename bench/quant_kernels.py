@@ -19,7 +19,10 @@ Times are medians of `--repeats` passes. Printed as one JSON object:
 - per type and n: `ms`, `gbps` (weight bytes read per second), `gflops` (2 n rows cols / s),
   `bytes_per_weight`, `vs_fp32_numpy` (numpy fp32 time / kernel time: > 1 is faster),
   `vs_f32_kernel` (this kernel's own F32 time / this type's: the decode speed-up a quantized
-  model gets over its fp32 form) and `of_memcpy` (gbps / memcpy_gbps).
+  model gets over its fp32 form) and `of_memcpy` (gbps / memcpy_gbps);
+- with `--reference-path`, also `reference_path_ms` and `kernel_vs_reference_path`: the same
+  product through `quant.matmul` with the kernels off (torch dequantizer, then `F.linear`),
+  the path a type without a kernel takes (MXFP4 before it had one).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import numpy as np
 from ftrs import _core as core
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4"]
 # Byte offsets of each block's fp16 scales (ggml block structs): set finite in random blocks.
 SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
                 "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -51,9 +54,11 @@ def random_weight(qtype: str, rows: int, cols: int, rng: np.random.Generator) ->
         return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
     block, nbytes = core.quant_block_info(qtype)
     blocks = rng.integers(0, 256, (rows * cols // block, nbytes), dtype=np.uint8)
-    for off in SCALE_FIELDS[qtype]:
+    for off in SCALE_FIELDS.get(qtype, ()):
         scale = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
         blocks[:, off:off + 2] = scale.view(np.uint8).reshape(-1, 2)
+    if qtype == "MXFP4":  # e8m0 exponents 2^-10..2^1: finite weights of a trained model's range
+        blocks[:, 0] = rng.integers(118, 130, len(blocks), dtype=np.uint8)
     return blocks.reshape(-1)
 
 
@@ -65,6 +70,20 @@ def median_time(fn: object, calls: int, repeats: int) -> float:
             fn(k)  # type: ignore[operator]
         times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times)
+
+
+def reference_path_time(qtype: str, copies: list[np.ndarray], x: np.ndarray, rows: int,
+                        cols: int, repeats: int) -> float:
+    """`quant.matmul` with the kernels off: dequantize the blocks with the torch dequantizers,
+    then `F.linear` (every copy in turn, as the kernel's timing does)."""
+    import torch
+
+    from ftrs.quant import QuantTensor, matmul, use_kernels
+
+    ws = [QuantTensor(qtype, (rows, cols), torch.from_numpy(c)) for c in copies]
+    xt = torch.from_numpy(x)
+    with use_kernels(False):
+        return median_time(lambda k: matmul(xt, ws[k % len(ws)]), len(ws), repeats)
 
 
 def memcpy_gbps(nbytes: int, repeats: int) -> float:
@@ -142,6 +161,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--types", default=",".join(TYPES))
     ap.add_argument("--demo", action="store_true", help="the demo's per-token matmul mix")
+    ap.add_argument("--reference-path", action="store_true",
+                    help="also time each type through quant.matmul's reference path (the torch "
+                         "dequantizer, then F.linear): what a type without a kernel runs")
     ap.add_argument("--kernels", default="auto",
                     help=f"--demo: kernel families, comma-separated (here: "
                          f"{','.join(core.quant_kernels())})")
@@ -194,6 +216,10 @@ def main() -> None:
                 "vs_fp32_numpy": round(ref[n] / t, 3),
                 "vs_f32_kernel": round(f32_time[n] / t, 3) if n in f32_time else None,
                 "of_memcpy": round(gbps / memcpy, 3)}
+            if args.reference_path:
+                tr = reference_path_time(qtype, copies, x, rows, cols, args.repeats)
+                per_type[f"n{n}"]["reference_path_ms"] = round(tr * 1e3, 4)  # type: ignore[index]
+                per_type[f"n{n}"]["kernel_vs_reference_path"] = round(tr / t, 2)  # type: ignore[index]
         result[qtype] = per_type
         del copies
     print(json.dumps(result, indent=1))

@@ -45,11 +45,14 @@ pub enum QType {
     Q5K,
     /// 256 weights: 128 B low nibbles, 64 B high 2 bits, 16 x i8 scales, fp16 d.
     Q6K,
+    /// 32 weights (OCP MXFP4, ggml's `block_mxfp4`): e8m0 exponent e, 16 B of e2m1 nibbles
+    /// (low: elements 0..16, high: 16..32); w = e2m1(q) * 2^(e - 127).
+    Mxfp4,
 }
 
 impl QType {
     /// Every supported type, in the order of [`QType::name`]'s table.
-    pub const ALL: [QType; 13] = [
+    pub const ALL: [QType; 14] = [
         QType::F32,
         QType::F16,
         QType::BF16,
@@ -63,6 +66,7 @@ impl QType {
         QType::Q4K,
         QType::Q5K,
         QType::Q6K,
+        QType::Mxfp4,
     ];
 
     /// The GGUF name (`"Q4_K"`, `"F16"`, ...).
@@ -81,6 +85,7 @@ impl QType {
             QType::Q4K => "Q4_K",
             QType::Q5K => "Q5_K",
             QType::Q6K => "Q6_K",
+            QType::Mxfp4 => "MXFP4",
         }
     }
 
@@ -115,6 +120,7 @@ impl QType {
             QType::Q4K => (QK_K, 144),
             QType::Q5K => (QK_K, 176),
             QType::Q6K => (QK_K, 210),
+            QType::Mxfp4 => (32, 17),
         }
     }
 }
@@ -123,6 +129,22 @@ impl QType {
 #[inline(always)]
 pub fn f16_at(b: &[u8], i: usize) -> f32 {
     f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// The e2m1 values doubled, by nibble (sign in bit 3), as ggml keeps them: the block scale is
+/// halved to match ([`e8m0_half`]), so every product stays exact.
+pub const E2M1_X2: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// The e8m0 exponent byte `e` as `2^(e - 128)` in fp32, built from its bits as ggml's
+/// `ggml_e8m0_to_fp32_half` does (exact; `e < 2` gives the subnormals `2^-128`, `2^-127`).
+#[inline(always)]
+pub fn e8m0_half(e: u8) -> f32 {
+    let e = e as u32;
+    f32::from_bits(if e < 2 {
+        0x0020_0000 << e
+    } else {
+        (e - 1) << 23
+    })
 }
 
 /// The 6-bit (scale, min) pair `j` (0..8) of a Q4_K/Q5_K block's 12 packed bytes.
@@ -211,6 +233,13 @@ pub fn decode_block(t: QType, b: &[u8], out: &mut [f32]) {
         QType::Q4K => decode_q4k(b, out),
         QType::Q5K => decode_q5k(b, out),
         QType::Q6K => decode_q6k(b, out),
+        QType::Mxfp4 => {
+            let d = e8m0_half(b[0]);
+            for (l, &q) in b[1..17].iter().enumerate() {
+                out[l] = d * E2M1_X2[(q & 0x0F) as usize] as f32;
+                out[l + 16] = d * E2M1_X2[(q >> 4) as usize] as f32;
+            }
+        }
     }
 }
 

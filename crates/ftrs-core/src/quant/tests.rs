@@ -35,7 +35,7 @@ fn scale_fields(t: QType) -> &'static [usize] {
         QType::Q2K => &[80, 82],
         QType::Q3K => &[108],
         QType::Q6K => &[208],
-        QType::F32 | QType::F16 | QType::BF16 => &[],
+        QType::F32 | QType::F16 | QType::BF16 | QType::Mxfp4 => &[],
     }
 }
 
@@ -54,6 +54,9 @@ fn random_weights(t: QType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> 
                 for &off in scale_fields(t) {
                     let s = f16::from_f32(rng.unit() * 0.1).to_le_bytes();
                     b[off..off + 2].copy_from_slice(&s);
+                }
+                if t == QType::Mxfp4 {
+                    b[0] = 118 + (rng.next() % 12) as u8; // 2^-10 .. 2^1: finite products
                 }
                 w.extend_from_slice(&b);
             }
@@ -152,6 +155,7 @@ fn kernels_match_on_rows_longer_than_a_scale_group() {
         (QType::Q8_0, 37 * 32),
         (QType::Q4_1, 37 * 32),
         (QType::Q5_1, 37 * 32),
+        (QType::Mxfp4, 37 * 32),
         (QType::Q4K, 6 * 256),
         (QType::Q6K, 6 * 256),
     ] {
@@ -202,6 +206,41 @@ fn q8_0_and_q4_0_decode_hand_packed_blocks() {
     decode_block(QType::Q4_0, &b, &mut out);
     for l in 0..32 {
         assert_eq!(out[l], -2.0 * (q[l] as f32 - 8.0));
+    }
+}
+
+/// MXFP4 by the OCP spec: e2m1 code `s eem` is `(-1)^s * 2^(ee - 1) * (1 + m / 2)` (ee > 0) or
+/// `(-1)^s * m / 2` (ee = 0), times the scale `2^(e - 127)`; written out here, not from ggml's
+/// doubled table.
+#[test]
+fn mxfp4_decodes_hand_packed_blocks_by_the_ocp_values() {
+    let e2m1 = [0.0f32, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+    let value = |code: u8| {
+        let v = e2m1[(code & 7) as usize];
+        if code & 8 != 0 {
+            -v
+        } else {
+            v
+        }
+    };
+    let q: [u8; 32] = std::array::from_fn(|l| ((l * 11 + l / 16) % 16) as u8);
+    // 2^0, 2^-3, 2^3, and the two subnormal-scale exponents 0 and 1 (2^-127, 2^-126)
+    for (e, scale) in [
+        (127u8, 1.0f64),
+        (124, 0.125),
+        (130, 8.0),
+        (0, 2f64.powi(-127)),
+        (1, 2f64.powi(-126)),
+    ] {
+        let mut b = vec![e];
+        b.extend_from_slice(&pack_nibbles32(&q));
+        let mut out = [f32::NAN; 32];
+        decode_block(QType::Mxfp4, &b, &mut out);
+        for (l, &o) in out.iter().enumerate() {
+            let want = (value(q[l]) as f64 * scale) as f32;
+            // code 8 is -0 by the spec; ggml (the reference) decodes it as +0, so compare values
+            assert_eq!(o, want, "e={e} element {l}");
+        }
     }
 }
 

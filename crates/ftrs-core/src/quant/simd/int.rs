@@ -7,8 +7,8 @@
 //! products use, flips greedy tokens of small models). Plus the block's exact fp32 sum, which
 //! the mins of Q4_1, Q5_1 and Q4_K meet.
 //!
-//! The weights' quants are widened to i16 (`q - 32` for Q6_K, signed bytes for Q8_0, the
-//! unsigned nibbles otherwise) and `vpmaddwd` sums pairs of exact products into i32 lanes (a
+//! The weights' quants are widened to i16 (`q - 32` for Q6_K, signed bytes for Q8_0, MXFP4's
+//! nibbles looked up as doubled e2m1 integers, the unsigned nibbles otherwise) and `vpmaddwd` sums pairs of exact products into i32 lanes (a
 //! lane holds at most 4 products, below 2^31). Per 32-block (Q6_K: per 16) the lanes turn fp32
 //! once and meet the fp32 scale `d_w * sc * u` in a fused multiply-add; the result differs from
 //! the fp32 dot by the activation rounding alone, times the weights without their min.
@@ -20,7 +20,7 @@
 
 use std::arch::x86_64::*;
 
-use super::super::blocks::QType;
+use super::super::blocks::{e8m0_half, QType, E2M1_X2};
 use super::super::kernel::MAX_NX;
 
 mod act;
@@ -164,18 +164,39 @@ fn fifth_bits(qh: u32) -> (__m256i, __m256i) {
     )
 }
 
+/// An MXFP4 block's 16 bytes of nibbles as the 32 doubled e2m1 values they code, signed bytes
+/// in element order: (elements 0-15 from the low nibbles, 16-31 from the high ones). One byte
+/// shuffle per half looks each nibble up in [`E2M1_X2`] (|value| <= 12, exact in the products).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn e2m1_nibbles(v: __m128i) -> (__m128i, __m128i) {
+    let lut = ld16(&E2M1_X2.map(|q| q as u8));
+    let m4 = _mm_set1_epi8(0x0F);
+    (
+        _mm_shuffle_epi8(lut, _mm_and_si128(v, m4)),
+        _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), m4)),
+    )
+}
+
 /// Adds block `$bi` of one weight row (`$b`, of the 32-element kind `KIND`, see [`q32`]) times
 /// each activation row's block `$bi` to `$acc[i]`, and its min times the block sum to
 /// `$mins[i]` (a macro so that it inlines into the `target_feature` kernel).
 macro_rules! q32_block {
     ($b:expr, $x:expr, $bi:expr, $acc:expr, $mins:expr) => {{
         let (b, bi): (&[u8], usize) = ($b, $bi);
-        let (d, m) = if KIND == 0 { (f16(b), 0.0) } else { f16x2(b) };
+        let (d, m) = match KIND {
+            0 => (f16(b), 0.0),
+            3 => (e8m0_half(b[0]), 0.0),
+            _ => f16x2(b),
+        };
         let wv = if KIND == 0 {
             (
                 _mm256_cvtepi8_epi16(ld16(&b[2..])),
                 _mm256_cvtepi8_epi16(ld16(&b[18..])),
             )
+        } else if KIND == 3 {
+            let (lo, hi) = e2m1_nibbles(ld16(&b[1..]));
+            (_mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi))
         } else {
             // widened bytes: each i16 lane holds element j (low nibble) and j + 16 (high)
             let v = _mm256_cvtepu8_epi16(ld16(&b[if KIND == 1 { 4 } else { 8 }..]));
@@ -192,7 +213,7 @@ macro_rules! q32_block {
             // SAFETY: bi is a block of a weight row as long as the activation rows (q32).
             let ((u, sum), xv) = unsafe { ($x[i].unit_sum(bi), xblock(&$x[i], bi)) };
             $acc[i] = _mm256_fmadd_ps(dot32(wv, xv), _mm256_set1_ps(d * u), $acc[i]);
-            if KIND != 0 {
+            if KIND == 1 || KIND == 2 {
                 $mins[i] = m.mul_add(sum, $mins[i]);
             }
         }
@@ -201,8 +222,9 @@ macro_rules! q32_block {
 
 /// The 32-element blocks against int activations, by `KIND`: 0 = Q8_0 (signed bytes), 1 =
 /// Q4_1, 2 = Q5_1 (nibbles, Q5_1 plus bit j of the u32 `qh` as bit 4 of element j; the min
-/// `m` meets the exact block sum). Even and odd blocks go to two accumulator chains (and two
-/// chains of mins).
+/// `m` meets the exact block sum), 3 = MXFP4 (nibbles looked up as doubled e2m1 integers,
+/// times the halved e8m0 scale: [`e2m1_nibbles`]). Even and odd blocks go to two accumulator
+/// chains (and two chains of mins).
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q32<const NX: usize, const KIND: u8>(
     w: &[u8],
@@ -214,7 +236,8 @@ fn q32<const NX: usize, const KIND: u8>(
     let bb = match KIND {
         0 => 34,
         1 => 20,
-        _ => 24,
+        2 => 24,
+        _ => 17,
     };
     let nb = x[0].d.len();
     for (row, o) in w.chunks_exact(nb * bb).zip(out.chunks_exact_mut(n)) {
@@ -427,11 +450,11 @@ macro_rules! dispatch {
 fn integer(t: QType) -> bool {
     matches!(
         t,
-        QType::Q8_0 | QType::Q4_1 | QType::Q5_1 | QType::Q4K | QType::Q6K
+        QType::Q8_0 | QType::Q4_1 | QType::Q5_1 | QType::Q4K | QType::Q6K | QType::Mxfp4
     )
 }
 
-/// The integer kernel of `t` (Q8_0, Q4_1, Q5_1, Q4_K, Q6_K) for `n` rows of `x`; false (and
+/// The integer kernel of `t` (Q8_0, Q4_1, Q5_1, Q4_K, Q6_K, MXFP4) for `n` rows of `x`; false (and
 /// nothing written) for another type.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32]) -> bool {
@@ -443,6 +466,7 @@ pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32
         QType::Q8_0 => dispatch!(q32, 0; w, &x16, n, cols, out),
         QType::Q4_1 => dispatch!(q32, 1; w, &x16, n, cols, out),
         QType::Q5_1 => dispatch!(q32, 2; w, &x16, n, cols, out),
+        QType::Mxfp4 => dispatch!(q32, 3; w, &x16, n, cols, out),
         QType::Q4K => dispatch!(q4k; w, &x16, n, cols, out),
         _ => dispatch!(q6k; w, &x16, n, cols, out),
     }

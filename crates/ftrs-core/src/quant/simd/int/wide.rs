@@ -1,7 +1,7 @@
 //! The integer kernels of [`super`] in AVX-512 (F, BW, VL, VNNI): the same [`X16`] activations
 //! and the same exact integer products, 32 or 64 elements per instruction.
 //!
-//! Q8_0 (and Q4_1, Q5_1's odd last block) widen a block's 32 weight quants into one vector of 32
+//! Q8_0 (and Q4_1, MXFP4, Q5_1's odd last block) widen a block's 32 weight quants into one vector of 32
 //! i16 lanes, and `vpdpwssd` sums their pairs of products with the block's 32 activation
 //! integers into 16 i32 lanes (what two `vpmaddwd` and an add do in AVX2). Q5_1, Q4_K and Q6_K
 //! keep 64 quants as unsigned bytes in one vector and meet the activations' two int8 digits
@@ -12,11 +12,11 @@
 
 use std::arch::x86_64::*;
 
-use super::super::super::blocks::QType;
+use super::super::super::blocks::{e8m0_half, QType};
 use super::super::super::kernel::MAX_NX;
 use super::{
-    f16, f16x2, group, hsum, ld16, ld32, ld8, prefetch, quantize, scales_mins_k4, XRow,
-    PREFETCH_AHEAD, X16,
+    e2m1_nibbles, f16, f16x2, group, hsum, ld16, ld32, ld8, prefetch, quantize, scales_mins_k4,
+    XRow, PREFETCH_AHEAD, X16,
 };
 
 /// The 32 i16 of 32-block `k` of an activation row.
@@ -63,9 +63,16 @@ unsafe fn dot_digits(z: __m512i, x: &XRow<'_>, k: usize) -> __m512i {
 macro_rules! q32_block {
     ($b:expr, $x:expr, $bi:expr, $acc:expr, $mins:expr) => {{
         let (b, bi): (&[u8], usize) = ($b, $bi);
-        let (d, m) = if KIND == 0 { (f16(b), 0.0) } else { f16x2(b) };
+        let (d, m) = match KIND {
+            0 => (f16(b), 0.0),
+            3 => (e8m0_half(b[0]), 0.0),
+            _ => f16x2(b),
+        };
         let wv = if KIND == 0 {
             _mm512_cvtepi8_epi16(ld32(&b[2..]))
+        } else if KIND == 3 {
+            let (lo, hi) = e2m1_nibbles(ld16(&b[1..]));
+            _mm512_cvtepi8_epi16(_mm256_set_m128i(hi, lo))
         } else {
             // lanes 0-15: the low nibbles (elements 0-15), 16-31: the high ones (16-31)
             let v = _mm256_cvtepu8_epi16(ld16(&b[if KIND == 1 { 4 } else { 8 }..]));
@@ -83,14 +90,15 @@ macro_rules! q32_block {
             // SAFETY: bi is a block of a weight row as long as the activation rows (q32).
             let ((u, sum), xv) = unsafe { ($x[i].unit_sum(bi), xblock(&$x[i], bi)) };
             $acc[i] = _mm512_fmadd_ps(dot(wv, xv), _mm512_set1_ps(d * u), $acc[i]);
-            if KIND != 0 {
+            if KIND == 1 || KIND == 2 {
                 $mins[i] = m.mul_add(sum, $mins[i]);
             }
         }
     }};
 }
 
-/// [`super::q32`]: Q8_0 (`KIND` 0), Q4_1 (1), Q5_1 (2); even and odd blocks in two chains.
+/// [`super::q32`]: Q8_0 (`KIND` 0), Q4_1 (1), Q5_1 (2), MXFP4 (3); even and odd blocks in two
+/// chains.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn q32<const NX: usize, const KIND: u8>(
     w: &[u8],
@@ -102,7 +110,8 @@ fn q32<const NX: usize, const KIND: u8>(
     let bb = match KIND {
         0 => 34,
         1 => 20,
-        _ => 24,
+        2 => 24,
+        _ => 17,
     };
     let nb = x[0].d.len();
     for (row, o) in w.chunks_exact(nb * bb).zip(out.chunks_exact_mut(n)) {
@@ -382,6 +391,7 @@ pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32
     match t {
         QType::Q8_0 => dispatch!(q32, 0; w, &x16, n, cols, out),
         QType::Q4_1 => dispatch!(q32, 1; w, &x16, n, cols, out),
+        QType::Mxfp4 => dispatch!(q32, 3; w, &x16, n, cols, out),
         QType::Q5_1 => {
             let x16 = x16.with_digits();
             dispatch!(q51; w, &x16, n, cols, out)
