@@ -1,4 +1,5 @@
-"""Quantized CPU kernels: GB/s and GFLOP/s per GGUF type at n = 1 and n = 8, side by side with
+"""Quantized CPU kernels: GB/s and GFLOP/s per GGUF type (and MXFP4, FP8_BLOCK in 128x128
+tiles) at n = 1 and n = 8, side by side with
 a numpy fp32 matmul of the same shape and the host's memcpy bandwidth, measured in one run.
 
     .venv/bin/python bench/quant_kernels.py [--rows 2048] [--cols 4096] [--threads 0]
@@ -37,7 +38,8 @@ import numpy as np
 from ftrs import _core as core
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4"]
+         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "FP8_BLOCK"]
+FP8, FP8_TILE = "FP8_BLOCK", (128, 128)  # block-scaled FP8 as DeepSeek / Qwen ship it
 # Byte offsets of each block's fp16 scales (ggml block structs): set finite in random blocks.
 SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
                 "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -52,6 +54,14 @@ def random_weight(qtype: str, rows: int, cols: int, rng: np.random.Generator) ->
         if qtype == "F16":
             return f.astype(np.float16).view(np.uint8)
         return (f.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    if qtype == FP8:  # finite e4m3 codes of N(0, 1) weights, then the tiles' fp32 scales
+        import torch
+
+        f = torch.from_numpy(rng.standard_normal((rows, cols), dtype=np.float32))
+        w8 = f.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(-1)
+        gr, gc = -(-rows // FP8_TILE[0]), -(-cols // FP8_TILE[1])
+        scales = (rng.random(gr * gc, dtype=np.float32) * 0.01 + 0.001).view(np.uint8)
+        return np.concatenate([w8, scales])
     block, nbytes = core.quant_block_info(qtype)
     blocks = rng.integers(0, 256, (rows * cols // block, nbytes), dtype=np.uint8)
     for off in SCALE_FIELDS.get(qtype, ()):
@@ -80,7 +90,8 @@ def reference_path_time(qtype: str, copies: list[np.ndarray], x: np.ndarray, row
 
     from ftrs.quant import QuantTensor, matmul, use_kernels
 
-    ws = [QuantTensor(qtype, (rows, cols), torch.from_numpy(c)) for c in copies]
+    tile = FP8_TILE if qtype == FP8 else None
+    ws = [QuantTensor(qtype, (rows, cols), torch.from_numpy(c), tile) for c in copies]
     xt = torch.from_numpy(x)
     with use_kernels(False):
         return median_time(lambda k: matmul(xt, ws[k % len(ws)]), len(ws), repeats)
@@ -203,8 +214,12 @@ def main() -> None:
 
             def call(k: int, x: np.ndarray = x, out: np.ndarray = out,
                      copies: list[np.ndarray] = copies, qtype: str = qtype) -> None:
-                core.quant_matmul(qtype, copies[k % len(copies)], x, out, rows, cols,
-                                  args.threads)
+                if qtype == FP8:
+                    core.quant_fp8_matmul(copies[k % len(copies)], x, out, rows, cols, FP8_TILE,
+                                          args.threads)
+                else:
+                    core.quant_matmul(qtype, copies[k % len(copies)], x, out, rows, cols,
+                                      args.threads)
 
             t = median_time(call, len(copies), args.repeats)
             if qtype == "F32":

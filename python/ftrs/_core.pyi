@@ -102,6 +102,9 @@ def quant_matmul(qtype: str, weight: Any, x: Any, out: Any, rows: int, cols: int
                  threads: int = 0, kernel: str = "auto") -> None: ...
 def quant_dequantize(qtype: str, weight: Any, out: Any, rows: int, cols: int,
                      threads: int = 0) -> None: ...
+# `weight`: an FP8_BLOCK buffer (rows x cols e4m3 bytes, then fp32 scales per `block` tile).
+def quant_fp8_matmul(weight: Any, x: Any, out: Any, rows: int, cols: int,
+                     block: tuple[int, int], threads: int = 0, kernel: str = "auto") -> None: ...
 # out = down @ (silu(gate @ x) * (up @ x)); gate/up (inter, hidden), down (hidden, inter).
 def quant_expert_ffn(gate_qtype: str, gate: Any, up_qtype: str, up: Any, down_qtype: str,
                      down: Any, x: Any, out: Any, hidden: int, inter: int, threads: int = 0,

@@ -6,9 +6,11 @@ The oracle: transformers on the same weights dequantized to fp32 (weight x its t
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from ftrs.errors import ModelLoadError
 from ftrs.llm import LLM
 from ftrs.models.load import load_model
 from ftrs.models.tiny import make_tiny
-from ftrs.quant import FP8_BLOCK, QuantTensor, use_kernels
+from ftrs.quant import FP8_BLOCK, QuantTensor, kernel_types, use_kernels
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-4
@@ -67,11 +69,26 @@ def fp8_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return fp8_dir, ref_dir
 
 
-def test_fp8_logits_match_dequantized_fp32(fp8_model: tuple[Path, Path]) -> None:
+@pytest.mark.parametrize("kernels", [False, True], ids=["reference", "kernel"])
+def test_fp8_logits_match_dequantized_fp32(fp8_model: tuple[Path, Path], kernels: bool,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # reference: dequantize, then F.linear; kernel: the Rust FP8 matmul, which decodes each row
+    # to the same fp32 weights and differs only in the order of the sums: the same bound
     fp8_dir, ref_dir = fp8_model
+    assert FP8_BLOCK in kernel_types()
+    core = importlib.import_module("ftrs._core")
+    calls: list[tuple[int, int]] = []
+    fp8_matmul = core.quant_fp8_matmul
+
+    def spy(w: Any, x: Any, out: Any, rows: int, cols: int, *rest: Any) -> None:
+        calls.append((rows, cols))
+        fp8_matmul(w, x, out, rows, cols, *rest)
+
+    monkeypatch.setattr(core, "quant_fp8_matmul", spy)
     llm = LLM(str(fp8_dir), kv_tokens=1024, dtype="float32")
-    with use_kernels(False):
+    with use_kernels(kernels):
         ours = llm.logits(IDS)
+    assert bool(calls) == kernels
     m = transformers.AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32)
     with torch.no_grad():
         ref = m.eval()(torch.tensor([IDS])).logits[0].float()

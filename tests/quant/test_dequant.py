@@ -104,6 +104,22 @@ def test_kernel_matmul_matches_reference(qtype: str) -> None:
     assert ((y.double() - ref).abs() <= bound + 1e-6).all()
 
 
+@pytest.mark.parametrize("shape", [(9, 256, (4, 128)), (130, 300, (128, 128)), (7, 48, (32, 32))])
+def test_fp8_kernel_matmul_is_the_dequantized_weights_summed_in_fp32(
+        shape: tuple[int, int, tuple[int, int]]) -> None:
+    rows, cols, block = shape
+    w = _fp8(rows, cols, block, seed=rows)[0]
+    assert FP8_BLOCK in kernel_types()
+    for n in (1, 3, 9):
+        x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n))
+        wf = dequantize(w).double()
+        ref = x.double() @ wf.T
+        y = matmul(x, w)
+        # the kernel's row buffer holds the reference's fp32 weights: fp32 sums alone
+        bound = (x.abs().double() @ wf.abs().T) * (cols + 4) * torch.finfo(torch.float32).eps
+        assert ((y.double() - ref).abs() <= bound + 1e-30).all(), (shape, n)
+
+
 @pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("qtype", [t for t in RANDOM_TYPES if t != FP8_BLOCK])
 def test_embedding_of_a_quantized_table_decodes_the_rows_asked_for(qtype: str,

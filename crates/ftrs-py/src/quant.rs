@@ -1,5 +1,5 @@
 //! The quantized CPU kernels of `ftrs_core::quant` for Python: `quant_matmul`,
-//! `quant_expert_ffn`, `quant_experts_ffn` (a MoE layer's routed experts), `quant_dequantize`, `quant_block_info` and the thread setting.
+//! `quant_fp8_matmul`, `quant_expert_ffn`, `quant_experts_ffn` (a MoE layer's routed experts), `quant_dequantize`, `quant_block_info` and the thread setting.
 //!
 //! Buffers are borrowed, never copied: the weight is any C-contiguous buffer (read as bytes),
 //! `x` and `out` C-contiguous float32 buffers (numpy arrays, `torch_tensor.numpy()`, memoryviews
@@ -50,6 +50,46 @@ pub fn quant_matmul(
             )
         };
         quant::matmul(t, w, xs, o, rows, cols, threads, isa)
+    })
+    .py()?;
+    drop((wb, xb, ob));
+    Ok(())
+}
+
+/// `out[i, r] = sum_c x[i, c] * W[r, c]` with W an FP8_BLOCK buffer (`rows x cols` e4m3 bytes,
+/// then the fp32 scales of its `block = (br, bc)` tiles).
+#[pyfunction]
+#[pyo3(signature = (weight, x, out, rows, cols, block, threads = 0, kernel = "auto"))]
+#[allow(clippy::too_many_arguments)]
+pub fn quant_fp8_matmul(
+    py: Python<'_>,
+    weight: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    rows: usize,
+    cols: usize,
+    block: (usize, usize),
+    threads: usize,
+    kernel: &str,
+) -> PyResult<()> {
+    let isa = Isa::parse(kernel).py()?;
+    let wb = weight_bytes(py, weight)?;
+    let xb = buffer::<f32>(x, "x", "float32", false)?;
+    let ob = buffer::<f32>(out, "out", "float32", true)?;
+    let (w, xs, o) = (span(&wb), span(&xb), span(&ob));
+    check_disjoint(o, &[(w.0, w.1, "weight"), (xs.0, xs.1, "x")])?;
+    py.detach(|| {
+        #[allow(unsafe_code)]
+        // SAFETY: as quant_matmul: the buffers stay exported until this function returns, out
+        // is writable and disjoint from weight and x, x and out are checked f32 buffers.
+        let (w, xs, o) = unsafe {
+            (
+                slice::<u8>(w.0, w.1),
+                slice::<f32>(xs.0, xs.1),
+                slice_mut::<f32>(o.0, o.1),
+            )
+        };
+        quant::fp8::matmul(w, xs, o, rows, cols, block, threads, isa)
     })
     .py()?;
     drop((wb, xb, ob));
@@ -438,6 +478,7 @@ pub fn quant_kernels() -> Vec<&'static str> {
 /// Adds this module's functions to `ftrs._core`.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_fp8_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(quant_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(quant_expert_ffn, m)?)?;
     m.add_function(wrap_pyfunction!(quant_experts_ffn, m)?)?;

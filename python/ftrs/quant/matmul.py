@@ -2,7 +2,8 @@
 
 - `torch.Tensor` weight: `F.linear`.
 - `QuantTensor` on the CPU: the Rust kernel (`ftrs._core.quant_matmul`, computing from the
-  blocks, GIL released) when the extension has one for the type; otherwise the reference path:
+  blocks, GIL released; `quant_fp8_matmul` for FP8_BLOCK) when the extension has one for the
+  type; otherwise the reference path:
   dequantize to fp32 with the torch dequantizers, then `F.linear`.
 - `QuantTensor` on a GPU: dequantize into a temporary of the compute dtype on the device (the
   caching allocator hands the same memory back layer after layer: a scratch buffer), then
@@ -47,21 +48,30 @@ def _core_module() -> Any:
 
 
 @functools.cache
-def kernel_types() -> frozenset[str]:
-    """The quantization types the Rust extension has CPU kernels for (empty without any)."""
+def block_kernel_types() -> frozenset[str]:
+    """The GGUF-style block types the Rust extension has CPU kernels for, matmul and the one-call
+    expert FFNs alike (empty without any)."""
     core = _core_module()
     if not hasattr(core, "quant_matmul") or not hasattr(core, "quant_block_info"):
         return frozenset()
     from ftrs.quant.formats import GGUF_FORMATS
 
     out = set()
-    for name in (*GGUF_FORMATS, FP8_BLOCK):
+    for name in GGUF_FORMATS:
         try:
             core.quant_block_info(name)
         except Exception:  # the extension says which types it knows by refusing the others
             continue
         out.add(name)
     return frozenset(out)
+
+
+@functools.cache
+def kernel_types() -> frozenset[str]:
+    """The quantization types `matmul` computes from their bytes on the CPU with the Rust
+    kernels: the block types, and FP8_BLOCK (its own matmul, `quant_fp8_matmul`)."""
+    fp8 = {FP8_BLOCK} if hasattr(_core_module(), "quant_fp8_matmul") else set()
+    return block_kernel_types() | fp8
 
 
 @contextlib.contextmanager
@@ -82,7 +92,12 @@ def _kernel_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     fp32 = x.dtype == torch.float32
     x32 = x if fp32 and x.is_contiguous() else x.to(torch.float32).contiguous()
     out = torch.empty((*x.shape[:-1], rows), dtype=torch.float32)
-    _quant_matmul()(w.qtype, w.host_array, x32.numpy(), out.numpy(), rows, cols)
+    if w.qtype == FP8_BLOCK:
+        assert w.fp8_block is not None  # QuantTensor checks it
+        _core_module().quant_fp8_matmul(w.host_array, x32.numpy(), out.numpy(), rows, cols,
+                                        w.fp8_block)
+    else:
+        _quant_matmul()(w.qtype, w.host_array, x32.numpy(), out.numpy(), rows, cols)
     return out if fp32 else out.to(x.dtype)
 
 
@@ -97,7 +112,7 @@ def expert_ffn(x: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch
     if not (isinstance(gate, QuantTensor) and isinstance(up, QuantTensor)
             and isinstance(down, QuantTensor) and _state["kernels"]):
         return None
-    types = kernel_types()
+    types = block_kernel_types()
     if (gate.qtype not in types or up.qtype not in types or down.qtype not in types
             or gate.device.type != "cpu" or up.device.type != "cpu" or down.device.type != "cpu"
             or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] == 0
@@ -128,7 +143,7 @@ class LayerKernelArgs(NamedTuple):
 def layer_kernel_args(experts: Sequence[Sequence[Weight]]) -> LayerKernelArgs | None:
     """The kernel arguments of a layer's experts (each `(gate, up, down)`, no biases) when every
     one is a CPU `QuantTensor` of a type the kernels read, with chaining shapes; else None."""
-    types = kernel_types()
+    types = block_kernel_types()
     if not types or not hasattr(_core_module(), "quant_experts_ffn"):
         return None
     args = []
@@ -204,7 +219,7 @@ def embedding(ids: torch.Tensor, w: Weight, dtype: torch.dtype = torch.float32) 
     rows = w.rows_view().index_select(0, flat).reshape(-1)  # (n * row_bytes,) uint8
     part = QuantTensor(w.qtype, (int(flat.numel()), w.shape[1]), rows)
     if part.shape[0] and part.device.type == "cpu" and _state["kernels"] \
-            and w.qtype in kernel_types():
+            and w.qtype in block_kernel_types():
         out = torch.empty(part.shape, dtype=torch.float32)
         _core_module().quant_dequantize(w.qtype, rows.numpy(), out.numpy(), *part.shape, 1)
     else:

@@ -87,6 +87,14 @@ fn dot_acc<const FMA: bool>(w: &[f32], x: &[f32], acc: &mut [f32; 8]) {
     }
 }
 
+/// `sum a[j] * b[j]` in 8 fp32 lanes (the portable dot; `FMA` fuses the products).
+#[inline(always)]
+pub fn dot<const FMA: bool>(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    dot_acc::<FMA>(a, b, &mut acc);
+    hsum8(&acc)
+}
+
 /// Sum of the 8 lanes, pairwise.
 #[inline(always)]
 pub fn hsum8(a: &[f32; 8]) -> f32 {

@@ -20,6 +20,7 @@
 //! faster than decoding to fp32, at an error bounded by the rounding).
 
 pub mod blocks;
+pub mod fp8;
 pub mod kernel;
 pub mod pool;
 pub mod simd;

@@ -76,6 +76,30 @@ pub fn rows_avx2(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut
     kernel::rows_generic::<false>(t, w, x, n, cols, out);
 }
 
+/// One FP8_BLOCK weight row decoded into `buf`: `buf[c] = e4m3(w[c]) * scales[c / bc]`, exactly
+/// [`super::fp8::decode_row_portable`]'s values, 16 weights per step through F16C where the
+/// CPU has AVX2/FMA/F16C.
+pub fn fp8_decode(w: &[u8], scales: &[f32], bc: usize, buf: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if avx2_available() {
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked just above).
+        unsafe { x86::fp8_decode_x86(w, scales, bc, buf) };
+        return;
+    }
+    super::fp8::decode_row_portable(w, scales, bc, buf)
+}
+
+/// `sum a[j] * b[j]` over equal-length rows, in fused multiply-adds on four 8-lane chains where
+/// the CPU has AVX2/FMA/F16C (the portable dot otherwise).
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if avx2_available() {
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked just above).
+        return unsafe { x86::dot_x86(a, b) };
+    }
+    kernel::dot::<false>(a, b)
+}
+
 #[cfg(target_arch = "x86_64")]
 use x86::rows_x86;
 
@@ -354,6 +378,68 @@ mod x86 {
                 o[g0 + i] = hsum_chains(&acc[i]) + tail[i];
             }
         }
+    }
+
+    /// [`super::fp8_decode`]: per 16 bytes, widened to u16 lanes, the e4m3 bits moved under
+    /// fp16's (`(b & 0x7F) << 7`, sign `(b & 0x80) << 8`: the fp16 is the e4m3 value / 2^8,
+    /// subnormals included), the NaN codes (`b & 0x7F == 0x7F`) given an all-ones exponent,
+    /// converted by F16C and multiplied by `256 * scale` (exact in the power of two, so one
+    /// rounding, as the reference's `w * scale`); a tile's tail of under 16 scalar.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn fp8_decode_x86(w: &[u8], scales: &[f32], bc: usize, buf: &mut [f32]) {
+        let m7 = _mm256_set1_epi16(0x7F);
+        let sign = _mm256_set1_epi16(0x80);
+        let nan = _mm256_set1_epi16(0x7E00);
+        for ((wt, bt), &s) in w.chunks(bc).zip(buf.chunks_mut(bc)).zip(scales) {
+            let s256 = _mm256_set1_ps(s * 256.0);
+            let mut ws = wt.chunks_exact(16);
+            let mut bs = bt.chunks_exact_mut(16);
+            for (b16, o16) in ws.by_ref().zip(bs.by_ref()) {
+                let v = _mm256_cvtepu8_epi16(ld16(b16));
+                let mag = _mm256_and_si256(v, m7);
+                let bits = _mm256_or_si256(
+                    _mm256_slli_epi16(mag, 7),
+                    _mm256_slli_epi16(_mm256_and_si256(v, sign), 8),
+                );
+                let bits =
+                    _mm256_or_si256(bits, _mm256_and_si256(_mm256_cmpeq_epi16(mag, m7), nan));
+                let lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(bits)), s256);
+                let hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)), s256);
+                let (o0, o1) = o16.split_at_mut(8);
+                st8(o0, lo);
+                st8(o1, hi);
+            }
+            for (o, &b) in bs.into_remainder().iter_mut().zip(ws.remainder()) {
+                *o = super::super::fp8::e4m3(b) * s;
+            }
+        }
+    }
+
+    /// [`super::dot_f32`]: four chains of 8-lane fused multiply-adds, a scalar tail.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn dot_x86(a: &[f32], b: &[f32]) -> f32 {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let (a32, b32) = (a.chunks_exact(32), b.chunks_exact(32));
+        let (at, bt) = (a32.remainder(), b32.remainder());
+        for (ac, bc) in a32.zip(b32) {
+            for k in 0..4 {
+                acc[k] = _mm256_fmadd_ps(ld8(&ac[8 * k..]), ld8(&bc[8 * k..]), acc[k]);
+            }
+        }
+        let mut tail = 0f32;
+        for (&x, &y) in at.iter().zip(bt) {
+            tail = x.mul_add(y, tail);
+        }
+        hsum_chains(&acc) + tail
+    }
+
+    /// Stores 8 floats at `o[..8]`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn st8(o: &mut [f32], v: __m256) {
+        let o = &mut o[..8];
+        // SAFETY: 8 writable f32 (sliced above); storeu accepts any alignment.
+        unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) }
     }
 
     /// Runs `f::<NX>` for the group of activation rows `g0..g0 + NX`.
