@@ -264,11 +264,13 @@ def test_mxfp4_experts_stay_mxfp4_in_the_pool(mxfp4: tuple[Path, Path]) -> None:
     assert torch.equal(biases[2].reshape(-1), ref[p + "down_proj_bias"][5])
 
 
-def test_mxfp4_offload_equals_resident(mxfp4: tuple[Path, Path]) -> None:
-    # the MXFP4 bytes cross the link and are decoded in the slot: the same logits as resident
+@pytest.mark.parametrize("strategy", ["offload", "hybrid"])
+def test_mxfp4_offload_equals_resident(mxfp4: tuple[Path, Path], strategy: str) -> None:
+    # the MXFP4 bytes cross the link and are decoded in the slot, or (hybrid) are computed in
+    # the pool by the same kernel: the same logits as resident
     opts: dict[str, Any] = {"kv_tokens": 2048, "dtype": "float32"}
     ref = LLM(str(mxfp4[0]), moe_strategy="resident", **opts).logits(IDS)
-    llm = LLM(str(mxfp4[0]), moe_strategy="offload", moe_cache_rate=0.25, **opts)
+    llm = LLM(str(mxfp4[0]), moe_strategy=strategy, moe_cache_rate=0.25, **opts)
     assert torch.equal(llm.logits(IDS), ref)
     llm.close()
 

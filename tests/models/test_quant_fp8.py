@@ -72,8 +72,8 @@ def fp8_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.mark.parametrize("kernels", [False, True], ids=["reference", "kernel"])
 def test_fp8_logits_match_dequantized_fp32(fp8_model: tuple[Path, Path], kernels: bool,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    # reference: dequantize, then F.linear; kernel: the Rust FP8 matmul, which decodes each row
-    # to the same fp32 weights and differs only in the order of the sums: the same bound
+    # reference: dequantize, then F.linear; kernel: the Rust FP8 matmul, the same weights
+    # summed in another order (at one row, each tile's sum times its scale): the same bound
     fp8_dir, ref_dir = fp8_model
     assert FP8_BLOCK in kernel_types()
     core = importlib.import_module("ftrs._core")
@@ -93,6 +93,18 @@ def test_fp8_logits_match_dequantized_fp32(fp8_model: tuple[Path, Path], kernels
     with torch.no_grad():
         ref = m.eval()(torch.tensor([IDS])).logits[0].float()
     assert (ours - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("strategy", ["offload", "hybrid"])
+def test_fp8_offload_and_hybrid_equal_resident(fp8_model: tuple[Path, Path],
+                                               strategy: str) -> None:
+    # FP8 experts cross the link as their bytes (offload), or are computed in the pool by the
+    # same kernel (hybrid): the same logits as resident, bit for bit
+    opts: dict[str, Any] = {"kv_tokens": 1024, "dtype": "float32"}
+    ref = LLM(str(fp8_model[0]), moe_strategy="resident", **opts).logits(IDS)
+    llm = LLM(str(fp8_model[0]), moe_strategy=strategy, moe_cache_rate=0.25, **opts)
+    assert torch.equal(llm.logits(IDS), ref)
+    llm.close()
 
 
 def test_fp8_experts_stay_fp8_in_the_pool(fp8_model: tuple[Path, Path]) -> None:

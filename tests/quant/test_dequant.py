@@ -115,7 +115,8 @@ def test_fp8_kernel_matmul_is_the_dequantized_weights_summed_in_fp32(
         wf = dequantize(w).double()
         ref = x.double() @ wf.T
         y = matmul(x, w)
-        # the kernel's row buffer holds the reference's fp32 weights: fp32 sums alone
+        # the reference's fp32 weights (n > 1: the row buffer holds them; n = 1: each tile's
+        # sum meets its scale once): fp32 roundings of the sums alone
         bound = (x.abs().double() @ wf.abs().T) * (cols + 4) * torch.finfo(torch.float32).eps
         assert ((y.double() - ref).abs() <= bound + 1e-30).all(), (shape, n)
 

@@ -89,6 +89,19 @@ pub fn fp8_decode(w: &[u8], scales: &[f32], bc: usize, buf: &mut [f32]) {
     super::fp8::decode_row_portable(w, scales, bc, buf)
 }
 
+/// One FP8_BLOCK weight row times one activation row: `sum_c e4m3(w[c]) * scales[c / bc] *
+/// x[c]`, each tile's products summed before its scale meets them (the portable form decodes
+/// the row, then dots it).
+pub fn fp8_dot(w: &[u8], scales: &[f32], bc: usize, x: &[f32], buf: &mut [f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if avx2_available() {
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked just above).
+        return unsafe { x86::fp8_dot_x86(w, scales, bc, x) };
+    }
+    super::fp8::decode_row_portable(w, scales, bc, buf);
+    kernel::dot::<false>(buf, x)
+}
+
 /// `sum a[j] * b[j]` over equal-length rows, in fused multiply-adds on four 8-lane chains where
 /// the CPU has AVX2/FMA/F16C (the portable dot otherwise).
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
@@ -380,29 +393,33 @@ mod x86 {
         }
     }
 
-    /// [`super::fp8_decode`]: per 16 bytes, widened to u16 lanes, the e4m3 bits moved under
-    /// fp16's (`(b & 0x7F) << 7`, sign `(b & 0x80) << 8`: the fp16 is the e4m3 value / 2^8,
-    /// subnormals included), the NaN codes (`b & 0x7F == 0x7F`) given an all-ones exponent,
-    /// converted by F16C and multiplied by `256 * scale` (exact in the power of two, so one
-    /// rounding, as the reference's `w * scale`); a tile's tail of under 16 scalar.
+    /// 16 e4m3 bytes as fp16 bits of their value / 2^8: sign-extended to i16 and shifted left
+    /// by 7 (the sign lands in bit 15, and its copy in bit 14 is cleared), exponent and mantissa
+    /// under fp16's (subnormals included); the NaN codes (magnitude bits all ones) get an
+    /// all-ones fp16 exponent.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn e4m3x16(b16: &[u8]) -> __m256i {
+        let bits = _mm256_and_si256(
+            _mm256_slli_epi16(_mm256_cvtepi8_epi16(ld16(b16)), 7),
+            _mm256_set1_epi16(0xBFFFu16 as i16),
+        );
+        let mag = _mm256_set1_epi16(0x3F80);
+        let nan = _mm256_cmpeq_epi16(_mm256_and_si256(bits, mag), mag);
+        _mm256_or_si256(bits, _mm256_and_si256(nan, _mm256_set1_epi16(0x7E00)))
+    }
+
+    /// [`super::fp8_decode`]: 16 weights per step ([`e4m3x16`]), converted by F16C and
+    /// multiplied by `256 * scale` (exact in the power of two, so one rounding, as the
+    /// reference's `w * scale`); a tile's tail of under 16 scalar.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub fn fp8_decode_x86(w: &[u8], scales: &[f32], bc: usize, buf: &mut [f32]) {
-        let m7 = _mm256_set1_epi16(0x7F);
-        let sign = _mm256_set1_epi16(0x80);
-        let nan = _mm256_set1_epi16(0x7E00);
         for ((wt, bt), &s) in w.chunks(bc).zip(buf.chunks_mut(bc)).zip(scales) {
             let s256 = _mm256_set1_ps(s * 256.0);
             let mut ws = wt.chunks_exact(16);
             let mut bs = bt.chunks_exact_mut(16);
             for (b16, o16) in ws.by_ref().zip(bs.by_ref()) {
-                let v = _mm256_cvtepu8_epi16(ld16(b16));
-                let mag = _mm256_and_si256(v, m7);
-                let bits = _mm256_or_si256(
-                    _mm256_slli_epi16(mag, 7),
-                    _mm256_slli_epi16(_mm256_and_si256(v, sign), 8),
-                );
-                let bits =
-                    _mm256_or_si256(bits, _mm256_and_si256(_mm256_cmpeq_epi16(mag, m7), nan));
+                let bits = e4m3x16(b16);
                 let lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(bits)), s256);
                 let hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1)), s256);
                 let (o0, o1) = o16.split_at_mut(8);
@@ -413,6 +430,34 @@ mod x86 {
                 *o = super::super::fp8::e4m3(b) * s;
             }
         }
+    }
+
+    /// [`super::fp8_dot`]: per tile, the decoded weights (value / 2^8) times `x` in two chains
+    /// of fused multiply-adds, then the tile's sums times `256 * scale` into the row's; a tile's
+    /// tail of under 16 scalar (`e4m3 * scale`, then times x).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub fn fp8_dot_x86(w: &[u8], scales: &[f32], bc: usize, x: &[f32]) -> f32 {
+        let mut total = [_mm256_setzero_ps(); 2];
+        let mut tail = 0f32;
+        for ((wt, xt), &s) in w.chunks(bc).zip(x.chunks(bc)).zip(scales) {
+            let mut acc = [_mm256_setzero_ps(); 2];
+            let mut ws = wt.chunks_exact(16);
+            let mut xs = xt.chunks_exact(16);
+            for (b16, x16) in ws.by_ref().zip(xs.by_ref()) {
+                let bits = e4m3x16(b16);
+                let lo = _mm256_cvtph_ps(_mm256_castsi256_si128(bits));
+                let hi = _mm256_cvtph_ps(_mm256_extracti128_si256(bits, 1));
+                acc[0] = _mm256_fmadd_ps(lo, ld8(x16), acc[0]);
+                acc[1] = _mm256_fmadd_ps(hi, ld8(&x16[8..]), acc[1]);
+            }
+            let s256 = _mm256_set1_ps(s * 256.0);
+            total[0] = _mm256_fmadd_ps(acc[0], s256, total[0]);
+            total[1] = _mm256_fmadd_ps(acc[1], s256, total[1]);
+            for (&b, &xv) in ws.remainder().iter().zip(xs.remainder()) {
+                tail = (super::super::fp8::e4m3(b) * s).mul_add(xv, tail);
+            }
+        }
+        hsum_chains(&total) + tail
     }
 
     /// [`super::dot_f32`]: four chains of 8-lane fused multiply-adds, a scalar tail.
