@@ -273,7 +273,8 @@ def vs_transformers(llm: LLM, path: str, device: str, batches: list[int], n: int
                     reps: int) -> list[dict[str, Any]]:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
+    hf: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf = hf.to(device).eval()
     greedy = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     rows = []
     for b in batches:

@@ -282,8 +282,8 @@ def main() -> None:
                     got.pop("layer_ms", None)
                     got.pop("split_layer_share", None)
                 runs[name].append(got)
-        for name, got in runs.items():
-            row[name] = median(got)
+        for name, each in runs.items():
+            row[name] = median(each)
         best = max(row["offload"]["tok_per_s"], row["all_cpu"]["tok_per_s"])
         row["hybrid_vs_offload"] = round(row["hybrid"]["tok_per_s"]
                                          / row["offload"]["tok_per_s"], 2)

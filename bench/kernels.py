@@ -101,12 +101,14 @@ def bench_moe(ref: Kernels, tri: Kernels | None, dev: torch.device, dt: torch.dt
     e, h, i, k = args.experts, args.hidden, args.inter, args.top_k
     g = torch.Generator().manual_seed(batch)
     slots = e + 2
+    shapes = ((i, h), (i, h), (h, i))
     if qtype == "Q8_0":
-        w = SlotWeights(*(q8_0_random(slots, r, c, g).to(dev) for r, c in ((i, h), (i, h), (h, i))),
-                        "Q8_0")
+        gate, up, down = (q8_0_random(slots, r, c, g).to(dev) for r, c in shapes)
+        w = SlotWeights(gate, up, down, "Q8_0")
     else:
-        w = SlotWeights(*(torch.randn(slots, r, c, generator=g).div(c**0.5).to(dev, dt)
-                          for r, c in ((i, h), (i, h), (h, i))))
+        gate, up, down = (torch.randn(slots, r, c, generator=g).div(c**0.5).to(dev, dt)
+                          for r, c in shapes)
+        w = SlotWeights(gate, up, down)
     slot_of = torch.randperm(slots, generator=g)[:e].to(dev)
     x = torch.randn(batch, h, generator=g).to(dev, dt)
     ids = torch.rand(batch, e, generator=g).topk(k, dim=1).indices.to(dev)
@@ -180,7 +182,8 @@ def bench_decode_steps(model: str, cuda: bool, reps: int, batches: tuple[int, ..
     """The decode step eager and with CUDA graphs (eager alone without a GPU)."""
     from ftrs.llm import LLM
 
-    rows = {b: {"kernel": "decode_step", "model": label or model, "batch": b} for b in batches}
+    rows: dict[int, dict[str, Any]] = {
+        b: {"kernel": "decode_step", "model": label or model, "batch": b} for b in batches}
     for graphs in (False, True) if cuda else (False,):
         llm = LLM(model, device="cuda" if cuda else "cpu", kv_tokens=16384,
                   max_running_requests=max(batches), cuda_graphs=graphs)

@@ -57,8 +57,8 @@ def random_weight(qtype: str, rows: int, cols: int, rng: np.random.Generator) ->
     if qtype == FP8:  # finite e4m3 codes of N(0, 1) weights, then the tiles' fp32 scales
         import torch
 
-        f = torch.from_numpy(rng.standard_normal((rows, cols), dtype=np.float32))
-        w8 = f.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(-1)
+        normal = torch.from_numpy(rng.standard_normal((rows, cols), dtype=np.float32))
+        w8 = normal.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(-1)
         gr, gc = -(-rows // FP8_TILE[0]), -(-cols // FP8_TILE[1])
         scales = (rng.random(gr * gc, dtype=np.float32) * 0.01 + 0.001).view(np.uint8)
         return np.concatenate([w8, scales])
