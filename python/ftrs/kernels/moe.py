@@ -31,6 +31,9 @@ to fp32 and casts, the same rounding), so no scratch copy exists:
 - `Q6_K` (GGUF): uint8 (slots, rows, cols/256*210); a 256-value super-block is 128 bytes of low
   nibbles, 64 bytes of 2-bit highs, 16 int8 scales (one per 16 values) and fp16 d:
   (d*scale)*(q - 32).
+- `MXFP4` (GGUF, ggml's `block_mxfp4`): uint8 (slots, rows, cols/32*17); a 32-value block is
+  an e8m0 exponent e and 16 bytes of e2m1 nibbles (value j < 16 low, j >= 16 high):
+  e2m1(q) * 2^(e - 127), exact in fp32 (ggml's doubled values times 2^(e - 128)).
 - `FP8_BLOCK`: float8_e4m3fn (slots, rows, cols) with fp32 `scales` (slots, rows/br, cols/bc)
   per (br, bc) tile (`fp8_block`), the layout of `ftrs.quant`: w*scale.
 Gate and up share one type (one kernel reads both); `down` may have its own (`down_qtype`): a
@@ -60,8 +63,8 @@ __all__ = ["QTYPES", "SlotWeights", "combine_pairs", "dequant_fp8_block", "dequa
            "dequant_q4_k", "dequant_q8_0", "fused_moe_ref", "fused_moe_triton",
            "moe_pairs_triton", "sort_pairs"]
 
-QTYPES = ("none", "Q8_0", "Q4_K", "Q5_1", "Q6_K", "FP8_BLOCK")
-_QUANT_CODE = {"none": 0, "Q8_0": 1, "FP8_BLOCK": 2, "Q4_K": 3, "Q5_1": 4, "Q6_K": 5}
+QTYPES = ("none", "Q8_0", "Q4_K", "Q5_1", "Q6_K", "MXFP4", "FP8_BLOCK")
+_QUANT_CODE = {"none": 0, "Q8_0": 1, "FP8_BLOCK": 2, "Q4_K": 3, "Q5_1": 4, "Q6_K": 5, "MXFP4": 6}
 
 
 if triton_importable():
@@ -144,6 +147,20 @@ if triton_importable():
             sc = tl.where(sc >= 128, sc - 256, sc).to(tl.float32)  # int8
             d = tl.load(sbase + (sb * 105 + 104)[:, None], mask=mask, other=0.0).to(tl.float32)
             return round_to((d * sc) * q, DT)
+        elif QUANT == 6:  # MXFP4: 17-byte blocks of 32 values (see the module doc)
+            blk = k // 32
+            j = k % 32
+            bb = base + (blk * 17)[:, None]
+            e = tl.load(bb, mask=mask, other=0).to(tl.int32)
+            byte = tl.load(bb + (1 + j % 16)[:, None], mask=mask, other=0).to(tl.int32)
+            c = tl.where((j < 16)[:, None], byte & 15, byte >> 4)
+            ex = (c >> 1) & 3
+            mb = c & 1
+            # the e2m1 value doubled (0, 1, 2, 3, 4, 6, 8, 12), times the halved e8m0 scale
+            mag = tl.where(ex == 0, mb, (2 + mb) << tl.where(ex == 0, 0, ex - 1))
+            q = tl.where(c >= 8, -mag, mag).to(tl.float32)
+            dbits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+            return round_to(dbits.to(tl.float32, bitcast=True) * q, DT)
         else:
             return tl.load(base + k[:, None], mask=mask, other=0.0)
 
@@ -255,6 +272,10 @@ def _weight_args(w: SlotWeights, which: int) -> tuple[torch.Tensor, torch.Tensor
     qtype = w.qtype_of(which)
     if m.stride(-1) != 1:
         raise ValueError("fused_moe: expert weights need a unit last stride")
+    if qtype == "MXFP4":  # no fp16 field: the exponent is a byte of the block
+        if m.dtype != torch.uint8 or m.shape[-1] % 17:
+            raise ValueError("fused_moe: MXFP4 weights are uint8 rows of 17-byte blocks")
+        return m, m, m.stride(0), m.stride(1), 0, 0
     if qtype in _BLOCK:  # the fp16 fields are read through a half view of the same bytes
         nbytes = _BLOCK[qtype][1]
         if m.dtype != torch.uint8 or m.shape[-1] % nbytes or m.stride(0) % 2 or m.stride(1) % 2:

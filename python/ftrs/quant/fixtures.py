@@ -1,7 +1,7 @@
 """Random quantized blocks for tests and tiny checkpoints.
 
-Any bytes form a valid GGUF block once its fp16 scale fields hold finite numbers: the quants
-are plain bit fields. The scale fields get random values of a magnitude that puts the weights
+Any bytes form a valid GGUF block once its fp16 scale fields hold finite numbers (MXFP4: once
+its e8m0 exponent is in range): the quants are plain bit fields. The scale fields get random values of a magnitude that puts the weights
 in about [-0.3, 0.3], the range of the tiny random models.
 """
 
@@ -18,7 +18,9 @@ _F16_FIELDS: dict[str, tuple[tuple[int, ...], float]] = {
     "Q3_K": ((108,), 2.5e-3), "Q4_K": ((0, 2), 3e-4), "Q5_K": ((0, 2), 1.5e-4),
     "Q6_K": ((208,), 7e-5),
 }
-RANDOM_TYPES = tuple(_F16_FIELDS)
+#: MXFP4 (no fp16 field): e8m0 exponents 2^-7..2^-5, e2m1 values up to 6: weights within 0.19.
+_MXFP4_EXPONENTS = (120, 123)
+RANDOM_TYPES = (*_F16_FIELDS, "MXFP4")
 
 
 def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -28,6 +30,9 @@ def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) ->
         raise ValueError(f"{qtype}: {cols} columns is not a whole number of blocks")
     nblocks = rows * cols // f.block_elems
     raw = rng.integers(0, 256, size=(nblocks, f.block_bytes), dtype=np.uint8)
+    if qtype == "MXFP4":
+        raw[:, 0] = rng.integers(*_MXFP4_EXPONENTS, size=nblocks, dtype=np.uint8)
+        return raw.reshape(rows, -1)
     offsets, scale = _F16_FIELDS[qtype]
     for off in offsets:
         val = rng.uniform(0.2, 1.0, size=nblocks) * scale
