@@ -50,17 +50,25 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                     {"PAGE": 16, "GP": 4, "BLOCK_Q": 4, "BLOCK_N": 32, "BLOCK_D": 64,
                      "UPCAST": False, "PREC": prec}))
     weights = {"none": ("*bf16", "*bf16"), "Q8_0": ("*i8", "*fp16"), "FP8_BLOCK": ("*u8", "*fp32"),
-               "Q4_K": ("*u8", "*fp16"), "Q5_1": ("*u8", "*fp16"), "Q6_K": ("*u8", "*fp16")}
-    for qtype, (wt, st) in weights.items():
-        for dt in ("bf16", "fp32") if qtype == "none" else ("bf16",):
-            w = f"*{dt}" if qtype == "none" else wt
-            consts = {"QUANT": moe._QUANT_CODE[qtype], "BR": 128, "BC": 128, "BLOCK_M": 16,
-                      "BLOCK_N": 64, "BLOCK_K": 64, "UPCAST": False,
-                      "PREC": "ieee" if dt == "fp32" else "tf32"}
-            ptrs = {"*": f"*{dt}", "pair_ptr": "*i32", "bslot_ptr": "*i32", "g_ptr": w, "u_ptr": w,
-                    "d_ptr": w, "gs_ptr": st, "us_ptr": st, "ds_ptr": st}
-            out.append((f"moe gate_up {qtype} {dt}", moe._moe_gate_up_kernel, ptrs, consts))
-            out.append((f"moe down {qtype} {dt}", moe._moe_down_kernel, ptrs, consts))
+               "Q4_K": ("*u8", "*fp16"), "Q5_1": ("*u8", "*fp16"), "Q6_K": ("*u8", "*fp16"),
+               "MXFP4": ("*u8", "*u8")}
+    cases = [(q, dt, False) for q in weights for dt in (("bf16", "fp32") if q == "none"
+                                                          else ("bf16",))]
+    cases += [("none", "bf16", True), ("MXFP4", "bf16", True)]  # gpt_oss: biases, clamped SwiGLU
+    for qtype, dt, gpt_oss in cases:
+        wt, st = weights[qtype]
+        w = f"*{dt}" if qtype == "none" else wt
+        consts = {"QUANT": moe._QUANT_CODE[qtype], "BR": 128, "BC": 128, "BLOCK_M": 16,
+                  "BLOCK_N": 64, "BLOCK_K": 64, "UPCAST": False,
+                  "PREC": "ieee" if dt == "fp32" else "tf32", "HAS_BIAS": gpt_oss,
+                  "CLAMP": gpt_oss, "ALPHA": 1.702, "LIMIT": 7.0}
+        ptrs = {"*": f"*{dt}", "pair_ptr": "*i32", "bslot_ptr": "*i32", "g_ptr": w, "u_ptr": w,
+                "d_ptr": w, "gs_ptr": st, "us_ptr": st, "ds_ptr": st}
+        tag = f"{qtype}{' gpt_oss' if gpt_oss else ''} {dt}"
+        for name, fn in (("gate_up", moe._moe_gate_up_kernel), ("down", moe._moe_down_kernel)):
+            own = {p.name for p in fn.params if p.is_constexpr}
+            out.append((f"moe {name} {tag}", fn, ptrs,
+                        {k: v for k, v in consts.items() if k in own}))
     return out
 
 

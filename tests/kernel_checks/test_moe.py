@@ -313,3 +313,37 @@ def test_reference_dequantizes_q5_1_q6_k_and_mxfp4_as_gguf() -> None:
         want = dequantize(raw, GGMLQuantizationType[qtype])
         assert torch.equal(dequant_gguf(torch.from_numpy(raw), qtype, torch.float32),
                            torch.from_numpy(want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", ["none", "MXFP4"])
+def test_fused_moe_gpt_oss_biases_and_clamped_swiglu(device: str, dtype: torch.dtype,
+                                                      qtype: str) -> None:
+    # gpt_oss's experts: bias rows on gate, up and down, and the clamped SwiGLU; a limit the
+    # activations reach, so the clamps act
+    from ftrs.quant.fixtures import random_blocks
+
+    h, i, slots = 64, 96, 6
+    x, ids, rw = _case(dtype)
+    x = torch.randn(x.shape[0], h, generator=torch.Generator().manual_seed(21)).to(dtype) * 3
+    if qtype == "none":
+        w = _weights(dtype)
+        g = torch.Generator().manual_seed(22)
+        w = SlotWeights(*((torch.randn(slots, r, c, generator=g) / c**0.5).to(dtype)
+                          for r, c in ((i, h), (i, h), (h, i))))
+    else:
+        rng = np.random.default_rng(23)
+        gate, up, down = (torch.stack([torch.from_numpy(random_blocks(qtype, r, c, rng))
+                                       for _ in range(slots)]) for r, c in ((i, h), (i, h), (h, i)))
+        w = SlotWeights(gate, up, down, qtype)
+    g = torch.Generator().manual_seed(24)
+    biases = tuple((torch.randn(slots, n, generator=g) * 0.5).to(dtype) for n in (i, i, h))
+    w = w._replace(biases=biases, clamp=(1.702, 0.7))
+    want = fused_moe_ref(x, ids, rw, SLOT_OF, w)
+    plain = fused_moe_ref(x, ids, rw, SLOT_OF, w._replace(biases=None, clamp=None))
+    assert not torch.equal(want, plain)  # the biases and the clamp change the result
+    dev = _to(device, *w.biases)
+    got = fused_moe_triton(*_to(device, x, ids, rw, SLOT_OF),
+                           w._replace(gate=w.gate.to(device), up=w.up.to(device),
+                                      down=w.down.to(device), biases=tuple(dev)))
+    _close(got, want, dtype)

@@ -294,3 +294,33 @@ def test_generation_offload_equals_resident_on_the_kernel(
     got = run(moe_strategy="offload", moe_cache_rate=0.25, copy_backend=link(device))
     assert torch.equal(got[0], want[0])
     assert got[1:] == want[1:]
+
+
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["fp32", "mxfp4"])
+def test_gpt_oss_experts_on_the_kernel(tmp_path: Path, device: torch.device, kern: Kernels,
+                                       mxfp4: bool) -> None:
+    """gpt_oss's expert biases and clamped SwiGLU (limit 1.0 in the tiny model: the clamps act)
+    in the kernel, its experts plain or MXFP4: resident on the kernel against the torch path
+    (fp32, 1e-5 of the largest output; MXFP4's reference dequantizes in fp32), offload on the
+    kernel against resident on it, bit for bit."""
+    pytest.importorskip("transformers")
+    from gpt_oss_models import build, quantize_mxfp4
+
+    path = build(tmp_path / "m", seed=1)
+    if mxfp4:
+        path = quantize_mxfp4(path, tmp_path / "q", tmp_path / "r")[0]
+    loaded = load_model(str(path), device, torch.float32, progress=False)
+    forwards = list(steps(loaded, device, (7, 1), seed=9))
+    with use_kernels(False):  # MXFP4: dequantized in fp32, not the CPU kernel's int products
+        want = outputs(strategy("resident", loaded, device), forwards)
+    moe = strategy("resident", loaded, device, kernels=kern)
+    fused = moe._fused  # type: ignore[attr-defined]
+    assert set(fused) == set(loaded.spec.moe_layers)
+    assert all(w.clamp is not None and w.biases is not None for w in fused.values())
+    assert all(w.qtype == ("MXFP4" if mxfp4 else "none") for w in fused.values())
+    got = outputs(moe, forwards)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(1.0, float(b.abs().max())))
+    off = outputs(strategy("offload", loaded, device, kernels=kern, moe_cache_rate=0.5,
+                           copy_backend=link(device)), forwards)
+    assert all(torch.equal(a, b) for a, b in zip(off, got, strict=True))

@@ -8,8 +8,11 @@ waves this way, adding wave after wave into the same `out`). Per call:
 1. the T*k (token, expert) pairs are sorted by expert once (`argsort` + counts by
    `scatter_add_`, all on the device, nothing read back), and each expert's run of pairs is
    padded to a multiple of BLOCK_M, so every block of rows belongs to one expert;
-2. a grouped GEMM per block computes gate and up together and stores SiLU(gate)·up;
-3. a second grouped GEMM computes the down projection times the routing weight, one row per pair;
+2. a grouped GEMM per block computes gate and up together and stores SiLU(gate)·up (with
+   `SlotWeights.biases`, each slot's bias rows added before the rounding F.linear does; with
+   `SlotWeights.clamp`, gpt_oss's clamped SwiGLU op by op instead);
+3. a second grouped GEMM computes the down projection (plus its bias row) times the routing
+   weight, one row per pair;
 4. each token adds its k rows in ascending expert id, onto `out`.
 
 Exactness. The kernels round to the model dtype wherever the reference (`layers/moe.py`:
@@ -173,11 +176,13 @@ if triton_importable():
 
     @triton.jit
     def _moe_gate_up_kernel(x_ptr, pair_ptr, bslot_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, act_ptr,
+                            gb_ptr, ub_ptr, stride_gbs, stride_ubs,
                             n_pairs, top_k, hidden, inter, stride_xt, stride_s, stride_r, sc_stride_s,
                             sc_stride_r, stride_act, QUANT: tl.constexpr, BR: tl.constexpr,
                             BC: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-                            PREC: tl.constexpr):
+                            PREC: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMP: tl.constexpr,
+                            ALPHA: tl.constexpr, LIMIT: tl.constexpr):
         blk = tl.program_id(0)
         slot = tl.load(bslot_ptr + blk).to(tl.int64)
         if slot < 0:
@@ -200,19 +205,35 @@ if triton_importable():
             wu = _w_tile(u_ptr, us_ptr, slot, n, k, inter, hidden, stride_s, stride_r, sc_stride_s,
                          sc_stride_r, QUANT, DT, BR, BC)
             acc_u = _mm(acc_u, xa, wu, UPCAST, PREC)
+        if HAS_BIAS:  # F.linear with a bias: the product plus the bias, one rounding
+            bmask = n < inter
+            gb = tl.load(gb_ptr + slot * stride_gbs + n, mask=bmask, other=0.0).to(tl.float32)
+            ub = tl.load(ub_ptr + slot * stride_ubs + n, mask=bmask, other=0.0).to(tl.float32)
+            acc_g = acc_g + gb[None, :]
+            acc_u = acc_u + ub[None, :]
         g = round_to(acc_g, DT).to(tl.float32)
         u = round_to(acc_u, DT).to(tl.float32)
-        s = round_to(g / (1.0 + tl.exp(-g)), DT).to(tl.float32)
-        a = round_to(s * u, DT)
+        if CLAMP:  # gpt_oss: (clamp(u) + 1) * (clamp(g) * sigmoid(alpha * clamp(g))), op by op
+            g = tl.minimum(g, LIMIT)
+            u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+            ga = round_to(g * ALPHA, DT).to(tl.float32)
+            sg = round_to(1.0 / (1.0 + tl.exp(-ga)), DT).to(tl.float32)
+            glu = round_to(g * sg, DT).to(tl.float32)
+            a = round_to(round_to(u + 1.0, DT).to(tl.float32) * glu, DT)
+        else:
+            s = round_to(g / (1.0 + tl.exp(-g)), DT).to(tl.float32)
+            a = round_to(s * u, DT)
         tl.store(act_ptr + pair[:, None] * stride_act + n[None, :], a,
                  mask=valid[:, None] & (n < inter)[None, :])
 
     @triton.jit
-    def _moe_down_kernel(act_ptr, pair_ptr, bslot_ptr, d_ptr, ds_ptr, rw_ptr, y_ptr, n_pairs, hidden, inter,
+    def _moe_down_kernel(act_ptr, pair_ptr, bslot_ptr, d_ptr, ds_ptr, rw_ptr, y_ptr, db_ptr,
+                         stride_dbs, n_pairs, hidden, inter,
                          stride_act, stride_s, stride_r, sc_stride_s, sc_stride_r, stride_y,
                          QUANT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+                         BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                         HAS_BIAS: tl.constexpr):
         blk = tl.program_id(0)
         slot = tl.load(bslot_ptr + blk).to(tl.int64)
         if slot < 0:
@@ -230,6 +251,9 @@ if triton_importable():
             wd = _w_tile(d_ptr, ds_ptr, slot, n, k, hidden, inter, stride_s, stride_r, sc_stride_s,
                          sc_stride_r, QUANT, DT, BR, BC)
             acc = _mm(acc, a, wd, UPCAST, PREC)
+        if HAS_BIAS:
+            db = tl.load(db_ptr + slot * stride_dbs + n, mask=n < hidden, other=0.0)
+            acc = acc + db.to(tl.float32)[None, :]
         y = round_to(acc, DT).to(tl.float32)
         rw = tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)
         tl.store(y_ptr + pair[:, None] * stride_y + n[None, :], round_to(y * rw[:, None], DT),
@@ -293,6 +317,20 @@ def _weight_args(w: SlotWeights, which: int) -> tuple[torch.Tensor, torch.Tensor
     return m, m, m.stride(0), m.stride(1), 0, 0
 
 
+def _bias_args(w: SlotWeights, x: torch.Tensor, inter: int, hidden: int
+               ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], tuple[int, int, int]]:
+    """(gate, up, down bias rows), (their slot strides); `x` (never read) without biases."""
+    if w.biases is None:
+        return (x, x, x), (0, 0, 0)
+    gb, ub, db = w.biases
+    if (gb.shape[-1], ub.shape[-1], db.shape[-1]) != (inter, inter, hidden):
+        raise ValueError("fused_moe: bias rows do not match the intermediate/hidden sizes")
+    if any(b.dtype != x.dtype or b.dim() != 2 or b.stride(-1) != 1 for b in (gb, ub, db)):
+        raise ValueError("fused_moe: biases are (slots, n) rows in the activations' dtype with "
+                         "a unit last stride")
+    return (gb, ub, db), (gb.stride(0), ub.stride(0), db.stride(0))
+
+
 def _cols(m: torch.Tensor, qtype: str) -> int:
     if qtype in _BLOCK:
         elems, nbytes = _BLOCK[qtype]
@@ -331,18 +369,22 @@ def moe_pairs_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     br, bc = w.fp8_block or (1, 1)
     consts = dict(BR=br, BC=bc, BLOCK_M=block_m, BLOCK_N=64,
                   BLOCK_K=64, UPCAST=interpreting(), PREC=dot_precision(x.dtype),
-                  enable_fp_fusion=False)
+                  HAS_BIAS=w.biases is not None, enable_fp_fusion=False)
+    (gb, ub, db), (gbs, ubs, dbs) = _bias_args(w, x, inter, hidden)
+    alpha, limit = w.clamp or (1.0, 0.0)
     g, gs, ss, sr, scs, scr = _weight_args(w, 0)
     u, us, uss, usr, uscs, uscr = _weight_args(w, 1)
     if (uss, usr, uscs, uscr) != (ss, sr, scs, scr):
         raise ValueError("fused_moe: gate and up need the same strides")
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter, 64))](
-        x, srt.pair_of_row, srt.block_slot, g, gs, u, us, act, n, top_k, hidden, inter,
-        x.stride(0), ss, sr, scs, scr, act.stride(0), QUANT=_QUANT_CODE[w.qtype], **consts)
+        x, srt.pair_of_row, srt.block_slot, g, gs, u, us, act, gb, ub, gbs, ubs, n, top_k, hidden,
+        inter, x.stride(0), ss, sr, scs, scr, act.stride(0), QUANT=_QUANT_CODE[w.qtype],
+        CLAMP=w.clamp is not None, ALPHA=float(alpha), LIMIT=float(limit), **consts)
     d, ds, dss, dsr, dscs, dscr = _weight_args(w, 2)
     _moe_down_kernel[(num_blocks, triton.cdiv(hidden, 64))](
-        act, srt.pair_of_row, srt.block_slot, d, ds, rw, y, n, hidden, inter, act.stride(0),
-        dss, dsr, dscs, dscr, y.stride(0), QUANT=_QUANT_CODE[w.qtype_of(2)], **consts)
+        act, srt.pair_of_row, srt.block_slot, d, ds, rw, y, db, dbs, n, hidden, inter,
+        act.stride(0), dss, dsr, dscs, dscr, y.stride(0), QUANT=_QUANT_CODE[w.qtype_of(2)],
+        **consts)
     return y
 
 

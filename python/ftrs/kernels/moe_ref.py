@@ -18,7 +18,10 @@ _BLOCK = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_1": (32, 24),
 class SlotWeights(NamedTuple):
     """Expert weights of every slot: gate (S, I, H), up (S, I, H), down (S, H, I), or their
     quantized form with `qtype` naming the encoding (see the module doc) of gate and up, and
-    of down too unless `down_qtype` names another."""
+    of down too unless `down_qtype` names another. `biases`: gate (S, I), up (S, I) and down
+    (S, H) bias rows in the activations' dtype (gpt_oss); `clamp`: the clamped SwiGLU's
+    (alpha, limit) instead of SiLU (gpt_oss: `(up + 1) * gate * sigmoid(alpha * gate)`, gate
+    clamped above and up on both sides at `limit`)."""
 
     gate: torch.Tensor
     up: torch.Tensor
@@ -27,6 +30,8 @@ class SlotWeights(NamedTuple):
     scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # FP8_BLOCK only
     fp8_block: tuple[int, int] | None = None  # FP8_BLOCK only: the scale tile (br, bc)
     down_qtype: str | None = None  # None: `qtype`
+    biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    clamp: tuple[float, float] | None = None  # (alpha, limit); None: SiLU
 
     def qtype_of(self, which: int) -> str:
         """The encoding of gate (0), up (1) or down (2)."""
@@ -120,7 +125,8 @@ def fused_moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                   slot_of: torch.Tensor, w: SlotWeights,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """The plain torch computation the kernel reproduces: experts in ascending id, each
-    `down(silu(gate x) * up x) * weight` added onto `out` (zeros when None) at its tokens.
+    `down(silu(gate x) * up x) * weight` added onto `out` (zeros when None) at its tokens, with
+    `w.biases` and `w.clamp` as `layers.moe.expert_mlp` computes them (the same torch ops).
     `x`: (T, H); `ids`, `weights`: (T, k); `slot_of`: (num_experts,) int, -1 = skip."""
     out = torch.zeros_like(x) if out is None else out
     weights = weights.to(x.dtype)
@@ -131,7 +137,15 @@ def fused_moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
             continue
         tok, pos = torch.where(ids == e)
         gate, up, down = (_matrix(w, i, s, x.dtype) for i in range(3))
+        gb, ub, db = (None, None, None) if w.biases is None else (b[s] for b in w.biases)
         xs = x.index_select(0, tok)
-        y = F.linear(F.silu(F.linear(xs, gate)) * F.linear(xs, up), down) * weights[tok, pos, None]
+        g, u = F.linear(xs, gate, gb), F.linear(xs, up, ub)
+        if w.clamp is None:
+            h = F.silu(g) * u
+        else:
+            alpha, limit = w.clamp
+            g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+            h = (u + 1) * (g * torch.sigmoid(g * alpha))
+        y = F.linear(h, down, db) * weights[tok, pos, None]
         out.index_copy_(0, tok, out.index_select(0, tok) + y)
     return out

@@ -8,7 +8,8 @@ views made once at build. The pairs' results are added in ascending expert id
 (`combine_pairs`), so the strategies stay bit-identical to each other on this path too.
 
 A layer whose experts the kernel cannot compute keeps the per-expert torch path of
-`layers.moe`: an activation other than SiLU, expert biases, gate and up of different types, a
+`layers.moe`: an activation other than SiLU or gpt_oss's clamped SwiGLU (expert biases ride
+along as bias rows of each slot), gate and up of different types, a
 type the kernel does not read (it reads the float dtypes, `Q8_0`, `Q4_K`, `Q5_1`, `Q6_K`,
 `MXFP4` and `FP8_BLOCK`), or floats or FP8 mixed with another type. `down` may differ from gate/up among
 the GGUF types: a `Q4_K_M` file's Q5_1 or Q4_K gate/up over Q6_K or Q4_K down all take the
@@ -37,10 +38,10 @@ def layer_qtypes(experts: HostExperts, layer: int) -> tuple[tuple[str, str] | No
     """((gate/up type, down type), "") with "none" for floats when the fused kernel computes
     model layer `layer`'s experts; (None, why not) otherwise."""
     act = experts.act
-    if act.kind != "silu":
+    if act.kind not in ("silu", "swiglu_clamp"):
         return None, f"activation {act.kind}"
-    if len(experts.shapes) != 3:
-        return None, "expert biases"
+    if len(experts.shapes) not in (3, 6):
+        return None, f"{len(experts.shapes)} tensors an expert"
     fmt = experts.formats[layer][:3]
     stored = "gate/up/down stored as " + "/".join(f.qtype or "float" for f in fmt)
     if fmt[0] != fmt[1]:
@@ -69,6 +70,22 @@ def slot_weights(experts: HostExperts, layer: int, region: torch.Tensor, num_slo
     qtypes, why = layer_qtypes(experts, layer)
     if qtypes is None:
         raise ValueError(f"fused MoE: layer {layer} has no kernel ({why})")
+    w = _matrices(experts, layer, region, num_slots, slot_bytes, qtypes)
+    act = experts.act
+    if act.kind == "swiglu_clamp":
+        w = w._replace(clamp=(act.alpha, act.limit))
+    if len(experts.shapes) == 6:  # bias rows (1, n) in the compute dtype, after the matrices
+        li = experts.layer_index[layer]
+        offsets = [int(experts.layout.tensor_offset(t, li)) for t in range(3, 6)]
+        b = SlotWeights.from_region(region, num_slots, slot_bytes, offsets,
+                                    list(experts.shapes[3:]), experts.dtype)
+        w = w._replace(biases=(b.gate[:, 0], b.up[:, 0], b.down[:, 0]))
+    return w
+
+
+def _matrices(experts: HostExperts, layer: int, region: torch.Tensor, num_slots: int,
+              slot_bytes: int, qtypes: tuple[str, str]) -> SlotWeights:
+    """`slot_weights`' gate, up and down views."""
     qtype, down = qtypes
     li = experts.layer_index[layer]
     offsets = [int(experts.layout.tensor_offset(t, li)) for t in range(3)]
