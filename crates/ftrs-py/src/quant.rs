@@ -32,6 +32,23 @@ pub fn quant_matmul(
 ) -> PyResult<()> {
     let t = QType::parse(qtype).py()?;
     let isa = Isa::parse(kernel).py()?;
+    with_matmul_buffers(py, weight, x, out, |w, xs, o| {
+        quant::matmul(t, w, xs, o, rows, cols, threads, isa)
+    })
+}
+
+/// Borrows a matmul's weight bytes, `x` and `out` (f32, out writable and disjoint from the
+/// other two) and runs `f` on them with the GIL released.
+fn with_matmul_buffers<F>(
+    py: Python<'_>,
+    weight: &Bound<'_, PyAny>,
+    x: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    f: F,
+) -> PyResult<()>
+where
+    F: FnOnce(&[u8], &[f32], &mut [f32]) -> ftrs_core::error::Result<()> + Send,
+{
     let wb = weight_bytes(py, weight)?;
     let xb = buffer::<f32>(x, "x", "float32", false)?;
     let ob = buffer::<f32>(out, "out", "float32", true)?;
@@ -49,7 +66,7 @@ pub fn quant_matmul(
                 slice_mut::<f32>(o.0, o.1),
             )
         };
-        quant::matmul(t, w, xs, o, rows, cols, threads, isa)
+        f(w, xs, o)
     })
     .py()?;
     drop((wb, xb, ob));
@@ -73,27 +90,9 @@ pub fn quant_fp8_matmul(
     kernel: &str,
 ) -> PyResult<()> {
     let isa = Isa::parse(kernel).py()?;
-    let wb = weight_bytes(py, weight)?;
-    let xb = buffer::<f32>(x, "x", "float32", false)?;
-    let ob = buffer::<f32>(out, "out", "float32", true)?;
-    let (w, xs, o) = (span(&wb), span(&xb), span(&ob));
-    check_disjoint(o, &[(w.0, w.1, "weight"), (xs.0, xs.1, "x")])?;
-    py.detach(|| {
-        #[allow(unsafe_code)]
-        // SAFETY: as quant_matmul: the buffers stay exported until this function returns, out
-        // is writable and disjoint from weight and x, x and out are checked f32 buffers.
-        let (w, xs, o) = unsafe {
-            (
-                slice::<u8>(w.0, w.1),
-                slice::<f32>(xs.0, xs.1),
-                slice_mut::<f32>(o.0, o.1),
-            )
-        };
+    with_matmul_buffers(py, weight, x, out, |w, xs, o| {
         quant::fp8::matmul(w, xs, o, rows, cols, block, threads, isa)
     })
-    .py()?;
-    drop((wb, xb, ob));
-    Ok(())
 }
 
 /// One expert's SiLU FFN in one GIL-free call: `out = down @ (silu(gate @ x) * (up @ x))` with

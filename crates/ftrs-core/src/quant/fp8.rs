@@ -17,7 +17,7 @@
 
 use half::f16;
 
-use super::{kernel, simd, threads, Isa};
+use super::{simd, Isa};
 use crate::error::{CoreError, Result};
 
 /// The e4m3 (fn: no infinities) byte `b` as fp32, exactly; `0x7F` and `0xFF` are NaN.
@@ -89,7 +89,7 @@ fn dot_rows(row: &[f32], x: &[f32], n: usize, o: &mut [f32]) {
 
 /// `out[i * rows + r] = sum_c x[i * cols + c] * W[r, c]` for `n = x.len() / cols` rows of `x`,
 /// `weight` the FP8_BLOCK buffer of a `rows x cols` matrix with `block = (br, bc)` tiles.
-/// `threads` = 0 uses [`threads::default_threads`]. Sizes are checked first: a mismatch is a
+/// `threads` = 0 uses [`super::threads::default_threads`]. Sizes are checked first: a mismatch is a
 /// `Config` error and nothing is written.
 #[allow(clippy::too_many_arguments)]
 pub fn matmul(
@@ -103,24 +103,10 @@ pub fn matmul(
     isa: Isa,
 ) -> Result<()> {
     let scales = check(weight, rows, cols, block)?;
-    if x.is_empty() || !x.len().is_multiple_of(cols) {
-        return Err(CoreError::Config(format!(
-            "x has {} floats: expected n x {cols} with n >= 1",
-            x.len()
-        )));
-    }
-    let n = x.len() / cols;
-    if out.len() != n * rows {
-        return Err(CoreError::Config(format!(
-            "out has {} floats: expected n x rows = {n} x {rows} = {}",
-            out.len(),
-            n * rows
-        )));
-    }
+    let n = super::check_x_out(x, out, rows, cols)?;
     let (br, bc) = block;
     let gc = grid(rows, cols, block).1;
     let w = &weight[..rows * cols];
-    let tasks = threads::plan(rows, w.len().saturating_mul(n.min(kernel::MAX_NX)), threads);
     let run = |chunk: &[u8], o: &mut [f32]| {
         // the chunk's first row: its offset in the weights (the split is by whole rows)
         let r0 = (chunk.as_ptr() as usize - w.as_ptr() as usize) / cols;
@@ -147,18 +133,7 @@ pub fn matmul(
             }
         }
     };
-    if n == 1 {
-        threads::for_row_chunks(tasks, rows, threads, w, cols, out, 1, run);
-    } else {
-        // rows are written [row][i]; out is [i][row]
-        let mut tmp = vec![0f32; rows * n];
-        threads::for_row_chunks(tasks, rows, threads, w, cols, &mut tmp, n, run);
-        for (r, vals) in tmp.chunks_exact(n).enumerate() {
-            for (i, &v) in vals.iter().enumerate() {
-                out[i * rows + r] = v;
-            }
-        }
-    }
+    super::by_rows(w, cols, rows, n, threads, out, run);
     Ok(())
 }
 

@@ -181,6 +181,15 @@ pub fn matmul(
     isa: Isa,
 ) -> Result<()> {
     let rb = check_weight(t, weight, rows, cols)?;
+    let n = check_x_out(x, out, rows, cols)?;
+    by_rows(weight, rb, rows, n, threads, out, |w, o| {
+        kernel::rows(t, isa, w, x, n, cols, o)
+    });
+    Ok(())
+}
+
+/// Checks `x` (n x cols, n >= 1) and `out` (n x rows) of a matmul; returns n.
+fn check_x_out(x: &[f32], out: &[f32], rows: usize, cols: usize) -> Result<usize> {
     if x.is_empty() || !x.len().is_multiple_of(cols) {
         return Err(CoreError::Config(format!(
             "x has {} floats: expected n x {cols} with n >= 1",
@@ -195,13 +204,28 @@ pub fn matmul(
             n * rows
         )));
     }
+    Ok(n)
+}
+
+/// Runs `run(weight rows, their n results each)` over runs of whole rows of `weight` (`rb`
+/// bytes a row) on the kernels' threads, and writes `out` as [i][row]: `run` writes one row's
+/// n results together ([row][i]).
+fn by_rows<F>(
+    weight: &[u8],
+    rb: usize,
+    rows: usize,
+    n: usize,
+    threads: usize,
+    out: &mut [f32],
+    run: F,
+) where
+    F: Fn(&[u8], &mut [f32]) + Sync,
+{
     let work = weight.len().saturating_mul(n.min(kernel::MAX_NX));
     let tasks = threads::plan(rows, work, threads);
-    let run = |w: &[u8], o: &mut [f32]| kernel::rows(t, isa, w, x, n, cols, o);
     if n == 1 {
         threads::for_row_chunks(tasks, rows, threads, weight, rb, out, 1, run);
     } else {
-        // The kernel writes one row's n results together ([row][i]); out is [i][row].
         let mut tmp = vec![0f32; rows * n];
         threads::for_row_chunks(tasks, rows, threads, weight, rb, &mut tmp, n, run);
         for (r, vals) in tmp.chunks_exact(n).enumerate() {
@@ -210,7 +234,6 @@ pub fn matmul(
             }
         }
     }
-    Ok(())
 }
 
 /// One expert's SiLU FFN: `out[i] = down @ (silu(gate @ x[i]) * (up @ x[i]))` for the `n = x.len()
