@@ -327,7 +327,6 @@ def test_fused_moe_gpt_oss_biases_and_clamped_swiglu(device: str, dtype: torch.d
     x, ids, rw = _case(dtype)
     x = torch.randn(x.shape[0], h, generator=torch.Generator().manual_seed(21)).to(dtype) * 3
     if qtype == "none":
-        w = _weights(dtype)
         g = torch.Generator().manual_seed(22)
         w = SlotWeights(*((torch.randn(slots, r, c, generator=g) / c**0.5).to(dtype)
                           for r, c in ((i, h), (i, h), (h, i))))
