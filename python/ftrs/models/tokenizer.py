@@ -2,7 +2,9 @@
 
 Built on `tokenizers` and `jinja2` only; transformers is never needed at run time. GGUF files
 carry a byte-level BPE vocabulary and merges; the pre-tokenizer follows llama.cpp's `pre` name
-(for `smollm`: single digits, then the GPT-2 byte-level split, as the original tokenizer does).
+(for `smollm`: single digits, then the GPT-2 byte-level split, as the original tokenizer does;
+for `llama-bpe`, `qwen2` and `gpt-4o`: the split pattern of that tokenizer's own
+`tokenizer.json`, then the byte-level mapping); a name it does not know is refused, not guessed.
 """
 
 from __future__ import annotations
@@ -17,12 +19,41 @@ import jinja2
 import jinja2.ext
 import jinja2.meta
 import jinja2.sandbox
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from ftrs.errors import InvalidRequest, ModelLoadError
 
 _CONTROL = 3  # llama.cpp token type of special tokens such as <|im_start|>
+
+_CONTRACTIONS = "(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+_LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")  # digits one by one
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_O200K = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
+          rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+#: llama.cpp's `tokenizer.ggml.pre` names -> the split pattern of the tokenizer each names
+_PRE_SPLIT = {"llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "qwen2": _QWEN2,
+              "deepseek-r1-qwen": _QWEN2, "gpt-4o": _O200K, "llama4": _O200K}
+_GPT2_PRE = (None, "default", "gpt-2", "gpt2")  # ByteLevel's own split
+
+
+def gguf_pre_tokenizer(pre: str | None, source: str) -> Any:
+    """The `tokenizers` pre-tokenizer of a GGUF file's `tokenizer.ggml.pre`."""
+    # the byte-level step splits with GPT-2's pattern itself unless a split pattern came first
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre not in _PRE_SPLIT)
+    if pre in _GPT2_PRE:
+        return byte_level
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in _PRE_SPLIT:
+        split = pre_tokenizers.Split(Regex(_PRE_SPLIT[pre]), behavior="isolated", invert=False)
+        return pre_tokenizers.Sequence([split, byte_level])
+    known = sorted(k for k in (*_PRE_SPLIT, "smollm", *_GPT2_PRE) if k)
+    raise ModelLoadError(source, f"unsupported GGUF pre-tokenizer {pre!r} "
+                         f"(supported: {', '.join(known)})")
 
 
 # Names the renderer sets itself; `chat_template_kwargs` may not override them.
@@ -258,12 +289,7 @@ class Tokenizer:
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
         vocab = {t: i for i, t in enumerate(tokens)}
         tk = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if meta.get("tokenizer.ggml.pre") == "smollm":
-            tk.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level])
-        else:
-            tk.pre_tokenizer = byte_level
+        tk.pre_tokenizer = gguf_pre_tokenizer(meta.get("tokenizer.ggml.pre"), source)
         tk.decoder = decoders.ByteLevel()
         types = meta.get("tokenizer.ggml.token_type") or []
         tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
