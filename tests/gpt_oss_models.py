@@ -17,15 +17,22 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from ftrs.models.gguf_write import Quantizer
 from ftrs.models.tiny import tiny_tokenizer
 
 VOCAB = 512
 
 
-def config() -> object:
+#: what a GGUF file can say of gpt-oss (llama.cpp fixes the rest for the architecture): even
+#: layers slide, the SwiGLU clamp is 7
+GGUF_EXPRESSIBLE = {"layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                    "swiglu_limit": 7.0}
+
+
+def config(**changes: object) -> object:
     import transformers
 
-    return transformers.GptOssConfig(
+    kwargs: dict[str, object] = dict(
         vocab_size=VOCAB, hidden_size=96, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=20, intermediate_size=64, num_local_experts=7,
         num_experts_per_tok=3, sliding_window=9, swiglu_limit=1.0,
@@ -35,14 +42,16 @@ def config() -> object:
                          "truncate": False, "original_max_position_embeddings": 64,
                          "rope_theta": 10000.0},
         eos_token_id=2, bos_token_id=1)
+    return transformers.GptOssConfig(**(kwargs | changes))
 
 
-def build(out: Path, seed: int = 0) -> Path:
-    """A random fp32 gpt_oss checkpoint as `save_pretrained` writes it, with a tokenizer."""
+def build(out: Path, seed: int = 0, **changes: object) -> Path:
+    """A random fp32 gpt_oss checkpoint as `save_pretrained` writes it, with a tokenizer;
+    `changes` override the config."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.GptOssForCausalLM(config())
+    model = transformers.GptOssForCausalLM(config(**changes))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -100,4 +109,19 @@ def quantize_mxfp4(src: Path, out: Path, ref: Path) -> tuple[Path, Path]:
                                                              "model.layers.*.mlp.router",
                                                              "model.embed_tokens", "lm_head"]}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out, ref
+
+
+def to_gguf(src: Path, out: Path, ref: Path, quantize: Quantizer) -> tuple[Path, Path]:
+    """`out`: the fp32 checkpoint `src` as a gpt-oss GGUF (`ftrs.models.gguf_write`, laid out as
+    llama.cpp's converter lays it out) with `quantize` choosing each tensor's type; `ref`: `src`'s
+    config with the weights the file holds (dequantized by the `gguf` package), for transformers."""
+    from ftrs.models.gguf_write import write_gguf
+    from ftrs.models.tokenizer import Tokenizer
+
+    cfg = json.loads((src / "config.json").read_text())
+    held = write_gguf(out, cfg, load_file(str(src / "model.safetensors")), quantize,
+                      Tokenizer.from_dir(src))
+    shutil.copytree(src, ref)
+    save_file(held, str(ref / "model.safetensors"), metadata={"format": "pt"})
     return out, ref

@@ -1,11 +1,19 @@
 """GGUF checkpoints (llama.cpp's format), through the `gguf` package.
 
-Architectures: `llama` (dense, or Mixtral-style MoE when `llama.expert_count` is set), `qwen3`
-and `qwen3moe`. The config and the tokenizer come from the file's metadata. Tensor names are
-mapped to Hugging Face names; llama.cpp's row permutation of the llama q and k projections is
-undone (for quantized weights by moving whole rows of blocks, which is exact: the permutation
-is over rows). Routed experts come as 3-D tensors `blk.N.ffn_{gate,up,down}_exps.weight`
+Architectures: `llama` (dense, or Mixtral-style MoE when `llama.expert_count` is set), `qwen3`,
+`qwen3moe` and `gpt-oss`. The config and the tokenizer come from the file's metadata. Tensor
+names are mapped to Hugging Face names; llama.cpp's row permutation of the llama q and k
+projections is undone (for quantized weights by moving whole rows of blocks, which is exact: the
+permutation is over rows). Routed experts come as 3-D tensors `blk.N.ffn_{gate,up,down}_exps.weight`
 (experts, rows, cols) beside the router `blk.N.ffn_gate_inp.weight`.
+
+gpt-oss as llama.cpp's converter writes it: gate and up already split out of the interleaved
+`gate_up_proj` (MXFP4 experts in ggml's block layout, which the pool keeps as they are), expert
+biases `blk.N.ffn_{gate,up,down}_exps.bias` (experts, rows), the router's bias, attention sinks
+`blk.N.attn_sinks.weight` and the second norm as `blk.N.post_attention_norm`. What the format
+does not say is what llama.cpp fixes for the architecture, and the config says the same: even
+layers slide (`gpt-oss.attention.sliding_window`), odd ones see everything; the SwiGLU clamp is
+7; YaRN's ramp is not truncated (`truncate: false`, as gpt-oss's own config sets).
 
 `open_gguf` validates every tensor (its type is one ftrs keeps, its bytes match its type and
 shape) before anything is copied, and hands back the raw bytes, still in the file's encoding;
@@ -39,9 +47,13 @@ _BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
           "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
           "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate"}
 _EXPERTS = {"ffn_gate_exps": GATE, "ffn_up_exps": UP, "ffn_down_exps": DOWN}
+#: gpt-oss's own names where they differ (its sinks are a parameter, no `.weight` in HF)
+_GPT_OSS = {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router",
+            "attn_sinks": "self_attn.sinks"}
+_BIAS = 3  # the pool's tensor index of an expert's gate bias (up 4, down 5): `expert_shapes`
 _BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 SUPPORTED_TYPES = tuple(GGUF_FORMATS)
-_ARCH_TYPE = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+_ARCH_TYPE = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
 
 
 @dataclass
@@ -88,7 +100,8 @@ class GGUFCheckpoint:
     config: dict[str, Any]
     tokenizer: Tokenizer
     dense: dict[str, GGUFTensor]
-    experts: dict[int, dict[int, GGUFTensor]]  # layer -> {GATE|UP|DOWN: (E, rows, cols)}
+    #: layer -> {GATE|UP|DOWN: (E, rows, cols)}, and gpt-oss's biases {3|4|5: (E, rows)}
+    experts: dict[int, dict[int, GGUFTensor]]
     permuted: dict[str, int]  # HF name -> heads: rows llama.cpp permuted (undo with `unpermute`)
 
 
@@ -156,35 +169,77 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
         cfg["num_experts_per_tok"] = int(get("expert_used_count"))
         moe_layers = {int(m.group(1)) for n in tensor_names
                       if (m := _BLK.match(n)) and m.group(2) == "ffn_gate_inp"}
+        if arch in ("llama", "gpt-oss") and moe_layers != set(range(cfg["num_hidden_layers"])):
+            raise ModelLoadError(source, f"{arch} MoE file: every layer needs a router "
+                                 "(blk.N.ffn_gate_inp.weight)")
         if arch == "llama":
             cfg |= {"model_type": "mixtral", "num_local_experts": experts,
                     "intermediate_size": int(get("feed_forward_length"))}
-            if moe_layers != set(range(cfg["num_hidden_layers"])):
-                raise ModelLoadError(source, "Mixtral-style file: every layer needs a router "
-                                     "(blk.N.ffn_gate_inp.weight)")
+        elif arch == "gpt-oss":
+            layers = cfg["num_hidden_layers"]
+            cfg |= {"num_local_experts": experts, "attention_bias": True, "swiglu_limit": 7.0,
+                    "intermediate_size": int(get("expert_feed_forward_length")),
+                    "sliding_window": int(get("attention.sliding_window")),
+                    "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                    for i in range(layers)]}
         else:
             cfg |= {"num_experts": experts, "norm_topk_prob": True, "decoder_sparse_step": 1,
                     "moe_intermediate_size": int(get("expert_feed_forward_length")),
                     "intermediate_size": int(ff or 0),
                     "mlp_only_layers": sorted(set(range(cfg["num_hidden_layers"])) - moe_layers)}
+    elif arch == "gpt-oss":
+        raise ModelLoadError(source, "gpt-oss file without gpt-oss.expert_count")
     else:
         cfg["intermediate_size"] = int(get("feed_forward_length"))
+    scaling = _rope_scaling(meta, arch, source)
+    if scaling is not None:
+        cfg["rope_scaling"] = scaling | ({"truncate": False} if arch == "gpt-oss" else {})
     return cfg
 
 
-def _hf_name(name: str) -> str | tuple[int, int] | None:
-    """HF name of a dense tensor, (layer, GATE|UP|DOWN) of an expert tensor, None if unused."""
+def _rope_scaling(meta: dict[str, Any], arch: str, source: str) -> dict[str, Any] | None:
+    """HF's `rope_scaling` from `{arch}.rope.scaling.*` (what llama.cpp's converter writes from
+    it): none, or YaRN; another kind is refused rather than silently run unscaled."""
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    if kind != "yarn":
+        raise ModelLoadError(source, f"unsupported GGUF rope scaling {kind!r} (supported: yarn)")
+    key = f"{arch}.rope.scaling."
+    if meta.get(key + "factor") is None or meta.get(key + "original_context_length") is None:
+        raise ModelLoadError(source, f"yarn rope scaling without {key}factor and "
+                             f"{key}original_context_length")
+    if float(meta.get(key + "yarn_ext_factor", 1.0)) != 1.0:
+        raise ModelLoadError(source, f"{key}yarn_ext_factor other than 1 is not supported")
+    out: dict[str, Any] = {"rope_type": "yarn", "factor": float(meta[key + "factor"]),
+                           "original_max_position_embeddings":
+                               int(meta[key + "original_context_length"])}
+    for field, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                        ("yarn_attn_factor", "attention_factor")):
+        if meta.get(key + field) is not None:
+            out[name] = float(meta[key + field])
+    return out
+
+
+def _hf_name(name: str, arch: str) -> str | tuple[int, int] | None:
+    """HF name of a dense tensor, (layer, pool tensor index) of an expert tensor (GATE, UP,
+    DOWN; gpt-oss's biases 3, 4, 5), None if unused."""
     if name in _TOP:
         return _TOP[name]
     m = _BLK.match(name)
     if not m:
         return None
     layer, kind, suffix = int(m.group(1)), m.group(2), m.group(3)
-    if kind in _EXPERTS and suffix == "weight":
-        return layer, _EXPERTS[kind]
-    if kind not in _BLOCK:
+    if kind in _EXPERTS:
+        if suffix == "weight":
+            return layer, _EXPERTS[kind]
+        return (layer, _BIAS + _EXPERTS[kind]) if arch == "gpt-oss" else None
+    block = _BLOCK | _GPT_OSS if arch == "gpt-oss" else _BLOCK
+    if kind not in block:
         return None
-    return f"model.layers.{layer}.{_BLOCK[kind]}.{suffix}"
+    if kind == "attn_sinks":
+        return f"model.layers.{layer}.{block[kind]}"
+    return f"model.layers.{layer}.{block[kind]}.{suffix}"
 
 
 def open_gguf(path: Path) -> GGUFCheckpoint:
@@ -197,8 +252,9 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
     tokenizer = Tokenizer.from_gguf_fields(meta, src)
     dense: dict[str, GGUFTensor] = {}
     experts: dict[int, dict[int, GGUFTensor]] = {}
+    arch = meta["general.architecture"]
     for t in reader.tensors:
-        target = _hf_name(t.name)
+        target = _hf_name(t.name, arch)
         if target is None:
             log.debug("skipping GGUF tensor %s", t.name)
             continue
@@ -218,9 +274,11 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
         gt = GGUFTensor(t.name, qtype, shape, t.data)
         if isinstance(target, tuple):
             layer, which = target
-            if len(shape) != 3:
+            want_dims = 2 if which >= _BIAS else 3
+            if len(shape) != want_dims:
+                dims = "(experts, rows)" if want_dims == 2 else "(experts, rows, cols)"
                 raise ModelLoadError(src, f"expert tensor {t.name} has shape {list(shape)}, "
-                                     "expected (experts, rows, cols)")
+                                     f"expected {dims}")
             experts.setdefault(layer, {})[which] = gt
         else:
             dense[target] = gt
@@ -230,7 +288,8 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
             if gt.shape[0] != n_exp:
                 raise ModelLoadError(src, f"tensor {gt.name} holds {gt.shape[0]} experts, "
                                      f"metadata says expert_count = {n_exp}")
-        router = dense.get(f"model.layers.{layer}.mlp.gate.weight")
+        router = (dense.get(f"model.layers.{layer}.mlp.gate.weight")
+                  or dense.get(f"model.layers.{layer}.mlp.router.weight"))
         if router is not None and router.shape[0] != n_exp:
             raise ModelLoadError(src, f"router of layer {layer} has {router.shape[0]} rows, "
                                  f"metadata says expert_count = {n_exp}")
@@ -278,8 +337,10 @@ def gguf_fetch_model(path: Path) -> Any:
     spec = arch_from_config(ck.config, str(path))
     if not spec.is_moe:
         return FetchModel(path.name, 0, 0, 0, 0, "gguf")
-    sizes = [[tensor_bytes(g.qtype, g.shape[1], g.shape[2])
-              for g in (ck.experts[la][t] for t in (GATE, UP, DOWN))] for la in spec.moe_layers]
+    sizes = [[tensor_bytes(g.qtype, *g.shape[1:]) if len(g.shape) == 3
+              else tensor_bytes(g.qtype, 1, g.shape[1])
+              for g in (ck.experts[la][t] for t in range(len(spec.expert_shapes)))]
+             for la in spec.moe_layers]
     layout = _core.ExpertLayout(len(spec.moe_layers), spec.num_experts, sizes)
     qtypes = sorted({g.qtype for grp in ck.experts.values() for g in grp.values()})
     blocks = len(spec.moe_layers) * spec.num_experts

@@ -1,10 +1,14 @@
 """Write GGUF files as llama.cpp lays them out, from Hugging Face-named fp32 tensors.
 
 Used to build quantized test checkpoints and the quantized demo (`ftrs models demo --quant`).
-Architectures: `llama` (dense, or Mixtral-style with `llama.expert_count`), `qwen3`, `qwen3moe`.
-Routed experts are stacked into 3-D `blk.N.ffn_{gate,up,down}_exps.weight`; the llama q and k
-projections get llama.cpp's row permutation. `write_gguf` returns the tensors as the file holds
-them (dequantized, permutation undone): the weights a reference model must be given.
+Architectures: `llama` (dense, or Mixtral-style with `llama.expert_count`), `qwen3`, `qwen3moe`,
+`gpt-oss`. Routed experts are stacked into 3-D `blk.N.ffn_{gate,up,down}_exps.weight`; the llama
+q and k projections get llama.cpp's row permutation. gpt-oss follows llama.cpp's converter: its
+names from the `gguf` package's own name map, gate and up taken out of the interleaved
+`gate_up_proj` (and its bias) and every expert matrix transposed to the `Linear` layout; YaRN
+and the sliding window in the metadata. `write_gguf` returns the tensors as the file holds them
+(dequantized, permutation undone, gpt-oss's parts packed again): the weights a reference model
+must be given.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from ftrs.models.tokenizer import Tokenizer
 
 #: (HF name, fp32 values (rows, cols) or (E, rows, cols)) -> (GGUF type, raw bytes (..., row_bytes))
 Quantizer = Callable[[str, np.ndarray], tuple[str, np.ndarray]]
-_ARCH = {"llama": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}
+_ARCH = {"llama": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+         "gpt_oss": "gpt-oss"}
 _LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
           "self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k",
           "self_attn.v_proj.weight": "attn_v", "self_attn.o_proj.weight": "attn_output",
@@ -164,7 +169,74 @@ def _metadata(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         m |= {"expert_count": experts, "expert_used_count": int(cfg["num_experts_per_tok"])}
         if cfg["model_type"] == "qwen3_moe":
             m["expert_feed_forward_length"] = int(cfg["moe_intermediate_size"])
+    if cfg["model_type"] == "gpt_oss":
+        m |= {"expert_feed_forward_length": int(cfg["intermediate_size"]),
+              "attention.sliding_window": int(cfg["sliding_window"])}
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if scaling.get("rope_type", scaling.get("type")) == "yarn":
+        m |= {"rope.scaling.type": "yarn", "rope.scaling.factor": float(scaling["factor"]),
+              "rope.scaling.original_context_length":
+                  int(scaling["original_max_position_embeddings"])}
+        for name, key in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow"),
+                          ("attention_factor", "yarn_attn_factor")):
+            if scaling.get(name) is not None:
+                m[f"rope.scaling.{key}"] = float(scaling[name])
     return {f"{arch}.{k}": v for k, v in m.items()}
+
+
+def _gpt_oss_tensors(tensors: dict[str, torch.Tensor], layers: int
+                     ) -> dict[str, tuple[str, np.ndarray]]:
+    """gpt_oss's HF tensors as llama.cpp's converter writes them: GGUF name -> (the HF name of
+    the unpacked part, values). Names through the `gguf` package's map for the architecture."""
+    import gguf
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, layers)
+    parts: dict[str, np.ndarray] = {}
+    for name, t in tensors.items():
+        arr = t.detach().float().numpy()
+        base = name.rsplit(".", 1)[0] + "."
+        if name.endswith("mlp.experts.gate_up_proj"):  # (E, H, 2I), x @ W
+            lin = arr.transpose(0, 2, 1)
+            parts[base + "gate_proj.weight"], parts[base + "up_proj.weight"] = lin[:, 0::2], lin[:, 1::2]
+        elif name.endswith("mlp.experts.gate_up_proj_bias"):
+            parts[base + "gate_proj.bias"], parts[base + "up_proj.bias"] = arr[:, 0::2], arr[:, 1::2]
+        elif name.endswith("mlp.experts.down_proj"):
+            parts[base + "down_proj.weight"] = arr.transpose(0, 2, 1)
+        elif name.endswith("mlp.experts.down_proj_bias"):
+            parts[base + "down_proj.bias"] = arr
+        elif name.endswith("self_attn.sinks"):
+            parts[name + ".weight"] = arr
+        else:
+            parts[name] = arr
+    out: dict[str, tuple[str, np.ndarray]] = {}
+    for name, arr in parts.items():
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gname is None:
+            raise ConfigError(f"write_gguf: unexpected tensor {name}")
+        out[gname] = (name, np.ascontiguousarray(arr))
+    return out
+
+
+def _gpt_oss_packed(held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The HF tensors back from the unpacked parts `_gpt_oss_tensors` named (HF name -> values):
+    gate and up interleaved again, the matrices transposed back to `x @ W`."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in held.items():
+        if ".mlp.experts." not in name:
+            out[name.removesuffix(".weight") if name.endswith("sinks.weight") else name] = t
+            continue
+        base = name.split(".mlp.experts.")[0] + ".mlp.experts."
+        if name.endswith("gate_proj.weight"):
+            gate, up = t, held[base + "up_proj.weight"]  # (E, I, H)
+            out[base + "gate_up_proj"] = torch.stack([gate, up], dim=2).flatten(1, 2).transpose(1, 2)
+        elif name.endswith("gate_proj.bias"):
+            out[base + "gate_up_proj_bias"] = torch.stack(
+                [t, held[base + "up_proj.bias"]], dim=2).flatten(1, 2)
+        elif name.endswith("down_proj.weight"):
+            out[base + "down_proj"] = t.transpose(1, 2)
+        elif name.endswith("down_proj.bias"):
+            out[base + "down_proj_bias"] = t
+    return {k: v.contiguous() for k, v in out.items()}
 
 
 def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor],
@@ -186,6 +258,9 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
     # group experts: (layer, gguf name) -> {expert: array}
     plain: dict[str, tuple[str, np.ndarray]] = {}
     stacks: dict[str, dict[int, tuple[str, np.ndarray]]] = {}
+    if arch == "gpt-oss":
+        plain = _gpt_oss_tensors(tensors, int(cfg["num_hidden_layers"]))
+        tensors = {}
     for name, t in tensors.items():
         arr = t.detach().float().numpy()
         if name in _TOP:
@@ -237,6 +312,8 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
     out: dict[str, torch.Tensor] = {}
     if not dequantized:
         return out
+    if arch == "gpt-oss":
+        return _gpt_oss_packed({hf: held[gname] for gname, (hf, _) in plain.items()})
     for gname, (hf, _) in plain.items():
         t = held[gname]
         if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):

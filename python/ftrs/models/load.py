@@ -91,17 +91,23 @@ def _gguf_experts(ck: GGUFCheckpoint, spec: ArchSpec, dtype: torch.dtype,
     formats: dict[int, ExpertFormat] = {}
     for layer in spec.moe_layers:
         group = ck.experts.get(layer, {})
-        if len(group) != 3:
-            raise ModelLoadError(src, f"layer {layer}: found {len(group)} of 3 expert tensors "
-                                 "(blk.N.ffn_{gate,up,down}_exps.weight)")
+        n = len(spec.expert_shapes)
+        if sorted(group) != list(range(n)):
+            what = "weight" if n == 3 else "{weight,bias}"
+            raise ModelLoadError(src, f"layer {layer}: found {len(group)} of {n} expert tensors "
+                                 f"(blk.N.ffn_{{gate,up,down}}_exps.{what})")
         for t, gt in group.items():
-            want = (spec.num_experts, *spec.expert_shapes[t])
+            shape = spec.expert_shapes[t]  # a bias row (1, n) is (experts, n) in the file
+            want = (spec.num_experts, *shape) if t < 3 else (spec.num_experts, shape[1])
             if gt.shape != want:
                 raise ModelLoadError(src, f"tensor {gt.name} has shape {list(gt.shape)}, "
                                      f"expected {list(want)}")
+            if t >= 3 and gt.qtype not in FLOAT_TYPES:
+                raise ModelLoadError(src, f"tensor {gt.name}: expert biases must be a float "
+                                     f"type, not {gt.qtype}")
         formats[layer] = tuple(
             TensorFormat(None if group[t].qtype in FLOAT_TYPES else group[t].qtype)
-            for t in range(3))
+            for t in range(n))
     extra = sorted(set(ck.experts) - set(spec.moe_layers))
     if extra:
         raise ModelLoadError(src, f"expert tensors in layer {extra[0]}, which has no router")
@@ -113,8 +119,8 @@ def _gguf_experts(ck: GGUFCheckpoint, spec: ArchSpec, dtype: torch.dtype,
         for t, gt in ck.experts[layer].items():
             for e in range(spec.num_experts):
                 if formats[layer][t].qtype is None:
-                    rows = torch.from_numpy(np.array(gt.data[e], copy=True))
-                    one = GGUFTensor(gt.name, gt.qtype, gt.shape[1:], rows.numpy())
+                    one = GGUFTensor(gt.name, gt.qtype, gt.shape[1:],
+                                     np.array(gt.data[e], copy=True))
                     data = one.to_float().to(dtype).contiguous().view(torch.uint8).numpy()
                 else:
                     data = np.ascontiguousarray(gt.data[e]).reshape(-1)
