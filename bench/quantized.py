@@ -125,8 +125,9 @@ class LlamaCpp:
         t0 = time.perf_counter()
         self.llm(self.prompt, max_tokens=1)
         t1 = time.perf_counter()
-        out = self.llm(self.prompt, max_tokens=tokens)
+        out = self.llm(self.prompt, max_tokens=tokens)  # not streamed: one response
         t2 = time.perf_counter()
+        assert isinstance(out, dict)
         self.made = out["usage"]["completion_tokens"]
         return (self.made - 1) / ((t2 - t1) - (t1 - t0))
 

@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 
 from ftrs.errors import ModelLoadError
 from ftrs.llm import LLM
-from ftrs.models.gguf_write import gguf_quantizer, write_gguf
+from ftrs.models.gguf_loader import open_gguf
+from ftrs.models.gguf_write import gguf_quantizer, keep_f32, write_gguf
 from ftrs.models.load import load_model
 from ftrs.models.tiny import make_tiny, tiny_tensors, tiny_tokenizer
 from ftrs.quant import QuantTensor, kernel_types, use_kernels
@@ -160,6 +161,30 @@ def test_dense_gguf_archs_match_transformers(tmp_path: Path) -> None:
         with use_kernels(False):
             ours = llm.logits(IDS)
         assert (ours - hf_logits(ref_dir, IDS)).abs().max().item() <= TOL, arch
+
+
+def test_llama3_rope_scaling_travels_as_rope_freqs(tmp_path: Path) -> None:
+    # llama.cpp stores llama3's scaling as one divisor per frequency (`rope_freqs.weight`); the
+    # original context (32) puts the tiny model's 8 frequencies in all three bands (kept,
+    # blended, divided by the factor)
+    d = make_tiny("llama", tmp_path / "llama3", seed=4)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+    (d / "config.json").write_text(json.dumps(cfg))
+    from safetensors.torch import load_file
+
+    path = tmp_path / "llama3.gguf"
+    write_gguf(path, cfg, load_file(str(d / "model.safetensors")), keep_f32, tiny_tokenizer(512))
+    factors = open_gguf(path).config["rope_scaling"]["factors"]
+    assert factors[0] == 1.0 and factors[-1] == 8.0 and 1.0 < factors[1] < 8.0
+    ours = LLM(str(path), kv_tokens=1024, dtype="float32").logits(IDS)
+    assert (ours - hf_logits(d, IDS)).abs().max().item() <= TOL
+    plain = tmp_path / "plain"  # the scaling is not a no-op on these positions
+    shutil.copytree(d, plain)
+    (plain / "config.json").write_text(json.dumps({k: v for k, v in cfg.items()
+                                                   if k != "rope_scaling"}))
+    assert (ours - hf_logits(plain, IDS)).abs().max().item() > 100 * TOL
 
 
 def test_guard_fetch_model_counts_the_quantized_bytes(

@@ -1,4 +1,5 @@
-"""Rotary position embedding (the "rotate half" layout of HF llama), with llama3 or yarn scaling.
+"""Rotary position embedding (the "rotate half" layout of HF llama), with llama3 or yarn scaling,
+or a GGUF file's per-frequency divisors (`rope_freqs.weight`, llama3's scaling as llama.cpp stores it).
 
 Partial rotary (qwen3_5_moe, qwen3_next): only the leading `dim` channels of each head are
 rotated, with frequencies over `dim`; the rest pass through unchanged.
@@ -22,6 +23,8 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None)
         return inv
     if scaling.get("rope_type", scaling.get("type")) == "yarn":
         return yarn(head_dim, theta, scaling)[0]
+    if scaling.get("rope_type") == "freq_factors":  # a GGUF's `rope_freqs`: one divisor per pair
+        return inv / torch.tensor(scaling["factors"], dtype=torch.float32)
     # llama3: long wavelengths are divided by `factor`, short ones kept, the band between blended.
     factor = float(scaling["factor"])
     low = float(scaling.get("low_freq_factor", 1.0))

@@ -203,8 +203,13 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
     if heads % kv_heads:
         raise ModelLoadError(source, f"num_attention_heads {heads} not a multiple of kv heads {kv_heads}")
     theta, scaling = _rope(cfg)
-    if scaling is not None and scaling.get("rope_type", scaling.get("type")) not in ("llama3", "yarn"):
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if scaling is not None and kind not in ("llama3", "yarn", "freq_factors"):
         raise ModelLoadError(source, f"unsupported rope scaling {scaling!r}")
+    factors = (scaling or {}).get("factors", []) if kind == "freq_factors" else []
+    if kind == "freq_factors" and len(factors) != head_dim // 2:
+        raise ModelLoadError(source, f"{len(factors)} rope frequency factors for head_dim "
+                             f"{head_dim} (one per pair of dimensions)")
     eos = cfg.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
 

@@ -4,7 +4,8 @@ Architectures: `llama` (dense, or Mixtral-style MoE when `llama.expert_count` is
 `qwen3moe` and `gpt-oss`. The config and the tokenizer come from the file's metadata. Tensor
 names are mapped to Hugging Face names; llama.cpp's row permutation of the llama q and k
 projections is undone (for quantized weights by moving whole rows of blocks, which is exact: the
-permutation is over rows). Routed experts come as 3-D tensors `blk.N.ffn_{gate,up,down}_exps.weight`
+permutation is over rows); llama3's rope scaling, stored as `rope_freqs.weight` (one divisor per
+frequency), is applied as it is. Routed experts come as 3-D tensors `blk.N.ffn_{gate,up,down}_exps.weight`
 (experts, rows, cols) beside the router `blk.N.ffn_gate_inp.weight`.
 
 gpt-oss as llama.cpp's converter writes it: gate and up already split out of the interleaved
@@ -250,6 +251,12 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
     names = {t.name for t in reader.tensors}
     cfg = gguf_config(meta, names, src)
     tokenizer = Tokenizer.from_gguf_fields(meta, src)
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:  # llama3-style scaling: llama.cpp divides each frequency by its factor
+        if freqs.tensor_type.name != "F32" or "rope_scaling" in cfg:
+            raise ModelLoadError(src, "rope_freqs.weight must be F32 and the only rope scaling")
+        cfg["rope_scaling"] = {"rope_type": "freq_factors",
+                               "factors": np.asarray(freqs.data, dtype=np.float32).tolist()}
     dense: dict[str, GGUFTensor] = {}
     experts: dict[int, dict[int, GGUFTensor]] = {}
     arch = meta["general.architecture"]

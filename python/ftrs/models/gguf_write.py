@@ -184,6 +184,30 @@ def _metadata(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     return {f"{arch}.{k}": v for k, v in m.items()}
 
 
+def llama3_rope_factors(cfg: dict[str, Any]) -> np.ndarray | None:
+    """llama3 rope scaling as llama.cpp's converter stores it: per frequency, the divisor that
+    the scaling applies to it (1 for short wavelengths, `factor` for long ones, blended between)."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return None
+    theta = float(scaling.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    heads = int(cfg["num_attention_heads"])
+    dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+    factor, old_len = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
+    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * np.pi * theta ** (i / dim)
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def _gpt_oss_tensors(tensors: dict[str, torch.Tensor], layers: int
                      ) -> dict[str, tuple[str, np.ndarray]]:
     """gpt_oss's HF tensors as llama.cpp's converter writes them: GGUF name -> (the HF name of
@@ -301,6 +325,9 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
 
     for gname, (hf, arr) in plain.items():
         add(gname, hf, arr)
+    factors = llama3_rope_factors(cfg)
+    if factors is not None:
+        writer.add_tensor("rope_freqs.weight", factors)
     for gname, group in stacks.items():
         stacked = np.stack([group[i][1] for i in range(len(group))])
         add(gname, group[0][0], stacked)
