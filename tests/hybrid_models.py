@@ -31,14 +31,21 @@ COMMON: dict[str, Any] = {
 }
 
 
-def hf_config(arch: str) -> Any:
+#: a qwen3_next a GGUF file can describe: every layer MoE, normalised top-k weights, one full
+#: attention layer every `full_attention_interval` (2); expert rows of whole 32-value blocks
+GGUF_QWEN3NEXT = {"mlp_only_layers": [], "norm_topk_prob": True, "hidden_size": 64,
+                  "moe_intermediate_size": 32,
+                  "layer_types": ["linear_attention", "full_attention"] * 2 + ["linear_attention"]}
+
+
+def hf_config(arch: str, **changes: Any) -> Any:
     import transformers
 
     if arch == "qwen3_5_moe":
-        return transformers.Qwen3_5MoeTextConfig(**COMMON)
+        return transformers.Qwen3_5MoeTextConfig(**(COMMON | changes))
     if arch == "qwen3_next":  # a dense MLP layer too, and unnormalised top-k weights
-        return transformers.Qwen3NextConfig(**COMMON, intermediate_size=56, mlp_only_layers=[2],
-                                            norm_topk_prob=False)
+        return transformers.Qwen3NextConfig(**(COMMON | {
+            "intermediate_size": 56, "mlp_only_layers": [2], "norm_topk_prob": False} | changes))
     raise ValueError(arch)
 
 
@@ -62,11 +69,12 @@ def _redraw(model: torch.nn.Module, seed: int) -> None:
 
 
 def build(arch: str, out_dir: Path, seed: int = 1,
-          dtype: torch.dtype = torch.float32) -> Path:
-    """A tiny `arch` checkpoint written by transformers into `out_dir`; returns it."""
+          dtype: torch.dtype = torch.float32, **changes: Any) -> Path:
+    """A tiny `arch` checkpoint written by transformers into `out_dir` (`changes` override the
+    config); returns it."""
     import transformers
 
-    cfg = hf_config(arch)
+    cfg = hf_config(arch, **changes)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     _redraw(model, seed)
     model.to(dtype).save_pretrained(str(out_dir))

@@ -52,9 +52,22 @@ _EXPERTS = {"ffn_gate_exps": GATE, "ffn_up_exps": UP, "ffn_down_exps": DOWN}
 _GPT_OSS = {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router",
             "attn_sinks": "self_attn.sinks"}
 _BIAS = 3  # the pool's tensor index of an expert's gate bias (up 4, down 5): `expert_shapes`
-_BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_BLK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)(?:\.(weight|bias))?$")  # ssm_a has no suffix
+#: qwen3next's own names (llama.cpp's converter): the DeltaNet inputs flat (q, k, v of every head
+#: in `attn_qkv`, z in `attn_gate`), `ssm_ba` still grouped per key head as HF ships it
+_QWEN3NEXT = {"post_attention_norm": "post_attention_layernorm",
+              "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+              "ssm_ba": "linear_attn.in_proj_ba", "ssm_conv1d": "linear_attn.conv1d",
+              "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
+              "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+              "ffn_up_shexp": "mlp.shared_expert.up_proj",
+              "ffn_down_shexp": "mlp.shared_expert.down_proj",
+              "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+#: qwen3next tensors whose HF name has no `.weight`/`.bias` of its own
+_QWEN3NEXT_BARE = {("ssm_a", None): "linear_attn.A_log", ("ssm_dt", "bias"): "linear_attn.dt_bias"}
 SUPPORTED_TYPES = tuple(GGUF_FORMATS)
-_ARCH_TYPE = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss"}
+_ARCH_TYPE = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
+              "qwen3next": "qwen3_next"}
 
 
 @dataclass
@@ -163,19 +176,21 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
     experts = int(meta.get(f"{arch}.expert_count") or 0)
     if arch == "qwen3moe" and experts < 1:
         raise ModelLoadError(source, "qwen3moe file without qwen3moe.expert_count")
-    if any(n.endswith("_shexp.weight") for n in tensor_names):
+    if arch != "qwen3next" and any(n.endswith("_shexp.weight") for n in tensor_names):
         raise ModelLoadError(source, "shared experts (ffn_*_shexp) are not supported")
     ff = meta.get(f"{arch}.feed_forward_length")
     if experts:
         cfg["num_experts_per_tok"] = int(get("expert_used_count"))
         moe_layers = {int(m.group(1)) for n in tensor_names
                       if (m := _BLK.match(n)) and m.group(2) == "ffn_gate_inp"}
-        if arch in ("llama", "gpt-oss") and moe_layers != set(range(cfg["num_hidden_layers"])):
+        if arch in ("llama", "gpt-oss", "qwen3next") and moe_layers != set(range(cfg["num_hidden_layers"])):
             raise ModelLoadError(source, f"{arch} MoE file: every layer needs a router "
                                  "(blk.N.ffn_gate_inp.weight)")
         if arch == "llama":
             cfg |= {"model_type": "mixtral", "num_local_experts": experts,
                     "intermediate_size": int(get("feed_forward_length"))}
+        elif arch == "qwen3next":
+            cfg |= _qwen3next_config(meta, cfg, experts, source)
         elif arch == "gpt-oss":
             layers = cfg["num_hidden_layers"]
             cfg |= {"num_local_experts": experts, "attention_bias": True, "swiglu_limit": 7.0,
@@ -188,14 +203,48 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
                     "moe_intermediate_size": int(get("expert_feed_forward_length")),
                     "intermediate_size": int(ff or 0),
                     "mlp_only_layers": sorted(set(range(cfg["num_hidden_layers"])) - moe_layers)}
-    elif arch == "gpt-oss":
-        raise ModelLoadError(source, "gpt-oss file without gpt-oss.expert_count")
+    elif arch in ("gpt-oss", "qwen3next"):
+        raise ModelLoadError(source, f"{arch} file without {arch}.expert_count")
     else:
         cfg["intermediate_size"] = int(get("feed_forward_length"))
     scaling = _rope_scaling(meta, arch, source)
     if scaling is not None:
         cfg["rope_scaling"] = scaling | ({"truncate": False} if arch == "gpt-oss" else {})
     return cfg
+
+
+def _qwen3next_config(meta: dict[str, Any], cfg: dict[str, Any], experts: int,
+                      source: str) -> dict[str, Any]:
+    """qwen3_next's MoE and Gated DeltaNet fields from `qwen3next.*` (the `ssm.*` keys as the
+    converter fills them from HF's `linear_*`); every layer a MoE layer, one full attention layer
+    every `full_attention_interval`."""
+    def get(key: str) -> Any:
+        v = meta.get(f"qwen3next.{key}")
+        if v is None:
+            raise ModelLoadError(source, f"missing GGUF metadata qwen3next.{key}")
+        return v
+
+    layers, head_dim = cfg["num_hidden_layers"], cfg["head_dim"]
+    v_heads = int(get("ssm.time_step_rank"))
+    inner = int(get("ssm.inner_size"))
+    if inner % v_heads:
+        raise ModelLoadError(source, f"qwen3next.ssm.inner_size {inner} is not a multiple of "
+                             f"{v_heads} value heads")
+    every = int(get("full_attention_interval"))
+    if every < 1:
+        raise ModelLoadError(source, f"qwen3next.full_attention_interval {every} < 1")
+    rotary = int(meta.get("qwen3next.rope.dimension_count") or head_dim // 4)
+    return {"num_experts": experts, "moe_intermediate_size": int(get("expert_feed_forward_length")),
+            "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length")),
+            "norm_topk_prob": bool(meta.get("qwen3next.expert_weights_norm", True)),
+            "decoder_sparse_step": 1, "mlp_only_layers": [], "intermediate_size": 0,
+            "linear_conv_kernel_dim": int(get("ssm.conv_kernel")),
+            "linear_key_head_dim": int(get("ssm.state_size")),
+            "linear_num_key_heads": int(get("ssm.group_count")),
+            "linear_num_value_heads": v_heads, "linear_value_head_dim": inner // v_heads,
+            "layer_types": ["full_attention" if (i + 1) % every == 0 else "linear_attention"
+                            for i in range(layers)],
+            "partial_rotary_factor": rotary / head_dim}
 
 
 def _rope_scaling(meta: dict[str, Any], arch: str, source: str) -> dict[str, Any] | None:
@@ -235,8 +284,10 @@ def _hf_name(name: str, arch: str) -> str | tuple[int, int] | None:
         if suffix == "weight":
             return layer, _EXPERTS[kind]
         return (layer, _BIAS + _EXPERTS[kind]) if arch == "gpt-oss" else None
-    block = _BLOCK | _GPT_OSS if arch == "gpt-oss" else _BLOCK
-    if kind not in block:
+    if arch == "qwen3next" and (kind, suffix) in _QWEN3NEXT_BARE:
+        return f"model.layers.{layer}.{_QWEN3NEXT_BARE[kind, suffix]}"
+    block = _BLOCK | {"gpt-oss": _GPT_OSS, "qwen3next": _QWEN3NEXT}.get(arch, {})
+    if kind not in block or suffix is None:
         return None
     if kind == "attn_sinks":
         return f"model.layers.{layer}.{block[kind]}"
@@ -300,6 +351,8 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
         if router is not None and router.shape[0] != n_exp:
             raise ModelLoadError(src, f"router of layer {layer} has {router.shape[0]} rows, "
                                  f"metadata says expert_count = {n_exp}")
+    if cfg["model_type"] == "qwen3_next":
+        _qwen3next_to_hf(dense, cfg)
     permuted: dict[str, int] = {}
     if cfg["model_type"] in ("llama", "mixtral"):
         for layer in range(cfg["num_hidden_layers"]):
@@ -307,6 +360,40 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
             permuted[p + "q_proj.weight"] = cfg["num_attention_heads"]
             permuted[p + "k_proj.weight"] = cfg["num_key_value_heads"]
     return GGUFCheckpoint(path, cfg, tokenizer, dense, experts, permuted)
+
+
+_ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight",
+                 "self_attn.q_norm.weight", "self_attn.k_norm.weight")
+
+
+def _qwen3next_to_hf(dense: dict[str, GGUFTensor], cfg: dict[str, Any]) -> None:
+    """Undo, in place, what llama.cpp's converter changed in qwen3_next's tensors: the
+    zero-centred norms stored as 1 + w (w back exactly while 1 + w lies in [0.5, 2]), the
+    decay as -exp(A_log) (A_log back within an ulp), the conv kernel squeezed; and cut the
+    grouped `in_proj_ba` into the flat b and a rows the decoder reads (bytes of whole rows, any
+    type)."""
+    def f32(gt: GGUFTensor, values: Any) -> GGUFTensor:
+        return GGUFTensor(gt.name, "F32", gt.shape, np.ascontiguousarray(values, dtype=np.float32))
+
+    k_heads = int(cfg["linear_num_key_heads"])
+    per_k = int(cfg["linear_num_value_heads"]) // k_heads
+    for name, gt in list(dense.items()):
+        if name == "model.norm.weight" or name.endswith(_ZERO_CENTRED):
+            dense[name] = f32(gt, gt.to_float().numpy() - np.float32(1.0))
+        elif name.endswith("linear_attn.A_log"):
+            dense[name] = f32(gt, np.log(-gt.to_float().numpy()))
+        elif name.endswith("linear_attn.conv1d.weight") and len(gt.shape) == 2:
+            dense[name] = GGUFTensor(gt.name, gt.qtype, (gt.shape[0], 1, gt.shape[1]), gt.data)
+        elif name.endswith("mlp.shared_expert_gate.weight") and len(gt.shape) == 1:
+            dense[name] = GGUFTensor(gt.name, gt.qtype, (1, gt.shape[0]), gt.data)
+        elif name.endswith("linear_attn.in_proj_ba.weight"):
+            rows = np.arange(gt.shape[0]).reshape(k_heads, 2, per_k)  # per key head: b.., a..
+            base = name.removesuffix("in_proj_ba.weight")
+            del dense[name]
+            for i, part in enumerate(("b", "a")):
+                dense[f"{base}in_proj_{part}.weight"] = GGUFTensor(
+                    gt.name, gt.qtype, (k_heads * per_k, gt.shape[1]),
+                    np.ascontiguousarray(gt.data[rows[:, i].reshape(-1)]))
 
 
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:

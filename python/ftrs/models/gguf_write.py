@@ -28,7 +28,7 @@ from ftrs.models.tokenizer import Tokenizer
 #: (HF name, fp32 values (rows, cols) or (E, rows, cols)) -> (GGUF type, raw bytes (..., row_bytes))
 Quantizer = Callable[[str, np.ndarray], tuple[str, np.ndarray]]
 _ARCH = {"llama": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
-         "gpt_oss": "gpt-oss"}
+         "gpt_oss": "gpt-oss", "qwen3_next": "qwen3next"}
 _LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
           "self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k",
           "self_attn.v_proj.weight": "attn_v", "self_attn.o_proj.weight": "attn_output",
@@ -169,6 +169,22 @@ def _metadata(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         m |= {"expert_count": experts, "expert_used_count": int(cfg["num_experts_per_tok"])}
         if cfg["model_type"] == "qwen3_moe":
             m["expert_feed_forward_length"] = int(cfg["moe_intermediate_size"])
+    if cfg["model_type"] == "qwen3_next":
+        params = cfg.get("rope_parameters") or {}
+        factor = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+        types = cfg["layer_types"]
+        every = types.index("full_attention") + 1
+        if any((t == "full_attention") != ((i + 1) % every == 0) for i, t in enumerate(types)):
+            raise ConfigError("write_gguf: qwen3next needs one full attention layer every N")
+        v_heads = int(cfg["linear_num_value_heads"])
+        m |= {"expert_feed_forward_length": int(cfg["moe_intermediate_size"]),
+              "expert_shared_feed_forward_length": int(cfg["shared_expert_intermediate_size"]),
+              "ssm.conv_kernel": int(cfg["linear_conv_kernel_dim"]),
+              "ssm.state_size": int(cfg["linear_key_head_dim"]),
+              "ssm.group_count": int(cfg["linear_num_key_heads"]),
+              "ssm.time_step_rank": v_heads,
+              "ssm.inner_size": v_heads * int(cfg["linear_value_head_dim"]),
+              "full_attention_interval": every, "rope.dimension_count": int(head_dim * factor)}
     if cfg["model_type"] == "gpt_oss":
         m |= {"expert_feed_forward_length": int(cfg["intermediate_size"]),
               "attention.sliding_window": int(cfg["sliding_window"])}
@@ -241,6 +257,53 @@ def _gpt_oss_tensors(tensors: dict[str, torch.Tensor], layers: int
     return out
 
 
+def _qwen3next_tensors(tensors: dict[str, torch.Tensor], cfg: dict[str, Any]
+                       ) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, torch.Tensor]]:
+    """qwen3_next's tensors as llama.cpp's converter writes them (GGUF name -> (HF name,
+    values)), names through the `gguf` package's map: zero-centred norms as 1 + w, A_log as
+    -exp(A_log), dt_bias as `ssm_dt.bias`, the conv kernel squeezed, `in_proj_qkvz` regrouped
+    from per key head to flat (q, k, v of every head in `attn_qkv`, z in `attn_gate`). The routed
+    experts are returned apart, for the common stacking."""
+    import gguf
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3NEXT, int(cfg["num_hidden_layers"]))
+    kh, k_dim = int(cfg["linear_num_key_heads"]), int(cfg["linear_key_head_dim"])
+    vz = int(cfg["linear_num_value_heads"]) // kh * int(cfg["linear_value_head_dim"])
+    plain: dict[str, tuple[str, np.ndarray]] = {}
+    experts: dict[str, torch.Tensor] = {}
+
+    def put(hf: str, arr: np.ndarray) -> None:
+        gname = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if gname is None:
+            raise ConfigError(f"write_gguf: unexpected tensor {hf}")
+        plain[gname] = (hf, np.ascontiguousarray(arr, dtype=np.float32))
+
+    for name, t in tensors.items():
+        arr = t.detach().float().numpy()
+        if ".mlp.experts." in name:
+            experts[name] = t
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            put(name, arr + np.float32(1.0))
+        elif name.endswith(".A_log"):
+            put(name, -np.exp(arr))
+        elif name.endswith(".dt_bias"):
+            put(name.removesuffix("dt_bias") + "dt_proj.bias", arr)
+        elif "conv1d" in name:
+            put(name, arr.squeeze())
+        elif name.endswith("in_proj_qkvz.weight"):
+            hidden = arr.shape[1]
+            g = arr.reshape(kh, 2 * k_dim + 2 * vz, hidden)
+            q, k, v, z = np.split(g, np.cumsum([k_dim, k_dim, vz]), axis=1)
+            gname = names.get_name(name, try_suffixes=(".weight",)) or ""
+            qkv = np.concatenate([x.reshape(-1, hidden) for x in (q, k, v)])
+            plain[gname.replace("ssm_in", "attn_qkv")] = (name.replace("qkvz", "qkv"), qkv)
+            plain[gname.replace("ssm_in", "attn_gate")] = (name.replace("qkvz", "z"),
+                                                          np.ascontiguousarray(z.reshape(-1, hidden)))
+        else:
+            put(name, arr)
+    return plain, experts
+
+
 def _gpt_oss_packed(held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The HF tensors back from the unpacked parts `_gpt_oss_tensors` named (HF name -> values):
     gate and up interleaved again, the matrices transposed back to `x @ W`."""
@@ -282,9 +345,12 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
     # group experts: (layer, gguf name) -> {expert: array}
     plain: dict[str, tuple[str, np.ndarray]] = {}
     stacks: dict[str, dict[int, tuple[str, np.ndarray]]] = {}
+    source = tensors
     if arch == "gpt-oss":
         plain = _gpt_oss_tensors(tensors, int(cfg["num_hidden_layers"]))
         tensors = {}
+    elif arch == "qwen3next":
+        plain, tensors = _qwen3next_tensors(tensors, cfg)
     for name, t in tensors.items():
         arr = t.detach().float().numpy()
         if name in _TOP:
@@ -313,9 +379,11 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
     for k, v in fields.items():
         _add_field(writer, k, v)
     held: dict[str, torch.Tensor] = {}
+    types: dict[str, str] = {}
 
     def add(gname: str, hf: str, arr: np.ndarray) -> None:
         qtype, raw = quantize(hf, arr)
+        types[gname] = qtype
         raw = np.ascontiguousarray(raw)
         raw = raw.view(np.uint8).reshape(*raw.shape[:-1], -1)  # bytes: gguf's "byte shape"
         writer.add_tensor(gname, raw, raw_shape=raw.shape,
@@ -341,6 +409,13 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
         return out
     if arch == "gpt-oss":
         return _gpt_oss_packed({hf: held[gname] for gname, (hf, _) in plain.items()})
+    if arch == "qwen3next":  # the file's F32 values are the source's, up to the transforms
+        if any(types[gname] != "F32" for gname in plain):
+            raise ConfigError("write_gguf: qwen3next's values are returned for files whose "
+                              "tensors other than the routed experts are F32")
+        out = {name: t.detach().float() for name, t in source.items()
+               if ".mlp.experts." not in name}
+        plain = {}
     for gname, (hf, _) in plain.items():
         t = held[gname]
         if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):

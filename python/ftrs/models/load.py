@@ -48,7 +48,7 @@ def resolve_model(model: str) -> Path:
 
 def _gguf_dense(ck: GGUFCheckpoint, spec: ArchSpec, dtype: torch.dtype,
                 device: torch.device) -> dict[str, Weight]:
-    want = expected_dense_shapes(spec)
+    want = expected_dense_shapes(spec, flat_linear=True)
     src = str(ck.path)
     chosen: dict[str, tuple[str, str]] = {}  # key -> (HF name, GGUF name)
     for name, gt in ck.dense.items():

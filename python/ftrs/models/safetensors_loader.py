@@ -66,7 +66,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def expected_dense_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
+def expected_dense_shapes(spec: ArchSpec, flat_linear: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every dense tensor's shape by decoder key; `flat_linear`: qwen3_next's DeltaNet inputs
+    come flat (a GGUF file), not grouped per key head."""
     s = spec
     q_out, kv_out = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
     shapes: dict[str, tuple[int, ...]] = {"embed": (s.vocab_size, s.hidden_size),
@@ -78,7 +80,7 @@ def expected_dense_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
         p = f"{layer}."
         shapes |= {p + "input_norm": (h,), p + "post_norm": (h,)}
         if s.layer_type(layer) == LINEAR_ATTENTION:
-            shapes |= _linear_attn_shapes(s, p)
+            shapes |= _linear_attn_shapes(s, p, flat_linear)
         else:
             shapes |= {p + "q": (q_out * (2 if s.attn_output_gate else 1), h),
                        p + "k": (kv_out, h), p + "v": (kv_out, h), p + "o": (h, q_out)}
@@ -104,7 +106,7 @@ def expected_dense_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _linear_attn_shapes(s: ArchSpec, p: str) -> dict[str, tuple[int, ...]]:
+def _linear_attn_shapes(s: ArchSpec, p: str, flat: bool) -> dict[str, tuple[int, ...]]:
     """A Gated DeltaNet layer's tensors; qwen3_next ships its input projections grouped per
     key head (`lin_qkvz`, `lin_ba`), split after loading (`names.split_grouped_qkvz`)."""
     lin, h = s.linear, s.hidden_size
@@ -113,7 +115,7 @@ def _linear_attn_shapes(s: ArchSpec, p: str) -> dict[str, tuple[int, ...]]:
         p + "lin_conv": (lin.conv_dim, 1, lin.conv_kernel), p + "lin_dt_bias": (lin.num_v_heads,),
         p + "lin_a_log": (lin.num_v_heads,), p + "lin_norm": (lin.v_head_dim,),
         p + "lin_out": (h, lin.value_dim)}
-    if s.arch == "qwen3_next":
+    if s.arch == "qwen3_next" and not flat:
         return out | {p + "lin_qkvz": (2 * lin.key_dim + 2 * lin.value_dim, h),
                       p + "lin_ba": (2 * lin.num_v_heads, h)}
     return out | {p + "lin_qkv": (lin.conv_dim, h), p + "lin_z": (lin.value_dim, h),

@@ -1,0 +1,127 @@
+"""qwen3next GGUF files (Gated DeltaNet hybrid with a shared expert) against transformers.
+
+The file is the tiny qwen3_next of `tests/hybrid_models.py`, in the layout a GGUF can say (every
+layer MoE, one full attention layer every 2), written as llama.cpp's converter writes it: norms
+as 1 + w, the decay as -exp(A_log), the DeltaNet inputs flat, `ssm_ba` grouped. The oracle is
+transformers on the source checkpoint in fp64, within 1e-4 or 1.5x of its own fp32 error (as in
+`test_deltanet_models.py`); with the experts in Q8_0, transformers on the dequantized experts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import hybrid_models
+from ftrs.llm import LLM
+from ftrs.models.gguf_loader import open_gguf
+from ftrs.models.gguf_write import gguf_quantizer, keep_f32, write_gguf
+from ftrs.models.load import load_model
+from ftrs.models.tokenizer import Tokenizer
+from ftrs.quant import QuantTensor, use_kernels
+
+transformers = pytest.importorskip("transformers")
+TOL = 1e-4
+PEER_TOL = 1e-4  # measured 2.0e-5 (llama-cpp-python 0.3.36, 37 positions)
+IDS = torch.randint(3, 512, (37,), generator=torch.Generator().manual_seed(5)).tolist()
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("qwen3next_gguf")
+    return hybrid_models.build("qwen3_next", root / "src", seed=2, **hybrid_models.GGUF_QWEN3NEXT)
+
+
+def _write(src: Path, out: Path, ref: Path, quantize: object) -> tuple[Path, Path]:
+    cfg = json.loads((src / "config.json").read_text())
+    held = write_gguf(out, cfg, load_file(str(src / "model.safetensors")), quantize,  # type: ignore[arg-type]
+                      Tokenizer.from_dir(src))
+    shutil.copytree(src, ref)
+    save_file({k: v.contiguous() for k, v in held.items()}, str(ref / "model.safetensors"))
+    return out, ref
+
+
+def _experts_q8(name: str, w: np.ndarray) -> tuple[str, np.ndarray]:
+    return gguf_quantizer("Q8_0", min_dims=3)(name, w) if w.ndim == 3 else keep_f32(name, w)
+
+
+@pytest.fixture(scope="module")
+def f32(source: Path) -> tuple[Path, Path]:
+    return _write(source, source.parent / "f32.gguf", source.parent / "f32_ref", keep_f32)
+
+
+@pytest.fixture(scope="module")
+def q8(source: Path) -> tuple[Path, Path]:
+    return _write(source, source.parent / "q8.gguf", source.parent / "q8_ref", _experts_q8)
+
+
+def _check(ours: torch.Tensor, ref_dir: Path) -> None:
+    with torch.no_grad():
+        m = hybrid_models.hf_model(ref_dir)
+        fp32 = m(torch.tensor([IDS])).logits[0]
+        exact = m.double()(torch.tensor([IDS])).logits[0]
+    hf_err = (fp32.double() - exact).abs().max().item()
+    assert ours.shape == exact.shape
+    assert (ours.double() - exact).abs().max().item() <= max(TOL, 1.5 * hf_err)
+
+
+def test_the_config_comes_from_the_metadata(f32: tuple[Path, Path], source: Path) -> None:
+    cfg = open_gguf(f32[0]).config
+    want = json.loads((source / "config.json").read_text())
+    for key in ("layer_types", "linear_conv_kernel_dim", "linear_key_head_dim",
+                "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
+                "num_experts_per_tok", "head_dim", "norm_topk_prob"):
+        assert cfg[key] == want[key], key
+    assert cfg["partial_rotary_factor"] == want["rope_parameters"]["partial_rotary_factor"]
+
+
+def test_f32_logits_match_transformers(f32: tuple[Path, Path], source: Path) -> None:
+    _check(LLM(str(f32[0]), kv_tokens=1024, dtype="float32").logits(IDS), source)
+
+
+def test_q8_experts_match_transformers_on_their_values(q8: tuple[Path, Path]) -> None:
+    llm = LLM(str(q8[0]), kv_tokens=1024, dtype="float32")
+    with use_kernels(False):
+        ours = llm.logits(IDS)
+    _check(ours, q8[1])
+    m = load_model(str(q8[0]), torch.device("cpu"), torch.float32, progress=False)
+    assert m.experts is not None
+    gate = m.experts.views(m.experts.host_bytes())[1][4][0]
+    assert isinstance(gate, QuantTensor) and gate.qtype == "Q8_0"
+
+
+@pytest.mark.parametrize("strategy", ["offload", "hybrid"])
+def test_offload_of_the_gguf_equals_resident(q8: tuple[Path, Path], strategy: str) -> None:
+    opts = {"kv_tokens": 1024, "dtype": "float32"}
+    ref = LLM(str(q8[0]), moe_strategy="resident", **opts).logits(IDS)
+    llm = LLM(str(q8[0]), moe_strategy=strategy, moe_cache_rate=0.25, **opts)
+    assert torch.equal(llm.logits(IDS), ref)
+    llm.close()
+
+
+def test_llama_cpp_computes_the_same_model(tmp_path: Path) -> None:
+    """The peer on an F32 file (fp32 KV cache); where `llama-cpp-python` is installed. llama.cpp
+    takes a value head as wide as a key head (true of every Qwen3-Next), so this model's are."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from test_gpt_oss_gguf import _rewrite
+
+    src = hybrid_models.build("qwen3_next", tmp_path / "src", seed=3, linear_value_head_dim=12,
+                              **hybrid_models.GGUF_QWEN3NEXT)
+    path, _ = _write(src, tmp_path / "f32.gguf", tmp_path / "ref", keep_f32)
+    tokens = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.tokens"].contents()
+    peer_file = _rewrite(path, tmp_path / "peer.gguf",
+                         fields={"tokenizer.ggml.merges": [f"{tokens[3]} {tokens[4]}"]})
+    peer = llama_cpp.Llama(model_path=str(peer_file), n_ctx=128, n_batch=128, logits_all=True,
+                           verbose=False, n_threads=1, type_k=0, type_v=0)
+    peer.eval(IDS)
+    theirs = torch.tensor(np.array(peer.scores[:len(IDS)], dtype=np.float32))
+    ours = LLM(str(path), kv_tokens=1024, dtype="float32").logits(IDS)
+    assert (ours - theirs).abs().max().item() <= PEER_TOL
