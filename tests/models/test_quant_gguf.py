@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -161,6 +162,33 @@ def test_dense_gguf_archs_match_transformers(tmp_path: Path) -> None:
         with use_kernels(False):
             ours = llm.logits(IDS)
         assert (ours - hf_logits(ref_dir, IDS)).abs().max().item() <= TOL, arch
+
+
+def test_fused_gate_up_experts_are_cut_apart(tmp_path: Path) -> None:
+    # the converter's --fuse-gate-up-exps: one (experts, 2I, H) tensor, gate rows first, in the
+    # gate's type (Q4_K here); the pool holds each half as its own tensor, bytes unchanged
+    cfg = quant_config("qwen3_moe")
+    path = tmp_path / "fused.gguf"
+    held = write_gguf(path, cfg, tiny_tensors(cfg, 1), _mixed(QWEN3MOE_TYPES, 1),
+                      tiny_tokenizer(512), fuse_gate_up=True)
+    names = {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert "blk.0.ffn_gate_up_exps.weight" in names and "blk.0.ffn_up_exps.weight" not in names
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    save_file({k: v.contiguous() for k, v in held.items()}, str(ref_dir / "model.safetensors"))
+    (ref_dir / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(path), kv_tokens=1024, dtype="float32")
+    with use_kernels(False):
+        ours = llm.logits(IDS)
+    assert (ours - hf_logits(ref_dir, IDS)).abs().max().item() <= TOL
+    m = load_model(str(path), torch.device("cpu"), torch.float32, progress=False)
+    assert m.experts is not None
+    gate, up, _ = m.experts.views(m.experts.host_bytes())[0][5]
+    assert isinstance(up, QuantTensor) and (gate.qtype, up.qtype) == ("Q4_K", "Q4_K")
+    fused = next(t for t in gguf.GGUFReader(str(path)).tensors
+                 if t.name == "blk.0.ffn_gate_up_exps.weight")
+    rows = np.asarray(fused.data)[5]
+    assert np.array_equal(up.data.numpy(), rows[rows.shape[0] // 2:].reshape(-1))
 
 
 def test_llama3_rope_scaling_travels_as_rope_freqs(tmp_path: Path) -> None:

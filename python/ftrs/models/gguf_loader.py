@@ -6,7 +6,8 @@ names are mapped to Hugging Face names; llama.cpp's row permutation of the llama
 projections is undone (for quantized weights by moving whole rows of blocks, which is exact: the
 permutation is over rows); llama3's rope scaling, stored as `rope_freqs.weight` (one divisor per
 frequency), is applied as it is. Routed experts come as 3-D tensors `blk.N.ffn_{gate,up,down}_exps.weight`
-(experts, rows, cols) beside the router `blk.N.ffn_gate_inp.weight`.
+(experts, rows, cols) beside the router `blk.N.ffn_gate_inp.weight`, gate and up possibly fused
+in one `blk.N.ffn_gate_up_exps.weight` (gate rows first), cut apart as rows of bytes.
 
 gpt-oss as llama.cpp's converter writes it: gate and up already split out of the interleaved
 `gate_up_proj` (MXFP4 experts in ggml's block layout, which the pool keeps as they are), expert
@@ -52,6 +53,8 @@ _EXPERTS = {"ffn_gate_exps": GATE, "ffn_up_exps": UP, "ffn_down_exps": DOWN}
 _GPT_OSS = {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router",
             "attn_sinks": "self_attn.sinks"}
 _BIAS = 3  # the pool's tensor index of an expert's gate bias (up 4, down 5): `expert_shapes`
+#: `blk.N.ffn_gate_up_exps` (the converter's `--fuse-gate-up-exps`): gate rows, then up rows
+_GATE_UP = 10
 _BLK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)(?:\.(weight|bias))?$")  # ssm_a has no suffix
 #: qwen3next's own names (llama.cpp's converter): the DeltaNet inputs flat (q, k, v of every head
 #: in `attn_qkv`, z in `attn_gate`), `ssm_ba` still grouped per key head as HF ships it
@@ -280,10 +283,11 @@ def _hf_name(name: str, arch: str) -> str | tuple[int, int] | None:
     if not m:
         return None
     layer, kind, suffix = int(m.group(1)), m.group(2), m.group(3)
-    if kind in _EXPERTS:
+    if kind in _EXPERTS or kind == "ffn_gate_up_exps":
+        which = _EXPERTS.get(kind, _GATE_UP)
         if suffix == "weight":
-            return layer, _EXPERTS[kind]
-        return (layer, _BIAS + _EXPERTS[kind]) if arch == "gpt-oss" else None
+            return layer, which
+        return (layer, _BIAS + which) if arch == "gpt-oss" else None
     if arch == "qwen3next" and (kind, suffix) in _QWEN3NEXT_BARE:
         return f"model.layers.{layer}.{_QWEN3NEXT_BARE[kind, suffix]}"
     block = _BLOCK | {"gpt-oss": _GPT_OSS, "qwen3next": _QWEN3NEXT}.get(arch, {})
@@ -332,11 +336,20 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
         gt = GGUFTensor(t.name, qtype, shape, t.data)
         if isinstance(target, tuple):
             layer, which = target
-            want_dims = 2 if which >= _BIAS else 3
+            want_dims = 2 if which in (GATE + _BIAS, UP + _BIAS, DOWN + _BIAS, _GATE_UP + _BIAS) else 3
             if len(shape) != want_dims:
                 dims = "(experts, rows)" if want_dims == 2 else "(experts, rows, cols)"
                 raise ModelLoadError(src, f"expert tensor {t.name} has shape {list(shape)}, "
                                      f"expected {dims}")
+            if which in (_GATE_UP, _GATE_UP + _BIAS):  # cut into gate and up as rows of bytes
+                half = shape[1] // 2
+                if shape[1] % 2:
+                    raise ModelLoadError(src, f"{t.name} has an odd number of rows {shape[1]}")
+                base = which - _GATE_UP
+                for part, span in ((GATE, slice(0, half)), (UP, slice(half, None))):
+                    experts.setdefault(layer, {})[base + part] = GGUFTensor(
+                        t.name, qtype, (shape[0], half, *shape[2:]), t.data[:, span])
+                continue
             experts.setdefault(layer, {})[which] = gt
         else:
             dense[target] = gt

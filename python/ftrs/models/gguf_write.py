@@ -329,9 +329,10 @@ def _gpt_oss_packed(held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor],
                quantize: Quantizer, tokenizer: Tokenizer | None = None,
                tokenizer_fields: dict[str, Any] | None = None,
-               dequantized: bool = True) -> dict[str, torch.Tensor]:
+               dequantized: bool = True, fuse_gate_up: bool = False) -> dict[str, torch.Tensor]:
     """Write `tensors` (HF names, fp32) as a GGUF file; returns them as the file holds them
-    (with `dequantized`; otherwise an empty dict)."""
+    (with `dequantized`; otherwise an empty dict). `fuse_gate_up`: the routed experts' gate and
+    up in one `ffn_gate_up_exps` (gate rows first), as the converter's `--fuse-gate-up-exps`."""
     import gguf
 
     from ftrs.models.gguf_loader import GGUFTensor, unpermute_rows
@@ -396,9 +397,15 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
     factors = llama3_rope_factors(cfg)
     if factors is not None:
         writer.add_tensor("rope_freqs.weight", factors)
+    def stack(gname: str) -> np.ndarray:
+        return np.stack([stacks[gname][i][1] for i in range(len(stacks[gname]))])
+
     for gname, group in stacks.items():
-        stacked = np.stack([group[i][1] for i in range(len(group))])
-        add(gname, group[0][0], stacked)
+        if fuse_gate_up and "ffn_gate_exps" in gname:  # the converter's --fuse-gate-up-exps
+            fused = np.concatenate([stack(gname), stack(gname.replace("gate", "up"))], axis=1)
+            add(gname.replace("ffn_gate_exps", "ffn_gate_up_exps"), group[0][0], fused)
+        elif not (fuse_gate_up and "ffn_up_exps" in gname):
+            add(gname, group[0][0], stack(gname))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -422,6 +429,13 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
             t = unpermute_rows(t, heads[hf.rsplit(".", 2)[1][0]])
         out[hf] = t
     for gname, group in stacks.items():
+        joint = gname.replace("ffn_gate_exps", "ffn_gate_up_exps").replace("ffn_up_exps",
+                                                                           "ffn_gate_up_exps")
         for i, (hf, _) in group.items():
-            out[hf] = held[gname][i].clone()
+            if fuse_gate_up and joint != gname:
+                rows = held[joint].shape[1] // 2
+                part = slice(0, rows) if "ffn_gate_exps" in gname else slice(rows, None)
+                out[hf] = held[joint][i, part].clone()
+            else:
+                out[hf] = held[gname][i].clone()
     return out
