@@ -31,9 +31,9 @@ COMMON: dict[str, Any] = {
 }
 
 
-#: a qwen3_next a GGUF file can describe: every layer MoE, normalised top-k weights, one full
+#: a model a GGUF file can describe: every layer MoE, normalised top-k weights, one full
 #: attention layer every `full_attention_interval` (2); expert rows of whole 32-value blocks
-GGUF_QWEN3NEXT = {"mlp_only_layers": [], "norm_topk_prob": True, "hidden_size": 64,
+GGUF_DELTANET = {"mlp_only_layers": [], "norm_topk_prob": True, "hidden_size": 64,
                   "moe_intermediate_size": 32,
                   "layer_types": ["linear_attention", "full_attention"] * 2 + ["linear_attention"]}
 

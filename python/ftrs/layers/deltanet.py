@@ -137,7 +137,9 @@ def gated_deltanet(x: torch.Tensor, w: Mapping[str, Any], p: str, lin: LinearAtt
     v = mixed[:, 2 * kd:].float().view(t, lin.num_v_heads, lin.v_head_dim)
     q = l2_normalize(q) * lin.k_head_dim ** -0.5
     k = l2_normalize(k)
-    if group > 1:
+    if group > 1 and lin.v_heads_tiled:
+        q, k = q.repeat(1, group, 1), k.repeat(1, group, 1)
+    elif group > 1:
         q, k = q.repeat_interleave(group, dim=1), k.repeat_interleave(group, dim=1)
     out = torch.empty_like(v)  # (t, v_heads, dv) fp32
     if rows.numel():

@@ -42,6 +42,10 @@ class LinearAttnSpec:
     k_head_dim: int
     v_head_dim: int
     conv_kernel: int  # causal depthwise conv width; the conv state keeps the last kernel-1 inputs
+    #: value heads in llama.cpp's tiled order (head j reads key head j mod num_k_heads), as its
+    #: converter stores a Qwen3.5 GGUF; HF's order is grouped (head j reads key head j // group).
+    #: Set by the GGUF reader through the config key `_v_heads_tiled`.
+    v_heads_tiled: bool = False
 
     @property
     def key_dim(self) -> int:
@@ -314,7 +318,8 @@ def _hybrid_fields(cfg: dict[str, Any], arch: str, layers: int, head_dim: int,
     try:
         lin = LinearAttnSpec(int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"]),
                              int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"]),
-                             int(cfg.get("linear_conv_kernel_dim", 4)))
+                             int(cfg.get("linear_conv_kernel_dim", 4)),
+                             bool(cfg.get("_v_heads_tiled", False)))
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(source, f"bad or missing linear attention field: {e}") from e
     if min(lin.num_k_heads, lin.k_head_dim, lin.v_head_dim) < 1 or lin.conv_kernel < 2 \

@@ -68,9 +68,12 @@ _QWEN3NEXT = {"post_attention_norm": "post_attention_layernorm",
               "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
 #: qwen3next tensors whose HF name has no `.weight`/`.bias` of its own
 _QWEN3NEXT_BARE = {("ssm_a", None): "linear_attn.A_log", ("ssm_dt", "bias"): "linear_attn.dt_bias"}
+#: qwen35moe (Qwen3.5): qwen3next's names, with b and a apart
+_QWEN35MOE = _QWEN3NEXT | {"ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a"}
 SUPPORTED_TYPES = tuple(GGUF_FORMATS)
 _ARCH_TYPE = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
-              "qwen3next": "qwen3_next"}
+              "qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe_text"}
+_DELTANET = ("qwen3next", "qwen35moe")
 
 
 @dataclass
@@ -179,21 +182,21 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
     experts = int(meta.get(f"{arch}.expert_count") or 0)
     if arch == "qwen3moe" and experts < 1:
         raise ModelLoadError(source, "qwen3moe file without qwen3moe.expert_count")
-    if arch != "qwen3next" and any(n.endswith("_shexp.weight") for n in tensor_names):
+    if arch not in _DELTANET and any(n.endswith("_shexp.weight") for n in tensor_names):
         raise ModelLoadError(source, "shared experts (ffn_*_shexp) are not supported")
     ff = meta.get(f"{arch}.feed_forward_length")
     if experts:
         cfg["num_experts_per_tok"] = int(get("expert_used_count"))
         moe_layers = {int(m.group(1)) for n in tensor_names
                       if (m := _BLK.match(n)) and m.group(2) == "ffn_gate_inp"}
-        if arch in ("llama", "gpt-oss", "qwen3next") and moe_layers != set(range(cfg["num_hidden_layers"])):
+        if arch in ("llama", "gpt-oss", *_DELTANET) and moe_layers != set(range(cfg["num_hidden_layers"])):
             raise ModelLoadError(source, f"{arch} MoE file: every layer needs a router "
                                  "(blk.N.ffn_gate_inp.weight)")
         if arch == "llama":
             cfg |= {"model_type": "mixtral", "num_local_experts": experts,
                     "intermediate_size": int(get("feed_forward_length"))}
-        elif arch == "qwen3next":
-            cfg |= _qwen3next_config(meta, cfg, experts, source)
+        elif arch in _DELTANET:
+            cfg |= _deltanet_config(meta, arch, cfg, experts, source)
         elif arch == "gpt-oss":
             layers = cfg["num_hidden_layers"]
             cfg |= {"num_local_experts": experts, "attention_bias": True, "swiglu_limit": 7.0,
@@ -206,7 +209,7 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
                     "moe_intermediate_size": int(get("expert_feed_forward_length")),
                     "intermediate_size": int(ff or 0),
                     "mlp_only_layers": sorted(set(range(cfg["num_hidden_layers"])) - moe_layers)}
-    elif arch in ("gpt-oss", "qwen3next"):
+    elif arch in ("gpt-oss", *_DELTANET):
         raise ModelLoadError(source, f"{arch} file without {arch}.expert_count")
     else:
         cfg["intermediate_size"] = int(get("feed_forward_length"))
@@ -216,15 +219,16 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
     return cfg
 
 
-def _qwen3next_config(meta: dict[str, Any], cfg: dict[str, Any], experts: int,
-                      source: str) -> dict[str, Any]:
-    """qwen3_next's MoE and Gated DeltaNet fields from `qwen3next.*` (the `ssm.*` keys as the
-    converter fills them from HF's `linear_*`); every layer a MoE layer, one full attention layer
-    every `full_attention_interval`."""
+def _deltanet_config(meta: dict[str, Any], arch: str, cfg: dict[str, Any], experts: int,
+                     source: str) -> dict[str, Any]:
+    """The MoE and Gated DeltaNet fields of qwen3_next / qwen3_5_moe from `{arch}.*` (the `ssm.*`
+    keys as the converter fills them from HF's `linear_*`); every layer a MoE layer, one full
+    attention layer every `full_attention_interval`. A Qwen3.5 file's value heads are in tiled
+    order when there are more of them than key heads (`LinearAttnSpec.v_heads_tiled`)."""
     def get(key: str) -> Any:
-        v = meta.get(f"qwen3next.{key}")
+        v = meta.get(f"{arch}.{key}")
         if v is None:
-            raise ModelLoadError(source, f"missing GGUF metadata qwen3next.{key}")
+            raise ModelLoadError(source, f"missing GGUF metadata {arch}.{key}")
         return v
 
     layers, head_dim = cfg["num_hidden_layers"], cfg["head_dim"]
@@ -236,14 +240,16 @@ def _qwen3next_config(meta: dict[str, Any], cfg: dict[str, Any], experts: int,
     every = int(get("full_attention_interval"))
     if every < 1:
         raise ModelLoadError(source, f"qwen3next.full_attention_interval {every} < 1")
-    rotary = int(meta.get("qwen3next.rope.dimension_count") or head_dim // 4)
+    rotary = int(meta.get(f"{arch}.rope.dimension_count") or head_dim // 4)
+    k_heads = int(get("ssm.group_count"))
     return {"num_experts": experts, "moe_intermediate_size": int(get("expert_feed_forward_length")),
             "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length")),
-            "norm_topk_prob": bool(meta.get("qwen3next.expert_weights_norm", True)),
+            "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", True)),
+            "_v_heads_tiled": arch == "qwen35moe" and v_heads != k_heads,
             "decoder_sparse_step": 1, "mlp_only_layers": [], "intermediate_size": 0,
             "linear_conv_kernel_dim": int(get("ssm.conv_kernel")),
             "linear_key_head_dim": int(get("ssm.state_size")),
-            "linear_num_key_heads": int(get("ssm.group_count")),
+            "linear_num_key_heads": k_heads,
             "linear_num_value_heads": v_heads, "linear_value_head_dim": inner // v_heads,
             "layer_types": ["full_attention" if (i + 1) % every == 0 else "linear_attention"
                             for i in range(layers)],
@@ -288,9 +294,9 @@ def _hf_name(name: str, arch: str) -> str | tuple[int, int] | None:
         if suffix == "weight":
             return layer, which
         return (layer, _BIAS + which) if arch == "gpt-oss" else None
-    if arch == "qwen3next" and (kind, suffix) in _QWEN3NEXT_BARE:
+    if arch in _DELTANET and (kind, suffix) in _QWEN3NEXT_BARE:
         return f"model.layers.{layer}.{_QWEN3NEXT_BARE[kind, suffix]}"
-    block = _BLOCK | {"gpt-oss": _GPT_OSS, "qwen3next": _QWEN3NEXT}.get(arch, {})
+    block = _BLOCK | {"gpt-oss": _GPT_OSS, "qwen3next": _QWEN3NEXT, "qwen35moe": _QWEN35MOE}.get(arch, {})
     if kind not in block or suffix is None:
         return None
     if kind == "attn_sinks":
@@ -364,7 +370,7 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
         if router is not None and router.shape[0] != n_exp:
             raise ModelLoadError(src, f"router of layer {layer} has {router.shape[0]} rows, "
                                  f"metadata says expert_count = {n_exp}")
-    if cfg["model_type"] == "qwen3_next":
+    if arch in _DELTANET:
         _qwen3next_to_hf(dense, cfg)
     permuted: dict[str, int] = {}
     if cfg["model_type"] in ("llama", "mixtral"):
@@ -380,7 +386,8 @@ _ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight",
 
 
 def _qwen3next_to_hf(dense: dict[str, GGUFTensor], cfg: dict[str, Any]) -> None:
-    """Undo, in place, what llama.cpp's converter changed in qwen3_next's tensors: the
+    """Undo, in place, what llama.cpp's converter changed in qwen3_next's and qwen3_5_moe's
+    tensors (a Qwen3.5 file's tiled value heads are read as they are: `v_heads_tiled`): the
     zero-centred norms stored as 1 + w (w back exactly while 1 + w lies in [0.5, 2]), the
     decay as -exp(A_log) (A_log back within an ulp), the conv kernel squeezed; and cut the
     grouped `in_proj_ba` into the flat b and a rows the decoder reads (bytes of whole rows, any

@@ -28,7 +28,7 @@ from ftrs.models.tokenizer import Tokenizer
 #: (HF name, fp32 values (rows, cols) or (E, rows, cols)) -> (GGUF type, raw bytes (..., row_bytes))
 Quantizer = Callable[[str, np.ndarray], tuple[str, np.ndarray]]
 _ARCH = {"llama": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
-         "gpt_oss": "gpt-oss", "qwen3_next": "qwen3next"}
+         "gpt_oss": "gpt-oss", "qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe"}
 _LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
           "self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k",
           "self_attn.v_proj.weight": "attn_v", "self_attn.o_proj.weight": "attn_output",
@@ -169,7 +169,7 @@ def _metadata(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         m |= {"expert_count": experts, "expert_used_count": int(cfg["num_experts_per_tok"])}
         if cfg["model_type"] == "qwen3_moe":
             m["expert_feed_forward_length"] = int(cfg["moe_intermediate_size"])
-    if cfg["model_type"] == "qwen3_next":
+    if cfg["model_type"] in ("qwen3_next", "qwen3_5_moe"):
         params = cfg.get("rope_parameters") or {}
         factor = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
         types = cfg["layer_types"]
@@ -185,6 +185,9 @@ def _metadata(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
               "ssm.time_step_rank": v_heads,
               "ssm.inner_size": v_heads * int(cfg["linear_value_head_dim"]),
               "full_attention_interval": every, "rope.dimension_count": int(head_dim * factor)}
+        if cfg["model_type"] == "qwen3_5_moe":  # MRoPE sections over the rotary pairs (text:
+            pairs = int(head_dim * factor) // 2  # every section at the same position)
+            m["rope.dimension_sections"] = [pairs - 2 * (pairs // 3), pairs // 3, pairs // 3, 0]
     if cfg["model_type"] == "gpt_oss":
         m |= {"expert_feed_forward_length": int(cfg["intermediate_size"]),
               "attention.sliding_window": int(cfg["sliding_window"])}
@@ -257,20 +260,47 @@ def _gpt_oss_tensors(tensors: dict[str, torch.Tensor], layers: int
     return out
 
 
+def _tiled(arr: np.ndarray, axis: int, k_heads: int, per_k: int, width: int) -> np.ndarray:
+    """Value heads from HF's grouped order (by key head) to llama.cpp's tiled one along `axis`."""
+    a = np.moveaxis(arr, axis, 0)
+    rest = a.shape[1:]
+    a = a.reshape(k_heads, per_k, width, *rest).swapaxes(0, 1).reshape(-1, *rest)
+    return np.ascontiguousarray(np.moveaxis(a, 0, axis))
+
+
 def _qwen3next_tensors(tensors: dict[str, torch.Tensor], cfg: dict[str, Any]
                        ) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, torch.Tensor]]:
-    """qwen3_next's tensors as llama.cpp's converter writes them (GGUF name -> (HF name,
-    values)), names through the `gguf` package's map: zero-centred norms as 1 + w, A_log as
-    -exp(A_log), dt_bias as `ssm_dt.bias`, the conv kernel squeezed, `in_proj_qkvz` regrouped
-    from per key head to flat (q, k, v of every head in `attn_qkv`, z in `attn_gate`). The routed
-    experts are returned apart, for the common stacking."""
+    """qwen3_next's or qwen3_5_moe's tensors as llama.cpp's converter writes them (GGUF name ->
+    (HF name, values)), names through the `gguf` package's map: zero-centred norms as 1 + w,
+    A_log as -exp(A_log), dt_bias as `ssm_dt.bias`, the conv kernel squeezed; qwen3_next's
+    `in_proj_qkvz` regrouped from per key head to flat (q, k, v of every head in `attn_qkv`, z in
+    `attn_gate`); qwen3_5_moe's value heads, wherever they appear, from grouped to tiled order
+    when there are more of them than key heads. The routed experts are returned apart, for the
+    common stacking."""
     import gguf
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3NEXT, int(cfg["num_hidden_layers"]))
+    qwen35 = cfg["model_type"] == "qwen3_5_moe"
+    arch = gguf.MODEL_ARCH.QWEN35MOE if qwen35 else gguf.MODEL_ARCH.QWEN3NEXT
+    names = gguf.get_tensor_name_map(arch, int(cfg["num_hidden_layers"]))
     kh, k_dim = int(cfg["linear_num_key_heads"]), int(cfg["linear_key_head_dim"])
-    vz = int(cfg["linear_num_value_heads"]) // kh * int(cfg["linear_value_head_dim"])
+    per_k, v_dim = int(cfg["linear_num_value_heads"]) // kh, int(cfg["linear_value_head_dim"])
+    vz = per_k * v_dim
     plain: dict[str, tuple[str, np.ndarray]] = {}
     experts: dict[str, torch.Tensor] = {}
+
+    def tile(name: str, arr: np.ndarray) -> np.ndarray:
+        if not qwen35 or per_k == 1 or ".linear_attn." not in name:
+            return arr
+        if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+            qk = 2 * kh * k_dim
+            return np.concatenate([arr[:qk], _tiled(arr[qk:], 0, kh, per_k, v_dim)])
+        if name.endswith("in_proj_z.weight"):
+            return _tiled(arr, 0, kh, per_k, v_dim)
+        if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+            return _tiled(arr, 0, kh, per_k, 1)
+        if name.endswith("out_proj.weight"):
+            return _tiled(arr, 1, kh, per_k, v_dim)
+        return arr
 
     def put(hf: str, arr: np.ndarray) -> None:
         gname = names.get_name(hf, try_suffixes=(".weight", ".bias"))
@@ -279,7 +309,7 @@ def _qwen3next_tensors(tensors: dict[str, torch.Tensor], cfg: dict[str, Any]
         plain[gname] = (hf, np.ascontiguousarray(arr, dtype=np.float32))
 
     for name, t in tensors.items():
-        arr = t.detach().float().numpy()
+        arr = tile(name, t.detach().float().numpy())
         if ".mlp.experts." in name:
             experts[name] = t
         elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
@@ -337,6 +367,8 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
 
     from ftrs.models.gguf_loader import GGUFTensor, unpermute_rows
 
+    if cfg.get("model_type") == "qwen3_5_moe_text":  # Qwen3.5's text model on its own
+        cfg = cfg | {"model_type": "qwen3_5_moe"}
     model_type = cfg.get("model_type")
     if model_type not in _ARCH:
         raise ConfigError(f"write_gguf: unsupported model_type {model_type!r}")
@@ -350,7 +382,7 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
     if arch == "gpt-oss":
         plain = _gpt_oss_tensors(tensors, int(cfg["num_hidden_layers"]))
         tensors = {}
-    elif arch == "qwen3next":
+    elif arch in ("qwen3next", "qwen35moe"):
         plain, tensors = _qwen3next_tensors(tensors, cfg)
     for name, t in tensors.items():
         arr = t.detach().float().numpy()
@@ -416,7 +448,7 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
         return out
     if arch == "gpt-oss":
         return _gpt_oss_packed({hf: held[gname] for gname, (hf, _) in plain.items()})
-    if arch == "qwen3next":  # the file's F32 values are the source's, up to the transforms
+    if arch in ("qwen3next", "qwen35moe"):  # the F32 values are the source's, transformed
         if any(types[gname] != "F32" for gname in plain):
             raise ConfigError("write_gguf: qwen3next's values are returned for files whose "
                               "tensors other than the routed experts are F32")

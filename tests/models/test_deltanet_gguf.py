@@ -1,10 +1,13 @@
-"""qwen3next GGUF files (Gated DeltaNet hybrid with a shared expert) against transformers.
+"""Gated DeltaNet hybrid GGUF files (qwen3next: Qwen3-Next; qwen35moe: Qwen3.5) against
+transformers.
 
-The file is the tiny qwen3_next of `tests/hybrid_models.py`, in the layout a GGUF can say (every
-layer MoE, one full attention layer every 2), written as llama.cpp's converter writes it: norms
-as 1 + w, the decay as -exp(A_log), the DeltaNet inputs flat, `ssm_ba` grouped. The oracle is
-transformers on the source checkpoint in fp64, within 1e-4 or 1.5x of its own fp32 error (as in
-`test_deltanet_models.py`); with the experts in Q8_0, transformers on the dequantized experts.
+The files are the tiny models of `tests/hybrid_models.py`, in the layout a GGUF can say (every
+layer MoE, one full attention layer every 2), written as llama.cpp's converter writes them: norms
+as 1 + w, the decay as -exp(A_log), the DeltaNet inputs flat (qwen3next's `ssm_ba` grouped), and
+Qwen3.5's value heads in tiled order (4 value heads over 2 key heads: the order matters). The
+oracle is transformers on the source checkpoint in fp64, within 1e-4 or 1.5x of its own fp32
+error (as in `test_deltanet_models.py`); with the experts in Q8_0, transformers on the dequantized
+experts.
 """
 
 from __future__ import annotations
@@ -29,14 +32,14 @@ from ftrs.quant import QuantTensor, use_kernels
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-4
-PEER_TOL = 1e-4  # measured 2.0e-5 (llama-cpp-python 0.3.36, 37 positions)
+PEER_TOL = 1e-4  # measured 2.0e-5 (qwen3next), 2.1e-5 (qwen35moe); llama-cpp-python 0.3.36
 IDS = torch.randint(3, 512, (37,), generator=torch.Generator().manual_seed(5)).tolist()
 
 
-@pytest.fixture(scope="module")
-def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("qwen3next_gguf")
-    return hybrid_models.build("qwen3_next", root / "src", seed=2, **hybrid_models.GGUF_QWEN3NEXT)
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe"])
+def source(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp(request.param)
+    return hybrid_models.build(request.param, root / "src", seed=2, **hybrid_models.GGUF_DELTANET)
 
 
 def _write(src: Path, out: Path, ref: Path, quantize: object) -> tuple[Path, Path]:
@@ -75,6 +78,9 @@ def _check(ours: torch.Tensor, ref_dir: Path) -> None:
 def test_the_config_comes_from_the_metadata(f32: tuple[Path, Path], source: Path) -> None:
     cfg = open_gguf(f32[0]).config
     want = json.loads((source / "config.json").read_text())
+    qwen35 = want["model_type"] == "qwen3_5_moe_text"
+    assert cfg["model_type"] == want["model_type"]
+    assert cfg["_v_heads_tiled"] == qwen35
     for key in ("layer_types", "linear_conv_kernel_dim", "linear_key_head_dim",
                 "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
                 "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
@@ -107,14 +113,16 @@ def test_offload_of_the_gguf_equals_resident(q8: tuple[Path, Path], strategy: st
     llm.close()
 
 
-def test_llama_cpp_computes_the_same_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
+def test_llama_cpp_computes_the_same_model(arch: str, tmp_path: Path) -> None:
     """The peer on an F32 file (fp32 KV cache); where `llama-cpp-python` is installed. llama.cpp
-    takes a value head as wide as a key head (true of every Qwen3-Next), so this model's are."""
+    takes a value head as wide as a key head (true of every Qwen3-Next and Qwen3.5), so this
+    model's are."""
     llama_cpp = pytest.importorskip("llama_cpp")
     from test_gpt_oss_gguf import _rewrite
 
-    src = hybrid_models.build("qwen3_next", tmp_path / "src", seed=3, linear_value_head_dim=12,
-                              **hybrid_models.GGUF_QWEN3NEXT)
+    src = hybrid_models.build(arch, tmp_path / "src", seed=3, linear_value_head_dim=12,
+                              **hybrid_models.GGUF_DELTANET)
     path, _ = _write(src, tmp_path / "f32.gguf", tmp_path / "ref", keep_f32)
     tokens = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.tokens"].contents()
     peer_file = _rewrite(path, tmp_path / "peer.gguf",
