@@ -29,6 +29,7 @@ from ftrs.models.gguf_write import gguf_quantizer, keep_f32, write_gguf
 from ftrs.models.load import load_model
 from ftrs.models.tokenizer import Tokenizer
 from ftrs.quant import QuantTensor, use_kernels
+from gguf_files import rewrite, with_merges
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-4
@@ -113,20 +114,32 @@ def test_offload_of_the_gguf_equals_resident(q8: tuple[Path, Path], strategy: st
     llm.close()
 
 
+def test_multi_token_prediction_blocks_are_left_out(f32: tuple[Path, Path],
+                                                   tmp_path: Path) -> None:
+    # the converter appends the MTP block after the decoder's (block_count + 1,
+    # nextn_predict_layers 1) with tensors of its own; ftrs runs the decoder's layers only
+    arch = gguf.GGUFReader(str(f32[0])).fields["general.architecture"].contents()
+    blocks = open_gguf(f32[0]).config["num_hidden_layers"]
+    extra = {f"blk.{blocks}.attn_norm.weight": np.ones(64), f"blk.{blocks}.nextn.eh_proj.weight":
+             np.zeros((64, 128)), f"blk.{blocks}.ffn_gate_inp.weight": np.zeros((64, 7))}
+    with_mtp = rewrite(f32[0], tmp_path / "mtp.gguf", extra=extra,
+                       fields={f"{arch}.block_count": blocks + 1,
+                               f"{arch}.nextn_predict_layers": 1})
+    assert open_gguf(with_mtp).config["num_hidden_layers"] == blocks
+    ours = LLM(str(with_mtp), kv_tokens=1024, dtype="float32").logits(IDS)
+    assert torch.equal(ours, LLM(str(f32[0]), kv_tokens=1024, dtype="float32").logits(IDS))
+
+
 @pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe"])
 def test_llama_cpp_computes_the_same_model(arch: str, tmp_path: Path) -> None:
     """The peer on an F32 file (fp32 KV cache); where `llama-cpp-python` is installed. llama.cpp
     takes a value head as wide as a key head (true of every Qwen3-Next and Qwen3.5), so this
     model's are."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    from test_gpt_oss_gguf import _rewrite
-
     src = hybrid_models.build(arch, tmp_path / "src", seed=3, linear_value_head_dim=12,
                               **hybrid_models.GGUF_DELTANET)
     path, _ = _write(src, tmp_path / "f32.gguf", tmp_path / "ref", keep_f32)
-    tokens = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.tokens"].contents()
-    peer_file = _rewrite(path, tmp_path / "peer.gguf",
-                         fields={"tokenizer.ggml.merges": [f"{tokens[3]} {tokens[4]}"]})
+    peer_file = with_merges(path, tmp_path / "peer.gguf")
     peer = llama_cpp.Llama(model_path=str(peer_file), n_ctx=128, n_batch=128, logits_all=True,
                            verbose=False, n_threads=1, type_k=0, type_v=0)
     peer.eval(IDS)

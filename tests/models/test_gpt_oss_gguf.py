@@ -27,6 +27,7 @@ from ftrs.models.load import load_model
 from ftrs.quant import QuantTensor, use_kernels
 from ftrs.quant.matmul import kernel_types
 from ftrs.sampling import SamplingParams
+from gguf_files import rewrite, with_merges
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-4
@@ -159,48 +160,14 @@ def test_fetch_model_counts_the_pools_block(mxfp4: tuple[Path, Path]) -> None:
     assert (fm.num_moe_layers, fm.num_experts, fm.top_k) == (3, 7, 3)
 
 
-def _rewrite(src: Path, dst: Path, drop: str = "", fields: dict[str, object] | None = None) -> Path:
-    """`src` again without the tensors whose names contain `drop`, with `fields` changed."""
-    reader = gguf.GGUFReader(str(src))
-    arch = reader.fields["general.architecture"].contents()
-    w = gguf.GGUFWriter(str(dst), arch)
-    changed = fields or {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in changed:
-            continue
-        value = field.contents()
-        vtype = field.types[0]
-        if vtype == gguf.GGUFValueType.ARRAY:
-            w.add_key_value(key, value, vtype, sub_type=field.types[-1])
-        else:
-            w.add_key_value(key, value, vtype)
-    for key, value in changed.items():
-        if isinstance(value, list):
-            w.add_array(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_float32(key, float(value))
-    for t in reader.tensors:
-        if drop and drop in t.name:
-            continue
-        w.add_tensor(t.name, np.asarray(t.data), raw_shape=np.asarray(t.data).shape,
-                     raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return dst
-
-
 def test_a_missing_expert_bias_is_refused(f32: tuple[Path, Path], tmp_path: Path) -> None:
-    bad = _rewrite(f32[0], tmp_path / "bad.gguf", drop="blk.1.ffn_up_exps.bias")
+    bad = rewrite(f32[0], tmp_path / "bad.gguf", drop="blk.1.ffn_up_exps.bias")
     with pytest.raises(ModelLoadError, match=r"layer 1: found 5 of 6 expert tensors"):
         load_model(str(bad), torch.device("cpu"), torch.float32, progress=False)
 
 
 def test_an_unknown_rope_scaling_is_refused(f32: tuple[Path, Path], tmp_path: Path) -> None:
-    bad = _rewrite(f32[0], tmp_path / "bad.gguf", fields={"gpt-oss.rope.scaling.type": "longrope"})
+    bad = rewrite(f32[0], tmp_path / "bad.gguf", fields={"gpt-oss.rope.scaling.type": "longrope"})
     with pytest.raises(ModelLoadError, match="unsupported GGUF rope scaling 'longrope'"):
         open_gguf(bad)
 
@@ -217,10 +184,7 @@ def test_llama_cpp_computes_the_same_model(name: str, f32: tuple[Path, Path],
     it they do not. Runs where `llama-cpp-python` is installed (the `bench` extra)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     path = {"f32": f32, "mxfp4": mxfp4}[name][0]
-    # llama.cpp insists on a merges list; the tiny tokenizer has none, and ids are fed directly
-    tokens = gguf.GGUFReader(str(path)).fields["tokenizer.ggml.tokens"].contents()
-    peer_file = _rewrite(path, tmp_path / "peer.gguf",
-                         fields={"tokenizer.ggml.merges": [f"{tokens[3]} {tokens[4]}"]})
+    peer_file = with_merges(path, tmp_path / "peer.gguf")
     peer = llama_cpp.Llama(model_path=str(peer_file), n_ctx=128, n_batch=128, logits_all=True,
                            verbose=False, n_threads=1, type_k=0, type_v=0)  # fp32 KV cache
     peer.eval(IDS)
@@ -252,6 +216,6 @@ def test_llama_cpp_computes_the_same_model(name: str, f32: tuple[Path, Path],
 
 def test_the_rewrite_helper_keeps_a_loadable_file(f32: tuple[Path, Path], tmp_path: Path) -> None:
     # the refusals above come from the edit, not from the copy
-    same = _rewrite(f32[0], tmp_path / "same.gguf")
+    same = rewrite(f32[0], tmp_path / "same.gguf")
     assert open_gguf(same).config == open_gguf(f32[0]).config
     shutil.rmtree(tmp_path, ignore_errors=True)

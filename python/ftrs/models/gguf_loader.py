@@ -167,7 +167,7 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
     cfg: dict[str, Any] = {
         "model_type": _ARCH_TYPE[arch],
         "vocab_size": vocab, "hidden_size": hidden,
-        "num_hidden_layers": int(get("block_count")), "num_attention_heads": heads,
+        "num_hidden_layers": _layers(meta, arch, source), "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv", heads)),
         "head_dim": head_dim,
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon",
@@ -188,7 +188,8 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
     if experts:
         cfg["num_experts_per_tok"] = int(get("expert_used_count"))
         moe_layers = {int(m.group(1)) for n in tensor_names
-                      if (m := _BLK.match(n)) and m.group(2) == "ffn_gate_inp"}
+                      if (m := _BLK.match(n)) and m.group(2) == "ffn_gate_inp"
+                      and int(m.group(1)) < cfg["num_hidden_layers"]}
         if arch in ("llama", "gpt-oss", *_DELTANET) and moe_layers != set(range(cfg["num_hidden_layers"])):
             raise ModelLoadError(source, f"{arch} MoE file: every layer needs a router "
                                  "(blk.N.ffn_gate_inp.weight)")
@@ -217,6 +218,15 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
     if scaling is not None:
         cfg["rope_scaling"] = scaling | ({"truncate": False} if arch == "gpt-oss" else {})
     return cfg
+
+
+def _layers(meta: dict[str, Any], arch: str, source: str) -> int:
+    """The decoder's layers: `block_count` less the multi-token-prediction blocks the converter
+    appends after them (`nextn_predict_layers`), which ftrs does not run."""
+    blocks = meta.get(f"{arch}.block_count")
+    if blocks is None:
+        raise ModelLoadError(source, f"missing GGUF metadata {arch}.block_count")
+    return int(blocks) - int(meta.get(f"{arch}.nextn_predict_layers") or 0)
 
 
 def _deltanet_config(meta: dict[str, Any], arch: str, cfg: dict[str, Any], experts: int,
@@ -321,7 +331,11 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
     dense: dict[str, GGUFTensor] = {}
     experts: dict[int, dict[int, GGUFTensor]] = {}
     arch = meta["general.architecture"]
+    layers = cfg["num_hidden_layers"]
     for t in reader.tensors:
+        m = _BLK.match(t.name)
+        if m and int(m.group(1)) >= layers:  # a multi-token-prediction block
+            continue
         target = _hf_name(t.name, arch)
         if target is None:
             log.debug("skipping GGUF tensor %s", t.name)
