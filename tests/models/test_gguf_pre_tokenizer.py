@@ -22,6 +22,9 @@ SPLITS = {
     # Qwen2: Llama 3's pattern with single digits
     "qwen2": ["helloWorld", " ", "1", "2", "3", "4", "5", " it", "'s", " HTTPServer", "\n\n",
               " ", " x", "/y"],
+    # Qwen3.5: Qwen2's split here (no combining marks in TEXT; see below)
+    "qwen35": ["helloWorld", " ", "1", "2", "3", "4", "5", " it", "'s", " HTTPServer", "\n\n",
+               " ", " x", "/y"],
     # o200k (gpt-oss): a lower-case run ends a word (camel case splits), the contraction stays
     "gpt-4o": ["hello", "World", " ", "123", "45", " it's", " HTTPServer", "\n\n", " ", " x",
                "/y"],
@@ -35,6 +38,15 @@ SPLITS = {
 def test_the_split_is_the_named_tokenizers(pre: str | None) -> None:
     pieces = gguf_pre_tokenizer(pre, "test.gguf").pre_tokenize_str(TEXT)
     assert [TEXT[a:b] for _, (a, b) in pieces] == SPLITS[pre]
+
+
+def test_qwen35_keeps_combining_marks_in_words() -> None:
+    # "e" + U+0301 (a combining mark, not a letter) + "x": Qwen2's split ends the word at the
+    # mark, which then leads the next piece as a non-letter; Qwen3.5's letters include marks
+    text = "ne\u0301x"
+    for pre, want in (("qwen2", ["ne", "\u0301x"]), ("qwen35", ["ne\u0301x"])):
+        pieces = gguf_pre_tokenizer(pre, "t.gguf").pre_tokenize_str(text)
+        assert [text[a:b] for _, (a, b) in pieces] == want, pre
 
 
 def _meta(pre: str) -> dict[str, object]:

@@ -3,7 +3,7 @@
 Built on `tokenizers` and `jinja2` only; transformers is never needed at run time. GGUF files
 carry a byte-level BPE vocabulary and merges; the pre-tokenizer follows llama.cpp's `pre` name
 (for `smollm`: single digits, then the GPT-2 byte-level split, as the original tokenizer does;
-for `llama-bpe`, `qwen2` and `gpt-4o`: the split pattern of that tokenizer's own
+for `llama-bpe`, `qwen2`, `qwen35` and `gpt-4o`: the split pattern of that tokenizer's own
 `tokenizer.json`, then the byte-level mapping); a name it does not know is refused, not guessed.
 """
 
@@ -30,13 +30,15 @@ _CONTRACTIONS = "(?i:'s|'t|'re|'ve|'m|'ll|'d)"
 _LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")  # digits one by one
+_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+           r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # Qwen2's, with combining marks inside words
 _UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
 _O200K = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
           rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 #: llama.cpp's `tokenizer.ggml.pre` names -> the split pattern of the tokenizer each names
 _PRE_SPLIT = {"llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "qwen2": _QWEN2,
-              "deepseek-r1-qwen": _QWEN2, "gpt-4o": _O200K, "llama4": _O200K}
+              "deepseek-r1-qwen": _QWEN2, "qwen35": _QWEN35, "gpt-4o": _O200K, "llama4": _O200K}
 _GPT2_PRE = (None, "default", "gpt-2", "gpt2")  # ByteLevel's own split
 
 
