@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 import hybrid_models
 from ftrs.llm import LLM
-from ftrs.models.gguf_loader import open_gguf
+from ftrs.models.gguf_loader import gguf_fetch_model, open_gguf
 from ftrs.models.gguf_write import gguf_quantizer, keep_f32, write_gguf
 from ftrs.models.load import load_model
 from ftrs.models.tokenizer import Tokenizer
@@ -103,6 +103,13 @@ def test_q8_experts_match_transformers_on_their_values(q8: tuple[Path, Path]) ->
     assert m.experts is not None
     gate = m.experts.views(m.experts.host_bytes())[1][4][0]
     assert isinstance(gate, QuantTensor) and gate.qtype == "Q8_0"
+
+
+def test_fetch_model_counts_the_pools_block(q8: tuple[Path, Path]) -> None:
+    fm = gguf_fetch_model(q8[0])
+    m = load_model(str(q8[0]), torch.device("cpu"), torch.float32, progress=False)
+    assert m.experts is not None and fm.expert_bytes == m.experts.expert_bytes
+    assert (fm.num_moe_layers, fm.num_experts, fm.top_k, fm.dtype) == (5, 7, 3, "Q8_0")
 
 
 @pytest.mark.parametrize("strategy", ["offload", "hybrid"])
