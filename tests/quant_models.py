@@ -31,7 +31,8 @@ def quant_config(arch: str) -> dict[str, Any]:
 
 
 def _mixed(spec: dict[str, str], seed: int) -> Quantizer:
-    """Types by name fragment (first match); K-quants get random blocks, the rest gguf's own."""
+    """Types by name fragment (first match); K- and IQ-quants get random blocks, the rest
+    gguf's own."""
     rng = np.random.default_rng(seed)
 
     def q(name: str, w: np.ndarray) -> tuple[str, np.ndarray]:
@@ -42,7 +43,7 @@ def _mixed(spec: dict[str, str], seed: int) -> Quantizer:
             return "F16", w.astype(np.float16)
         if qtype == "BF16":
             return "BF16", (torch.from_numpy(w).bfloat16().view(torch.int16).numpy())
-        if qtype.endswith("_K"):
+        if qtype.endswith("_K") or qtype.startswith("IQ"):  # no gguf quantizer for these
             rows = int(np.prod(w.shape[:-1]))
             return qtype, random_blocks(qtype, rows, w.shape[-1], rng).reshape(
                 *w.shape[:-1], -1)
@@ -57,6 +58,9 @@ QWEN3MOE_TYPES = {  # every type ftrs keeps, one place each; expert down differs
     "mlp.gate_proj": "Q5_1", "mlp.up_proj": "Q2_K", "mlp.down_proj": "Q3_K",
     "embed_tokens": "F16", "lm_head": "BF16",
 }
+#: an IQ4_XS file's mix: IQ4_XS experts (IQ4_NL down), IQ4_NL attention
+IQ4_TYPES = {"experts.0.down": "IQ4_NL", "experts": "IQ4_XS", "q_proj": "IQ4_NL",
+             "o_proj": "IQ4_XS", "embed_tokens": "Q8_0"}
 MIXTRAL_TYPES = {"experts": "Q4_0", "self_attn": "Q8_0", "embed_tokens": "Q8_0",
                  "lm_head": "Q6_K"}
 

@@ -91,16 +91,16 @@ def test_gguf_with_unsupported_quantization(tmp_path: Path) -> None:
     w.add_token_list([chr(ord("a") + i) for i in range(16)])
     w.add_token_types([1] * 16)
     w.add_token_merges([])
-    rows, cols = 16, 32  # IQ4_NL packs 32 weights into 18 bytes
-    raw = np.zeros((rows, cols // 32 * 18), dtype=np.uint8)
+    rows, cols = 16, 256  # IQ2_XXS packs 256 weights into 66 bytes
+    raw = np.zeros((rows, cols // 256 * 66), dtype=np.uint8)
     w.add_tensor("token_embd.weight", raw,
-                 raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+                 raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ModelLoadError,
-                       match=r"tensor token_embd\.weight uses unsupported quantization IQ4_NL") as e:
+                       match=r"tensor token_embd\.weight uses unsupported quantization IQ2_XXS") as e:
         _load(path)
     assert e.value.path == str(path)
 

@@ -27,7 +27,7 @@ from ftrs.models.load import load_model
 from ftrs.models.tiny import make_tiny, tiny_tensors, tiny_tokenizer
 from ftrs.quant import QuantTensor, kernel_types, use_kernels
 from ftrs.sampling import SamplingParams
-from quant_models import MIXTRAL_TYPES, QWEN3MOE_TYPES, _mixed, build, quant_config
+from quant_models import IQ4_TYPES, MIXTRAL_TYPES, QWEN3MOE_TYPES, _mixed, build, quant_config
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-4
@@ -93,6 +93,29 @@ def test_kernel_path_greedy_agrees_with_reference(quant_models: dict[str, tuple[
     assert same >= 0.95 * 64, (same, ours, ref)
 
 
+def test_iq4_file_matches_transformers_and_keeps_its_blocks(tmp_path: Path) -> None:
+    # IQ4_XS / IQ4_NL (non-linear 4-bit levels): the reference path against transformers on
+    # the file's values, the pool holding the file's types, the Rust kernels' greedy tokens
+    gguf_path, ref_dir = build("qwen3_moe", IQ4_TYPES, tmp_path)
+    llm = LLM(str(gguf_path), kv_tokens=1024, dtype="float32")
+    with use_kernels(False):
+        ours = llm.logits(IDS)
+    assert (ours - hf_logits(ref_dir, IDS)).abs().max().item() <= TOL
+    m = load_model(str(gguf_path), torch.device("cpu"), torch.float32, progress=False)
+    assert m.experts is not None
+    gate, up, down = m.experts.views(m.experts.host_bytes())[0][6]
+    assert [w.qtype for w in (gate, up, down) if isinstance(w, QuantTensor)] == [
+        "IQ4_XS", "IQ4_XS", "IQ4_NL"]
+    assert {"IQ4_XS", "IQ4_NL"} <= kernel_types()
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    with use_kernels(False):
+        ref = llm.generate([IDS], params)[0].token_ids
+    with use_kernels(True):
+        kern = llm.generate([IDS], params)[0].token_ids
+    assert sum(a == b for a, b in zip(kern, ref)) >= 0.95 * 64, (kern, ref)
+    llm.close()
+
+
 # --- bad files -----------------------------------------------------------------------------
 
 def _write(path: Path, arch: str, types: dict[str, str], edit: Any = None) -> Path:
@@ -131,19 +154,18 @@ def test_expert_tensor_of_the_wrong_shape(tmp_path: Path) -> None:
 
 
 def test_unsupported_expert_type_named_before_loading(tmp_path: Path) -> None:
-    import gguf
 
-    def iq4(name: str, w: np.ndarray) -> tuple[str, np.ndarray]:
-        if "experts.0.up" in name:  # IQ4_NL: 32 values in 18 bytes
-            return "IQ4_NL", np.zeros((*w.shape[:-1], w.shape[-1] // 32 * 18), np.uint8)
+    def iq2(name: str, w: np.ndarray) -> tuple[str, np.ndarray]:
+        if "experts.0.up" in name:  # IQ2_XXS: 256 values in 66 bytes
+            return "IQ2_XXS", np.zeros((*w.shape[:-1], w.shape[-1] // 256 * 66), np.uint8)
         return "F32", w.astype(np.float32)
 
     cfg = quant_config("qwen3_moe")
-    assert "IQ4_NL" in gguf.GGMLQuantizationType.__members__
+    assert "IQ2_XXS" in gguf.GGMLQuantizationType.__members__
     path = tmp_path / "iq.gguf"
-    write_gguf(path, cfg, tiny_tensors(cfg, 1), iq4, tiny_tokenizer(512))
+    write_gguf(path, cfg, tiny_tensors(cfg, 1), iq2, tiny_tokenizer(512))
     with pytest.raises(ModelLoadError, match=r"tensor blk\.0\.ffn_up_exps\.weight uses "
-                       "unsupported quantization IQ4_NL"):
+                       "unsupported quantization IQ2_XXS"):
         load_model(str(path), torch.device("cpu"), torch.float32, progress=False)
 
 

@@ -19,6 +19,7 @@ from ftrs.quant import (
     use_kernels,
 )
 from ftrs.quant.fixtures import RANDOM_TYPES, random_blocks
+from ftrs.quant.formats import block_format
 
 
 def _qt(qtype: str, rows: int, cols: int, seed: int = 0) -> QuantTensor:
@@ -27,7 +28,7 @@ def _qt(qtype: str, rows: int, cols: int, seed: int = 0) -> QuantTensor:
 
 
 def _cols(qtype: str) -> int:
-    return 768 if qtype.endswith("_K") else 96  # three blocks per row
+    return 3 * block_format(qtype).block_elems if qtype != FP8_BLOCK else 96  # three blocks
 
 
 @pytest.mark.parametrize("qtype", RANDOM_TYPES)

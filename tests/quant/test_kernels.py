@@ -34,11 +34,11 @@ from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 from ftrs.errors import ConfigError  # noqa: E402
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4"]
+         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS"]
 QUANTIZED_BY_GGUF = {"BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4"}
 # Byte offsets of a K-quant block's fp16 super-scales (d, dmin), from ggml's block structs.
 K_SCALE_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-                  "Q6_K": (208,)}
+                  "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}  # (and IQ4's fp16 d)
 # Byte ranges holding scales and mins; zeroing every other byte leaves only the min term.
 OFFSET_KEEP = {"Q4_1": [(0, 4)], "Q5_1": [(0, 4)], "Q4_K": [(0, 16)], "Q5_K": [(0, 16)],
                "Q2_K": [(0, 16), (80, 84)]}

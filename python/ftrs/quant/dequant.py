@@ -177,6 +177,31 @@ def _mxfp4(b: torch.Tensor) -> torch.Tensor:
     return d * lut[torch.cat([q & 0xF, q >> 4], dim=1)]
 
 
+_IQ4 = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+@_register("IQ4_NL")
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    lut = torch.tensor(_IQ4, dtype=torch.float32, device=b.device)
+    return _f16(b[:, :2]) * lut[_nibbles32(b[:, 2:])]
+
+
+@_register("IQ4_XS")
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    """Eight 32-value sub-blocks, scale `d * (ls - 32)` with ls's low nibble in byte 4 + s/2
+    (nibble s % 2) and its top 2 bits at bit 2s of the u16 at bytes 2..4."""
+    n = b.shape[0]
+    lut = torch.tensor(_IQ4, dtype=torch.float32, device=b.device)
+    high_word = b[:, 2].int() | (b[:, 3].int() << 8)
+    low = b[:, 4:8].int()
+    low = torch.stack([low & 0xF, low >> 4], dim=2).view(n, 8)
+    shifts = 2 * torch.arange(8, dtype=torch.int32, device=b.device)
+    ls = low | (((high_word[:, None] >> shifts) & 3) << 4)
+    dl = (_f16(b[:, 0:2]) * (ls - 32).float()).view(n, 8, 1)
+    q = b[:, 8:].int().view(n, 8, 16)
+    return (dl * lut[torch.cat([q & 0xF, q >> 4], dim=2)]).view(n, 256)
+
+
 TORCH_TYPES = frozenset(_TORCH) | frozenset(FLOAT_TYPES) | {FP8_BLOCK}
 
 

@@ -51,6 +51,8 @@ GGUF_FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
     BlockFormat("Q5_K", 256, 176),
     BlockFormat("Q6_K", 256, 210),
     BlockFormat("MXFP4", 32, 17),
+    BlockFormat("IQ4_NL", 32, 18),
+    BlockFormat("IQ4_XS", 256, 136),
 )}
 #: Types whose bytes are a plain float array: they load as ordinary tensors.
 FLOAT_TYPES = ("F32", "F16", "BF16")

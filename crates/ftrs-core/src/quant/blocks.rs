@@ -48,11 +48,20 @@ pub enum QType {
     /// 32 weights (OCP MXFP4, ggml's `block_mxfp4`): e8m0 exponent e, 16 B of e2m1 nibbles
     /// (low: elements 0..16, high: 16..32); w = e2m1(q) * 2^(e - 127).
     Mxfp4,
+    /// 32 weights: fp16 d, 16 B of nibbles (low: 0..16, high: 16..32) indexing the non-linear
+    /// table [`IQ4_VALUES`]; w = d * IQ4_VALUES[q].
+    Iq4Nl,
+    /// 256 weights: fp16 d, u16 high scale bits, 4 B of low scale nibbles, 128 B of nibbles;
+    /// eight 32-weight sub-blocks with 6-bit scales `ls`: w = (d * (ls - 32)) * IQ4_VALUES[q].
+    Iq4Xs,
 }
+
+/// IQ4_NL's and IQ4_XS's 16 levels (ggml's `kvalues_iq4nl`).
+pub const IQ4_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
 
 impl QType {
     /// Every supported type, in the order of [`QType::name`]'s table.
-    pub const ALL: [QType; 14] = [
+    pub const ALL: [QType; 16] = [
         QType::F32,
         QType::F16,
         QType::BF16,
@@ -67,6 +76,8 @@ impl QType {
         QType::Q5K,
         QType::Q6K,
         QType::Mxfp4,
+        QType::Iq4Nl,
+        QType::Iq4Xs,
     ];
 
     /// The GGUF name (`"Q4_K"`, `"F16"`, ...).
@@ -86,6 +97,8 @@ impl QType {
             QType::Q5K => "Q5_K",
             QType::Q6K => "Q6_K",
             QType::Mxfp4 => "MXFP4",
+            QType::Iq4Nl => "IQ4_NL",
+            QType::Iq4Xs => "IQ4_XS",
         }
     }
 
@@ -121,6 +134,8 @@ impl QType {
             QType::Q5K => (QK_K, 176),
             QType::Q6K => (QK_K, 210),
             QType::Mxfp4 => (32, 17),
+            QType::Iq4Nl => (32, 18),
+            QType::Iq4Xs => (QK_K, 136),
         }
     }
 }
@@ -239,6 +254,33 @@ pub fn decode_block(t: QType, b: &[u8], out: &mut [f32]) {
                 out[l] = d * E2M1_X2[(q & 0x0F) as usize] as f32;
                 out[l + 16] = d * E2M1_X2[(q >> 4) as usize] as f32;
             }
+        }
+        QType::Iq4Nl => {
+            let d = f16_at(b, 0);
+            for (l, &q) in b[2..18].iter().enumerate() {
+                out[l] = d * IQ4_VALUES[(q & 0x0F) as usize] as f32;
+                out[l + 16] = d * IQ4_VALUES[(q >> 4) as usize] as f32;
+            }
+        }
+        QType::Iq4Xs => decode_iq4xs(b, out),
+    }
+}
+
+/// IQ4_XS: sub-block `s` (32 weights) has the 6-bit scale `ls` whose low 4 bits are nibble
+/// `s % 2` of `scales_l[s / 2]` (byte 4 + s / 2) and whose top 2 bits are bits `2s..2s+2` of
+/// the u16 `scales_h` (bytes 2..4); its 16 bytes of nibbles hold elements 0..16 (low) and
+/// 16..32 (high).
+fn decode_iq4xs(b: &[u8], out: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let scales_h = u16::from_le_bytes([b[2], b[3]]);
+    for s in 0..8 {
+        let low = (b[4 + s / 2] >> (4 * (s % 2))) & 0x0F;
+        let high = ((scales_h >> (2 * s)) & 3) as u8;
+        let dl = d * (((low | (high << 4)) as i32) - 32) as f32;
+        let qs = &b[8 + 16 * s..24 + 16 * s];
+        for (l, &q) in qs.iter().enumerate() {
+            out[32 * s + l] = dl * IQ4_VALUES[(q & 0x0F) as usize] as f32;
+            out[32 * s + l + 16] = dl * IQ4_VALUES[(q >> 4) as usize] as f32;
         }
     }
 }

@@ -30,7 +30,7 @@ impl Rng {
 /// Offsets of the fp16 scale fields inside one block of `t`.
 fn scale_fields(t: QType) -> &'static [usize] {
     match t {
-        QType::Q8_0 | QType::Q4_0 | QType::Q5_0 => &[0],
+        QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::Iq4Nl | QType::Iq4Xs => &[0],
         QType::Q4_1 | QType::Q5_1 | QType::Q4K | QType::Q5K => &[0, 2],
         QType::Q2K => &[80, 82],
         QType::Q3K => &[108],
@@ -156,6 +156,8 @@ fn kernels_match_on_rows_longer_than_a_scale_group() {
         (QType::Q4_1, 37 * 32),
         (QType::Q5_1, 37 * 32),
         (QType::Mxfp4, 37 * 32),
+        (QType::Iq4Nl, 37 * 32),
+        (QType::Iq4Xs, 6 * 256),
         (QType::Q4K, 6 * 256),
         (QType::Q6K, 6 * 256),
     ] {
@@ -240,6 +242,34 @@ fn mxfp4_decodes_hand_packed_blocks_by_the_ocp_values() {
             let want = (value(q[l]) as f64 * scale) as f32;
             // code 8 is -0 by the spec; ggml (the reference) decodes it as +0, so compare values
             assert_eq!(o, want, "e={e} element {l}");
+        }
+    }
+}
+
+/// IQ4_XS by its layout: eight 6-bit sub-block scales split into low nibbles (bytes 4..8)
+/// and 2-bit high parts (the u16 at bytes 2..4), values from the non-linear table.
+#[test]
+fn iq4_xs_decodes_hand_packed_block() {
+    let ls: [u8; 8] = [0, 63, 32, 37, 16, 48, 1, 40];
+    let mut b = vec![0u8; 136];
+    b[0..2].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
+    let mut high = 0u16;
+    for (s, &l) in ls.iter().enumerate() {
+        b[4 + s / 2] |= (l & 15) << (4 * (s % 2));
+        high |= ((l >> 4) as u16) << (2 * s);
+    }
+    b[2..4].copy_from_slice(&high.to_le_bytes());
+    for (i, q) in b[8..].iter_mut().enumerate() {
+        *q = (i % 16) as u8 | ((15 - (i % 16) as u8) << 4); // low nibble l, high 15 - l
+    }
+    let mut out = [f32::NAN; 256];
+    decode_block(QType::Iq4Xs, &b, &mut out);
+    let table = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+    for (s, &l) in ls.iter().enumerate() {
+        let dl = 0.5 * (l as f32 - 32.0);
+        for j in 0..16 {
+            assert_eq!(out[32 * s + j], dl * table[j] as f32, "sub-block {s} element {j}");
+            assert_eq!(out[32 * s + 16 + j], dl * table[15 - j] as f32, "sub-block {s} high {j}");
         }
     }
 }
