@@ -38,11 +38,12 @@ import numpy as np
 from ftrs import _core as core
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "FP8_BLOCK"]
+         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS", "FP8_BLOCK"]
 FP8, FP8_TILE = "FP8_BLOCK", (128, 128)  # block-scaled FP8 as DeepSeek / Qwen ship it
 # Byte offsets of each block's fp16 scales (ggml block structs): set finite in random blocks.
 SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
-                "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+                "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+                "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 def random_weight(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:

@@ -57,7 +57,9 @@ pub enum QType {
 }
 
 /// IQ4_NL's and IQ4_XS's 16 levels (ggml's `kvalues_iq4nl`).
-pub const IQ4_VALUES: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+pub const IQ4_VALUES: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
 
 impl QType {
     /// Every supported type, in the order of [`QType::name`]'s table.

@@ -109,7 +109,14 @@ pub fn rounds_activations(t: QType, isa: Isa) -> bool {
     matches!(isa, Isa::Avx2 | Isa::Avx512)
         && matches!(
             t,
-            QType::Q8_0 | QType::Q4_1 | QType::Q5_1 | QType::Q4K | QType::Q6K | QType::Mxfp4
+            QType::Q8_0
+                | QType::Q4_1
+                | QType::Q5_1
+                | QType::Q4K
+                | QType::Q6K
+                | QType::Mxfp4
+                | QType::Iq4Nl
+                | QType::Iq4Xs
         )
 }
 

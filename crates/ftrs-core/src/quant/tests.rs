@@ -264,12 +264,22 @@ fn iq4_xs_decodes_hand_packed_block() {
     }
     let mut out = [f32::NAN; 256];
     decode_block(QType::Iq4Xs, &b, &mut out);
-    let table = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+    let table = [
+        -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+    ];
     for (s, &l) in ls.iter().enumerate() {
         let dl = 0.5 * (l as f32 - 32.0);
         for j in 0..16 {
-            assert_eq!(out[32 * s + j], dl * table[j] as f32, "sub-block {s} element {j}");
-            assert_eq!(out[32 * s + 16 + j], dl * table[15 - j] as f32, "sub-block {s} high {j}");
+            assert_eq!(
+                out[32 * s + j],
+                dl * table[j] as f32,
+                "sub-block {s} element {j}"
+            );
+            assert_eq!(
+                out[32 * s + 16 + j],
+                dl * table[15 - j] as f32,
+                "sub-block {s} high {j}"
+            );
         }
     }
 }

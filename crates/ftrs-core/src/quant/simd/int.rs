@@ -20,7 +20,7 @@
 
 use std::arch::x86_64::*;
 
-use super::super::blocks::{e8m0_half, QType, E2M1_X2};
+use super::super::blocks::{e8m0_half, QType, E2M1_X2, IQ4_VALUES};
 use super::super::kernel::MAX_NX;
 
 mod act;
@@ -170,12 +170,29 @@ fn fifth_bits(qh: u32) -> (__m256i, __m256i) {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn e2m1_nibbles(v: __m128i) -> (__m128i, __m128i) {
-    let lut = ld16(&E2M1_X2.map(|q| q as u8));
+    level_nibbles(v, &E2M1_X2)
+}
+
+/// 16 bytes of nibbles as the 32 signed levels `table[q]` they index, in element order
+/// (elements 0-15 from the low nibbles, 16-31 from the high ones): one byte shuffle per half.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn level_nibbles(v: __m128i, table: &[i8; 16]) -> (__m128i, __m128i) {
+    let lut = ld16(&table.map(|q| q as u8));
     let m4 = _mm_set1_epi8(0x0F);
     (
         _mm_shuffle_epi8(lut, _mm_and_si128(v, m4)),
         _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), m4)),
     )
+}
+
+/// IQ4's 16 bytes of nibbles as two vectors of 16 i16 levels ([`IQ4_VALUES`], |level| <= 127:
+/// four products with a 15-bit activation stay below 2^24, exact through `dot32`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn iq4_levels(b: &[u8]) -> (__m256i, __m256i) {
+    let (lo, hi) = level_nibbles(ld16(b), &IQ4_VALUES);
+    (_mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi))
 }
 
 /// Adds block `$bi` of one weight row (`$b`, of the 32-element kind `KIND`, see [`q32`]) times
@@ -185,7 +202,7 @@ macro_rules! q32_block {
     ($b:expr, $x:expr, $bi:expr, $acc:expr, $mins:expr) => {{
         let (b, bi): (&[u8], usize) = ($b, $bi);
         let (d, m) = match KIND {
-            0 => (f16(b), 0.0),
+            0 | 4 => (f16(b), 0.0),
             3 => (e8m0_half(b[0]), 0.0),
             _ => f16x2(b),
         };
@@ -194,6 +211,8 @@ macro_rules! q32_block {
                 _mm256_cvtepi8_epi16(ld16(&b[2..])),
                 _mm256_cvtepi8_epi16(ld16(&b[18..])),
             )
+        } else if KIND == 4 {
+            iq4_levels(&b[2..])
         } else if KIND == 3 {
             let (lo, hi) = e2m1_nibbles(ld16(&b[1..]));
             (_mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi))
@@ -223,8 +242,9 @@ macro_rules! q32_block {
 /// The 32-element blocks against int activations, by `KIND`: 0 = Q8_0 (signed bytes), 1 =
 /// Q4_1, 2 = Q5_1 (nibbles, Q5_1 plus bit j of the u32 `qh` as bit 4 of element j; the min
 /// `m` meets the exact block sum), 3 = MXFP4 (nibbles looked up as doubled e2m1 integers,
-/// times the halved e8m0 scale: [`e2m1_nibbles`]). Even and odd blocks go to two accumulator
-/// chains (and two chains of mins).
+/// times the halved e8m0 scale: [`e2m1_nibbles`]), 4 = IQ4_NL (nibbles looked up in
+/// [`IQ4_VALUES`], times the fp16 d). Even and odd blocks go to two accumulator chains (and two
+/// chains of mins).
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q32<const NX: usize, const KIND: u8>(
     w: &[u8],
@@ -237,7 +257,8 @@ fn q32<const NX: usize, const KIND: u8>(
         0 => 34,
         1 => 20,
         2 => 24,
-        _ => 17,
+        3 => 17,
+        _ => 18,
     };
     let nb = x[0].d.len();
     for (row, o) in w.chunks_exact(nb * bb).zip(out.chunks_exact_mut(n)) {
@@ -256,6 +277,39 @@ fn q32<const NX: usize, const KIND: u8>(
         }
         for i in 0..NX {
             o[g0 + i] = hsum(_mm256_add_ps(even[i], odd[i])) + (mins_even[i] + mins_odd[i]);
+        }
+    }
+}
+
+/// IQ4_XS against int activations: per 256-weight super-block, eight 32-weight sub-blocks
+/// each scaled by `d * (ls - 32)` (the 6-bit `ls` from `scales_l` and `scales_h`, as
+/// `blocks::decode_iq4xs`), their levels looked up as IQ4_NL's; even and odd sub-blocks go to
+/// two accumulator chains.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn iq4xs<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32], g0: usize) {
+    let nb = x[0].d.len(); // 32-blocks per row: 8 per super-block
+    for (row, o) in w.chunks_exact(nb / 8 * 136).zip(out.chunks_exact_mut(n)) {
+        let mut chains = [[_mm256_setzero_ps(); NX]; 2];
+        for (sb, b) in row.chunks_exact(136).enumerate() {
+            prefetch(b, PREFETCH_AHEAD);
+            let d = f16(b);
+            let high = u16::from_le_bytes([b[2], b[3]]);
+            for s in 0..8 {
+                let ls = ((b[4 + s / 2] >> (4 * (s % 2))) & 0x0F)
+                    | ((((high >> (2 * s)) & 3) as u8) << 4);
+                let dl = d * (ls as i32 - 32) as f32;
+                let wv = iq4_levels(&b[8 + 16 * s..]);
+                let bi = 8 * sb + s;
+                let acc = &mut chains[s % 2];
+                for i in 0..NX {
+                    // SAFETY: bi is a block of a weight row as long as the activation rows.
+                    let ((u, _), xv) = unsafe { (x[i].unit_sum(bi), xblock(&x[i], bi)) };
+                    acc[i] = _mm256_fmadd_ps(dot32(wv, xv), _mm256_set1_ps(dl * u), acc[i]);
+                }
+            }
+        }
+        for i in 0..NX {
+            o[g0 + i] = hsum(_mm256_add_ps(chains[0][i], chains[1][i]));
         }
     }
 }
@@ -450,12 +504,19 @@ macro_rules! dispatch {
 fn integer(t: QType) -> bool {
     matches!(
         t,
-        QType::Q8_0 | QType::Q4_1 | QType::Q5_1 | QType::Q4K | QType::Q6K | QType::Mxfp4
+        QType::Q8_0
+            | QType::Q4_1
+            | QType::Q5_1
+            | QType::Q4K
+            | QType::Q6K
+            | QType::Mxfp4
+            | QType::Iq4Nl
+            | QType::Iq4Xs
     )
 }
 
-/// The integer kernel of `t` (Q8_0, Q4_1, Q5_1, Q4_K, Q6_K, MXFP4) for `n` rows of `x`; false (and
-/// nothing written) for another type.
+/// The integer kernel of `t` (Q8_0, Q4_1, Q5_1, Q4_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS) for `n` rows
+/// of `x`; false (and nothing written) for another type.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32]) -> bool {
     if !integer(t) {
@@ -467,6 +528,8 @@ pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32
         QType::Q4_1 => dispatch!(q32, 1; w, &x16, n, cols, out),
         QType::Q5_1 => dispatch!(q32, 2; w, &x16, n, cols, out),
         QType::Mxfp4 => dispatch!(q32, 3; w, &x16, n, cols, out),
+        QType::Iq4Nl => dispatch!(q32, 4; w, &x16, n, cols, out),
+        QType::Iq4Xs => dispatch!(iq4xs; w, &x16, n, cols, out),
         QType::Q4K => dispatch!(q4k; w, &x16, n, cols, out),
         _ => dispatch!(q6k; w, &x16, n, cols, out),
     }
