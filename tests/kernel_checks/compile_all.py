@@ -51,7 +51,7 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                      "UPCAST": False, "PREC": prec}))
     weights = {"none": ("*bf16", "*bf16"), "Q8_0": ("*i8", "*fp16"), "FP8_BLOCK": ("*u8", "*fp32"),
                "Q4_K": ("*u8", "*fp16"), "Q5_1": ("*u8", "*fp16"), "Q6_K": ("*u8", "*fp16"),
-               "MXFP4": ("*u8", "*u8")}
+               "MXFP4": ("*u8", "*u8"), "IQ4_NL": ("*u8", "*fp16"), "IQ4_XS": ("*u8", "*fp16")}
     cases = [(q, dt, False) for q in weights for dt in (("bf16", "fp32") if q == "none"
                                                           else ("bf16",))]
     cases += [("none", "bf16", True), ("MXFP4", "bf16", True)]  # gpt_oss: biases, clamped SwiGLU

@@ -273,6 +273,8 @@ def test_dequant_fp8_block_scales_each_tile() -> None:
     ("Q5_1", "Q5_1", 160, 96),
     ("MXFP4", "MXFP4", 96, 160),  # 17-byte blocks: odd row strides
     ("MXFP4", "Q6_K", 160, 256),
+    ("IQ4_XS", "IQ4_NL", 256, 96),  # an IQ4_XS file's mix; 18-byte blocks
+    ("IQ4_NL", "IQ4_XS", 160, 256),
 ])
 def test_fused_moe_gguf_types_mixed_per_matrix(device: str, gate_up: str, down: str, h: int,
                                                i: int) -> None:
@@ -300,7 +302,7 @@ def test_fused_moe_gguf_types_mixed_per_matrix(device: str, gate_up: str, down: 
     _close(got, want, torch.bfloat16)
 
 
-def test_reference_dequantizes_q5_1_q6_k_and_mxfp4_as_gguf() -> None:
+def test_reference_dequantizes_q5_1_q6_k_mxfp4_and_iq4_as_gguf() -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -308,7 +310,7 @@ def test_reference_dequantizes_q5_1_q6_k_and_mxfp4_as_gguf() -> None:
     from ftrs.quant.fixtures import random_blocks
 
     rng = np.random.default_rng(15)
-    for qtype in ("Q5_1", "Q6_K", "MXFP4"):
+    for qtype in ("Q5_1", "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS"):
         raw = random_blocks(qtype, 4, 512, rng)
         want = dequantize(raw, GGMLQuantizationType[qtype])
         assert torch.equal(dequant_gguf(torch.from_numpy(raw), qtype, torch.float32),

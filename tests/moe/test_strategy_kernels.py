@@ -156,7 +156,7 @@ def test_offload_waves_with_kernels(tiny_models: dict[str, Path], device: torch.
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "MXFP4", pytest.param("Q4_K", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("qtype", ["Q8_0", "MXFP4", "IQ4_XS", pytest.param("Q4_K", marks=pytest.mark.slow)])
 def test_quantized_kernel_matches_the_reference(tmp_path: Path, device: torch.device,
                                                 kern: Kernels, qtype: str) -> None:
     """Tiny qwen3moe GGUF (MoE layers 0 and 2): experts in `qtype`, but layer 0's `up` Q5_K (no

@@ -37,6 +37,11 @@ to fp32 and casts, the same rounding), so no scratch copy exists:
 - `MXFP4` (GGUF, ggml's `block_mxfp4`): uint8 (slots, rows, cols/32*17); a 32-value block is
   an e8m0 exponent e and 16 bytes of e2m1 nibbles (value j < 16 low, j >= 16 high):
   e2m1(q) * 2^(e - 127), exact in fp32 (ggml's doubled values times 2^(e - 128)).
+- `IQ4_NL` (GGUF): uint8 (slots, rows, cols/32*18); a 32-value block is fp16 d and 16 bytes of
+  nibbles (value j < 16 low, j >= 16 high) indexing 16 non-linear int levels L: d*L[q].
+- `IQ4_XS` (GGUF): uint8 (slots, rows, cols/256*136); a 256-value super-block is fp16 d, a u16
+  of 2-bit scale highs, 4 bytes of 4-bit scale lows, then 16 bytes of nibbles per 32-value
+  sub-block s: (d*(ls_s - 32))*L[q], in that order.
 - `FP8_BLOCK`: float8_e4m3fn (slots, rows, cols) with fp32 `scales` (slots, rows/br, cols/bc)
   per (br, bc) tile (`fp8_block`), the layout of `ftrs.quant`: w*scale.
 Gate and up share one type (one kernel reads both); `down` may have its own (`down_qtype`): a
@@ -66,8 +71,9 @@ __all__ = ["QTYPES", "SlotWeights", "combine_pairs", "dequant_fp8_block", "dequa
            "dequant_q4_k", "dequant_q8_0", "fused_moe_ref", "fused_moe_triton",
            "moe_pairs_triton", "sort_pairs"]
 
-QTYPES = ("none", "Q8_0", "Q4_K", "Q5_1", "Q6_K", "MXFP4", "FP8_BLOCK")
-_QUANT_CODE = {"none": 0, "Q8_0": 1, "FP8_BLOCK": 2, "Q4_K": 3, "Q5_1": 4, "Q6_K": 5, "MXFP4": 6}
+QTYPES = ("none", "Q8_0", "Q4_K", "Q5_1", "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS", "FP8_BLOCK")
+_QUANT_CODE = {"none": 0, "Q8_0": 1, "FP8_BLOCK": 2, "Q4_K": 3, "Q5_1": 4, "Q6_K": 5, "MXFP4": 6,
+               "IQ4_NL": 7, "IQ4_XS": 8}
 
 
 if triton_importable():
@@ -86,6 +92,18 @@ if triton_importable():
         sub = m.to(tl.float32) * 0.001953125  # 2^-9: e == 0
         sub = tl.where((b >> 7) == 1, -sub, sub)
         return tl.where(e == 0, sub, normal.to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def _iq4_level(c):
+        """IQ4's level of nibble `c` (int32): -127, -104, -83, -65, -49, -35, -22, -10, 1, 13,
+        25, 38, 53, 69, 89, 113, by a tree of selects (no table reads)."""
+        a = tl.where(c % 2 == 0, tl.where(c < 4, tl.where(c == 0, -127, -83),
+                                          tl.where(c == 4, -49, -22)),
+                     tl.where(c < 4, tl.where(c == 1, -104, -65), tl.where(c == 5, -35, -10)))
+        b = tl.where(c % 2 == 0, tl.where(c < 12, tl.where(c == 8, 1, 25),
+                                          tl.where(c == 12, 53, 89)),
+                     tl.where(c < 12, tl.where(c == 9, 13, 38), tl.where(c == 13, 69, 113)))
+        return tl.where(c < 8, a, b).to(tl.float32)
 
     @triton.jit
     def _w_tile(w_ptr, ws_ptr, slot, n, k, n_rows, n_cols, stride_s, stride_r, sc_stride_s,
@@ -164,6 +182,26 @@ if triton_importable():
             q = tl.where(c >= 8, -mag, mag).to(tl.float32)
             dbits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
             return round_to(dbits.to(tl.float32, bitcast=True) * q, DT)
+        elif QUANT == 7:  # IQ4_NL: 18-byte blocks of 32 values (see the module doc)
+            blk = k // 32
+            j = k % 32
+            byte = tl.load(base + (blk * 18 + 2 + j % 16)[:, None], mask=mask, other=0).to(tl.int32)
+            lvl = _iq4_level(tl.where((j < 16)[:, None], byte & 15, byte >> 4))
+            d = tl.load(sbase + (blk * 9)[:, None], mask=mask, other=0.0).to(tl.float32)
+            return round_to(d * lvl, DT)
+        elif QUANT == 8:  # IQ4_XS: 136-byte super-blocks of 256 values (see the module doc)
+            sb = k // 256
+            s = (k % 256) // 32
+            j = k % 32
+            bb = base + (sb * 136)[:, None]
+            byte = tl.load(bb + (8 + 16 * s + j % 16)[:, None], mask=mask, other=0).to(tl.int32)
+            lvl = _iq4_level(tl.where((j < 16)[:, None], byte & 15, byte >> 4))
+            lo = tl.load(bb + (4 + s // 2)[:, None], mask=mask, other=0).to(tl.int32)
+            hw = tl.load(bb + 2, mask=mask, other=0).to(tl.int32) | (
+                tl.load(bb + 3, mask=mask, other=0).to(tl.int32) << 8)
+            ls = ((lo >> (4 * (s % 2))[:, None]) & 15) | (((hw >> (2 * s)[:, None]) & 3) << 4)
+            d = tl.load(sbase + (sb * 68)[:, None], mask=mask, other=0.0).to(tl.float32)
+            return round_to((d * (ls - 32).to(tl.float32)) * lvl, DT)
         else:
             return tl.load(base + k[:, None], mask=mask, other=0.0)
 

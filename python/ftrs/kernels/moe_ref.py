@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 _BLOCK = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_1": (32, 24),
-          "Q6_K": (256, 210), "MXFP4": (32, 17)}  # GGUF: values and bytes per block
+          "Q6_K": (256, 210), "MXFP4": (32, 17), "IQ4_NL": (32, 18),
+          "IQ4_XS": (256, 136)}  # GGUF: values and bytes per block
 
 
 class SlotWeights(NamedTuple):

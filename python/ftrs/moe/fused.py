@@ -11,7 +11,7 @@ A layer whose experts the kernel cannot compute keeps the per-expert torch path 
 `layers.moe`: an activation other than SiLU or gpt_oss's clamped SwiGLU (expert biases ride
 along as bias rows of each slot), gate and up of different types, a
 type the kernel does not read (it reads the float dtypes, `Q8_0`, `Q4_K`, `Q5_1`, `Q6_K`,
-`MXFP4` and `FP8_BLOCK`), or floats or FP8 mixed with another type. `down` may differ from gate/up among
+`MXFP4`, `IQ4_NL`, `IQ4_XS` and `FP8_BLOCK`), or floats or FP8 mixed with another type. `down` may differ from gate/up among
 the GGUF types: a `Q4_K_M` file's Q5_1 or Q4_K gate/up over Q6_K or Q4_K down all take the
 kernel. This is decided once per layer when the strategy is built, and logged once.
 """
@@ -29,9 +29,9 @@ from ftrs.quant.formats import FP8_BLOCK, fp8_scale_grid, row_bytes
 
 log = logging.getLogger(__name__)
 #: Quantized types the kernel dequantizes itself (`ftrs.kernels.moe.QTYPES`).
-KERNEL_QTYPES = ("Q8_0", "Q4_K", "Q5_1", "Q6_K", "MXFP4", FP8_BLOCK)
+KERNEL_QTYPES = ("Q8_0", "Q4_K", "Q5_1", "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS", FP8_BLOCK)
 #: Of those, the GGUF block types, which gate/up and down may mix.
-GGUF_KERNEL_QTYPES = ("Q8_0", "Q4_K", "Q5_1", "Q6_K", "MXFP4")
+GGUF_KERNEL_QTYPES = ("Q8_0", "Q4_K", "Q5_1", "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS")
 
 
 def layer_qtypes(experts: HostExperts, layer: int) -> tuple[tuple[str, str] | None, str]:
