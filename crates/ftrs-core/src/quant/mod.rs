@@ -117,6 +117,7 @@ pub fn rounds_activations(t: QType, isa: Isa) -> bool {
                 | QType::Mxfp4
                 | QType::Iq4Nl
                 | QType::Iq4Xs
+                | QType::Q3K
         )
 }
 

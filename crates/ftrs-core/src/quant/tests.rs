@@ -158,6 +158,7 @@ fn kernels_match_on_rows_longer_than_a_scale_group() {
         (QType::Mxfp4, 37 * 32),
         (QType::Iq4Nl, 37 * 32),
         (QType::Iq4Xs, 6 * 256),
+        (QType::Q3K, 6 * 256),
         (QType::Q4K, 6 * 256),
         (QType::Q6K, 6 * 256),
     ] {

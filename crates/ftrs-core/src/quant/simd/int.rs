@@ -479,6 +479,101 @@ fn q6k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
     }
 }
 
+/// Q3_K's 32 quants of half `h`, 32-block `s` as signed bytes `q - 4` (-4..3): the 2 low bits
+/// `(qs[32h + l] >> 2s) & 3` (bytes 32..96), the third `(hmask[l] >> (4h + s)) & 1` (bytes
+/// 0..32; set means no `- 4`), as `blocks::decode_q3k` reads them.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q3k_quants(b: &[u8], h: usize, s: usize) -> __m256i {
+    let low = _mm256_srl_epi16(ld32(&b[32 + 32 * h..]), _mm_cvtsi32_si128(2 * s as i32));
+    let high = _mm256_srl_epi16(ld32(b), _mm_cvtsi32_si128((4 * h + s) as i32));
+    let q = _mm256_or_si256(
+        _mm256_and_si256(low, _mm256_set1_epi8(3)),
+        _mm256_slli_epi16(_mm256_and_si256(high, _mm256_set1_epi8(1)), 2),
+    );
+    _mm256_sub_epi8(q, _mm256_set1_epi8(4))
+}
+
+/// A Q3_K block's 16 scales (12 packed bytes: `blocks::scales_q3k`'s layout) as 16 bytes
+/// `ls + 32` in scale order, unpacked four at a time in 32-bit words: the low nibbles of bytes
+/// 0..8, then their high nibbles, each with its 2 top bits from bytes 8..12.
+#[inline]
+fn q3k_scale_bytes(s: &[u8]) -> [u8; 16] {
+    let word = |k: usize| u32::from_le_bytes([s[4 * k], s[4 * k + 1], s[4 * k + 2], s[4 * k + 3]]);
+    let (a0, a1, top) = (word(0), word(1), word(2));
+    let (low4, top2) = (0x0F0F_0F0Fu32, 0x0303_0303u32);
+    let parts = [
+        (a0 & low4) | ((top & top2) << 4),
+        (a1 & low4) | (((top >> 2) & top2) << 4),
+        ((a0 >> 4) & low4) | (((top >> 4) & top2) << 4),
+        ((a1 >> 4) & low4) | (((top >> 6) & top2) << 4),
+    ];
+    let mut out = [0u8; 16];
+    for (o, p) in out.chunks_exact_mut(4).zip(parts) {
+        o.copy_from_slice(&p.to_le_bytes());
+    }
+    out
+}
+
+/// Q3_K against int activations: as [`q6k`], the two 16-element halves of each 32-block
+/// (sub-blocks 8h + 2s, 8h + 2s + 1) meeting their own `d * (ls - 32) * u`, the products for
+/// all 16 scales formed in two vectors once per super-block and activation row.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q3k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32], g0: usize) {
+    let nb = x[0].d.len() / 8;
+    let k32 = _mm_set1_epi8(32);
+    // lane j of the 16 scales' expansion takes the unit of activation block j / 2
+    let pair_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    let pair_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    for (row, o) in w.chunks_exact(nb * 110).zip(out.chunks_exact_mut(n)) {
+        let mut acc = [[_mm256_setzero_ps(); 2]; NX];
+        for (bi, b) in row.chunks_exact(110).enumerate() {
+            prefetch(b, PREFETCH_AHEAD);
+            prefetch(b, PREFETCH_AHEAD + 64);
+            let d = _mm256_set1_ps(f16(&b[108..]));
+            let ls = _mm_sub_epi8(ld16(&q3k_scale_bytes(&b[96..108])), k32);
+            let s0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ls)), d);
+            let s1 = _mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(ls, 8))),
+                d,
+            );
+            let mut sc = [[0f32; 16]; NX];
+            for i in 0..NX {
+                let u = ld8(&x[i].d[bi * 8..]);
+                let (lo, hi) = sc[i].split_at_mut(8);
+                // SAFETY: lo and hi hold 8 f32 each; storeu accepts any alignment.
+                unsafe {
+                    _mm256_storeu_ps(
+                        lo.as_mut_ptr(),
+                        _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(u, pair_lo)),
+                    );
+                    _mm256_storeu_ps(
+                        hi.as_mut_ptr(),
+                        _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(u, pair_hi)),
+                    );
+                }
+            }
+            for h in 0..2 {
+                for s in 0..4 {
+                    let (w0, w1) = widen_i8(q3k_quants(b, h, s));
+                    let (k, j) = (bi * 8 + 4 * h + s, 8 * h + 2 * s);
+                    for i in 0..NX {
+                        // SAFETY: k < 8 nb, a block of a weight row as long as the activations.
+                        let xv = unsafe { xblock(&x[i], k) };
+                        let p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w0, xv.0));
+                        let p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w1, xv.1));
+                        acc[i][0] = _mm256_fmadd_ps(p0, _mm256_set1_ps(sc[i][j]), acc[i][0]);
+                        acc[i][1] = _mm256_fmadd_ps(p1, _mm256_set1_ps(sc[i][j + 1]), acc[i][1]);
+                    }
+                }
+            }
+        }
+        for i in 0..NX {
+            o[g0 + i] = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
+        }
+    }
+}
+
 /// Runs kernel `$kern` over the activation rows in groups of up to 8 (the last one smaller).
 macro_rules! dispatch {
     ($kern:ident $(, $extra:expr)?; $w:expr, $x:expr, $n:expr, $cols:expr, $out:expr) => {{
@@ -512,10 +607,11 @@ fn integer(t: QType) -> bool {
             | QType::Mxfp4
             | QType::Iq4Nl
             | QType::Iq4Xs
+            | QType::Q3K
     )
 }
 
-/// The integer kernel of `t` (Q8_0, Q4_1, Q5_1, Q4_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS) for `n` rows
+/// The integer kernel of `t` (Q8_0, Q4_1, Q5_1, Q3_K, Q4_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS) for `n` rows
 /// of `x`; false (and nothing written) for another type.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32]) -> bool {
@@ -530,6 +626,7 @@ pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32
         QType::Mxfp4 => dispatch!(q32, 3; w, &x16, n, cols, out),
         QType::Iq4Nl => dispatch!(q32, 4; w, &x16, n, cols, out),
         QType::Iq4Xs => dispatch!(iq4xs; w, &x16, n, cols, out),
+        QType::Q3K => dispatch!(q3k; w, &x16, n, cols, out),
         QType::Q4K => dispatch!(q4k; w, &x16, n, cols, out),
         _ => dispatch!(q6k; w, &x16, n, cols, out),
     }
