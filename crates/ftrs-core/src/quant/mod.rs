@@ -104,7 +104,8 @@ impl Isa {
 /// Whether the kernels of `isa` round the activations per 32-element block for type `t`:
 /// integer products against x as two int8 digits (`x = d/254 (254 q + r)`, a 15-bit value; one
 /// digit, as ggml's q8 dot products use, flips greedy tokens of small models). The result then
-/// differs from the fp32 dot by at most `sum over blocks of max|x| / 64516 * sum |w - min|`.
+/// differs from the fp32 dot by at most `sum over blocks of max|x| / 64516 * sum |w - min|`
+/// (Q2_K: `sum |w|`, its mins meet the rounded activations of their 16 values).
 pub fn rounds_activations(t: QType, isa: Isa) -> bool {
     matches!(isa, Isa::Avx2 | Isa::Avx512)
         && matches!(
@@ -118,6 +119,7 @@ pub fn rounds_activations(t: QType, isa: Isa) -> bool {
                 | QType::Iq4Nl
                 | QType::Iq4Xs
                 | QType::Q3K
+                | QType::Q2K
         )
 }
 

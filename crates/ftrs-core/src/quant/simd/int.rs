@@ -574,6 +574,83 @@ fn q3k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
     }
 }
 
+/// Q2_K against int activations: each 32-block's quants `(qs[32h + l] >> 2s) & 3` as bytes, its
+/// two 16-element halves (sub-blocks 8h + 2s, 8h + 2s + 1) meeting `d * (sc & 15) * u`, and the
+/// halves' activation sums (a product with ones) meeting `-dmin * (sc >> 4) * u`, both formed
+/// for all 16 sub-blocks in vectors once per super-block and activation row.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q2k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32], g0: usize) {
+    let nb = x[0].d.len() / 8;
+    let (m4, m3, ones) = (
+        _mm_set1_epi8(0x0F),
+        _mm256_set1_epi8(3),
+        _mm256_set1_epi16(1),
+    );
+    let pair_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    let pair_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    let floats = |v: __m128i| {
+        (
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)),
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))),
+        )
+    };
+    for (row, o) in w.chunks_exact(nb * 84).zip(out.chunks_exact_mut(n)) {
+        let mut acc = [[_mm256_setzero_ps(); 2]; NX];
+        for (bi, b) in row.chunks_exact(84).enumerate() {
+            prefetch(b, PREFETCH_AHEAD);
+            prefetch(b, PREFETCH_AHEAD + 64);
+            let d = _mm256_set1_ps(f16(&b[80..]));
+            let dmin = _mm256_set1_ps(-f16(&b[82..]));
+            let raw = ld16(b);
+            let (s0, s1) = floats(_mm_and_si128(raw, m4));
+            let (n0, n1) = floats(_mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+            let (s0, s1) = (_mm256_mul_ps(s0, d), _mm256_mul_ps(s1, d));
+            let (n0, n1) = (_mm256_mul_ps(n0, dmin), _mm256_mul_ps(n1, dmin));
+            let mut sc = [[0f32; 16]; NX];
+            let mut mn = [[0f32; 16]; NX];
+            for i in 0..NX {
+                let u = ld8(&x[i].d[bi * 8..]);
+                let (u0, u1) = (
+                    _mm256_permutevar8x32_ps(u, pair_lo),
+                    _mm256_permutevar8x32_ps(u, pair_hi),
+                );
+                let (slo, shi) = sc[i].split_at_mut(8);
+                let (mlo, mhi) = mn[i].split_at_mut(8);
+                // SAFETY: each half holds 8 f32; storeu accepts any alignment.
+                unsafe {
+                    _mm256_storeu_ps(slo.as_mut_ptr(), _mm256_mul_ps(s0, u0));
+                    _mm256_storeu_ps(shi.as_mut_ptr(), _mm256_mul_ps(s1, u1));
+                    _mm256_storeu_ps(mlo.as_mut_ptr(), _mm256_mul_ps(n0, u0));
+                    _mm256_storeu_ps(mhi.as_mut_ptr(), _mm256_mul_ps(n1, u1));
+                }
+            }
+            for h in 0..2 {
+                let qs = ld32(&b[16 + 32 * h..]);
+                for s in 0..4 {
+                    let q = _mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * s as i32));
+                    let (w0, w1) = widen_i8(_mm256_and_si256(q, m3));
+                    let (k, j) = (bi * 8 + 4 * h + s, 8 * h + 2 * s);
+                    for i in 0..NX {
+                        // SAFETY: k < 8 nb, a block of a weight row as long as the activations.
+                        let xv = unsafe { xblock(&x[i], k) };
+                        let p0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w0, xv.0));
+                        let p1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(w1, xv.1));
+                        let t0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, xv.0));
+                        let t1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, xv.1));
+                        let a = _mm256_fmadd_ps(p0, _mm256_set1_ps(sc[i][j]), acc[i][0]);
+                        let c = _mm256_fmadd_ps(p1, _mm256_set1_ps(sc[i][j + 1]), acc[i][1]);
+                        acc[i][0] = _mm256_fmadd_ps(t0, _mm256_set1_ps(mn[i][j]), a);
+                        acc[i][1] = _mm256_fmadd_ps(t1, _mm256_set1_ps(mn[i][j + 1]), c);
+                    }
+                }
+            }
+        }
+        for i in 0..NX {
+            o[g0 + i] = hsum(_mm256_add_ps(acc[i][0], acc[i][1]));
+        }
+    }
+}
+
 /// Runs kernel `$kern` over the activation rows in groups of up to 8 (the last one smaller).
 macro_rules! dispatch {
     ($kern:ident $(, $extra:expr)?; $w:expr, $x:expr, $n:expr, $cols:expr, $out:expr) => {{
@@ -608,10 +685,11 @@ fn integer(t: QType) -> bool {
             | QType::Iq4Nl
             | QType::Iq4Xs
             | QType::Q3K
+            | QType::Q2K
     )
 }
 
-/// The integer kernel of `t` (Q8_0, Q4_1, Q5_1, Q3_K, Q4_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS) for `n` rows
+/// The integer kernel of `t` (Q8_0, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS) for `n` rows
 /// of `x`; false (and nothing written) for another type.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32]) -> bool {
@@ -627,6 +705,7 @@ pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32
         QType::Iq4Nl => dispatch!(q32, 4; w, &x16, n, cols, out),
         QType::Iq4Xs => dispatch!(iq4xs; w, &x16, n, cols, out),
         QType::Q3K => dispatch!(q3k; w, &x16, n, cols, out),
+        QType::Q2K => dispatch!(q2k; w, &x16, n, cols, out),
         QType::Q4K => dispatch!(q4k; w, &x16, n, cols, out),
         _ => dispatch!(q6k; w, &x16, n, cols, out),
     }
