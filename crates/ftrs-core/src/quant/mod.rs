@@ -120,6 +120,7 @@ pub fn rounds_activations(t: QType, isa: Isa) -> bool {
                 | QType::Iq4Xs
                 | QType::Q3K
                 | QType::Q2K
+                | QType::Q5K
         )
 }
 

@@ -166,6 +166,7 @@ fn kernels_match_on_rows_longer_than_a_scale_group() {
         (QType::Iq4Xs, 6 * 256),
         (QType::Q3K, 6 * 256),
         (QType::Q2K, 6 * 256),
+        (QType::Q5K, 6 * 256),
         (QType::Q4K, 6 * 256),
         (QType::Q6K, 6 * 256),
     ] {

@@ -356,25 +356,55 @@ fn q4k_scales<const NX: usize>(
 
 /// Q4_K against int activations: the low nibbles of each 32-byte run are sub-block 2c, the
 /// high ones 2c + 1 (two accumulator chains); each sub-block's dot meets `d * sc * u`; the mins
-/// enter as `dmin * m * sum(x over the sub-block)`, 8 at a time.
+/// enter as `dmin * m * sum(x over the sub-block)`, 8 at a time. `Q5`: Q5_K, the same with the
+/// fifth bits of sub-blocks 2c and 2c + 1 from bits 2c and 2c + 1 of `qh[l]` (bytes 16..48).
 #[target_feature(enable = "avx2,fma,f16c")]
-fn q4k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32], g0: usize) {
+fn q4k<const NX: usize, const Q5: bool>(
+    w: &[u8],
+    x: &[XRow<'_>; NX],
+    n: usize,
+    out: &mut [f32],
+    g0: usize,
+) {
     let nb = x[0].d.len() / 8;
     let m4 = _mm256_set1_epi16(0x0F);
-    for (row, o) in w.chunks_exact(nb * 144).zip(out.chunks_exact_mut(n)) {
+    let (bb, qs) = if Q5 { (176, 48) } else { (144, 16) };
+    for (row, o) in w.chunks_exact(nb * bb).zip(out.chunks_exact_mut(n)) {
         let mut acc = [[_mm256_setzero_ps(); 2]; NX];
         let mut mins = [_mm256_setzero_ps(); NX];
-        for (bi, b) in row.chunks_exact(144).enumerate() {
+        for (bi, b) in row.chunks_exact(bb).enumerate() {
             for line in [0, 64, 128] {
                 prefetch(b, PREFETCH_AHEAD + line);
             }
             let sc = q4k_scales(b, x, bi, &mut mins);
             for c in 0..4 {
-                let q = &b[16 + 32 * c..16 + 32 * c + 32];
+                let q = &b[qs + 32 * c..qs + 32 * c + 32];
                 let v0 = _mm256_cvtepu8_epi16(ld16(q));
                 let v1 = _mm256_cvtepu8_epi16(ld16(&q[16..]));
-                let lo = (_mm256_and_si256(v0, m4), _mm256_and_si256(v1, m4));
-                let hi = (_mm256_srli_epi16(v0, 4), _mm256_srli_epi16(v1, 4));
+                let mut lo = (_mm256_and_si256(v0, m4), _mm256_and_si256(v1, m4));
+                let mut hi = (_mm256_srli_epi16(v0, 4), _mm256_srli_epi16(v1, 4));
+                if Q5 {
+                    let (h0, h1) = (
+                        _mm256_cvtepu8_epi16(ld16(&b[16..])),
+                        _mm256_cvtepu8_epi16(ld16(&b[32..])),
+                    );
+                    let bit = |v: __m256i, k: i32| {
+                        let one = _mm256_and_si256(
+                            _mm256_srl_epi16(v, _mm_cvtsi32_si128(k)),
+                            _mm256_set1_epi16(1),
+                        );
+                        _mm256_slli_epi16(one, 4)
+                    };
+                    let k = 2 * c as i32;
+                    lo = (
+                        _mm256_or_si256(lo.0, bit(h0, k)),
+                        _mm256_or_si256(lo.1, bit(h1, k)),
+                    );
+                    hi = (
+                        _mm256_or_si256(hi.0, bit(h0, k + 1)),
+                        _mm256_or_si256(hi.1, bit(h1, k + 1)),
+                    );
+                }
                 let k = bi * 8 + 2 * c;
                 for i in 0..NX {
                     let (s0, s1) = (sc[i][2 * c], sc[i][2 * c + 1]);
@@ -686,10 +716,12 @@ fn integer(t: QType) -> bool {
             | QType::Iq4Xs
             | QType::Q3K
             | QType::Q2K
+            | QType::Q5K
     )
 }
 
-/// The integer kernel of `t` (Q8_0, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q6_K, MXFP4, IQ4_NL, IQ4_XS) for `n` rows
+/// The integer kernel of `t` (Q8_0, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL,
+/// IQ4_XS) for `n` rows
 /// of `x`; false (and nothing written) for another type.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32]) -> bool {
@@ -706,7 +738,8 @@ pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32
         QType::Iq4Xs => dispatch!(iq4xs; w, &x16, n, cols, out),
         QType::Q3K => dispatch!(q3k; w, &x16, n, cols, out),
         QType::Q2K => dispatch!(q2k; w, &x16, n, cols, out),
-        QType::Q4K => dispatch!(q4k; w, &x16, n, cols, out),
+        QType::Q4K => dispatch!(q4k, false; w, &x16, n, cols, out),
+        QType::Q5K => dispatch!(q4k, true; w, &x16, n, cols, out),
         _ => dispatch!(q6k; w, &x16, n, cols, out),
     }
     true
