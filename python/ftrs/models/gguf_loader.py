@@ -35,6 +35,16 @@ import numpy as np
 import torch
 
 from ftrs.errors import ModelLoadError
+from ftrs.models.gguf_archs import (
+    DELTANET,
+    GPT_OSS_NAMES,
+    QWEN3NEXT_BARE,
+    QWEN3NEXT_NAMES,
+    QWEN35MOE_NAMES,
+    deltanet_config,
+    qwen3next_to_hf,
+    rope_scaling,
+)
 from ftrs.models.names import DOWN, GATE, UP
 from ftrs.models.tokenizer import Tokenizer
 from ftrs.quant.formats import GGUF_FORMATS, QuantTensor, tensor_bytes
@@ -49,31 +59,13 @@ _BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
           "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
           "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate"}
 _EXPERTS = {"ffn_gate_exps": GATE, "ffn_up_exps": UP, "ffn_down_exps": DOWN}
-#: gpt-oss's own names where they differ (its sinks are a parameter, no `.weight` in HF)
-_GPT_OSS = {"post_attention_norm": "post_attention_layernorm", "ffn_gate_inp": "mlp.router",
-            "attn_sinks": "self_attn.sinks"}
 _BIAS = 3  # the pool's tensor index of an expert's gate bias (up 4, down 5): `expert_shapes`
 #: `blk.N.ffn_gate_up_exps` (the converter's `--fuse-gate-up-exps`): gate rows, then up rows
 _GATE_UP = 10
 _BLK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)(?:\.(weight|bias))?$")  # ssm_a has no suffix
-#: qwen3next's own names (llama.cpp's converter): the DeltaNet inputs flat (q, k, v of every head
-#: in `attn_qkv`, z in `attn_gate`), `ssm_ba` still grouped per key head as HF ships it
-_QWEN3NEXT = {"post_attention_norm": "post_attention_layernorm",
-              "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
-              "ssm_ba": "linear_attn.in_proj_ba", "ssm_conv1d": "linear_attn.conv1d",
-              "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj",
-              "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-              "ffn_up_shexp": "mlp.shared_expert.up_proj",
-              "ffn_down_shexp": "mlp.shared_expert.down_proj",
-              "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
-#: qwen3next tensors whose HF name has no `.weight`/`.bias` of its own
-_QWEN3NEXT_BARE = {("ssm_a", None): "linear_attn.A_log", ("ssm_dt", "bias"): "linear_attn.dt_bias"}
-#: qwen35moe (Qwen3.5): qwen3next's names, with b and a apart
-_QWEN35MOE = _QWEN3NEXT | {"ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a"}
 SUPPORTED_TYPES = tuple(GGUF_FORMATS)
 _ARCH_TYPE = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
               "qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe_text"}
-_DELTANET = ("qwen3next", "qwen35moe")
 
 
 @dataclass
@@ -182,7 +174,7 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
     experts = int(meta.get(f"{arch}.expert_count") or 0)
     if arch == "qwen3moe" and experts < 1:
         raise ModelLoadError(source, "qwen3moe file without qwen3moe.expert_count")
-    if arch not in _DELTANET and any(n.endswith("_shexp.weight") for n in tensor_names):
+    if arch not in DELTANET and any(n.endswith("_shexp.weight") for n in tensor_names):
         raise ModelLoadError(source, "shared experts (ffn_*_shexp) are not supported")
     ff = meta.get(f"{arch}.feed_forward_length")
     if experts:
@@ -190,14 +182,14 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
         moe_layers = {int(m.group(1)) for n in tensor_names
                       if (m := _BLK.match(n)) and m.group(2) == "ffn_gate_inp"
                       and int(m.group(1)) < cfg["num_hidden_layers"]}
-        if arch in ("llama", "gpt-oss", *_DELTANET) and moe_layers != set(range(cfg["num_hidden_layers"])):
+        if arch in ("llama", "gpt-oss", *DELTANET) and moe_layers != set(range(cfg["num_hidden_layers"])):
             raise ModelLoadError(source, f"{arch} MoE file: every layer needs a router "
                                  "(blk.N.ffn_gate_inp.weight)")
         if arch == "llama":
             cfg |= {"model_type": "mixtral", "num_local_experts": experts,
                     "intermediate_size": int(get("feed_forward_length"))}
-        elif arch in _DELTANET:
-            cfg |= _deltanet_config(meta, arch, cfg, experts, source)
+        elif arch in DELTANET:
+            cfg |= deltanet_config(meta, arch, cfg, experts, source)
         elif arch == "gpt-oss":
             layers = cfg["num_hidden_layers"]
             cfg |= {"num_local_experts": experts, "attention_bias": True, "swiglu_limit": 7.0,
@@ -210,11 +202,11 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
                     "moe_intermediate_size": int(get("expert_feed_forward_length")),
                     "intermediate_size": int(ff or 0),
                     "mlp_only_layers": sorted(set(range(cfg["num_hidden_layers"])) - moe_layers)}
-    elif arch in ("gpt-oss", *_DELTANET):
+    elif arch in ("gpt-oss", *DELTANET):
         raise ModelLoadError(source, f"{arch} file without {arch}.expert_count")
     else:
         cfg["intermediate_size"] = int(get("feed_forward_length"))
-    scaling = _rope_scaling(meta, arch, source)
+    scaling = rope_scaling(meta, arch, source)
     if scaling is not None:
         cfg["rope_scaling"] = scaling | ({"truncate": False} if arch == "gpt-oss" else {})
     return cfg
@@ -227,67 +219,6 @@ def _layers(meta: dict[str, Any], arch: str, source: str) -> int:
     if blocks is None:
         raise ModelLoadError(source, f"missing GGUF metadata {arch}.block_count")
     return int(blocks) - int(meta.get(f"{arch}.nextn_predict_layers") or 0)
-
-
-def _deltanet_config(meta: dict[str, Any], arch: str, cfg: dict[str, Any], experts: int,
-                     source: str) -> dict[str, Any]:
-    """The MoE and Gated DeltaNet fields of qwen3_next / qwen3_5_moe from `{arch}.*` (the `ssm.*`
-    keys as the converter fills them from HF's `linear_*`); every layer a MoE layer, one full
-    attention layer every `full_attention_interval`. A Qwen3.5 file's value heads are in tiled
-    order when there are more of them than key heads (`LinearAttnSpec.v_heads_tiled`)."""
-    def get(key: str) -> Any:
-        v = meta.get(f"{arch}.{key}")
-        if v is None:
-            raise ModelLoadError(source, f"missing GGUF metadata {arch}.{key}")
-        return v
-
-    layers, head_dim = cfg["num_hidden_layers"], cfg["head_dim"]
-    v_heads = int(get("ssm.time_step_rank"))
-    inner = int(get("ssm.inner_size"))
-    if inner % v_heads:
-        raise ModelLoadError(source, f"qwen3next.ssm.inner_size {inner} is not a multiple of "
-                             f"{v_heads} value heads")
-    every = int(get("full_attention_interval"))
-    if every < 1:
-        raise ModelLoadError(source, f"qwen3next.full_attention_interval {every} < 1")
-    rotary = int(meta.get(f"{arch}.rope.dimension_count") or head_dim // 4)
-    k_heads = int(get("ssm.group_count"))
-    return {"num_experts": experts, "moe_intermediate_size": int(get("expert_feed_forward_length")),
-            "shared_expert_intermediate_size": int(get("expert_shared_feed_forward_length")),
-            "norm_topk_prob": bool(meta.get(f"{arch}.expert_weights_norm", True)),
-            "_v_heads_tiled": arch == "qwen35moe" and v_heads != k_heads,
-            "decoder_sparse_step": 1, "mlp_only_layers": [], "intermediate_size": 0,
-            "linear_conv_kernel_dim": int(get("ssm.conv_kernel")),
-            "linear_key_head_dim": int(get("ssm.state_size")),
-            "linear_num_key_heads": k_heads,
-            "linear_num_value_heads": v_heads, "linear_value_head_dim": inner // v_heads,
-            "layer_types": ["full_attention" if (i + 1) % every == 0 else "linear_attention"
-                            for i in range(layers)],
-            "partial_rotary_factor": rotary / head_dim}
-
-
-def _rope_scaling(meta: dict[str, Any], arch: str, source: str) -> dict[str, Any] | None:
-    """HF's `rope_scaling` from `{arch}.rope.scaling.*` (what llama.cpp's converter writes from
-    it): none, or YaRN; another kind is refused rather than silently run unscaled."""
-    kind = meta.get(f"{arch}.rope.scaling.type")
-    if kind in (None, "none"):
-        return None
-    if kind != "yarn":
-        raise ModelLoadError(source, f"unsupported GGUF rope scaling {kind!r} (supported: yarn)")
-    key = f"{arch}.rope.scaling."
-    if meta.get(key + "factor") is None or meta.get(key + "original_context_length") is None:
-        raise ModelLoadError(source, f"yarn rope scaling without {key}factor and "
-                             f"{key}original_context_length")
-    if float(meta.get(key + "yarn_ext_factor", 1.0)) != 1.0:
-        raise ModelLoadError(source, f"{key}yarn_ext_factor other than 1 is not supported")
-    out: dict[str, Any] = {"rope_type": "yarn", "factor": float(meta[key + "factor"]),
-                           "original_max_position_embeddings":
-                               int(meta[key + "original_context_length"])}
-    for field, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
-                        ("yarn_attn_factor", "attention_factor")):
-        if meta.get(key + field) is not None:
-            out[name] = float(meta[key + field])
-    return out
 
 
 def _hf_name(name: str, arch: str) -> str | tuple[int, int] | None:
@@ -304,9 +235,9 @@ def _hf_name(name: str, arch: str) -> str | tuple[int, int] | None:
         if suffix == "weight":
             return layer, which
         return (layer, _BIAS + which) if arch == "gpt-oss" else None
-    if arch in _DELTANET and (kind, suffix) in _QWEN3NEXT_BARE:
-        return f"model.layers.{layer}.{_QWEN3NEXT_BARE[kind, suffix]}"
-    block = _BLOCK | {"gpt-oss": _GPT_OSS, "qwen3next": _QWEN3NEXT, "qwen35moe": _QWEN35MOE}.get(arch, {})
+    if arch in DELTANET and (kind, suffix) in QWEN3NEXT_BARE:
+        return f"model.layers.{layer}.{QWEN3NEXT_BARE[kind, suffix]}"
+    block = _BLOCK | {"gpt-oss": GPT_OSS_NAMES, "qwen3next": QWEN3NEXT_NAMES, "qwen35moe": QWEN35MOE_NAMES}.get(arch, {})
     if kind not in block or suffix is None:
         return None
     if kind == "attn_sinks":
@@ -384,8 +315,8 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
         if router is not None and router.shape[0] != n_exp:
             raise ModelLoadError(src, f"router of layer {layer} has {router.shape[0]} rows, "
                                  f"metadata says expert_count = {n_exp}")
-    if arch in _DELTANET:
-        _qwen3next_to_hf(dense, cfg)
+    if arch in DELTANET:
+        qwen3next_to_hf(dense, cfg)
     permuted: dict[str, int] = {}
     if cfg["model_type"] in ("llama", "mixtral"):
         for layer in range(cfg["num_hidden_layers"]):
@@ -393,41 +324,6 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
             permuted[p + "q_proj.weight"] = cfg["num_attention_heads"]
             permuted[p + "k_proj.weight"] = cfg["num_key_value_heads"]
     return GGUFCheckpoint(path, cfg, tokenizer, dense, experts, permuted)
-
-
-_ZERO_CENTRED = ("input_layernorm.weight", "post_attention_layernorm.weight",
-                 "self_attn.q_norm.weight", "self_attn.k_norm.weight")
-
-
-def _qwen3next_to_hf(dense: dict[str, GGUFTensor], cfg: dict[str, Any]) -> None:
-    """Undo, in place, what llama.cpp's converter changed in qwen3_next's and qwen3_5_moe's
-    tensors (a Qwen3.5 file's tiled value heads are read as they are: `v_heads_tiled`): the
-    zero-centred norms stored as 1 + w (w back exactly while 1 + w lies in [0.5, 2]), the
-    decay as -exp(A_log) (A_log back within an ulp), the conv kernel squeezed; and cut the
-    grouped `in_proj_ba` into the flat b and a rows the decoder reads (bytes of whole rows, any
-    type)."""
-    def f32(gt: GGUFTensor, values: Any) -> GGUFTensor:
-        return GGUFTensor(gt.name, "F32", gt.shape, np.ascontiguousarray(values, dtype=np.float32))
-
-    k_heads = int(cfg["linear_num_key_heads"])
-    per_k = int(cfg["linear_num_value_heads"]) // k_heads
-    for name, gt in list(dense.items()):
-        if name == "model.norm.weight" or name.endswith(_ZERO_CENTRED):
-            dense[name] = f32(gt, gt.to_float().numpy() - np.float32(1.0))
-        elif name.endswith("linear_attn.A_log"):
-            dense[name] = f32(gt, np.log(-gt.to_float().numpy()))
-        elif name.endswith("linear_attn.conv1d.weight") and len(gt.shape) == 2:
-            dense[name] = GGUFTensor(gt.name, gt.qtype, (gt.shape[0], 1, gt.shape[1]), gt.data)
-        elif name.endswith("mlp.shared_expert_gate.weight") and len(gt.shape) == 1:
-            dense[name] = GGUFTensor(gt.name, gt.qtype, (1, gt.shape[0]), gt.data)
-        elif name.endswith("linear_attn.in_proj_ba.weight"):
-            rows = np.arange(gt.shape[0]).reshape(k_heads, 2, per_k)  # per key head: b.., a..
-            base = name.removesuffix("in_proj_ba.weight")
-            del dense[name]
-            for i, part in enumerate(("b", "a")):
-                dense[f"{base}in_proj_{part}.weight"] = GGUFTensor(
-                    gt.name, gt.qtype, (k_heads * per_k, gt.shape[1]),
-                    np.ascontiguousarray(gt.data[rows[:, i].reshape(-1)]))
 
 
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -23,6 +23,12 @@ import numpy as np
 import torch
 
 from ftrs.errors import ConfigError
+from ftrs.models.gguf_archs import (
+    gpt_oss_packed,
+    gpt_oss_tensors,
+    llama3_rope_factors,
+    qwen3next_tensors,
+)
 from ftrs.models.tokenizer import Tokenizer
 
 #: (HF name, fp32 values (rows, cols) or (E, rows, cols)) -> (GGUF type, raw bytes (..., row_bytes))
@@ -203,159 +209,6 @@ def _metadata(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
     return {f"{arch}.{k}": v for k, v in m.items()}
 
 
-def llama3_rope_factors(cfg: dict[str, Any]) -> np.ndarray | None:
-    """llama3 rope scaling as llama.cpp's converter stores it: per frequency, the divisor that
-    the scaling applies to it (1 for short wavelengths, `factor` for long ones, blended between)."""
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    if scaling.get("rope_type", scaling.get("type")) != "llama3":
-        return None
-    theta = float(scaling.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
-    heads = int(cfg["num_attention_heads"])
-    dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
-    factor, old_len = float(scaling["factor"]), float(scaling["original_max_position_embeddings"])
-    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
-    out = []
-    for i in range(0, dim, 2):
-        wavelen = 2 * np.pi * theta ** (i / dim)
-        if wavelen < old_len / high:
-            out.append(1.0)
-        elif wavelen > old_len / low:
-            out.append(factor)
-        else:
-            smooth = (old_len / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(out, dtype=np.float32)
-
-
-def _gpt_oss_tensors(tensors: dict[str, torch.Tensor], layers: int
-                     ) -> dict[str, tuple[str, np.ndarray]]:
-    """gpt_oss's HF tensors as llama.cpp's converter writes them: GGUF name -> (the HF name of
-    the unpacked part, values). Names through the `gguf` package's map for the architecture."""
-    import gguf
-
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GPT_OSS, layers)
-    parts: dict[str, np.ndarray] = {}
-    for name, t in tensors.items():
-        arr = t.detach().float().numpy()
-        base = name.rsplit(".", 1)[0] + "."
-        if name.endswith("mlp.experts.gate_up_proj"):  # (E, H, 2I), x @ W
-            lin = arr.transpose(0, 2, 1)
-            parts[base + "gate_proj.weight"], parts[base + "up_proj.weight"] = lin[:, 0::2], lin[:, 1::2]
-        elif name.endswith("mlp.experts.gate_up_proj_bias"):
-            parts[base + "gate_proj.bias"], parts[base + "up_proj.bias"] = arr[:, 0::2], arr[:, 1::2]
-        elif name.endswith("mlp.experts.down_proj"):
-            parts[base + "down_proj.weight"] = arr.transpose(0, 2, 1)
-        elif name.endswith("mlp.experts.down_proj_bias"):
-            parts[base + "down_proj.bias"] = arr
-        elif name.endswith("self_attn.sinks"):
-            parts[name + ".weight"] = arr
-        else:
-            parts[name] = arr
-    out: dict[str, tuple[str, np.ndarray]] = {}
-    for name, arr in parts.items():
-        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if gname is None:
-            raise ConfigError(f"write_gguf: unexpected tensor {name}")
-        out[gname] = (name, np.ascontiguousarray(arr))
-    return out
-
-
-def _tiled(arr: np.ndarray, axis: int, k_heads: int, per_k: int, width: int) -> np.ndarray:
-    """Value heads from HF's grouped order (by key head) to llama.cpp's tiled one along `axis`."""
-    a = np.moveaxis(arr, axis, 0)
-    rest = a.shape[1:]
-    a = a.reshape(k_heads, per_k, width, *rest).swapaxes(0, 1).reshape(-1, *rest)
-    return np.ascontiguousarray(np.moveaxis(a, 0, axis))
-
-
-def _qwen3next_tensors(tensors: dict[str, torch.Tensor], cfg: dict[str, Any]
-                       ) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, torch.Tensor]]:
-    """qwen3_next's or qwen3_5_moe's tensors as llama.cpp's converter writes them (GGUF name ->
-    (HF name, values)), names through the `gguf` package's map: zero-centred norms as 1 + w,
-    A_log as -exp(A_log), dt_bias as `ssm_dt.bias`, the conv kernel squeezed; qwen3_next's
-    `in_proj_qkvz` regrouped from per key head to flat (q, k, v of every head in `attn_qkv`, z in
-    `attn_gate`); qwen3_5_moe's value heads, wherever they appear, from grouped to tiled order
-    when there are more of them than key heads. The routed experts are returned apart, for the
-    common stacking."""
-    import gguf
-
-    qwen35 = cfg["model_type"] == "qwen3_5_moe"
-    arch = gguf.MODEL_ARCH.QWEN35MOE if qwen35 else gguf.MODEL_ARCH.QWEN3NEXT
-    names = gguf.get_tensor_name_map(arch, int(cfg["num_hidden_layers"]))
-    kh, k_dim = int(cfg["linear_num_key_heads"]), int(cfg["linear_key_head_dim"])
-    per_k, v_dim = int(cfg["linear_num_value_heads"]) // kh, int(cfg["linear_value_head_dim"])
-    vz = per_k * v_dim
-    plain: dict[str, tuple[str, np.ndarray]] = {}
-    experts: dict[str, torch.Tensor] = {}
-
-    def tile(name: str, arr: np.ndarray) -> np.ndarray:
-        if not qwen35 or per_k == 1 or ".linear_attn." not in name:
-            return arr
-        if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
-            qk = 2 * kh * k_dim
-            return np.concatenate([arr[:qk], _tiled(arr[qk:], 0, kh, per_k, v_dim)])
-        if name.endswith("in_proj_z.weight"):
-            return _tiled(arr, 0, kh, per_k, v_dim)
-        if name.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
-            return _tiled(arr, 0, kh, per_k, 1)
-        if name.endswith("out_proj.weight"):
-            return _tiled(arr, 1, kh, per_k, v_dim)
-        return arr
-
-    def put(hf: str, arr: np.ndarray) -> None:
-        gname = names.get_name(hf, try_suffixes=(".weight", ".bias"))
-        if gname is None:
-            raise ConfigError(f"write_gguf: unexpected tensor {hf}")
-        plain[gname] = (hf, np.ascontiguousarray(arr, dtype=np.float32))
-
-    for name, t in tensors.items():
-        arr = tile(name, t.detach().float().numpy())
-        if ".mlp.experts." in name:
-            experts[name] = t
-        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
-            put(name, arr + np.float32(1.0))
-        elif name.endswith(".A_log"):
-            put(name, -np.exp(arr))
-        elif name.endswith(".dt_bias"):
-            put(name.removesuffix("dt_bias") + "dt_proj.bias", arr)
-        elif "conv1d" in name:
-            put(name, arr.squeeze())
-        elif name.endswith("in_proj_qkvz.weight"):
-            hidden = arr.shape[1]
-            g = arr.reshape(kh, 2 * k_dim + 2 * vz, hidden)
-            q, k, v, z = np.split(g, np.cumsum([k_dim, k_dim, vz]), axis=1)
-            gname = names.get_name(name, try_suffixes=(".weight",)) or ""
-            qkv = np.concatenate([x.reshape(-1, hidden) for x in (q, k, v)])
-            plain[gname.replace("ssm_in", "attn_qkv")] = (name.replace("qkvz", "qkv"), qkv)
-            plain[gname.replace("ssm_in", "attn_gate")] = (name.replace("qkvz", "z"),
-                                                          np.ascontiguousarray(z.reshape(-1, hidden)))
-        else:
-            put(name, arr)
-    return plain, experts
-
-
-def _gpt_oss_packed(held: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The HF tensors back from the unpacked parts `_gpt_oss_tensors` named (HF name -> values):
-    gate and up interleaved again, the matrices transposed back to `x @ W`."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in held.items():
-        if ".mlp.experts." not in name:
-            out[name.removesuffix(".weight") if name.endswith("sinks.weight") else name] = t
-            continue
-        base = name.split(".mlp.experts.")[0] + ".mlp.experts."
-        if name.endswith("gate_proj.weight"):
-            gate, up = t, held[base + "up_proj.weight"]  # (E, I, H)
-            out[base + "gate_up_proj"] = torch.stack([gate, up], dim=2).flatten(1, 2).transpose(1, 2)
-        elif name.endswith("gate_proj.bias"):
-            out[base + "gate_up_proj_bias"] = torch.stack(
-                [t, held[base + "up_proj.bias"]], dim=2).flatten(1, 2)
-        elif name.endswith("down_proj.weight"):
-            out[base + "down_proj"] = t.transpose(1, 2)
-        elif name.endswith("down_proj.bias"):
-            out[base + "down_proj_bias"] = t
-    return {k: v.contiguous() for k, v in out.items()}
-
-
 def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor],
                quantize: Quantizer, tokenizer: Tokenizer | None = None,
                tokenizer_fields: dict[str, Any] | None = None,
@@ -380,10 +233,10 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
     stacks: dict[str, dict[int, tuple[str, np.ndarray]]] = {}
     source = tensors
     if arch == "gpt-oss":
-        plain = _gpt_oss_tensors(tensors, int(cfg["num_hidden_layers"]))
+        plain = gpt_oss_tensors(tensors, int(cfg["num_hidden_layers"]))
         tensors = {}
     elif arch in ("qwen3next", "qwen35moe"):
-        plain, tensors = _qwen3next_tensors(tensors, cfg)
+        plain, tensors = qwen3next_tensors(tensors, cfg)
     for name, t in tensors.items():
         arr = t.detach().float().numpy()
         if name in _TOP:
@@ -447,7 +300,7 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
     if not dequantized:
         return out
     if arch == "gpt-oss":
-        return _gpt_oss_packed({hf: held[gname] for gname, (hf, _) in plain.items()})
+        return gpt_oss_packed({hf: held[gname] for gname, (hf, _) in plain.items()})
     if arch in ("qwen3next", "qwen35moe"):  # the F32 values are the source's, transformed
         if any(types[gname] != "F32" for gname in plain):
             raise ConfigError("write_gguf: qwen3next's values are returned for files whose "

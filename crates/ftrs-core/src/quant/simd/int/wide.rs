@@ -247,7 +247,7 @@ fn q51<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
     }
 }
 
-/// [`super::q4k`] with the activations as two int8 digits (`vpdpbusd`), as [`q51`]: each
+/// [`super::kquants::q4k`] with the activations as two int8 digits (`vpdpbusd`), as [`q51`]: each
 /// 32-byte run of quants is broadcast (a load) into both 256-bit halves, and one variable shift
 /// (0, then 4) and one AND leave its low nibbles (sub-block 2c) then its high ones (2c + 1),
 /// which are elements 64c .. 64c + 63 in order. The high digits' four-product sums are shifted
@@ -303,7 +303,7 @@ fn q4k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
     }
 }
 
-/// [`super::q6k`] with the activations as two int8 digits (`vpdpbusd`): a half super-block's
+/// [`super::kquants::q6k`] with the activations as two int8 digits (`vpdpbusd`): a half super-block's
 /// 128 6-bit quants are assembled as unsigned bytes in two vectors of 64 elements in order
 /// (the 64 low-nibble bytes in one load, the 32 high-bit bytes broadcast to both halves and
 /// shifted per half; seven ALU ops), each `vpdpbusd` lane sums four products `q * x` exactly,

@@ -1,0 +1,138 @@
+# mypy: allow-untyped-defs
+# (Triton reads the annotations of @triton.jit functions itself: its kernels carry none but tl.constexpr.)
+"""The weight tiles of the fused MoE kernels (`kernels/moe.py`): a (BK, BN) tile of a slot's
+matrix transposed, dequantized in-kernel from its encoding (`QUANT`, the codes of
+`moe._QUANT_CODE`; the layouts are `kernels/moe.py`'s module doc) to the activations' dtype."""
+
+from __future__ import annotations
+
+from ftrs.kernels._triton import triton_importable
+
+if triton_importable():
+    import triton
+    import triton.language as tl
+
+    from ftrs.kernels._triton import round_to
+
+    @triton.jit
+    def _fp8_e4m3(b):
+        """uint8 bits of float8_e4m3fn -> fp32, exactly (through the fp32 bits)."""
+        b = b.to(tl.uint32)
+        e = (b >> 3) & 15
+        m = b & 7
+        normal = ((b >> 7) << 31) | ((e + 120) << 23) | (m << 20)
+        sub = m.to(tl.float32) * 0.001953125  # 2^-9: e == 0
+        sub = tl.where((b >> 7) == 1, -sub, sub)
+        return tl.where(e == 0, sub, normal.to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def _iq4_level(c):
+        """IQ4's level of nibble `c` (int32): -127, -104, -83, -65, -49, -35, -22, -10, 1, 13,
+        25, 38, 53, 69, 89, 113, by a tree of selects (no table reads)."""
+        a = tl.where(c % 2 == 0, tl.where(c < 4, tl.where(c == 0, -127, -83),
+                                          tl.where(c == 4, -49, -22)),
+                     tl.where(c < 4, tl.where(c == 1, -104, -65), tl.where(c == 5, -35, -10)))
+        b = tl.where(c % 2 == 0, tl.where(c < 12, tl.where(c == 8, 1, 25),
+                                          tl.where(c == 12, 53, 89)),
+                     tl.where(c < 12, tl.where(c == 9, 13, 38), tl.where(c == 13, 69, 113)))
+        return tl.where(c < 8, a, b).to(tl.float32)
+
+    @triton.jit
+    def _w_tile(w_ptr, ws_ptr, slot, n, k, n_rows, n_cols, stride_s, stride_r, sc_stride_s,
+                sc_stride_r, QUANT: tl.constexpr, DT: tl.constexpr, BR: tl.constexpr,
+                BC: tl.constexpr):
+        """(BK, BN) tile of W^T for W (n_rows, n_cols) of `slot`: rows `n`, columns `k`."""
+        mask = (n < n_rows)[None, :] & (k < n_cols)[:, None]
+        base = w_ptr + slot * stride_s + n[None, :] * stride_r
+        sbase = ws_ptr + slot * sc_stride_s + n[None, :] * sc_stride_r
+        if QUANT == 1:  # Q8_0: byte k//32*34 holds the fp16 scale, the int8 values follow it
+            blk = k // 32
+            q = tl.load(base + (blk * 34 + 2 + k % 32)[:, None], mask=mask, other=0)
+            d = tl.load(sbase + (blk * 17)[:, None], mask=mask, other=0.0)
+            return round_to(d.to(tl.float32) * q.to(tl.float32), DT)
+        elif QUANT == 2:  # FP8_BLOCK: one byte per value, one fp32 scale per (BR, BC) tile
+            bits = tl.load(base + k[:, None], mask=mask, other=0)
+            sc = tl.load(ws_ptr + slot * sc_stride_s + (n // BR)[None, :] * sc_stride_r
+                         + (k // BC)[:, None], mask=mask, other=0.0)
+            return round_to(_fp8_e4m3(bits) * sc, DT)
+        elif QUANT == 3:  # Q4_K: 144-byte super-blocks of 256 values (see the module doc)
+            sb = k // 256
+            j = (k % 256) // 32  # sub-block
+            blk = base + (sb * 144)[:, None]
+            byte = tl.load(blk + (16 + 32 * (j // 2) + k % 32)[:, None], mask=mask, other=0)
+            q = tl.where((j % 2 == 0)[:, None], byte & 15, byte >> 4).to(tl.float32)
+            lo = (j < 4)[:, None]
+            sa = tl.load(blk + (4 + j)[:, None], mask=mask, other=0).to(tl.int32)
+            sb4 = tl.load(blk + (8 + j)[:, None], mask=mask, other=0).to(tl.int32)
+            sc4 = tl.load(blk + (4 + tl.where(j < 4, 0, j - 4))[:, None], mask=mask,
+                          other=0).to(tl.int32)
+            sc = tl.where(lo, sa & 63, (sb4 & 15) | ((sc4 >> 6) << 4)).to(tl.float32)
+            mn = tl.where(lo, sb4 & 63, (sb4 >> 4) | ((sa >> 6) << 4)).to(tl.float32)
+            hbase = sbase + (sb * 72)[:, None]
+            d = tl.load(hbase, mask=mask, other=0.0).to(tl.float32)
+            dmin = tl.load(hbase + 1, mask=mask, other=0.0).to(tl.float32)
+            return round_to((d * sc) * q - dmin * mn, DT)
+        elif QUANT == 4:  # Q5_1: 24-byte blocks of 32 values (see the module doc)
+            blk = k // 32
+            j = k % 32
+            bb = base + (blk * 24)[:, None]
+            byte = tl.load(bb + (8 + j % 16)[:, None], mask=mask, other=0).to(tl.int32)
+            nib = tl.where((j < 16)[:, None], byte & 15, byte >> 4)
+            hb = tl.load(bb + (4 + j // 8)[:, None], mask=mask, other=0).to(tl.int32)
+            q = (nib | (((hb >> (j % 8)[:, None]) & 1) << 4)).to(tl.float32)
+            hbase = sbase + (blk * 12)[:, None]
+            d = tl.load(hbase, mask=mask, other=0.0).to(tl.float32)
+            m = tl.load(hbase + 1, mask=mask, other=0.0).to(tl.float32)
+            return round_to(d * q + m, DT)
+        elif QUANT == 5:  # Q6_K: 210-byte super-blocks of 256 values (see the module doc)
+            sb = k // 256
+            i = k % 256
+            h = i // 128  # half: 64 bytes of low nibbles, 32 of high bits, 8 scales each
+            qu = (i % 128) // 32  # quarter: which nibble and which 2 high bits
+            ln = i % 32
+            bb = base + (sb * 210)[:, None]
+            lb = tl.load(bb + (h * 64 + ln + (qu % 2) * 32)[:, None], mask=mask,
+                         other=0).to(tl.int32)
+            lo = tl.where((qu < 2)[:, None], lb & 15, lb >> 4)
+            hb = tl.load(bb + (128 + h * 32 + ln)[:, None], mask=mask, other=0).to(tl.int32)
+            q = ((lo | (((hb >> (2 * qu)[:, None]) & 3) << 4)) - 32).to(tl.float32)
+            sc = tl.load(bb + (192 + i // 16)[:, None], mask=mask, other=0).to(tl.int32)
+            sc = tl.where(sc >= 128, sc - 256, sc).to(tl.float32)  # int8
+            d = tl.load(sbase + (sb * 105 + 104)[:, None], mask=mask, other=0.0).to(tl.float32)
+            return round_to((d * sc) * q, DT)
+        elif QUANT == 6:  # MXFP4: 17-byte blocks of 32 values (see the module doc)
+            blk = k // 32
+            j = k % 32
+            bb = base + (blk * 17)[:, None]
+            e = tl.load(bb, mask=mask, other=0).to(tl.int32)
+            byte = tl.load(bb + (1 + j % 16)[:, None], mask=mask, other=0).to(tl.int32)
+            c = tl.where((j < 16)[:, None], byte & 15, byte >> 4)
+            ex = (c >> 1) & 3
+            mb = c & 1
+            # the e2m1 value doubled (0, 1, 2, 3, 4, 6, 8, 12), times the halved e8m0 scale
+            mag = tl.where(ex == 0, mb, (2 + mb) << tl.where(ex == 0, 0, ex - 1))
+            q = tl.where(c >= 8, -mag, mag).to(tl.float32)
+            dbits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
+            return round_to(dbits.to(tl.float32, bitcast=True) * q, DT)
+        elif QUANT == 7:  # IQ4_NL: 18-byte blocks of 32 values (see the module doc)
+            blk = k // 32
+            j = k % 32
+            byte = tl.load(base + (blk * 18 + 2 + j % 16)[:, None], mask=mask, other=0).to(tl.int32)
+            lvl = _iq4_level(tl.where((j < 16)[:, None], byte & 15, byte >> 4))
+            d = tl.load(sbase + (blk * 9)[:, None], mask=mask, other=0.0).to(tl.float32)
+            return round_to(d * lvl, DT)
+        elif QUANT == 8:  # IQ4_XS: 136-byte super-blocks of 256 values (see the module doc)
+            sb = k // 256
+            s = (k % 256) // 32
+            j = k % 32
+            bb = base + (sb * 136)[:, None]
+            byte = tl.load(bb + (8 + 16 * s + j % 16)[:, None], mask=mask, other=0).to(tl.int32)
+            lvl = _iq4_level(tl.where((j < 16)[:, None], byte & 15, byte >> 4))
+            lo = tl.load(bb + (4 + s // 2)[:, None], mask=mask, other=0).to(tl.int32)
+            hw = tl.load(bb + 2, mask=mask, other=0).to(tl.int32) | (
+                tl.load(bb + 3, mask=mask, other=0).to(tl.int32) << 8)
+            ls = ((lo >> (4 * (s % 2))[:, None]) & 15) | (((hw >> (2 * s)[:, None]) & 3) << 4)
+            d = tl.load(sbase + (sb * 68)[:, None], mask=mask, other=0.0).to(tl.float32)
+            return round_to((d * (ls - 32).to(tl.float32)) * lvl, DT)
+        else:
+            return tl.load(base + k[:, None], mask=mask, other=0.0)
