@@ -7,12 +7,15 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import torch
+
+from ftrs.models.gguf_write import add_field
 
 
 def rewrite(src: Path, dst: Path, drop: str = "", fields: dict[str, object] | None = None,
             extra: dict[str, np.ndarray] | None = None) -> Path:
-    """`src` again without the tensors whose names contain `drop`, with `fields` changed (ints
-    as uint32, floats as float32, strings, lists) and the F32 tensors `extra` added."""
+    """`src` again without the tensors whose names contain `drop`, with `fields` changed (typed
+    as `gguf_write.add_field` types them) and the F32 tensors `extra` added."""
     reader = gguf.GGUFReader(str(src))
     arch = reader.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst), arch)
@@ -26,14 +29,7 @@ def rewrite(src: Path, dst: Path, drop: str = "", fields: dict[str, object] | No
         else:
             w.add_key_value(key, field.contents(), vtype)
     for key, value in changed.items():
-        if isinstance(value, list):
-            w.add_array(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        else:
-            w.add_float32(key, float(value))  # type: ignore[arg-type]
+        add_field(w, key, value)
     for t in reader.tensors:
         if drop and drop in t.name:
             continue
@@ -53,3 +49,15 @@ def with_merges(src: Path, dst: Path) -> Path:
     tiny test tokenizers have none; the tests feed token ids)."""
     tokens = gguf.GGUFReader(str(src)).fields["tokenizer.ggml.tokens"].contents()
     return rewrite(src, dst, fields={"tokenizer.ggml.merges": [f"{tokens[3]} {tokens[4]}"]})
+
+
+def llama_cpp_logits(path: Path, ids: list[int], tmp: Path) -> torch.Tensor:
+    """llama.cpp's logits of every position of `ids` on the file (the `llama_cpp` package of
+    `llama-cpp-python`; an fp32 KV cache, one thread)."""
+    import llama_cpp
+
+    peer = llama_cpp.Llama(model_path=str(with_merges(path, tmp / "peer.gguf")), n_ctx=128,
+                           n_batch=128, logits_all=True, verbose=False, n_threads=1, type_k=0,
+                           type_v=0)
+    peer.eval(ids)
+    return torch.tensor(np.array(peer.scores[:len(ids)], dtype=np.float32))

@@ -29,7 +29,7 @@ from ftrs.models.gguf_write import gguf_quantizer, keep_f32, write_gguf
 from ftrs.models.load import load_model
 from ftrs.models.tokenizer import Tokenizer
 from ftrs.quant import QuantTensor, use_kernels
-from gguf_files import rewrite, with_merges
+from gguf_files import llama_cpp_logits, rewrite
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-4
@@ -142,14 +142,10 @@ def test_llama_cpp_computes_the_same_model(arch: str, tmp_path: Path) -> None:
     """The peer on an F32 file (fp32 KV cache); where `llama-cpp-python` is installed. llama.cpp
     takes a value head as wide as a key head (true of every Qwen3-Next and Qwen3.5), so this
     model's are."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     src = hybrid_models.build(arch, tmp_path / "src", seed=3, linear_value_head_dim=12,
                               **hybrid_models.GGUF_DELTANET)
     path, _ = _write(src, tmp_path / "f32.gguf", tmp_path / "ref", keep_f32)
-    peer_file = with_merges(path, tmp_path / "peer.gguf")
-    peer = llama_cpp.Llama(model_path=str(peer_file), n_ctx=128, n_batch=128, logits_all=True,
-                           verbose=False, n_threads=1, type_k=0, type_v=0)
-    peer.eval(IDS)
-    theirs = torch.tensor(np.array(peer.scores[:len(IDS)], dtype=np.float32))
+    theirs = llama_cpp_logits(path, IDS, tmp_path)
     ours = LLM(str(path), kv_tokens=1024, dtype="float32").logits(IDS)
     assert (ours - theirs).abs().max().item() <= PEER_TOL

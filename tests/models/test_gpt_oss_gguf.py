@@ -27,7 +27,7 @@ from ftrs.models.load import load_model
 from ftrs.quant import QuantTensor, use_kernels
 from ftrs.quant.matmul import kernel_types
 from ftrs.sampling import SamplingParams
-from gguf_files import rewrite, with_merges
+from gguf_files import llama_cpp_logits, rewrite
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-4
@@ -182,14 +182,9 @@ def test_llama_cpp_computes_the_same_model(name: str, f32: tuple[Path, Path],
     transformers is the oracle). With the rounding put back, the logits agree to fp32 noise
     (F32 file) and to the peer's rounding of activations (MXFP4, `PEER_MXFP4_MEDIAN`); without
     it they do not. Runs where `llama-cpp-python` is installed (the `bench` extra)."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    pytest.importorskip("llama_cpp")
     path = {"f32": f32, "mxfp4": mxfp4}[name][0]
-    peer_file = with_merges(path, tmp_path / "peer.gguf")
-    peer = llama_cpp.Llama(model_path=str(peer_file), n_ctx=128, n_batch=128, logits_all=True,
-                           verbose=False, n_threads=1, type_k=0, type_v=0)  # fp32 KV cache
-    peer.eval(IDS)
-    theirs = torch.tensor(np.array(peer.scores[:len(IDS)], dtype=np.float32))
-    del peer
+    theirs = llama_cpp_logits(path, IDS, tmp_path)
 
     if name == "f32":  # the rounding is not a detail
         ours = LLM(str(path), kv_tokens=1024, dtype="float32").logits(IDS)

@@ -140,7 +140,8 @@ def _tokenizer_fields(tok: Tokenizer) -> dict[str, Any]:
     return out
 
 
-def _add_field(w: Any, key: str, value: Any) -> None:
+def add_field(w: Any, key: str, value: Any) -> None:
+    """One metadata field, its GGUF type from the value's: bool, uint32, float32, string, array."""
     if isinstance(value, bool):
         w.add_bool(key, value)
     elif isinstance(value, int):
@@ -259,11 +260,11 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
 
     writer = gguf.GGUFWriter(str(path), arch)
     for k, v in _metadata(cfg, arch).items():
-        _add_field(writer, k, v)
+        add_field(writer, k, v)
     fields = tokenizer_fields if tokenizer_fields is not None else (
         _tokenizer_fields(tokenizer) if tokenizer is not None else {})
     for k, v in fields.items():
-        _add_field(writer, k, v)
+        add_field(writer, k, v)
     held: dict[str, torch.Tensor] = {}
     types: dict[str, str] = {}
 

@@ -107,21 +107,25 @@ impl Isa {
 /// differs from the fp32 dot by at most `sum over blocks of max|x| / 64516 * sum |w - min|`
 /// (Q2_K: `sum |w|`, its mins meet the rounded activations of their 16 values).
 pub fn rounds_activations(t: QType, isa: Isa) -> bool {
-    matches!(isa, Isa::Avx2 | Isa::Avx512)
-        && matches!(
-            t,
-            QType::Q8_0
-                | QType::Q4_1
-                | QType::Q5_1
-                | QType::Q4K
-                | QType::Q6K
-                | QType::Mxfp4
-                | QType::Iq4Nl
-                | QType::Iq4Xs
-                | QType::Q3K
-                | QType::Q2K
-                | QType::Q5K
-        )
+    matches!(isa, Isa::Avx2 | Isa::Avx512) && has_integer_kernel(t)
+}
+
+/// Whether `t` has an integer kernel on AVX2 (`simd::int`; some also on AVX-512).
+pub(crate) fn has_integer_kernel(t: QType) -> bool {
+    matches!(
+        t,
+        QType::Q8_0
+            | QType::Q4_1
+            | QType::Q5_1
+            | QType::Q2K
+            | QType::Q3K
+            | QType::Q4K
+            | QType::Q5K
+            | QType::Q6K
+            | QType::Mxfp4
+            | QType::Iq4Nl
+            | QType::Iq4Xs
+    )
 }
 
 /// Bytes of one encoded row of `cols` weights; `cols` must be a positive multiple of the block.

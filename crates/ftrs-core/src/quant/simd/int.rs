@@ -302,22 +302,9 @@ macro_rules! dispatch {
     }};
 }
 
-/// Whether `t` has an integer kernel here (and in [`wide`]).
+/// Whether `t` has an integer kernel here (and some in [`wide`]).
 fn integer(t: QType) -> bool {
-    matches!(
-        t,
-        QType::Q8_0
-            | QType::Q4_1
-            | QType::Q5_1
-            | QType::Q4K
-            | QType::Q6K
-            | QType::Mxfp4
-            | QType::Iq4Nl
-            | QType::Iq4Xs
-            | QType::Q3K
-            | QType::Q2K
-            | QType::Q5K
-    )
+    super::super::has_integer_kernel(t)
 }
 
 /// The integer kernel of `t` (Q8_0, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL,

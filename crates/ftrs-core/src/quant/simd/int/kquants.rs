@@ -189,6 +189,38 @@ fn q6k_quants(b: &[u8], h: usize) -> [__m256i; 4] {
     ]
 }
 
+/// The 16 sub-block factors `s * u` of one super-block per activation row: `s0`, `s1` the
+/// scales of sub-blocks 0..8 and 8..16 (16 values each), `u` the unit of activation block
+/// `8 bi + j / 2` for sub-block j.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn times_units<const NX: usize>(
+    s0: __m256,
+    s1: __m256,
+    x: &[XRow<'_>; NX],
+    bi: usize,
+) -> [[f32; 16]; NX] {
+    let pair_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+    let pair_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    let mut out = [[0f32; 16]; NX];
+    for i in 0..NX {
+        let u = ld8(&x[i].d[bi * 8..]);
+        let (lo, hi) = out[i].split_at_mut(8);
+        // SAFETY: lo and hi hold 8 f32 each; storeu accepts any alignment.
+        unsafe {
+            _mm256_storeu_ps(
+                lo.as_mut_ptr(),
+                _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(u, pair_lo)),
+            );
+            _mm256_storeu_ps(
+                hi.as_mut_ptr(),
+                _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(u, pair_hi)),
+            );
+        }
+    }
+    out
+}
+
 /// Q6_K against int activations: per half block h, 32-block s of the activations meets the
 /// 6-bit quants `(low nibble | high 2 bits << 4) - 32` assembled as bytes and widened; its two
 /// 16-element halves (sub-blocks 8h + 2s and 8h + 2s + 1) meet their own `d * sc * u`, in two
@@ -203,9 +235,6 @@ pub(super) fn q6k<const NX: usize>(
 ) {
     let nb = x[0].d.len() / 8;
     let k32 = _mm256_set1_epi8(32);
-    // lane j of the 16 scales' expansion takes the unit of activation block j / 2
-    let pair_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-    let pair_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
     for (row, o) in w.chunks_exact(nb * 210).zip(out.chunks_exact_mut(n)) {
         let mut acc = [[_mm256_setzero_ps(); 2]; NX];
         for (bi, b) in row.chunks_exact(210).enumerate() {
@@ -215,19 +244,7 @@ pub(super) fn q6k<const NX: usize>(
             let d = _mm256_set1_ps(f16(&b[208..]));
             let s0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ld8b(&b[192..])));
             let s1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(ld8b(&b[200..])));
-            let (s0, s1) = (_mm256_mul_ps(s0, d), _mm256_mul_ps(s1, d));
-            let mut sc = [[0f32; 16]; NX];
-            for i in 0..NX {
-                let u = ld8(&x[i].d[bi * 8..]);
-                let u0 = _mm256_permutevar8x32_ps(u, pair_lo);
-                let u1 = _mm256_permutevar8x32_ps(u, pair_hi);
-                let (lo, hi) = sc[i].split_at_mut(8);
-                // SAFETY: lo and hi hold 8 f32 each; storeu accepts any alignment.
-                unsafe {
-                    _mm256_storeu_ps(lo.as_mut_ptr(), _mm256_mul_ps(s0, u0));
-                    _mm256_storeu_ps(hi.as_mut_ptr(), _mm256_mul_ps(s1, u1));
-                }
-            }
+            let sc = times_units(_mm256_mul_ps(s0, d), _mm256_mul_ps(s1, d), x, bi);
             for h in 0..2 {
                 let q = q6k_quants(b, h);
                 for (s, &qs) in q.iter().enumerate() {
@@ -300,9 +317,6 @@ pub(super) fn q3k<const NX: usize>(
 ) {
     let nb = x[0].d.len() / 8;
     let k32 = _mm_set1_epi8(32);
-    // lane j of the 16 scales' expansion takes the unit of activation block j / 2
-    let pair_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-    let pair_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
     for (row, o) in w.chunks_exact(nb * 110).zip(out.chunks_exact_mut(n)) {
         let mut acc = [[_mm256_setzero_ps(); 2]; NX];
         for (bi, b) in row.chunks_exact(110).enumerate() {
@@ -315,22 +329,7 @@ pub(super) fn q3k<const NX: usize>(
                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(ls, 8))),
                 d,
             );
-            let mut sc = [[0f32; 16]; NX];
-            for i in 0..NX {
-                let u = ld8(&x[i].d[bi * 8..]);
-                let (lo, hi) = sc[i].split_at_mut(8);
-                // SAFETY: lo and hi hold 8 f32 each; storeu accepts any alignment.
-                unsafe {
-                    _mm256_storeu_ps(
-                        lo.as_mut_ptr(),
-                        _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(u, pair_lo)),
-                    );
-                    _mm256_storeu_ps(
-                        hi.as_mut_ptr(),
-                        _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(u, pair_hi)),
-                    );
-                }
-            }
+            let sc = times_units(s0, s1, x, bi);
             for h in 0..2 {
                 for s in 0..4 {
                     let (w0, w1) = widen_i8(q3k_quants(b, h, s));
@@ -370,8 +369,6 @@ pub(super) fn q2k<const NX: usize>(
         _mm256_set1_epi8(3),
         _mm256_set1_epi16(1),
     );
-    let pair_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-    let pair_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
     let floats = |v: __m128i| {
         (
             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)),
@@ -390,24 +387,8 @@ pub(super) fn q2k<const NX: usize>(
             let (n0, n1) = floats(_mm_and_si128(_mm_srli_epi16(raw, 4), m4));
             let (s0, s1) = (_mm256_mul_ps(s0, d), _mm256_mul_ps(s1, d));
             let (n0, n1) = (_mm256_mul_ps(n0, dmin), _mm256_mul_ps(n1, dmin));
-            let mut sc = [[0f32; 16]; NX];
-            let mut mn = [[0f32; 16]; NX];
-            for i in 0..NX {
-                let u = ld8(&x[i].d[bi * 8..]);
-                let (u0, u1) = (
-                    _mm256_permutevar8x32_ps(u, pair_lo),
-                    _mm256_permutevar8x32_ps(u, pair_hi),
-                );
-                let (slo, shi) = sc[i].split_at_mut(8);
-                let (mlo, mhi) = mn[i].split_at_mut(8);
-                // SAFETY: each half holds 8 f32; storeu accepts any alignment.
-                unsafe {
-                    _mm256_storeu_ps(slo.as_mut_ptr(), _mm256_mul_ps(s0, u0));
-                    _mm256_storeu_ps(shi.as_mut_ptr(), _mm256_mul_ps(s1, u1));
-                    _mm256_storeu_ps(mlo.as_mut_ptr(), _mm256_mul_ps(n0, u0));
-                    _mm256_storeu_ps(mhi.as_mut_ptr(), _mm256_mul_ps(n1, u1));
-                }
-            }
+            let sc = times_units(s0, s1, x, bi);
+            let mn = times_units(n0, n1, x, bi);
             for h in 0..2 {
                 let qs = ld32(&b[16 + 32 * h..]);
                 for s in 0..4 {
