@@ -54,6 +54,11 @@ pub enum QType {
     /// 256 weights: fp16 d, u16 high scale bits, 4 B of low scale nibbles, 128 B of nibbles;
     /// eight 32-weight sub-blocks with 6-bit scales `ls`: w = (d * (ls - 32)) * IQ4_VALUES[q].
     Iq4Xs,
+    /// 64 weights (NVFP4, ggml's `block_nvfp4`): four ue4m3 scales `s`, one per 16 weights,
+    /// then 8 B of e2m1 nibbles per 16 (low: its elements 0..8, high: 8..16);
+    /// w = e2m1(q) * ue4m3(s). A tensor of this type carries one fp32 scale after its rows
+    /// ([`QType::tail_bytes`]: NVFP4's per-tensor `weight_scale_2`) that multiplies every weight.
+    Nvfp4,
 }
 
 /// IQ4_NL's and IQ4_XS's 16 levels (ggml's `kvalues_iq4nl`).
@@ -63,7 +68,7 @@ pub const IQ4_VALUES: [i8; 16] = [
 
 impl QType {
     /// Every supported type, in the order of [`QType::name`]'s table.
-    pub const ALL: [QType; 16] = [
+    pub const ALL: [QType; 17] = [
         QType::F32,
         QType::F16,
         QType::BF16,
@@ -80,6 +85,7 @@ impl QType {
         QType::Mxfp4,
         QType::Iq4Nl,
         QType::Iq4Xs,
+        QType::Nvfp4,
     ];
 
     /// The GGUF name (`"Q4_K"`, `"F16"`, ...).
@@ -101,6 +107,7 @@ impl QType {
             QType::Mxfp4 => "MXFP4",
             QType::Iq4Nl => "IQ4_NL",
             QType::Iq4Xs => "IQ4_XS",
+            QType::Nvfp4 => "NVFP4",
         }
     }
 
@@ -138,6 +145,16 @@ impl QType {
             QType::Mxfp4 => (32, 17),
             QType::Iq4Nl => (32, 18),
             QType::Iq4Xs => (QK_K, 136),
+            QType::Nvfp4 => (64, 36),
+        }
+    }
+
+    /// Bytes a tensor of this type carries after its rows: NVFP4's fp32 tensor scale (4,
+    /// little-endian), none for the others.
+    pub fn tail_bytes(self) -> usize {
+        match self {
+            QType::Nvfp4 => 4,
+            _ => 0,
         }
     }
 }
@@ -163,6 +180,33 @@ pub fn e8m0_half(e: u8) -> f32 {
         (e - 1) << 23
     })
 }
+
+/// The unsigned e4m3 scale byte `s` (bias 7, no sign; NVFP4's block scale) halved, as
+/// `gguf.quants.NVFP4.ue4m3_to_fp32` reads it: `(1 + m / 8) * 2^(e - 8)`, `m * 2^-10` for e = 0;
+/// 0x7F (e4m3's NaN) reads as 0, and bit 7 is ignored. Exact: built from its bits.
+#[inline(always)]
+pub fn ue4m3_half(s: u8) -> f32 {
+    UE4M3_HALF[s as usize]
+}
+
+/// [`ue4m3_half`] of every byte, made at compile time (the kernels look a scale up per 16
+/// weights).
+static UE4M3_HALF: [f32; 256] = {
+    let mut t = [0f32; 256];
+    let mut s = 0;
+    while s < 256 {
+        let (e, m) = (((s >> 3) & 0x0F) as u32, (s & 7) as u32);
+        t[s] = if s == 0x7F {
+            0.0
+        } else if e == 0 {
+            m as f32 * (1.0 / 1024.0)
+        } else {
+            f32::from_bits(((e + 119) << 23) | (m << 20))
+        };
+        s += 1;
+    }
+    t
+};
 
 /// The 6-bit (scale, min) pair `j` (0..8) of a Q4_K/Q5_K block's 12 packed bytes.
 ///
@@ -265,6 +309,15 @@ pub fn decode_block(t: QType, b: &[u8], out: &mut [f32]) {
             }
         }
         QType::Iq4Xs => decode_iq4xs(b, out),
+        QType::Nvfp4 => {
+            for j in 0..4 {
+                let d = ue4m3_half(b[j]);
+                for (l, &q) in b[4 + 8 * j..12 + 8 * j].iter().enumerate() {
+                    out[16 * j + l] = d * E2M1_X2[(q & 0x0F) as usize] as f32;
+                    out[16 * j + 8 + l] = d * E2M1_X2[(q >> 4) as usize] as f32;
+                }
+            }
+        }
     }
 }
 

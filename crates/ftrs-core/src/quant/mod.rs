@@ -125,6 +125,7 @@ pub(crate) fn has_integer_kernel(t: QType) -> bool {
             | QType::Mxfp4
             | QType::Iq4Nl
             | QType::Iq4Xs
+            | QType::Nvfp4
     )
 }
 
@@ -140,7 +141,8 @@ pub fn row_bytes(t: QType, cols: usize) -> Result<usize> {
     Ok(cols / be * bb)
 }
 
-/// Checks the weight bytes against `rows x cols` of type `t`; returns bytes per row.
+/// Checks the weight bytes against `rows x cols` of type `t` (its rows, then the type's tail,
+/// [`QType::tail_bytes`]); returns bytes per row.
 fn check_weight(t: QType, weight: &[u8], rows: usize, cols: usize) -> Result<usize> {
     let rb = row_bytes(t, cols)?;
     if rows == 0 {
@@ -151,18 +153,42 @@ fn check_weight(t: QType, weight: &[u8], rows: usize, cols: usize) -> Result<usi
     }
     let want = rows
         .checked_mul(rb)
+        .and_then(|b| b.checked_add(t.tail_bytes()))
         .ok_or_else(|| CoreError::Config(format!("{}: {rows} x {cols} overflows", t.name())))?;
     if weight.len() != want {
         let (be, bb) = t.block_info();
+        let tail = match t.tail_bytes() {
+            0 => String::new(),
+            n => format!(" + {n} B tensor scale"),
+        };
         return Err(CoreError::Config(format!(
             "{} weight of {rows} x {cols}: expected {want} bytes ({rows} rows x {} blocks x {bb} B \
-             per {be}-element block), got {}",
+             per {be}-element block{tail}), got {}",
             t.name(),
             cols / be,
             weight.len()
         )));
     }
     Ok(rb)
+}
+
+/// A checked weight's rows, and the scale its tail holds (1 without one).
+fn rows_and_scale(t: QType, weight: &[u8], rows: usize, rb: usize) -> (&[u8], f32) {
+    let (body, tail) = weight.split_at(rows * rb);
+    match t.tail_bytes() {
+        4 => (
+            body,
+            f32::from_le_bytes([tail[0], tail[1], tail[2], tail[3]]),
+        ),
+        _ => (body, 1.0),
+    }
+}
+
+/// Multiplies every value by a tensor's scale (none when it is 1: the other types).
+fn apply_scale(out: &mut [f32], scale: f32) {
+    if scale != 1.0 {
+        out.iter_mut().for_each(|v| *v *= scale);
+    }
 }
 
 /// Checks an FFN's weights: `gate` and `up` `inter x hidden`, `down` `hidden x inter`.
@@ -181,7 +207,8 @@ pub fn check_ffn(
 
 /// `out[i * rows + r] = sum_c x[i * cols + c] * W[r, c]` for `n = x.len() / cols` rows of `x`.
 ///
-/// `weight` holds `rows` rows of `cols` weights of type `t`, each as GGUF stores it. `threads`
+/// `weight` holds `rows` rows of `cols` weights of type `t`, each as GGUF stores it, then the
+/// type's tail (NVFP4: the tensor scale, which multiplies every result). `threads`
 /// = 0 uses [`threads::default_threads`]. Sizes are checked first: a mismatch is a `Config`
 /// error saying what was expected, and nothing is written.
 #[allow(clippy::too_many_arguments)]
@@ -197,9 +224,11 @@ pub fn matmul(
 ) -> Result<()> {
     let rb = check_weight(t, weight, rows, cols)?;
     let n = check_x_out(x, out, rows, cols)?;
-    by_rows(weight, rb, rows, n, threads, out, |w, o| {
+    let (body, scale) = rows_and_scale(t, weight, rows, rb);
+    by_rows(body, rb, rows, n, threads, out, |w, o| {
         kernel::rows(t, isa, w, x, n, cols, o)
     });
+    apply_scale(out, scale);
     Ok(())
 }
 
@@ -427,10 +456,12 @@ pub fn dequantize(
             rows * cols
         )));
     }
-    let tasks = threads::plan(rows, weight.len(), threads);
-    threads::for_row_chunks(tasks, rows, threads, weight, rb, out, cols, |w, o| {
+    let (body, scale) = rows_and_scale(t, weight, rows, rb);
+    let tasks = threads::plan(rows, body.len(), threads);
+    threads::for_row_chunks(tasks, rows, threads, body, rb, out, cols, |w, o| {
         kernel::decode_span(t, w, o)
     });
+    apply_scale(out, scale);
     Ok(())
 }
 

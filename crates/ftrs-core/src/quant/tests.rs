@@ -35,7 +35,7 @@ fn scale_fields(t: QType) -> &'static [usize] {
         QType::Q2K => &[80, 82],
         QType::Q3K => &[108],
         QType::Q6K => &[208],
-        QType::F32 | QType::F16 | QType::BF16 | QType::Mxfp4 => &[],
+        QType::F32 | QType::F16 | QType::BF16 | QType::Mxfp4 | QType::Nvfp4 => &[],
     }
 }
 
@@ -61,6 +61,10 @@ fn random_weights(t: QType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> 
                 w.extend_from_slice(&b);
             }
         }
+    }
+    if t.tail_bytes() == 4 {
+        // a tensor scale that is not a power of two, so its rounding shows
+        w.extend_from_slice(&(0.37 + 0.1 * rng.unit()).to_le_bytes());
     }
     w
 }
@@ -164,6 +168,7 @@ fn kernels_match_on_rows_longer_than_a_scale_group() {
         (QType::Mxfp4, 37 * 32),
         (QType::Iq4Nl, 37 * 32),
         (QType::Iq4Xs, 6 * 256),
+        (QType::Nvfp4, 21 * 64),
         (QType::Q3K, 6 * 256),
         (QType::Q2K, 6 * 256),
         (QType::Q5K, 6 * 256),
@@ -253,6 +258,43 @@ fn mxfp4_decodes_hand_packed_blocks_by_the_ocp_values() {
             assert_eq!(o, want, "e={e} element {l}");
         }
     }
+}
+
+/// NVFP4 by its definition: e4m3 block scales (bias 7; `2^(e - 7) (1 + m / 8)`, subnormal
+/// `2^-6 m / 8`), one per 16 weights, e2m1 codes as for MXFP4, then the tensor's fp32 scale;
+/// ggml's layout: sub-block j's element l < 8 in the low nibble of byte 4 + 8 j + l, l >= 8 in
+/// the high nibble of byte 4 + 8 j + l - 8.
+#[test]
+fn nvfp4_decodes_hand_packed_blocks_by_the_format() {
+    let e2m1 = [0.0f64, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+    let value = |code: u8| e2m1[(code & 7) as usize] * if code & 8 != 0 { -1.0 } else { 1.0 };
+    let e4m3 = |s: u8| {
+        let (e, m) = ((s >> 3) as i32, (s & 7) as f64);
+        if e == 0 {
+            2f64.powi(-6) * m / 8.0
+        } else {
+            2f64.powi(e - 7) * (1.0 + m / 8.0)
+        }
+    };
+    let q: [u8; 64] = std::array::from_fn(|l| ((l * 5 + l / 16) % 16) as u8);
+    // 1.0, 448 (the largest), a subnormal (3 * 2^-9) and 0.40625
+    let scales = [0x38u8, 0x7E, 0x03, 0x2A];
+    let mut b = scales.to_vec();
+    for j in 0..4 {
+        b.extend((0..8).map(|l| q[16 * j + l] | (q[16 * j + 8 + l] << 4)));
+    }
+    let tensor_scale = 0.0123f32;
+    b.extend_from_slice(&tensor_scale.to_le_bytes());
+    let mut out = [f32::NAN; 64];
+    dequantize(QType::Nvfp4, &b, &mut out, 1, 64, 1).unwrap();
+    for (l, &o) in out.iter().enumerate() {
+        // the block product is exact in fp32; the tensor scale rounds once
+        let want = (value(q[l]) * e4m3(scales[l / 16])) as f32 * tensor_scale;
+        assert_eq!(o, want, "element {l}");
+    }
+    let mut short = vec![0f32; 64];
+    let err = dequantize(QType::Nvfp4, &b[..36], &mut short, 1, 64, 1).unwrap_err();
+    assert!(err.to_string().contains("tensor scale"), "{err}");
 }
 
 /// IQ4_XS by its layout: eight 6-bit sub-block scales split into low nibbles (bytes 4..8)

@@ -20,7 +20,7 @@
 
 use std::arch::x86_64::*;
 
-use super::super::blocks::{e8m0_half, QType, E2M1_X2, IQ4_VALUES};
+use super::super::blocks::{e8m0_half, ue4m3_half, QType, E2M1_X2, IQ4_VALUES};
 use super::super::kernel::MAX_NX;
 
 mod act;
@@ -281,6 +281,43 @@ fn q32<const NX: usize, const KIND: u8>(
     }
 }
 
+/// NVFP4 against int activations: each 64-weight block meets two 32-blocks of the activations,
+/// each of those two 16-weight sub-blocks with their own e4m3 scales. A half's 16 bytes of
+/// nibbles are looked up as doubled e2m1 integers (MXFP4's [`e2m1_nibbles`]): the low nibbles
+/// are elements 0-7 and 16-23, the high ones 8-15 and 24-31, the order the activations were put
+/// in ([`X16::in_nibble_order`]), so after `vpmaddwd` lanes 0-3 hold the first sub-block's
+/// pair sums and 4-7 the second's (|.| <= 4 * 12 * 32385, exact), and one fused multiply-add
+/// meets both scales (`ue4m3_half(s) * u`, four lanes each). The halves go to two chains; the
+/// tensor scale is the caller's ([`crate::quant::matmul`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+fn nvfp4<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32], g0: usize) {
+    let nb = x[0].d.len(); // 32-blocks per row: 2 per block
+    for (row, o) in w.chunks_exact(nb / 2 * 36).zip(out.chunks_exact_mut(n)) {
+        let mut chains = [[_mm256_setzero_ps(); NX]; 2];
+        for (k, b) in row.chunks_exact(36).enumerate() {
+            prefetch(b, PREFETCH_AHEAD);
+            for (h, acc) in chains.iter_mut().enumerate() {
+                let (lo, hi) = e2m1_nibbles(ld16(&b[4 + 16 * h..]));
+                let wv = (_mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi));
+                let dv = _mm256_setr_m128(
+                    _mm_set1_ps(ue4m3_half(b[2 * h])),
+                    _mm_set1_ps(ue4m3_half(b[2 * h + 1])),
+                );
+                let bi = 2 * k + h;
+                for i in 0..NX {
+                    // SAFETY: bi is a block of a weight row as long as the activation rows.
+                    let ((u, _), xv) = unsafe { (x[i].unit_sum(bi), xblock(&x[i], bi)) };
+                    let scale = _mm256_mul_ps(dv, _mm256_set1_ps(u));
+                    acc[i] = _mm256_fmadd_ps(dot32(wv, xv), scale, acc[i]);
+                }
+            }
+        }
+        for i in 0..NX {
+            o[g0 + i] = hsum(_mm256_add_ps(chains[0][i], chains[1][i]));
+        }
+    }
+}
+
 /// Runs kernel `$kern` over the activation rows in groups of up to 8 (the last one smaller).
 macro_rules! dispatch {
     ($kern:ident $(, $extra:expr)?; $w:expr, $x:expr, $n:expr, $cols:expr, $out:expr) => {{
@@ -308,7 +345,7 @@ fn integer(t: QType) -> bool {
 }
 
 /// The integer kernel of `t` (Q8_0, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL,
-/// IQ4_XS) for `n` rows
+/// IQ4_XS, NVFP4) for `n` rows
 /// of `x`; false (and nothing written) for another type.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32]) -> bool {
@@ -323,6 +360,10 @@ pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32
         QType::Mxfp4 => dispatch!(q32, 3; w, &x16, n, cols, out),
         QType::Iq4Nl => dispatch!(q32, 4; w, &x16, n, cols, out),
         QType::Iq4Xs => dispatch!(iq4xs; w, &x16, n, cols, out),
+        QType::Nvfp4 => {
+            let x16 = x16.in_nibble_order();
+            dispatch!(nvfp4; w, &x16, n, cols, out)
+        }
         QType::Q3K => dispatch!(q3k; w, &x16, n, cols, out),
         QType::Q2K => dispatch!(q2k; w, &x16, n, cols, out),
         QType::Q4K => dispatch!(q4k, false; w, &x16, n, cols, out),

@@ -36,6 +36,20 @@ impl X16 {
         self
     }
 
+    /// Puts each 32-block's values in the order NVFP4's nibbles come in: elements 0-7, 16-23,
+    /// 8-15, 24-31 (a 16-weight sub-block's low nibbles hold its elements 0-7, the high ones
+    /// 8-15). Only `v` moves: units and sums are per block.
+    pub fn in_nibble_order(mut self) -> X16 {
+        for b in self.v.chunks_exact_mut(32) {
+            let (a, c) = b.split_at_mut(16);
+            let mut t = [0i16; 8];
+            t.copy_from_slice(&a[8..16]);
+            a[8..16].copy_from_slice(&c[..8]);
+            c[..8].copy_from_slice(&t);
+        }
+        self
+    }
+
     /// Adds the two-digit form of every value (`hi`, `lo`).
     pub fn with_digits(mut self) -> X16 {
         // |v| <= 32385, so hi = (v + 128) >> 8 stays within -127..=127 and lo within -128..=127

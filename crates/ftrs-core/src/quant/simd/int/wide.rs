@@ -381,14 +381,14 @@ fn q6k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
 }
 
 /// [`super::rows`] with the AVX-512 kernels; false (and nothing written) for a type without
-/// one (IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q5_K: the AVX2 integer kernels run them).
+/// one (IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q5_K, NVFP4: the AVX2 integer kernels run them).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32]) -> bool {
-    // IQ4, Q2_K, Q3_K and Q5_K have no AVX-512 form: the caller runs the AVX2 one
+    // IQ4, Q2_K, Q3_K, Q5_K and NVFP4 have no AVX-512 form: the caller runs the AVX2 one
     if !super::integer(t)
         || matches!(
             t,
-            QType::Iq4Nl | QType::Iq4Xs | QType::Q3K | QType::Q2K | QType::Q5K
+            QType::Iq4Nl | QType::Iq4Xs | QType::Q3K | QType::Q2K | QType::Q5K | QType::Nvfp4
         )
     {
         return false;
