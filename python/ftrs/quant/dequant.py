@@ -14,7 +14,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ftrs.quant.formats import FLOAT_TYPES, FP8_BLOCK, QuantTensor, block_format, fp8_scale_grid
+from ftrs.quant.formats import (
+    FLOAT_TYPES,
+    FP8_BLOCK,
+    TAIL_BYTES,
+    QuantTensor,
+    block_format,
+    fp8_scale_grid,
+)
 
 _Deq = Callable[[torch.Tensor], torch.Tensor]
 _TORCH: dict[str, _Deq] = {}
@@ -177,6 +184,26 @@ def _mxfp4(b: torch.Tensor) -> torch.Tensor:
     return d * lut[torch.cat([q & 0xF, q >> 4], dim=1)]
 
 
+def ue4m3_half(s: torch.Tensor) -> torch.Tensor:
+    """NVFP4's unsigned e4m3 scale bytes -> half their value in fp32, built from the bits as
+    `gguf.quants.NVFP4.ue4m3_to_fp32` reads them (0x7F, e4m3's NaN, reads as 0; bit 7 ignored)."""
+    s = s.int()
+    e, m = (s >> 3) & 0xF, s & 7
+    normal = (((e + 119) << 23) | (m << 20)).view(torch.float32)
+    v = torch.where(e == 0, m.float() * (1.0 / 1024.0), normal)
+    return torch.where(s == 0x7F, torch.zeros_like(v), v)
+
+
+@_register("NVFP4")
+def _nvfp4(b: torch.Tensor) -> torch.Tensor:
+    """Four 16-value sub-blocks: scale byte j, then 8 bytes (low nibbles: values 0..7)."""
+    n = b.shape[0]
+    d = ue4m3_half(b[:, :4]).view(n, 4, 1)
+    lut = torch.tensor(_E2M1_X2, dtype=torch.float32, device=b.device)
+    q = b[:, 4:].int().view(n, 4, 8)
+    return (d * lut[torch.cat([q & 0xF, q >> 4], dim=2)]).view(n, 64)
+
+
 _IQ4 = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
@@ -227,8 +254,10 @@ def dequantize(w: QuantTensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     f = block_format(w.qtype)
     if w.qtype not in _TORCH:  # no torch version: through numpy on the host
         return dequantize_numpy(w).to(device=w.device, dtype=dtype)
-    out = _TORCH[w.qtype](w.data.view(-1, f.block_bytes))
-    return out.view(rows, cols).to(dtype)
+    out = _TORCH[w.qtype](w.rows_view().reshape(-1, f.block_bytes)).view(rows, cols)
+    if w.qtype in TAIL_BYTES:  # the tensor scale, last (one rounding, as the Rust decode)
+        out = out * w.data[-4:].view(torch.float32)
+    return out.to(dtype)
 
 
 def dequantize_numpy(w: QuantTensor) -> torch.Tensor:
@@ -238,6 +267,7 @@ def dequantize_numpy(w: QuantTensor) -> torch.Tensor:
     if w.qtype not in gguf.GGMLQuantizationType.__members__:
         raise ValueError(f"{w.qtype} is not a GGUF type")
     qt = gguf.GGMLQuantizationType[w.qtype]
-    raw = w.data.cpu().numpy().reshape(w.shape[0], -1)
+    raw = w.rows_view().cpu().numpy()
     arr = gguf.quants.dequantize(raw, qt)
-    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).view(*w.shape)
+    out = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).view(*w.shape)
+    return out * w.tensor_scale if w.qtype in TAIL_BYTES else out

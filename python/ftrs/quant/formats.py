@@ -17,6 +17,13 @@ values 16..31. Safetensors ship it as `*_blocks` (two values per byte, in order)
 tensors; `quant.mxfp4.from_blocks` rearranges those bytes into this layout without changing a
 value, so whole rows can be sliced (gpt-oss interleaves gate and up rows) and the block types
 share one code path.
+
+`NVFP4` (NVIDIA's FP4: ModelOpt checkpoints, `quant_method == "modelopt"`, `quant_algo ==
+"NVFP4"`) is kept in ggml's `block_nvfp4` layout: per 64 values, four e4m3 scale bytes (one per
+16 values), then 8 bytes per 16 values whose low nibbles are values 0..7 and high nibbles 8..15.
+The format also has one fp32 scale per tensor (`weight_scale_2`), which no block holds: a
+`QuantTensor` of this type carries it after its rows (`TAIL_BYTES`), as FP8_BLOCK carries its
+scales, and every weight is `e2m1 * block scale * tensor scale`.
 """
 
 from __future__ import annotations
@@ -53,7 +60,10 @@ GGUF_FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
     BlockFormat("MXFP4", 32, 17),
     BlockFormat("IQ4_NL", 32, 18),
     BlockFormat("IQ4_XS", 256, 136),
+    BlockFormat("NVFP4", 64, 36),
 )}
+#: Bytes a tensor of the type carries after its rows: NVFP4's fp32 tensor scale.
+TAIL_BYTES: dict[str, int] = {"NVFP4": 4}
 #: Types whose bytes are a plain float array: they load as ordinary tensors.
 FLOAT_TYPES = ("F32", "F16", "BF16")
 FP8_BLOCK = "FP8_BLOCK"
@@ -87,7 +97,7 @@ def tensor_bytes(qtype: str, rows: int, cols: int,
             raise ValueError("FP8_BLOCK needs its block shape")
         gr, gc = fp8_scale_grid(rows, cols, fp8_block)
         return rows * cols + 4 * gr * gc
-    return rows * row_bytes(qtype, cols)
+    return rows * row_bytes(qtype, cols) + TAIL_BYTES.get(qtype, 0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -124,8 +134,16 @@ class QuantTensor:
         return QuantTensor(self.qtype, self.shape, self.data.to(device), self.fp8_block)
 
     def rows_view(self) -> torch.Tensor:
-        """(rows, row_bytes) uint8 view (GGUF types only)."""
-        return self.data.view(self.shape[0], -1)
+        """(rows, row_bytes) uint8 view of the rows (GGUF block types only; without a tail)."""
+        rows, cols = self.shape
+        return self.data[: rows * row_bytes(self.qtype, cols)].view(rows, -1)
+
+    @property
+    def tensor_scale(self) -> float:
+        """The tensor-wide scale a type with a tail carries (NVFP4), 1 otherwise."""
+        if self.qtype not in TAIL_BYTES:
+            return 1.0
+        return float(self.data[-4:].cpu().view(torch.float32)[0])
 
     def __repr__(self) -> str:
         return f"QuantTensor({self.qtype}, {list(self.shape)}, {self.nbytes} bytes, {self.device})"

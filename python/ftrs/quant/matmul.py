@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ftrs.quant.dequant import dequantize
-from ftrs.quant.formats import FP8_BLOCK, QuantTensor
+from ftrs.quant.formats import FP8_BLOCK, TAIL_BYTES, QuantTensor
 
 Weight = Union[torch.Tensor, QuantTensor]  # noqa: UP007 (a runtime alias, used in isinstance)
 _state = {"kernels": True}
@@ -217,6 +217,8 @@ def embedding(ids: torch.Tensor, w: Weight, dtype: torch.dtype = torch.float32) 
         raise ValueError("embedding: an FP8 block-scaled table cannot be read by rows")
     flat = ids.reshape(-1)
     rows = w.rows_view().index_select(0, flat).reshape(-1)  # (n * row_bytes,) uint8
+    if w.qtype in TAIL_BYTES:  # the tensor scale travels with the rows
+        rows = torch.cat([rows, w.data[-TAIL_BYTES[w.qtype]:]])
     part = QuantTensor(w.qtype, (int(flat.numel()), w.shape[1]), rows)
     if part.shape[0] and part.device.type == "cpu" and _state["kernels"] \
             and w.qtype in block_kernel_types():
