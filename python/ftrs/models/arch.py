@@ -29,7 +29,7 @@ FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)  # the hybrids' kinds
 WINDOWED_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)  # the other architectures' kinds
-QUANT_METHODS = ("fp8", "mxfp4")
+QUANT_METHODS = ("fp8", "mxfp4", "modelopt")
 _HYBRID = ("qwen3_5_moe", "qwen3_next")  # Gated DeltaNet + gated attention + shared expert
 
 
@@ -86,6 +86,7 @@ class ArchSpec:
     moe_layers: tuple[int, ...] = ()  # indices of layers whose MLP is routed
     rope_scaling: dict[str, Any] | None = None
     fp8_block: tuple[int, int] | None = None  # FP8 checkpoint: the weight_scale_inv tile
+    nvfp4: bool = False  # ModelOpt NVFP4 checkpoint: packed e2m1 weights, weight_scale(_2)
     #: token mixer of each layer (HF's `config.layer_types` strings); () means all full attention
     layer_types: tuple[str, ...] = ()
     sliding_window: int = 0  # keys a "sliding_attention" query sees, its own included
@@ -164,8 +165,14 @@ def _fp8_block(qc: Any, source: str) -> tuple[int, int] | None:
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method not in QUANT_METHODS:
         raise ModelLoadError(source, f"unsupported quantization method {method!r} "
-                             "(supported: fp8 with block scales, mxfp4)")
+                             "(supported: fp8 with block scales, mxfp4, modelopt NVFP4)")
     if method == "mxfp4":  # the tensors say which weights are MXFP4 (`*_blocks`, `*_scales`)
+        return None
+    if method == "modelopt":  # the tensors say which weights are NVFP4 (uint8 + weight_scale)
+        algo, group = qc.get("quant_algo"), qc.get("group_size", 16)
+        if not isinstance(algo, str) or algo.upper() != "NVFP4" or group != 16:
+            raise ModelLoadError(source, f"unsupported modelopt quantization quant_algo={algo!r} "
+                                 f"group_size={group!r} (supported: NVFP4, groups of 16)")
         return None
     block = qc.get("weight_block_size")
     if (not isinstance(block, list) or len(block) != 2
@@ -268,6 +275,7 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
         moe_layers=moe_layers,
         rope_scaling=scaling,
         fp8_block=fp8_block,
+        nvfp4=(cfg.get("quantization_config") or {}).get("quant_method") == "modelopt",
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         sliding_window=window,
@@ -345,4 +353,14 @@ def load_arch(model_dir: Path) -> ArchSpec:
         cfg = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(str(path), f"cannot parse: {e}") from e
+    hq = model_dir / "hf_quant_config.json"
+    if "quantization_config" not in cfg and hq.is_file():
+        # ModelOpt's exports name their quantization there, not in config.json
+        try:
+            q = json.loads(hq.read_text()).get("quantization")
+        except (OSError, json.JSONDecodeError, AttributeError) as e:
+            raise ModelLoadError(str(hq), f"cannot parse: {e}") from e
+        if not isinstance(q, dict):
+            raise ModelLoadError(str(hq), "no \"quantization\" object")
+        cfg["quantization_config"] = {"quant_method": "modelopt", **q}
     return arch_from_config(cfg, str(path))

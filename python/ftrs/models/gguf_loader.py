@@ -47,7 +47,7 @@ from ftrs.models.gguf_archs import (
 )
 from ftrs.models.names import DOWN, GATE, UP
 from ftrs.models.tokenizer import Tokenizer
-from ftrs.quant.formats import GGUF_FORMATS, QuantTensor, tensor_bytes
+from ftrs.quant.formats import GGUF_FORMATS, TAIL_BYTES, QuantTensor, tensor_bytes
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,9 @@ _BIAS = 3  # the pool's tensor index of an expert's gate bias (up 4, down 5): `e
 #: `blk.N.ffn_gate_up_exps` (the converter's `--fuse-gate-up-exps`): gate rows, then up rows
 _GATE_UP = 10
 _BLK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)(?:\.(weight|bias))?$")  # ssm_a has no suffix
-SUPPORTED_TYPES = tuple(GGUF_FORMATS)
+#: NVFP4 is left out: a GGUF file keeps its per-tensor scale outside the blocks, in a
+#: convention this loader does not read, and NVFP4 without it is off by that factor
+SUPPORTED_TYPES = tuple(t for t in GGUF_FORMATS if t not in TAIL_BYTES)
 _ARCH_TYPE = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
               "qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe_text"}
 

@@ -8,7 +8,10 @@ byte is copied, so a bad file fails with its name and the tensor at fault.
 FP8 checkpoints (`quantization_config.quant_method == "fp8"`: `float8_e4m3fn` weights, each with
 a `weight_scale_inv` per `weight_block_size` tile) stay FP8: each weight and its scales become
 one `FP8_BLOCK` byte buffer (`ftrs.quant`), in the expert pool for experts, a `QuantTensor` for
-dense projections on the CPU (dequantized once at load on a GPU).
+dense projections on the CPU (dequantized once at load on a GPU). ModelOpt NVFP4 checkpoints
+(`quant_method == "modelopt"`, `quant_algo == "NVFP4"`, in config.json or hf_quant_config.json:
+uint8 weights with `weight_scale` and `weight_scale_2`) stay NVFP4 the same way
+(`quant.nvfp4.from_modelopt`); the modules the export left out are plain tensors.
 
 gpt_oss packs each layer's experts into a few tensors (MXFP4 `*_blocks` + `*_scales`, or plain)
 with biases: `models.packed_experts` checks them here and cuts them into the pool.
@@ -44,6 +47,7 @@ from ftrs.models.packed_experts import (
 from ftrs.quant.dequant import dequantize
 from ftrs.quant.formats import FP8_BLOCK, QuantTensor, fp8_scale_grid
 from ftrs.quant.matmul import Weight
+from ftrs.quant.nvfp4 import from_modelopt
 
 log = logging.getLogger(__name__)
 
@@ -123,19 +127,30 @@ def _linear_attn_shapes(s: ArchSpec, p: str, flat: bool) -> dict[str, tuple[int,
 
 
 SCALE_SUFFIX = ".weight_scale_inv"
+NVFP4_SUFFIXES = (".weight_scale", ".weight_scale_2")  # per 16 values, per tensor
 
 
-def _fp8_formats(files: list[Path], spec: ArchSpec) -> dict[int, ExpertFormat]:
-    """Per MoE layer, which expert tensors the files hold in FP8 (header reads only)."""
-    fp8: set[tuple[int, int]] = set()
+def _quantized(dtype: str, spec: ArchSpec) -> str | None:
+    """The `ftrs.quant` type a tensor of safetensors dtype `dtype` is kept in, None if plain."""
+    if dtype == "F8_E4M3" and spec.fp8_block:
+        return FP8_BLOCK
+    if dtype == "U8" and spec.nvfp4:
+        return "NVFP4"
+    return None
+
+
+def _quant_formats(files: list[Path], spec: ArchSpec) -> dict[int, ExpertFormat]:
+    """Per MoE layer, which expert tensors the files hold quantized (header reads only)."""
+    found: dict[tuple[int, int], str] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 key = map_hf_name(name)
-                if isinstance(key, ExpertKey) and f.get_slice(name).get_dtype() == "F8_E4M3":
-                    fp8.add((key.layer, key.tensor))
-    block = TensorFormat(FP8_BLOCK, spec.fp8_block)
-    return {la: tuple(block if (la, t) in fp8 else TensorFormat()
+                qtype = _quantized(f.get_slice(name).get_dtype(), spec)
+                if isinstance(key, ExpertKey) and qtype:
+                    found[(key.layer, key.tensor)] = qtype
+    return {la: tuple(TensorFormat(found[(la, t)], spec.fp8_block if found[(la, t)] == FP8_BLOCK
+                                   else None) if (la, t) in found else TensorFormat()
                       for t in range(3)) for la in spec.moe_layers}
 
 
@@ -152,6 +167,24 @@ def fp8_bytes(weight: torch.Tensor, scale: torch.Tensor | None, name: str, sourc
                       scale.float().contiguous().view(torch.uint8).reshape(-1)])
 
 
+def _quant_bytes(qtype: str, weight: torch.Tensor, sides: dict[str, torch.Tensor], name: str,
+                 source: str, spec: ArchSpec) -> tuple[torch.Tensor, tuple[int, int]]:
+    """One quantized weight's bytes as `ftrs.quant` keeps them, and its (rows, cols)."""
+    stem = name[:-len(".weight")]
+    if qtype == FP8_BLOCK:
+        assert spec.fp8_block is not None  # invariant: `_quantized` says FP8 only with a block
+        data = fp8_bytes(weight, sides.get(stem + SCALE_SUFFIX), name, source, spec.fp8_block)
+        return data, (int(weight.shape[0]), int(weight.shape[1]))
+    missing = [stem + s for s in NVFP4_SUFFIXES if stem + s not in sides]
+    if missing:
+        raise ModelLoadError(source, f"NVFP4 weight {name} has no {' or '.join(missing)}")
+    try:
+        data = from_modelopt(weight, *(sides[stem + s] for s in NVFP4_SUFFIXES))
+    except ValueError as e:
+        raise ModelLoadError(source, f"{name}: {e}") from e
+    return data, (int(weight.shape[0]), 2 * int(weight.shape[1]))
+
+
 def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device: torch.device,
                      progress: bool = True) -> tuple[dict[str, Weight], HostExperts | None]:
     files = checkpoint_files(model_dir)
@@ -163,15 +196,17 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
     entries: list[tuple[str, str, int, int, int]] = []
     seen_experts: set[ExpertKey] = set()
     block = spec.fp8_block
-    formats = _fp8_formats(files, spec) if block and spec.is_moe else None
+    sides_named = (SCALE_SUFFIX,) if block else NVFP4_SUFFIXES if spec.nvfp4 else ()
+    formats = _quant_formats(files, spec) if sides_named and spec.is_moe else None
     packed: Sources = {}
     if spec.is_moe and spec.expert_bias:
         for src, _, pkey in sources_in(files):
             packed.setdefault(pkey.layer, {})[pkey.part] = src
         formats = packed_formats(packed, spec, str(model_dir))
     experts = HostExperts(spec, dtype, formats) if spec.is_moe else None
-    fp8: dict[str, tuple[str, torch.Tensor]] = {}  # FP8 weight name -> (file, fp8 tensor)
-    scales: dict[str, torch.Tensor] = {}  # weight name -> its weight_scale_inv
+    # quantized weight name -> (file, type, the file's tensor); their scale tensors by name
+    quant: dict[str, tuple[str, str, torch.Tensor]] = {}
+    sides: dict[str, torch.Tensor] = {}
     layer_index = experts.layer_index if experts else {}
     bar = tqdm(total=len(files), desc="loading weights", unit="file", disable=not progress,
                leave=False)
@@ -182,17 +217,23 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
             raise ModelLoadError(str(path), f"cannot read safetensors: {e}") from e
         with handle as f:
             for name in f.keys():
-                if name.endswith(SCALE_SUFFIX) and block:
-                    scales[name[:-len(SCALE_SUFFIX)] + ".weight"] = f.get_tensor(name)
+                if name.endswith(sides_named):
+                    sides[name] = f.get_tensor(name)
                     continue
                 key = map_hf_name(name)
                 if key is None:
                     continue
                 shape = tuple(f.get_slice(name).get_shape())
-                is_fp8 = f.get_slice(name).get_dtype() == "F8_E4M3"
-                if is_fp8 and not block:
+                st_dtype = f.get_slice(name).get_dtype()
+                qtype = _quantized(st_dtype, spec)
+                if st_dtype == "F8_E4M3" and not qtype:
                     raise ModelLoadError(str(path), f"tensor {name} is FP8 but config.json has "
                                          "no fp8 quantization_config")
+                if st_dtype == "U8" and not qtype and not isinstance(key, PackedExperts):
+                    raise ModelLoadError(str(path), f"tensor {name} is uint8 (packed FP4?) but "
+                                         "the config names no modelopt NVFP4 quantization")
+                if qtype == "NVFP4" and len(shape) == 2:
+                    shape = (shape[0], 2 * shape[1])  # two values a byte
                 if isinstance(key, PackedExperts):
                     check_part(key, shape, spec, str(path), name)
                     continue
@@ -202,8 +243,8 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
                     if shape != spec.expert_shapes[key.tensor]:
                         raise ModelLoadError(str(path), f"tensor {name} has shape {list(shape)}, "
                                              f"expected {list(spec.expert_shapes[key.tensor])}")
-                    if is_fp8:
-                        fp8[name] = (str(path), f.get_tensor(name))
+                    if qtype:
+                        quant[name] = (str(path), qtype, f.get_tensor(name))
                     else:
                         entries.append((str(path), name, layer_index[key.layer], key.expert,
                                         key.tensor))
@@ -214,8 +255,8 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
                 if key in want and shape != want[key]:
                     raise ModelLoadError(str(path), f"tensor {name} has shape {list(shape)}, "
                                          f"expected {list(want[key])}")
-                if is_fp8:
-                    fp8[name] = (str(path), f.get_tensor(name))
+                if qtype:
+                    quant[name] = (str(path), qtype, f.get_tensor(name))
                     dense[key] = torch.empty(0)  # placed below, once its scales are read
                     continue
                 try:
@@ -242,16 +283,15 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
         log.info("filling the expert pool: %d tensors, %.1f MiB", len(entries),
                  experts.pool.nbytes / 2**20)
         experts.pool.fill_from_safetensors(entries)
-    for name, (src, w) in fp8.items():
-        assert block is not None  # invariant: fp8 tensors are refused without a block
-        data = fp8_bytes(w, scales.get(name), name, src, block)
+    for name, (src, qtype, w) in quant.items():
+        data, shape = _quant_bytes(qtype, w, sides, name, src, spec)
         key = map_hf_name(name)
         if isinstance(key, ExpertKey):
             assert experts is not None
             experts.write(key.layer, key.expert, key.tensor, data.numpy())
             continue
         assert isinstance(key, str)
-        qt = QuantTensor(FP8_BLOCK, (int(w.shape[0]), int(w.shape[1])), data, block)
+        qt = QuantTensor(qtype, shape, data, block if qtype == FP8_BLOCK else None)
         dense[key] = qt if keeps_quantized(key, device.type) else dequantize(qt.to(device), dtype)
     if spec.arch == "qwen3_next":
         _split_grouped(spec, dense)
