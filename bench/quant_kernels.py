@@ -1,5 +1,5 @@
-"""Quantized CPU kernels: GB/s and GFLOP/s per GGUF type (and MXFP4, FP8_BLOCK in 128x128
-tiles) at n = 1 and n = 8, side by side with
+"""Quantized CPU kernels: GB/s and GFLOP/s per GGUF type (and MXFP4, NVFP4, FP8_BLOCK in
+128x128 tiles) at n = 1 and n = 8, side by side with
 a numpy fp32 matmul of the same shape and the host's memcpy bandwidth, measured in one run.
 
     .venv/bin/python bench/quant_kernels.py [--rows 2048] [--cols 4096] [--threads 0]
@@ -38,7 +38,7 @@ import numpy as np
 from ftrs import _core as core
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS", "FP8_BLOCK"]
+         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS", "NVFP4", "FP8_BLOCK"]
 FP8, FP8_TILE = "FP8_BLOCK", (128, 128)  # block-scaled FP8 as DeepSeek / Qwen ship it
 # Byte offsets of each block's fp16 scales (ggml block structs): set finite in random blocks.
 SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
@@ -70,6 +70,9 @@ def random_weight(qtype: str, rows: int, cols: int, rng: np.random.Generator) ->
         blocks[:, off:off + 2] = scale.view(np.uint8).reshape(-1, 2)
     if qtype == "MXFP4":  # e8m0 exponents 2^-10..2^1: finite weights of a trained model's range
         blocks[:, 0] = rng.integers(118, 130, len(blocks), dtype=np.uint8)
+    if qtype == "NVFP4":  # e4m3 block scales 2^-3..2^5, then the fp32 tensor scale
+        blocks[:, :4] = rng.integers(0x20, 0x60, (len(blocks), 4), dtype=np.uint8)
+        return np.concatenate([blocks.reshape(-1), np.array([1e-3], np.float32).view(np.uint8)])
     return blocks.reshape(-1)
 
 
