@@ -77,3 +77,34 @@ def build(arch: str, types: dict[str, str], root: Path, seed: int = 1) -> tuple[
     save_file({k: v.contiguous() for k, v in held.items()}, str(ref_dir / "model.safetensors"))
     (ref_dir / "config.json").write_text(json.dumps(cfg))
     return gguf_path, ref_dir
+
+
+def spy_kernel_types(monkeypatch: Any) -> list[str]:
+    """The types `quant.matmul` hands to the Rust kernels from now on, in call order
+    (`monkeypatch`: pytest's fixture)."""
+    import importlib
+
+    quant_matmul = importlib.import_module("ftrs.quant.matmul")  # the module, not the function
+    kernel_matmul = quant_matmul._kernel_matmul
+    seen: list[str] = []
+
+    def spy(x: torch.Tensor, w: Any) -> torch.Tensor:
+        seen.append(w.qtype)
+        return kernel_matmul(x, w)
+
+    monkeypatch.setattr(quant_matmul, "_kernel_matmul", spy)
+    return seen
+
+
+def strategy_logits_equal_resident(model_dir: Path, strategy: str, ids: list[int]) -> bool:
+    """Whether `strategy` (offload, hybrid) at a quarter of the experts cached gives the
+    resident strategy's logits of `ids`, bit for bit (fp32)."""
+    from ftrs.llm import LLM
+
+    opts: dict[str, Any] = {"kv_tokens": 1024, "dtype": "float32"}
+    ref = LLM(str(model_dir), moe_strategy="resident", **opts).logits(ids)
+    llm = LLM(str(model_dir), moe_strategy=strategy, moe_cache_rate=0.25, **opts)
+    try:
+        return torch.equal(llm.logits(ids), ref)
+    finally:
+        llm.close()

@@ -8,7 +8,6 @@ transformers' own converter for the MXFP4 checkpoint.
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
 from pathlib import Path
@@ -25,6 +24,7 @@ from ftrs.models.load import load_model
 from ftrs.quant import QuantTensor, dequantize, use_kernels
 from ftrs.quant.matmul import kernel_types
 from ftrs.sampling import SamplingParams
+from quant_models import spy_kernel_types
 
 transformers = pytest.importorskip("transformers")
 
@@ -196,25 +196,11 @@ def mxfp4(model: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
     return gpt_oss_models.quantize_mxfp4(model, root / "mxfp4", root / "dequantized")
 
 
-def _spy_kernel_types(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The types `quant.matmul` hands to the Rust kernels from now on, in a list."""
-    quant_matmul = importlib.import_module("ftrs.quant.matmul")  # the module, not the function
-    kernel_matmul = quant_matmul._kernel_matmul
-    seen: list[str] = []
-
-    def spy(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
-        seen.append(w.qtype)
-        return kernel_matmul(x, w)
-
-    monkeypatch.setattr(quant_matmul, "_kernel_matmul", spy)
-    return seen
-
-
 def test_mxfp4_logits_match_the_dequantized_weights(mxfp4: tuple[Path, Path],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # the reference path: the torch dequantizer, then F.linear
     q_dir, ref_dir = mxfp4
-    seen = _spy_kernel_types(monkeypatch)
+    seen = spy_kernel_types(monkeypatch)
     with use_kernels(False):
         ours = LLM(str(q_dir), kv_tokens=1024, dtype="float32").logits(IDS)
     assert "MXFP4" not in seen
@@ -231,7 +217,7 @@ def test_mxfp4_kernel_path_greedy_agrees_with_reference(mxfp4: tuple[Path, Path]
     assert "MXFP4" in kernel_types()
     llm = LLM(str(mxfp4[0]), kv_tokens=1024, dtype="float32")
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    seen = _spy_kernel_types(monkeypatch)
+    seen = spy_kernel_types(monkeypatch)
     with use_kernels(False):
         ref = llm.generate([IDS], params)[0].token_ids
     assert "MXFP4" not in seen

@@ -21,6 +21,7 @@ from ftrs.llm import LLM
 from ftrs.models.load import load_model
 from ftrs.models.tiny import make_tiny
 from ftrs.quant import FP8_BLOCK, QuantTensor, kernel_types, use_kernels
+from quant_models import strategy_logits_equal_resident
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-4
@@ -100,11 +101,7 @@ def test_fp8_offload_and_hybrid_equal_resident(fp8_model: tuple[Path, Path],
                                                strategy: str) -> None:
     # FP8 experts cross the link as their bytes (offload), or are computed in the pool by the
     # same kernel (hybrid): the same logits as resident, bit for bit
-    opts: dict[str, Any] = {"kv_tokens": 1024, "dtype": "float32"}
-    ref = LLM(str(fp8_model[0]), moe_strategy="resident", **opts).logits(IDS)
-    llm = LLM(str(fp8_model[0]), moe_strategy=strategy, moe_cache_rate=0.25, **opts)
-    assert torch.equal(llm.logits(IDS), ref)
-    llm.close()
+    assert strategy_logits_equal_resident(fp8_model[0], strategy, IDS)
 
 
 def test_fp8_experts_stay_fp8_in_the_pool(fp8_model: tuple[Path, Path]) -> None:
