@@ -3,7 +3,8 @@
 Each model is a tiny random transformers checkpoint written as GGUF by `gguf_write` (the `gguf`
 package's own quantizers for Q8_0/Q4_0/Q4_1/Q5_0/Q5_1, random blocks with finite scales for the
 K-quants); `build` also writes the weights the file holds, dequantized with the `gguf` package's
-reference, as an HF checkpoint for transformers.
+reference, as an HF checkpoint for transformers. `write_nvfp4_checkpoint`: a ModelOpt NVFP4
+safetensors checkpoint, quantized here as ModelOpt lays it out, beside the fp32 values it holds.
 """
 
 from __future__ import annotations
@@ -108,3 +109,56 @@ def strategy_logits_equal_resident(model_dir: Path, strategy: str, ids: list[int
         return torch.equal(llm.logits(ids), ref)
     finally:
         llm.close()
+
+
+#: the weights ModelOpt quantizes (router, norms, embeddings and LM head stay plain)
+NVFP4_QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+NVFP4_QC = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+      "kv_cache_quant_algo": None, "exclude_modules": ["lm_head", "model.layers.*.mlp.gate"]}
+
+
+def to_nvfp4(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """ModelOpt's tensors for `w` (by suffix) and the fp32 weight they hold."""
+    rows, cols = w.shape
+    ts = w.abs().max() / (6.0 * 448.0)
+    groups = w.view(rows, cols // 16, 16)
+    scale = (groups.abs().amax(-1) / 6.0 / ts).to(torch.float8_e4m3fn)
+    step = scale.float() * ts  # what one e2m1 unit is worth in each group
+    r = groups / step[..., None]
+    mag = (r.abs()[..., None] - E2M1_VALUES).abs().argmin(-1)  # nearest magnitude
+    codes = mag | ((r < 0).long() << 3)
+    pairs = codes.view(rows, cols // 2, 2)
+    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
+    values = torch.where(codes >= 8, -E2M1_VALUES[mag], E2M1_VALUES[mag])
+    deq = ((values * scale.float()[..., None]) * ts).view(rows, cols)
+    return {".weight": packed, ".weight_scale": scale, ".weight_scale_2": ts.reshape(()),
+            ".input_scale": torch.tensor(0.01)}, deq
+
+
+def write_nvfp4_checkpoint(root: Path, hf_quant_config: bool = False) -> tuple[Path, Path]:
+    """(ModelOpt NVFP4 qwen3_moe checkpoint, HF checkpoint of the values it holds in fp32)."""
+    cfg = quant_config("qwen3_moe")
+    tensors = tiny_tensors(cfg, 5)
+    nv_dir, ref_dir = root / "nvfp4", root / "ref"
+    nv: dict[str, torch.Tensor] = {}
+    ref: dict[str, torch.Tensor] = {}
+    for name, w in tensors.items():
+        if name.endswith(".weight") and name.split(".")[-2] in NVFP4_QUANTIZED:
+            parts, ref[name] = to_nvfp4(w)
+            nv |= {name[:-7] + suffix: t for suffix, t in parts.items()}
+        else:
+            nv[name] = ref[name] = w
+    for d, t in ((nv_dir, nv), (ref_dir, ref)):
+        d.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in t.items()}, str(d / "model.safetensors"))
+        tiny_tokenizer(cfg["vocab_size"]).save(d)
+    (ref_dir / "config.json").write_text(json.dumps(cfg))
+    if hf_quant_config:  # ModelOpt's older exports: config.json says nothing
+        (nv_dir / "config.json").write_text(json.dumps(cfg))
+        (nv_dir / "hf_quant_config.json").write_text(json.dumps(
+            {"producer": {"name": "modelopt"},
+             "quantization": {k: v for k, v in NVFP4_QC.items() if k != "quant_method"}}))
+    else:
+        (nv_dir / "config.json").write_text(json.dumps(cfg | {"quantization_config": NVFP4_QC}))
+    return nv_dir, ref_dir

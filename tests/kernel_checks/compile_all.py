@@ -2,7 +2,8 @@
 PTX in process and assembles with the ptxas it ships). Run as a script without
 TRITON_INTERPRET; prints one line per kernel variant and exits non-zero on the first failure.
 
-    python tests/kernel_checks/compile_all.py [--quick] [ARCH ...]    # default: 80 90
+    python tests/kernel_checks/compile_all.py [--quick] [ARCH ...]    # default: 80 86 90
+    (86: the RTX 30 series)
     (--quick: the bf16 norm, rotary, attention and unquantized/Q8_0 MoE kernels only)
 """
 
@@ -51,7 +52,9 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                      "UPCAST": False, "PREC": prec}))
     weights = {"none": ("*bf16", "*bf16"), "Q8_0": ("*i8", "*fp16"), "FP8_BLOCK": ("*u8", "*fp32"),
                "Q4_K": ("*u8", "*fp16"), "Q5_1": ("*u8", "*fp16"), "Q6_K": ("*u8", "*fp16"),
-               "MXFP4": ("*u8", "*u8"), "IQ4_NL": ("*u8", "*fp16"), "IQ4_XS": ("*u8", "*fp16")}
+               "MXFP4": ("*u8", "*u8"), "IQ4_NL": ("*u8", "*fp16"), "IQ4_XS": ("*u8", "*fp16"),
+               **{q: ("*u8", "*fp16") for q in ("Q4_0", "Q4_1", "Q5_0", "Q2_K", "Q3_K", "Q5_K")},
+               "NVFP4": ("*u8", "*fp32")}
     cases = [(q, dt, False) for q in weights for dt in (("bf16", "fp32") if q == "none"
                                                           else ("bf16",))]
     cases += [("none", "bf16", True), ("MXFP4", "bf16", True)]  # gpt_oss: biases, clamped SwiGLU
@@ -74,7 +77,7 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
 
 def main() -> int:
     quick = "--quick" in sys.argv[1:]
-    archs = [int(a) for a in sys.argv[1:] if a != "--quick"] or [80, 90]
+    archs = [int(a) for a in sys.argv[1:] if a != "--quick"] or [80, 86, 90]
     chosen = [v for v in variants()
               if not quick or (v[0].endswith("bf16")
                                and not any(t in v[0] for t in ("FP8", "Q4_K", "Q5_1", "Q6_K")))]

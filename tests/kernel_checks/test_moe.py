@@ -275,6 +275,11 @@ def test_dequant_fp8_block_scales_each_tile() -> None:
     ("MXFP4", "Q6_K", 160, 256),
     ("IQ4_XS", "IQ4_NL", 256, 96),  # an IQ4_XS file's mix; 18-byte blocks
     ("IQ4_NL", "IQ4_XS", 160, 256),
+    ("Q3_K", "Q5_K", 256, 256),  # a Q3_K_M file's mix
+    ("Q2_K", "Q3_K", 256, 256),  # a Q2_K file's
+    ("Q5_K", "Q6_K", 256, 256),  # a Q5_K_M file's
+    ("Q4_0", "Q5_0", 96, 160),  # the legacy blocks, and a K-quant file's fallback rows
+    ("Q4_1", "Q8_0", 160, 96),
 ])
 def test_fused_moe_gguf_types_mixed_per_matrix(device: str, gate_up: str, down: str, h: int,
                                                i: int) -> None:
@@ -302,7 +307,7 @@ def test_fused_moe_gguf_types_mixed_per_matrix(device: str, gate_up: str, down: 
     _close(got, want, torch.bfloat16)
 
 
-def test_reference_dequantizes_q5_1_q6_k_mxfp4_and_iq4_as_gguf() -> None:
+def test_reference_dequantizes_the_gguf_types_as_gguf() -> None:
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -310,7 +315,8 @@ def test_reference_dequantizes_q5_1_q6_k_mxfp4_and_iq4_as_gguf() -> None:
     from ftrs.quant.fixtures import random_blocks
 
     rng = np.random.default_rng(15)
-    for qtype in ("Q5_1", "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS"):
+    for qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "MXFP4",
+                  "IQ4_NL", "IQ4_XS"):
         raw = random_blocks(qtype, 4, 512, rng)
         want = dequantize(raw, GGMLQuantizationType[qtype])
         assert torch.equal(dequant_gguf(torch.from_numpy(raw), qtype, torch.float32),
@@ -348,3 +354,53 @@ def test_fused_moe_gpt_oss_biases_and_clamped_swiglu(device: str, dtype: torch.d
                            w._replace(gate=w.gate.to(device), up=w.up.to(device),
                                       down=w.down.to(device), biases=tuple(dev)))
     _close(got, want, dtype)
+
+
+def _nvfp4_slots(rows: int, cols: int, slots: int, rng: np.random.Generator
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots, rows, row bytes) NVFP4 blocks (every scale byte's kind: zero, subnormal, 0x7F,
+    bit 7 set, which the format ignores) and (slots,) fp32 tensor scales of one matrix."""
+    from ftrs.quant.fixtures import random_blocks
+
+    raw = np.stack([random_blocks("NVFP4", rows, cols, rng) for _ in range(slots)])
+    raw[:, 0, :4] = [0x00, 0x05, 0x7F, 0xB8]
+    return torch.from_numpy(raw), torch.from_numpy(rng.uniform(2e-4, 1e-3, slots).astype(np.float32))
+
+
+def test_reference_dequantizes_nvfp4_as_gguf_times_the_tensor_scale() -> None:
+    gguf = pytest.importorskip("gguf")
+    if not hasattr(gguf.GGMLQuantizationType, "NVFP4"):
+        pytest.skip("this gguf package has no NVFP4")
+    from ftrs.kernels.moe_ref import dequant_nvfp4
+
+    raw, ts = _nvfp4_slots(3, 128, 1, np.random.default_rng(16))
+    blocks = gguf.quants.dequantize(raw[0].numpy(), gguf.GGMLQuantizationType.NVFP4)
+    want = torch.from_numpy(np.asarray(blocks, dtype=np.float32)) * ts[0]
+    assert torch.equal(dequant_nvfp4(raw[0], ts[0], torch.float32), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_nvfp4_dequantizes_in_kernel(device: str, dtype: torch.dtype) -> None:
+    """ModelOpt's NVFP4 experts: blocks in the slot, the tensor scale of each slot's matrix
+    read beside them; 192 columns: three 64-value blocks, a partial BLOCK_K tile."""
+    h, i, slots = 192, 128, 3
+    rng = np.random.default_rng(17)
+    (gate, gs), (up, us), (down, ds) = (_nvfp4_slots(r, c, slots, rng)
+                                        for r, c in ((i, h), (i, h), (h, i)))
+    g = torch.Generator().manual_seed(18)
+    x = torch.randn(5, h, generator=g).to(dtype)
+    ids = torch.tensor([[0, 2], [2, 1], [1, 0], [2, 0], [0, 1]])
+    rw = torch.full((5, 2), 0.5).to(dtype)
+    slot_of = torch.tensor([1, 2, 0])
+    w = SlotWeights(gate, up, down, "NVFP4", scales=(gs, us, ds))
+    want = fused_moe_ref(x, ids, rw, slot_of, w)
+    unscaled = fused_moe_ref(x, ids, rw, slot_of, w._replace(scales=(gs * 2, us, ds)))
+    assert not torch.equal(want, unscaled)  # the reference reads each tensor scale
+    dev = _to(device, gate, up, down, gs, us, ds)
+    got = fused_moe_triton(*_to(device, x, ids, rw, slot_of),
+                           SlotWeights(*dev[:3], "NVFP4", scales=(dev[3], dev[4], dev[5])))
+    _close(got, want, dtype)
+    with pytest.raises(ValueError, match="NVFP4 gate/up need a NVFP4 down"):
+        fused_moe_triton(x, ids, rw, slot_of, w._replace(down_qtype="Q8_0"))
+    with pytest.raises(ValueError, match="one fp32 tensor scale per slot"):
+        fused_moe_triton(x, ids, rw, slot_of, w._replace(scales=None))

@@ -20,68 +20,18 @@ from safetensors.torch import load_file, save_file
 from ftrs.errors import ModelLoadError
 from ftrs.llm import LLM
 from ftrs.models.load import load_model
-from ftrs.models.tiny import tiny_tensors, tiny_tokenizer
 from ftrs.quant import QuantTensor, kernel_types, use_kernels
 from ftrs.sampling import SamplingParams
-from quant_models import quant_config, spy_kernel_types, strategy_logits_equal_resident
+from quant_models import spy_kernel_types, strategy_logits_equal_resident, write_nvfp4_checkpoint
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-4
 IDS = [3, 17, 250, 41, 99, 500, 7, 8, 311, 42, 42, 42, 130, 64, 255, 1, 300, 12, 77, 5]
-QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-QC = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
-      "kv_cache_quant_algo": None, "exclude_modules": ["lm_head", "model.layers.*.mlp.gate"]}
-
-
-def to_nvfp4(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """ModelOpt's tensors for `w` (by suffix) and the fp32 weight they hold."""
-    rows, cols = w.shape
-    ts = w.abs().max() / (6.0 * 448.0)
-    groups = w.view(rows, cols // 16, 16)
-    scale = (groups.abs().amax(-1) / 6.0 / ts).to(torch.float8_e4m3fn)
-    step = scale.float() * ts  # what one e2m1 unit is worth in each group
-    r = groups / step[..., None]
-    mag = (r.abs()[..., None] - E2M1).abs().argmin(-1)  # nearest magnitude
-    codes = mag | ((r < 0).long() << 3)
-    pairs = codes.view(rows, cols // 2, 2)
-    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
-    values = torch.where(codes >= 8, -E2M1[mag], E2M1[mag])
-    deq = ((values * scale.float()[..., None]) * ts).view(rows, cols)
-    return {".weight": packed, ".weight_scale": scale, ".weight_scale_2": ts.reshape(()),
-            ".input_scale": torch.tensor(0.01)}, deq
-
-
-def write_checkpoint(root: Path, hf_quant_config: bool = False) -> tuple[Path, Path]:
-    cfg = quant_config("qwen3_moe")
-    tensors = tiny_tensors(cfg, 5)
-    nv_dir, ref_dir = root / "nvfp4", root / "ref"
-    nv: dict[str, torch.Tensor] = {}
-    ref: dict[str, torch.Tensor] = {}
-    for name, w in tensors.items():
-        if name.endswith(".weight") and name.split(".")[-2] in QUANTIZED:
-            parts, ref[name] = to_nvfp4(w)
-            nv |= {name[:-7] + suffix: t for suffix, t in parts.items()}
-        else:
-            nv[name] = ref[name] = w
-    for d, t in ((nv_dir, nv), (ref_dir, ref)):
-        d.mkdir(parents=True)
-        save_file({k: v.contiguous() for k, v in t.items()}, str(d / "model.safetensors"))
-        tiny_tokenizer(cfg["vocab_size"]).save(d)
-    (ref_dir / "config.json").write_text(json.dumps(cfg))
-    if hf_quant_config:  # ModelOpt's older exports: config.json says nothing
-        (nv_dir / "config.json").write_text(json.dumps(cfg))
-        (nv_dir / "hf_quant_config.json").write_text(json.dumps(
-            {"producer": {"name": "modelopt"},
-             "quantization": {k: v for k, v in QC.items() if k != "quant_method"}}))
-    else:
-        (nv_dir / "config.json").write_text(json.dumps(cfg | {"quantization_config": QC}))
-    return nv_dir, ref_dir
 
 
 @pytest.fixture(scope="module")
 def nvfp4_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return write_checkpoint(tmp_path_factory.mktemp("nvfp4"))
+    return write_nvfp4_checkpoint(tmp_path_factory.mktemp("nvfp4"))
 
 
 def reference_logits(ref_dir: Path) -> torch.Tensor:
@@ -145,7 +95,7 @@ def test_nvfp4_experts_and_projections_stay_nvfp4(nvfp4_model: tuple[Path, Path]
 
 def test_hf_quant_config_json_names_the_quantization(tmp_path: Path,
                                                      nvfp4_model: tuple[Path, Path]) -> None:
-    nv_dir, _ = write_checkpoint(tmp_path, hf_quant_config=True)
+    nv_dir, _ = write_nvfp4_checkpoint(tmp_path, hf_quant_config=True)
     ref = LLM(str(nvfp4_model[0]), kv_tokens=1024, dtype="float32").logits(IDS)
     assert torch.equal(LLM(str(nv_dir), kv_tokens=1024, dtype="float32").logits(IDS), ref)
 

@@ -156,16 +156,18 @@ def test_offload_waves_with_kernels(tiny_models: dict[str, Path], device: torch.
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "MXFP4", "IQ4_XS", pytest.param("Q4_K", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("qtype", ["Q8_0", "MXFP4", "IQ4_XS", "Q3_K", "Q5_K",
+                                   *(pytest.param(q, marks=pytest.mark.slow)
+                                     for q in ("Q4_K", "Q2_K", "Q4_0", "Q5_0"))])
 def test_quantized_kernel_matches_the_reference(tmp_path: Path, device: torch.device,
                                                 kern: Kernels, qtype: str) -> None:
-    """Tiny qwen3moe GGUF (MoE layers 0 and 2): experts in `qtype`, but layer 0's `up` Q5_K (no
-    kernel reads it, and gate and up differ: the torch path) and layer 2's `down` Q6_K (a
-    Q4_K_M file's mix: the kernel reads each matrix in its own type)."""
+    """Tiny qwen3moe GGUF (MoE layers 0 and 2): experts in `qtype`, but layer 0's `up` of
+    another type (gate and up differ: the torch path) and layer 2's `down` Q6_K (a K-quant
+    file's mix: the kernel reads each matrix in its own type)."""
     from quant_models import build
 
-    types = {"layers.0.mlp.experts.0.up": "Q5_K", "layers.2.mlp.experts.0.down": "Q6_K",
-             "experts": qtype}
+    types = {"layers.0.mlp.experts.0.up": "Q5_K" if qtype != "Q5_K" else "Q4_K",
+             "layers.2.mlp.experts.0.down": "Q6_K", "experts": qtype}
     loaded = load_model(str(build("qwen3_moe", types, tmp_path)[0]), device, torch.float32,
                         progress=False)
     forwards = list(steps(loaded, device, (3,), seed=5))
@@ -244,12 +246,29 @@ def fp8_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_fp8_block_kernel_matches_the_reference(fp8_model: Path, device: torch.device,
                                                 kern: Kernels) -> None:
-    loaded = load_model(str(fp8_model), device, torch.float32, progress=False)
+    every_layer_on_the_kernel_matches_the_reference(fp8_model, "FP8_BLOCK", device, kern)
+
+
+def test_nvfp4_kernel_matches_the_reference(tmp_path: Path, device: torch.device,
+                                            kern: Kernels) -> None:
+    """ModelOpt NVFP4 experts: blocks and each matrix's tensor scale read from the slot."""
+    from quant_models import write_nvfp4_checkpoint
+
+    every_layer_on_the_kernel_matches_the_reference(write_nvfp4_checkpoint(tmp_path)[0], "NVFP4",
+                                                    device, kern)
+
+
+def every_layer_on_the_kernel_matches_the_reference(path: Path, qtype: str, device: torch.device,
+                                                    kern: Kernels) -> None:
+    """Every MoE layer of the checkpoint at `path` (experts in `qtype`) on the kernel: the
+    reference path's numbers (dequantized in fp32, then F.linear) within the kernel's fp32
+    tolerance, and offload on the kernel equal to resident on it bit for bit."""
+    loaded = load_model(str(path), device, torch.float32, progress=False)
     forwards = list(steps(loaded, device, (6, 1), seed=9))
     with use_kernels(False):  # the reference: dequantized in fp32, then F.linear
         want = outputs(strategy("resident", loaded, device), forwards)
         moe = strategy("resident", loaded, device, kernels=kern)
-        assert {w.qtype for w in moe._fused.values()} == {"FP8_BLOCK"}  # type: ignore[attr-defined]
+        assert {w.qtype for w in moe._fused.values()} == {qtype}  # type: ignore[attr-defined]
         assert set(moe._fused) == set(loaded.spec.moe_layers)  # type: ignore[attr-defined]
         got = outputs(moe, forwards)
         off = outputs(strategy("offload", loaded, device, kernels=kern, moe_cache_rate=0.5,

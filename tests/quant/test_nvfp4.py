@@ -18,6 +18,7 @@ from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 
 from ftrs.quant import QuantTensor, dequantize, embedding, kernel_types, matmul  # noqa: E402
 from ftrs.quant.dequant import dequantize_numpy  # noqa: E402
+from ftrs.quant.fixtures import random_blocks  # noqa: E402
 from ftrs.quant.nvfp4 import from_modelopt  # noqa: E402
 
 if not hasattr(gguf.GGMLQuantizationType, "NVFP4"):  # the oracle needs gguf >= 0.19
@@ -30,10 +31,8 @@ def random_nvfp4(rows: int, cols: int, rng: np.random.Generator,
                  tensor_scale: float = 0.0371) -> tuple[np.ndarray, QuantTensor]:
     """Random blocks (scale bytes 0..0x7F: zero, subnormals, 0x7F's zero, the largest) as
     (rows, row bytes), and the `QuantTensor` with the tensor scale after them."""
-    blocks = rng.integers(0, 256, (rows, cols // 64, 36), dtype=np.uint8)
-    blocks[..., :4] = rng.integers(0, 0x80, blocks[..., :4].shape)
-    blocks[0, 0, :4] = [0x00, 0x03, 0x7F, 0x7E]
-    raw = blocks.reshape(rows, -1)
+    raw = random_blocks("NVFP4", rows, cols, rng)
+    raw[0, :4] = [0x00, 0x03, 0x7F, 0x7E]
     tail = np.frombuffer(np.float32(tensor_scale).tobytes(), np.uint8)
     data = torch.from_numpy(np.concatenate([raw.reshape(-1), tail]))
     return raw, QuantTensor("NVFP4", (rows, cols), data)

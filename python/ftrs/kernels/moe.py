@@ -42,10 +42,22 @@ to fp32 and casts, the same rounding), so no scratch copy exists:
 - `IQ4_XS` (GGUF): uint8 (slots, rows, cols/256*136); a 256-value super-block is fp16 d, a u16
   of 2-bit scale highs, 4 bytes of 4-bit scale lows, then 16 bytes of nibbles per 32-value
   sub-block s: (d*(ls_s - 32))*L[q], in that order.
+- `Q4_0`, `Q4_1`, `Q5_0` (GGUF): 18-, 20- and 22-byte blocks of 32 values: fp16 d (and m),
+  Q5_0's 4 bytes of fifth bits, 16 bytes of nibbles: d*(q - 8), d*q + m, d*(q - 16).
+- `Q2_K` (GGUF): 84-byte super-blocks of 256: 16 bytes of (scale, min) nibbles (one per 16
+  values), 64 bytes of 2-bit quants, fp16 d and dmin: (d*sc)*q - dmin*m.
+- `Q3_K` (GGUF): 110-byte super-blocks of 256: 32 bytes of high-bit masks, 64 of 2-bit quants,
+  12 of packed 6-bit scales, fp16 d: (d*(sc - 32))*(q - 4*(1 - high bit)).
+- `Q5_K` (GGUF): 176-byte super-blocks of 256: Q4_K's header, 32 bytes of fifth bits (bit j for
+  sub-block j), 128 of nibbles: (d*sc)*q - dmin*m.
+- `NVFP4` (ggml's `block_nvfp4`): uint8 (slots, rows, cols/64*36); four 16-value sub-blocks,
+  each a ue4m3 scale byte and 8 bytes of e2m1 nibbles, and one fp32 tensor scale per matrix
+  (`scales`: one per slot): (e2m1(q)*scale)*tensor scale.
 - `FP8_BLOCK`: float8_e4m3fn (slots, rows, cols) with fp32 `scales` (slots, rows/br, cols/bc)
   per (br, bc) tile (`fp8_block`), the layout of `ftrs.quant`: w*scale.
-Gate and up share one type (one kernel reads both); `down` may have its own (`down_qtype`): a
-`Q4_K_M` GGUF stores Q5_1 or Q4_K gate/up and Q6_K or Q4_K down. Any slot and row stride works,
+Gate and up share one type (one kernel reads both); `down` may have its own GGUF type
+(`down_qtype`): a `Q4_K_M` GGUF stores Q5_1 or Q4_K gate/up and Q6_K or Q4_K down, a `Q3_K_M`
+Q3_K over Q4_K or Q5_K. FP8_BLOCK and NVFP4 carry side buffers and are not mixed. Any slot and row stride works,
 so the views can point straight into the offload strategy's slot buffer
 (`SlotWeights.from_region`).
 """
@@ -71,9 +83,13 @@ __all__ = ["QTYPES", "SlotWeights", "combine_pairs", "dequant_fp8_block", "dequa
            "dequant_q4_k", "dequant_q8_0", "fused_moe_ref", "fused_moe_triton",
            "moe_pairs_triton", "sort_pairs"]
 
-QTYPES = ("none", "Q8_0", "Q4_K", "Q5_1", "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS", "FP8_BLOCK")
+QTYPES = ("none", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+          "MXFP4", "IQ4_NL", "IQ4_XS", "NVFP4", "FP8_BLOCK")
 _QUANT_CODE = {"none": 0, "Q8_0": 1, "FP8_BLOCK": 2, "Q4_K": 3, "Q5_1": 4, "Q6_K": 5, "MXFP4": 6,
-               "IQ4_NL": 7, "IQ4_XS": 8}
+               "IQ4_NL": 7, "IQ4_XS": 8, "Q4_0": 9, "Q4_1": 10, "Q5_0": 11, "Q2_K": 12,
+               "Q3_K": 13, "Q5_K": 14, "NVFP4": 15}
+#: Types whose gate/up and down must share the type (a side buffer outside the GGUF blocks).
+_UNMIXED = ("FP8_BLOCK", "NVFP4")
 
 
 if triton_importable():
@@ -212,6 +228,13 @@ def _weight_args(w: SlotWeights, which: int) -> tuple[torch.Tensor, torch.Tensor
     qtype = w.qtype_of(which)
     if m.stride(-1) != 1:
         raise ValueError("fused_moe: expert weights need a unit last stride")
+    if qtype == "NVFP4":  # scale bytes in the block; the fp32 tensor scale, one per slot
+        sc = w.scales[which] if w.scales is not None else None
+        if m.dtype != torch.uint8 or m.shape[-1] % 36:
+            raise ValueError("fused_moe: NVFP4 weights are uint8 rows of 36-byte blocks")
+        if sc is None or sc.dtype != torch.float32 or sc.shape[0] != m.shape[0] or sc[0].numel() != 1:
+            raise ValueError("fused_moe: NVFP4 needs one fp32 tensor scale per slot and matrix")
+        return m, sc, m.stride(0), m.stride(1), sc.stride(0), 0
     if qtype == "MXFP4":  # no fp16 field: the exponent is a byte of the block
         if m.dtype != torch.uint8 or m.shape[-1] % 17:
             raise ValueError("fused_moe: MXFP4 weights are uint8 rows of 17-byte blocks")
@@ -264,8 +287,9 @@ def moe_pairs_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     for qt in (w.qtype, w.qtype_of(2)):
         if qt not in QTYPES:
             raise ValueError(f"fused_moe: weight type {qt!r} has no kernel (known: {QTYPES})")
-    if "FP8_BLOCK" in (w.qtype, w.qtype_of(2)) and w.qtype != w.qtype_of(2):
-        raise ValueError("fused_moe: FP8_BLOCK gate/up need an FP8_BLOCK down")
+    for qt in _UNMIXED:
+        if qt in (w.qtype, w.qtype_of(2)) and w.qtype != w.qtype_of(2):
+            raise ValueError(f"fused_moe: {qt} gate/up need a {qt} down")
     if x.stride(-1) != 1:
         x = x.contiguous()
     tokens, hidden = x.shape

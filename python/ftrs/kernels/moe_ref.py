@@ -11,9 +11,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-_BLOCK = {"Q8_0": (32, 34), "Q4_K": (256, 144), "Q5_1": (32, 24),
-          "Q6_K": (256, 210), "MXFP4": (32, 17), "IQ4_NL": (32, 18),
-          "IQ4_XS": (256, 136)}  # GGUF: values and bytes per block
+_BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
+          "Q5_1": (32, 24), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144),
+          "Q5_K": (256, 176), "Q6_K": (256, 210), "MXFP4": (32, 17), "IQ4_NL": (32, 18),
+          "IQ4_XS": (256, 136), "NVFP4": (64, 36)}  # values and bytes per block
 
 
 class SlotWeights(NamedTuple):
@@ -28,7 +29,9 @@ class SlotWeights(NamedTuple):
     up: torch.Tensor
     down: torch.Tensor
     qtype: str = "none"
-    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # FP8_BLOCK only
+    # FP8_BLOCK: each matrix's tile scales (S, rows/br, cols/bc); NVFP4: each matrix's fp32
+    # tensor scale, one per slot (S, ...) (the 4 bytes after its rows)
+    scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     fp8_block: tuple[int, int] | None = None  # FP8_BLOCK only: the scale tile (br, bc)
     down_qtype: str | None = None  # None: `qtype`
     biases: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -107,9 +110,27 @@ def dequant_gguf(raw: torch.Tensor, qtype: str, dtype: torch.dtype) -> torch.Ten
     return dequantize(QuantTensor(qtype, (rows, cols), raw.reshape(-1)), torch.float32).to(dtype)
 
 
+def dequant_nvfp4(raw: torch.Tensor, tensor_scale: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """(rows, cols/64*36) uint8 NVFP4 blocks and their fp32 tensor scale (one value) -> (rows,
+    cols) through `ftrs.quant`'s torch dequantizer (the scale applied last), in fp32, cast."""
+    from ftrs.quant.dequant import dequantize
+    from ftrs.quant.formats import QuantTensor
+
+    ts = tensor_scale.reshape(-1).to(torch.float32)
+    if ts.numel() != 1:
+        raise ValueError("NVFP4: one tensor scale per matrix")
+    rows, cols = raw.shape[0], raw.shape[1] // 36 * 64
+    data = torch.cat((raw.reshape(-1), ts.view(torch.uint8)))
+    return dequantize(QuantTensor("NVFP4", (rows, cols), data), torch.float32).to(dtype)
+
+
 def _matrix(w: SlotWeights, which: int, slot: int, dtype: torch.dtype) -> torch.Tensor:
     m = (w.gate, w.up, w.down)[which][slot]
     qtype = w.qtype_of(which)
+    if qtype == "NVFP4":
+        assert w.scales is not None
+        return dequant_nvfp4(m.contiguous(), w.scales[which][slot], dtype)
     if qtype == "Q8_0":
         return dequant_q8_0(m, dtype)
     if qtype == "Q4_K":

@@ -38,6 +38,119 @@ if triton_importable():
         return tl.where(c < 8, a, b).to(tl.float32)
 
     @triton.jit
+    def _e2m1_x2(c):
+        """An e2m1 nibble (int32) -> its value doubled: 0, 1, 2, 3, 4, 6, 8, 12, sign in bit 3
+        (ggml's table, which MXFP4's and NVFP4's halved scales undo)."""
+        ex = (c >> 1) & 3
+        mb = c & 1
+        mag = tl.where(ex == 0, mb, (2 + mb) << tl.where(ex == 0, 0, ex - 1))
+        return tl.where(c >= 8, -mag, mag).to(tl.float32)
+
+    @triton.jit
+    def _ue4m3_half(s):
+        """NVFP4's unsigned e4m3 scale byte (int32) -> half its value (0x7F reads as 0, bit 7
+        ignored), as `quant.dequant.ue4m3_half`."""
+        e = (s >> 3) & 15
+        m = s & 7
+        normal = (((e + 119) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        v = tl.where(e == 0, m.to(tl.float32) * 0.0009765625, normal)  # 2^-10
+        return tl.where(s == 0x7F, 0.0, v)
+
+    @triton.jit
+    def _low_quants(w_ptr, ws_ptr, slot, n, k, n_rows, n_cols, stride_s, stride_r, sc_stride_s,
+                    sc_stride_r, QUANT: tl.constexpr, DT: tl.constexpr):
+        """The tiles of the types a second kernel switch keeps `_w_tile` short for: Q4_0,
+        Q4_1, Q5_0, Q2_K, Q3_K, Q5_K, NVFP4 (layouts: `kernels/moe.py`'s module doc)."""
+        mask = (n < n_rows)[None, :] & (k < n_cols)[:, None]
+        base = w_ptr + slot * stride_s + n[None, :] * stride_r
+        sbase = ws_ptr + slot * sc_stride_s + n[None, :] * sc_stride_r
+        if QUANT <= 11:  # Q4_0 (9), Q4_1 (10), Q5_0 (11): 32-value blocks
+            blk = k // 32
+            j = k % 32
+            half = (j < 16)[:, None]
+            if QUANT == 9:  # 18 bytes: fp16 d, 16 bytes of nibbles: d*(q - 8)
+                byte = tl.load(base + (blk * 18 + 2 + j % 16)[:, None], mask=mask,
+                               other=0).to(tl.int32)
+                q = (tl.where(half, byte & 15, byte >> 4) - 8).to(tl.float32)
+                d = tl.load(sbase + (blk * 9)[:, None], mask=mask, other=0.0).to(tl.float32)
+                return round_to(d * q, DT)
+            elif QUANT == 10:  # 20 bytes: fp16 d and m, 16 bytes of nibbles: d*q + m
+                byte = tl.load(base + (blk * 20 + 4 + j % 16)[:, None], mask=mask,
+                               other=0).to(tl.int32)
+                q = tl.where(half, byte & 15, byte >> 4).to(tl.float32)
+                hb = sbase + (blk * 10)[:, None]
+                d = tl.load(hb, mask=mask, other=0.0).to(tl.float32)
+                m = tl.load(hb + 1, mask=mask, other=0.0).to(tl.float32)
+                return round_to(d * q + m, DT)
+            else:  # Q5_0, 22 bytes: fp16 d, 4 bytes of fifth bits, nibbles: d*(q - 16)
+                bb = base + (blk * 22)[:, None]
+                byte = tl.load(bb + (6 + j % 16)[:, None], mask=mask, other=0).to(tl.int32)
+                hb = tl.load(bb + (2 + j // 8)[:, None], mask=mask, other=0).to(tl.int32)
+                q = tl.where(half, byte & 15, byte >> 4) | (((hb >> (j % 8)[:, None]) & 1) << 4)
+                d = tl.load(sbase + (blk * 11)[:, None], mask=mask, other=0.0).to(tl.float32)
+                return round_to(d * (q - 16).to(tl.float32), DT)
+        elif QUANT <= 13:  # Q2_K (12, 84 bytes), Q3_K (13, 110): 2-bit quants
+            sb = k // 256
+            i = k % 256
+            g = i // 16  # 16-value group: one scale
+            # 2-bit quant: byte 32*(i//128) + i%32 of the quants, bits 2*((i%128)//32)
+            qoff = 32 * (i // 128) + i % 32
+            sh = (2 * ((i % 128) // 32))[:, None]
+            if QUANT == 12:  # 16 bytes of scale/min nibbles, 64 of quants, fp16 d and dmin
+                bb = base + (sb * 84)[:, None]
+                q = ((tl.load(bb + (16 + qoff)[:, None], mask=mask, other=0).to(tl.int32) >> sh)
+                     & 3).to(tl.float32)
+                s = tl.load(bb + g[:, None], mask=mask, other=0).to(tl.int32)
+                hb = sbase + (sb * 42)[:, None]
+                d = tl.load(hb + 40, mask=mask, other=0.0).to(tl.float32)
+                dmin = tl.load(hb + 41, mask=mask, other=0.0).to(tl.float32)
+                return round_to((d * (s & 15).to(tl.float32)) * q
+                                - dmin * (s >> 4).to(tl.float32), DT)
+            else:  # 32 bytes of high-bit masks, 64 of quants, 12 of 6-bit scales, fp16 d
+                bb = base + (sb * 110)[:, None]
+                ql = (tl.load(bb + (32 + qoff)[:, None], mask=mask, other=0).to(tl.int32)
+                      >> sh) & 3
+                hm = tl.load(bb + (i % 32)[:, None], mask=mask, other=0).to(tl.int32)
+                q = ql - ((((hm >> (i // 32)[:, None]) & 1) ^ 1) << 2)
+                lo = tl.load(bb + (96 + g % 8)[:, None], mask=mask, other=0).to(tl.int32)
+                lo = tl.where((g < 8)[:, None], lo & 15, lo >> 4)
+                hi = tl.load(bb + (104 + g % 4)[:, None], mask=mask, other=0).to(tl.int32)
+                hi = (hi >> (2 * (g // 4))[:, None]) & 3
+                sc = ((lo | (hi << 4)) - 32).to(tl.float32)
+                d = tl.load(sbase + (sb * 55 + 54)[:, None], mask=mask, other=0.0).to(tl.float32)
+                return round_to((d * sc) * q.to(tl.float32), DT)
+        elif QUANT == 14:  # Q5_K: 176 bytes, Q4_K's header, 32 bytes of fifth bits, nibbles
+            sb = k // 256
+            j = (k % 256) // 32  # sub-block
+            blk = base + (sb * 176)[:, None]
+            byte = tl.load(blk + (48 + 32 * (j // 2) + k % 32)[:, None], mask=mask,
+                           other=0).to(tl.int32)
+            hb = tl.load(blk + (16 + k % 32)[:, None], mask=mask, other=0).to(tl.int32)
+            q = (tl.where((j % 2 == 0)[:, None], byte & 15, byte >> 4)
+                 | (((hb >> j[:, None]) & 1) << 4)).to(tl.float32)
+            lo = (j < 4)[:, None]
+            sa = tl.load(blk + (4 + j)[:, None], mask=mask, other=0).to(tl.int32)
+            sb4 = tl.load(blk + (8 + j)[:, None], mask=mask, other=0).to(tl.int32)
+            sc4 = tl.load(blk + (4 + tl.where(j < 4, 0, j - 4))[:, None], mask=mask,
+                          other=0).to(tl.int32)
+            sc = tl.where(lo, sa & 63, (sb4 & 15) | ((sc4 >> 6) << 4)).to(tl.float32)
+            mn = tl.where(lo, sb4 & 63, (sb4 >> 4) | ((sa >> 6) << 4)).to(tl.float32)
+            hbase = sbase + (sb * 88)[:, None]
+            d = tl.load(hbase, mask=mask, other=0.0).to(tl.float32)
+            dmin = tl.load(hbase + 1, mask=mask, other=0.0).to(tl.float32)
+            return round_to((d * sc) * q - dmin * mn, DT)
+        else:  # NVFP4: 36-byte blocks of 64 values; `ws_ptr`: the matrix's fp32 tensor scale
+            blk = k // 64
+            s = (k % 64) // 16  # sub-block: scale byte s, then 8 bytes of nibbles
+            t = k % 16
+            bb = base + (blk * 36)[:, None]
+            byte = tl.load(bb + (4 + 8 * s + t % 8)[:, None], mask=mask, other=0).to(tl.int32)
+            lvl = _e2m1_x2(tl.where((t < 8)[:, None], byte & 15, byte >> 4))
+            d = _ue4m3_half(tl.load(bb + s[:, None], mask=mask, other=0).to(tl.int32))
+            ts = tl.load(sbase + (k * 0)[:, None], mask=mask, other=0.0)
+            return round_to((d * lvl) * ts, DT)
+
+    @triton.jit
     def _w_tile(w_ptr, ws_ptr, slot, n, k, n_rows, n_cols, stride_s, stride_r, sc_stride_s,
                 sc_stride_r, QUANT: tl.constexpr, DT: tl.constexpr, BR: tl.constexpr,
                 BC: tl.constexpr):
@@ -106,12 +219,8 @@ if triton_importable():
             bb = base + (blk * 17)[:, None]
             e = tl.load(bb, mask=mask, other=0).to(tl.int32)
             byte = tl.load(bb + (1 + j % 16)[:, None], mask=mask, other=0).to(tl.int32)
-            c = tl.where((j < 16)[:, None], byte & 15, byte >> 4)
-            ex = (c >> 1) & 3
-            mb = c & 1
-            # the e2m1 value doubled (0, 1, 2, 3, 4, 6, 8, 12), times the halved e8m0 scale
-            mag = tl.where(ex == 0, mb, (2 + mb) << tl.where(ex == 0, 0, ex - 1))
-            q = tl.where(c >= 8, -mag, mag).to(tl.float32)
+            # the e2m1 value doubled, times the halved e8m0 scale
+            q = _e2m1_x2(tl.where((j < 16)[:, None], byte & 15, byte >> 4))
             dbits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
             return round_to(dbits.to(tl.float32, bitcast=True) * q, DT)
         elif QUANT == 7:  # IQ4_NL: 18-byte blocks of 32 values (see the module doc)
@@ -134,5 +243,8 @@ if triton_importable():
             ls = ((lo >> (4 * (s % 2))[:, None]) & 15) | (((hw >> (2 * s)[:, None]) & 3) << 4)
             d = tl.load(sbase + (sb * 68)[:, None], mask=mask, other=0.0).to(tl.float32)
             return round_to((d * (ls - 32).to(tl.float32)) * lvl, DT)
+        elif QUANT >= 9:
+            return _low_quants(w_ptr, ws_ptr, slot, n, k, n_rows, n_cols, stride_s, stride_r,
+                               sc_stride_s, sc_stride_r, QUANT, DT)
         else:
             return tl.load(base + k[:, None], mask=mask, other=0.0)

@@ -10,10 +10,11 @@ views made once at build. The pairs' results are added in ascending expert id
 A layer whose experts the kernel cannot compute keeps the per-expert torch path of
 `layers.moe`: an activation other than SiLU or gpt_oss's clamped SwiGLU (expert biases ride
 along as bias rows of each slot), gate and up of different types, a
-type the kernel does not read (it reads the float dtypes, `Q8_0`, `Q4_K`, `Q5_1`, `Q6_K`,
-`MXFP4`, `IQ4_NL`, `IQ4_XS` and `FP8_BLOCK`), or floats or FP8 mixed with another type. `down` may differ from gate/up among
-the GGUF types: a `Q4_K_M` file's Q5_1 or Q4_K gate/up over Q6_K or Q4_K down all take the
-kernel. This is decided once per layer when the strategy is built, and logged once.
+type the kernel does not read (it reads the float dtypes, every GGUF block type the CPU
+kernels read but IQ4's relatives it lacks, NVFP4 and `FP8_BLOCK`: `KERNEL_QTYPES`), or floats,
+NVFP4 or FP8 mixed with another type. `down` may differ from gate/up among the GGUF types: a
+`Q4_K_M` file's Q5_1 or Q4_K gate/up over Q6_K or Q4_K down, a `Q3_K_M`'s Q3_K over Q4_K or
+Q5_K, all take the kernel. This is decided once per layer when the strategy is built, and logged once.
 """
 
 from __future__ import annotations
@@ -28,10 +29,12 @@ from ftrs.models.experts import HostExperts
 from ftrs.quant.formats import FP8_BLOCK, fp8_scale_grid, row_bytes
 
 log = logging.getLogger(__name__)
-#: Quantized types the kernel dequantizes itself (`ftrs.kernels.moe.QTYPES`).
-KERNEL_QTYPES = ("Q8_0", "Q4_K", "Q5_1", "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS", FP8_BLOCK)
-#: Of those, the GGUF block types, which gate/up and down may mix.
-GGUF_KERNEL_QTYPES = ("Q8_0", "Q4_K", "Q5_1", "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS")
+#: The GGUF block types the kernel dequantizes itself, which gate/up and down may mix.
+GGUF_KERNEL_QTYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                      "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS")
+#: Every quantized type it reads (`ftrs.kernels.moe.QTYPES`): NVFP4 and FP8 carry side
+#: buffers (a tensor scale, tile scales) and are not mixed.
+KERNEL_QTYPES = (*GGUF_KERNEL_QTYPES, "NVFP4", FP8_BLOCK)
 
 
 def layer_qtypes(experts: HostExperts, layer: int) -> tuple[tuple[str, str] | None, str]:
@@ -55,11 +58,12 @@ def layer_qtypes(experts: HostExperts, layer: int) -> tuple[tuple[str, str] | No
         if qt not in KERNEL_QTYPES:
             return None, f"{qt} has no kernel"
     assert down is not None  # a float down with quantized gate/up was refused above
-    if qtype == FP8_BLOCK:
+    if qtype in (FP8_BLOCK, "NVFP4"):
         li = experts.layer_index[layer]
-        for t, (rows, cols) in enumerate(experts.shapes):
-            if (int(experts.layout.tensor_offset(t, li)) + rows * cols) % 4:
-                return None, "FP8 scales not 4-byte aligned"
+        for t, (rows, cols) in enumerate(experts.shapes[:3]):
+            weights = rows * (cols if qtype == FP8_BLOCK else row_bytes(qtype, cols))
+            if (int(experts.layout.tensor_offset(t, li)) + weights) % 4:
+                return None, f"{qtype} scales not 4-byte aligned"
     return (qtype, down), ""
 
 
@@ -97,7 +101,13 @@ def _matrices(experts: HostExperts, layer: int, region: torch.Tensor, num_slots:
         rows = [(r, row_bytes(t, c)) for (r, c), t in zip(shapes, (qtype, qtype, down),
                                                             strict=True)]
         w = SlotWeights.from_region(region, num_slots, slot_bytes, offsets, rows, torch.uint8)
-        return w._replace(qtype=qtype, down_qtype=down if down != qtype else None)
+        w = w._replace(qtype=qtype, down_qtype=down if down != qtype else None)
+        if qtype == "NVFP4":  # each matrix's fp32 tensor scale follows its rows
+            ts = SlotWeights.from_region(region, num_slots, slot_bytes,
+                                         [o + r * b for o, (r, b) in zip(offsets, rows, strict=True)],
+                                         [(1, 1)] * 3, torch.float32)
+            w = w._replace(scales=(ts.gate, ts.up, ts.down))
+        return w
     block = experts.formats[layer][0].fp8_block
     assert block is not None  # invariant: an FP8_BLOCK format carries its tile
     w = SlotWeights.from_region(region, num_slots, slot_bytes, offsets, shapes,

@@ -1,5 +1,8 @@
 """Random quantized blocks for tests and tiny checkpoints.
 
+NVFP4's scale bytes are any of 0..0x7F (zero, subnormals, 0x7F's zero, the largest, 448); its
+tensor scale is not in the blocks and is the caller's.
+
 Any bytes form a valid GGUF block once its fp16 scale fields hold finite numbers (MXFP4: once
 its e8m0 exponent is in range): the quants are plain bit fields. The scale fields get random values of a magnitude that puts the weights
 in about [-0.3, 0.3], the range of the tiny random models.
@@ -32,6 +35,9 @@ def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) ->
     raw = rng.integers(0, 256, size=(nblocks, f.block_bytes), dtype=np.uint8)
     if qtype == "MXFP4":
         raw[:, 0] = rng.integers(*_MXFP4_EXPONENTS, size=nblocks, dtype=np.uint8)
+        return raw.reshape(rows, -1)
+    if qtype == "NVFP4":  # the blocks only: the caller adds the tensor scale
+        raw[:, :4] = rng.integers(0, 0x80, size=(nblocks, 4), dtype=np.uint8)
         return raw.reshape(rows, -1)
     offsets, scale = _F16_FIELDS[qtype]
     for off in offsets:
