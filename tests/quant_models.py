@@ -111,15 +111,31 @@ def strategy_logits_equal_resident(model_dir: Path, strategy: str, ids: list[int
         llm.close()
 
 
-#: the weights ModelOpt quantizes (router, norms, embeddings and LM head stay plain)
+#: the weights ModelOpt and llm-compressor quantize (router, norms, embeddings, LM head: plain)
 NVFP4_QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 NVFP4_QC = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
-      "kv_cache_quant_algo": None, "exclude_modules": ["lm_head", "model.layers.*.mlp.gate"]}
+            "kv_cache_quant_algo": None, "exclude_modules": ["lm_head", "model.layers.*.mlp.gate"]}
+_CT_SCHEME = {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16,
+              "symmetric": True, "dynamic": False, "actorder": None, "block_structure": None,
+              "observer": "minmax", "observer_kwargs": {}}
+#: llm-compressor's NVFP4 preset as its checkpoints' config.json says it
+CT_NVFP4_QC = {
+    "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+    "quantization_status": "compressed", "sparsity_config": {}, "transform_config": {},
+    "kv_cache_scheme": None, "global_compression_ratio": None, "version": "0.12.2",
+    "ignore": ["lm_head", "re:.*mlp.gate$"],
+    "config_groups": {"group_0": {
+        "format": "nvfp4-pack-quantized", "targets": ["Linear"], "output_activations": None,
+        "weights": _CT_SCHEME, "input_activations": _CT_SCHEME | {"dynamic": "local"}}},
+}
 
 
-def to_nvfp4(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """ModelOpt's tensors for `w` (by suffix) and the fp32 weight they hold."""
+def to_nvfp4(w: torch.Tensor, layout: str = "modelopt") -> tuple[dict[str, torch.Tensor],
+                                                                 torch.Tensor]:
+    """The checkpoint's tensors for `w` (by suffix) and the fp32 weight they hold by the
+    layout's definition: ModelOpt `e2m1 * weight_scale * weight_scale_2`, compressed-tensors
+    `e2m1 * (weight_scale / weight_global_scale)` (its global scale divides)."""
     rows, cols = w.shape
     ts = w.abs().max() / (6.0 * 448.0)
     groups = w.view(rows, cols // 16, 16)
@@ -131,13 +147,20 @@ def to_nvfp4(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     pairs = codes.view(rows, cols // 2, 2)
     packed = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
     values = torch.where(codes >= 8, -E2M1_VALUES[mag], E2M1_VALUES[mag])
+    if layout == "compressed-tensors":
+        gs = (1.0 / ts).reshape(1)
+        deq = (values * (scale.float() / gs)[..., None]).view(rows, cols)
+        return {".weight_packed": packed, ".weight_scale": scale, ".weight_global_scale": gs,
+                ".input_global_scale": torch.tensor([100.0])}, deq
     deq = ((values * scale.float()[..., None]) * ts).view(rows, cols)
     return {".weight": packed, ".weight_scale": scale, ".weight_scale_2": ts.reshape(()),
             ".input_scale": torch.tensor(0.01)}, deq
 
 
-def write_nvfp4_checkpoint(root: Path, hf_quant_config: bool = False) -> tuple[Path, Path]:
-    """(ModelOpt NVFP4 qwen3_moe checkpoint, HF checkpoint of the values it holds in fp32)."""
+def write_nvfp4_checkpoint(root: Path, hf_quant_config: bool = False,
+                           layout: str = "modelopt") -> tuple[Path, Path]:
+    """(NVFP4 qwen3_moe checkpoint in `layout`, "modelopt" or "compressed-tensors"; HF
+    checkpoint of the values it holds in fp32)."""
     cfg = quant_config("qwen3_moe")
     tensors = tiny_tensors(cfg, 5)
     nv_dir, ref_dir = root / "nvfp4", root / "ref"
@@ -145,7 +168,7 @@ def write_nvfp4_checkpoint(root: Path, hf_quant_config: bool = False) -> tuple[P
     ref: dict[str, torch.Tensor] = {}
     for name, w in tensors.items():
         if name.endswith(".weight") and name.split(".")[-2] in NVFP4_QUANTIZED:
-            parts, ref[name] = to_nvfp4(w)
+            parts, ref[name] = to_nvfp4(w, layout)
             nv |= {name[:-7] + suffix: t for suffix, t in parts.items()}
         else:
             nv[name] = ref[name] = w
@@ -154,11 +177,12 @@ def write_nvfp4_checkpoint(root: Path, hf_quant_config: bool = False) -> tuple[P
         save_file({k: v.contiguous() for k, v in t.items()}, str(d / "model.safetensors"))
         tiny_tokenizer(cfg["vocab_size"]).save(d)
     (ref_dir / "config.json").write_text(json.dumps(cfg))
+    qc = CT_NVFP4_QC if layout == "compressed-tensors" else NVFP4_QC
     if hf_quant_config:  # ModelOpt's older exports: config.json says nothing
         (nv_dir / "config.json").write_text(json.dumps(cfg))
         (nv_dir / "hf_quant_config.json").write_text(json.dumps(
             {"producer": {"name": "modelopt"},
              "quantization": {k: v for k, v in NVFP4_QC.items() if k != "quant_method"}}))
     else:
-        (nv_dir / "config.json").write_text(json.dumps(cfg | {"quantization_config": NVFP4_QC}))
+        (nv_dir / "config.json").write_text(json.dumps(cfg | {"quantization_config": qc}))
     return nv_dir, ref_dir

@@ -117,7 +117,8 @@ def test_packed_fp4_without_the_quantization_config(nvfp4_model: tuple[Path, Pat
     cfg = json.loads((d / "config.json").read_text())
     del cfg["quantization_config"]
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match=r"uint8 .*modelopt NVFP4"):
+    with pytest.raises(ModelLoadError,
+                       match=r"uint8 .*no NVFP4 quantization \(modelopt or compressed-tensors\)"):
         load_model(str(d), torch.device("cpu"), torch.float32, progress=False)
 
 

@@ -29,7 +29,9 @@ FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)  # the hybrids' kinds
 WINDOWED_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)  # the other architectures' kinds
-QUANT_METHODS = ("fp8", "mxfp4", "modelopt")
+QUANT_METHODS = ("fp8", "mxfp4", "modelopt", "compressed-tensors")
+#: The one compressed-tensors scheme read: NVFP4 weights (llm-compressor's `NVFP4` presets)
+CT_NVFP4 = "nvfp4-pack-quantized"
 _HYBRID = ("qwen3_5_moe", "qwen3_next")  # Gated DeltaNet + gated attention + shared expert
 
 
@@ -86,7 +88,9 @@ class ArchSpec:
     moe_layers: tuple[int, ...] = ()  # indices of layers whose MLP is routed
     rope_scaling: dict[str, Any] | None = None
     fp8_block: tuple[int, int] | None = None  # FP8 checkpoint: the weight_scale_inv tile
-    nvfp4: bool = False  # ModelOpt NVFP4 checkpoint: packed e2m1 weights, weight_scale(_2)
+    # NVFP4 checkpoint: "modelopt" (weight, weight_scale, weight_scale_2) or "compressed-tensors"
+    # (weight_packed, weight_scale, weight_global_scale: its inverse); "" for none
+    nvfp4: str = ""
     #: token mixer of each layer (HF's `config.layer_types` strings); () means all full attention
     layer_types: tuple[str, ...] = ()
     sliding_window: int = 0  # keys a "sliding_attention" query sees, its own included
@@ -158,6 +162,34 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta if theta is not None else 10000.0), scaling
 
 
+def _check_compressed_tensors(qc: dict[str, Any], source: str) -> None:
+    """A compressed-tensors `quantization_config` must be NVFP4 weights, packed, unsparse:
+    every config group's weights 4-bit floats in groups of 16 with a global scale."""
+    def refuse(what: str) -> ModelLoadError:
+        return ModelLoadError(source, f"unsupported compressed-tensors checkpoint: {what} "
+                              f"(supported: {CT_NVFP4}, NVFP4 weights in groups of 16)")
+
+    if qc.get("sparsity_config"):
+        raise refuse("a sparsity_config")
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise refuse(f"quantization_status {status!r}")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise refuse("no config_groups")
+    for name, group in groups.items():
+        w = group.get("weights") if isinstance(group, dict) else None
+        fmt = (group.get("format") if isinstance(group, dict) else None) or qc.get("format")
+        if fmt != CT_NVFP4:
+            raise refuse(f"format {fmt!r} in {name}")
+        if not isinstance(w, dict):
+            raise refuse(f"no weights scheme in {name}")
+        scheme = {k: w.get(k) for k in ("num_bits", "type", "strategy", "group_size")}
+        if scheme != {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                      "group_size": 16}:
+            raise refuse(f"{name} weights " + " ".join(f"{k}={v!r}" for k, v in scheme.items()))
+
+
 def _fp8_block(qc: Any, source: str) -> tuple[int, int] | None:
     """The FP8 scale tile of a `quantization_config`, None without one; other methods refused."""
     if qc is None:
@@ -165,7 +197,11 @@ def _fp8_block(qc: Any, source: str) -> tuple[int, int] | None:
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method not in QUANT_METHODS:
         raise ModelLoadError(source, f"unsupported quantization method {method!r} "
-                             "(supported: fp8 with block scales, mxfp4, modelopt NVFP4)")
+                             "(supported: fp8 with block scales, mxfp4, modelopt NVFP4, "
+                             f"compressed-tensors {CT_NVFP4})")
+    if method == "compressed-tensors":
+        _check_compressed_tensors(qc, source)
+        return None
     if method == "mxfp4":  # the tensors say which weights are MXFP4 (`*_blocks`, `*_scales`)
         return None
     if method == "modelopt":  # the tensors say which weights are NVFP4 (uint8 + weight_scale)
@@ -182,6 +218,12 @@ def _fp8_block(qc: Any, source: str) -> tuple[int, int] | None:
     if qc.get("fmt", "e4m3") != "e4m3":
         raise ModelLoadError(source, f"unsupported fp8 format {qc.get('fmt')!r} (supported: e4m3)")
     return int(block[0]), int(block[1])
+
+
+def _nvfp4_layout(qc: Any) -> str:
+    """ArchSpec.nvfp4 of an accepted `quantization_config`."""
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    return method if method in ("modelopt", "compressed-tensors") else ""
 
 
 def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSpec:
@@ -275,7 +317,7 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
         moe_layers=moe_layers,
         rope_scaling=scaling,
         fp8_block=fp8_block,
-        nvfp4=(cfg.get("quantization_config") or {}).get("quant_method") == "modelopt",
+        nvfp4=_nvfp4_layout(cfg.get("quantization_config")),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         sliding_window=window,

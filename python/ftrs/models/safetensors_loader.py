@@ -11,7 +11,10 @@ one `FP8_BLOCK` byte buffer (`ftrs.quant`), in the expert pool for experts, a `Q
 dense projections on the CPU (dequantized once at load on a GPU). ModelOpt NVFP4 checkpoints
 (`quant_method == "modelopt"`, `quant_algo == "NVFP4"`, in config.json or hf_quant_config.json:
 uint8 weights with `weight_scale` and `weight_scale_2`) stay NVFP4 the same way
-(`quant.nvfp4.from_modelopt`); the modules the export left out are plain tensors.
+(`quant.nvfp4.from_modelopt`); the modules the export left out are plain tensors. So do
+compressed-tensors NVFP4 checkpoints (llm-compressor's `nvfp4-pack-quantized`: `weight_packed`
+in ModelOpt's nibble order, `weight_scale`, and `weight_global_scale`, the inverse of ModelOpt's
+tensor scale: its reciprocal becomes the tensor scale, one fp32 rounding).
 
 gpt_oss packs each layer's experts into a few tensors (MXFP4 `*_blocks` + `*_scales`, or plain)
 with biases: `models.packed_experts` checks them here and cuts them into the pool.
@@ -127,7 +130,18 @@ def _linear_attn_shapes(s: ArchSpec, p: str, flat: bool) -> dict[str, tuple[int,
 
 
 SCALE_SUFFIX = ".weight_scale_inv"
-NVFP4_SUFFIXES = (".weight_scale", ".weight_scale_2")  # per 16 values, per tensor
+#: NVFP4's side tensors by checkpoint layout (`ArchSpec.nvfp4`): per 16 values, per tensor
+NVFP4_SUFFIXES = {"modelopt": (".weight_scale", ".weight_scale_2"),
+                  "compressed-tensors": (".weight_scale", ".weight_global_scale")}
+CT_PACKED = ".weight_packed"  # compressed-tensors' name for the packed codes
+
+
+def _weight_name(name: str, spec: ArchSpec) -> str:
+    """A tensor's name as `map_hf_name` reads it: compressed-tensors' `weight_packed` is the
+    weight."""
+    if spec.nvfp4 == "compressed-tensors" and name.endswith(CT_PACKED):
+        return name[:-len(CT_PACKED)] + ".weight"
+    return name
 
 
 def _quantized(dtype: str, spec: ArchSpec) -> str | None:
@@ -145,7 +159,7 @@ def _quant_formats(files: list[Path], spec: ArchSpec) -> dict[int, ExpertFormat]
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                key = map_hf_name(name)
+                key = map_hf_name(_weight_name(name, spec))
                 qtype = _quantized(f.get_slice(name).get_dtype(), spec)
                 if isinstance(key, ExpertKey) and qtype:
                     found[(key.layer, key.tensor)] = qtype
@@ -175,11 +189,15 @@ def _quant_bytes(qtype: str, weight: torch.Tensor, sides: dict[str, torch.Tensor
         assert spec.fp8_block is not None  # invariant: `_quantized` says FP8 only with a block
         data = fp8_bytes(weight, sides.get(stem + SCALE_SUFFIX), name, source, spec.fp8_block)
         return data, (int(weight.shape[0]), int(weight.shape[1]))
-    missing = [stem + s for s in NVFP4_SUFFIXES if stem + s not in sides]
+    suffixes = NVFP4_SUFFIXES[spec.nvfp4]
+    missing = [stem + s for s in suffixes if stem + s not in sides]
     if missing:
         raise ModelLoadError(source, f"NVFP4 weight {name} has no {' or '.join(missing)}")
+    scale, tensor_scale = (sides[stem + s] for s in suffixes)
+    if spec.nvfp4 == "compressed-tensors":  # the global scale divides: its reciprocal, once
+        tensor_scale = 1.0 / tensor_scale.float()
     try:
-        data = from_modelopt(weight, *(sides[stem + s] for s in NVFP4_SUFFIXES))
+        data = from_modelopt(weight, scale, tensor_scale)
     except ValueError as e:
         raise ModelLoadError(source, f"{name}: {e}") from e
     return data, (int(weight.shape[0]), 2 * int(weight.shape[1]))
@@ -196,7 +214,7 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
     entries: list[tuple[str, str, int, int, int]] = []
     seen_experts: set[ExpertKey] = set()
     block = spec.fp8_block
-    sides_named = (SCALE_SUFFIX,) if block else NVFP4_SUFFIXES if spec.nvfp4 else ()
+    sides_named = (SCALE_SUFFIX,) if block else NVFP4_SUFFIXES[spec.nvfp4] if spec.nvfp4 else ()
     formats = _quant_formats(files, spec) if sides_named and spec.is_moe else None
     packed: Sources = {}
     if spec.is_moe and spec.expert_bias:
@@ -216,55 +234,59 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
         except Exception as e:  # safetensors raises its own error types for truncated headers
             raise ModelLoadError(str(path), f"cannot read safetensors: {e}") from e
         with handle as f:
-            for name in f.keys():
-                if name.endswith(sides_named):
-                    sides[name] = f.get_tensor(name)
+            for file_name in f.keys():
+                if file_name.endswith(sides_named):
+                    sides[file_name] = f.get_tensor(file_name)
                     continue
+                name = _weight_name(file_name, spec)
                 key = map_hf_name(name)
                 if key is None:
                     continue
-                shape = tuple(f.get_slice(name).get_shape())
-                st_dtype = f.get_slice(name).get_dtype()
+                shape = tuple(f.get_slice(file_name).get_shape())
+                st_dtype = f.get_slice(file_name).get_dtype()
                 qtype = _quantized(st_dtype, spec)
                 if st_dtype == "F8_E4M3" and not qtype:
-                    raise ModelLoadError(str(path), f"tensor {name} is FP8 but config.json has "
-                                         "no fp8 quantization_config")
+                    raise ModelLoadError(str(path), f"tensor {file_name} is FP8 but config.json "
+                                         "has no fp8 quantization_config")
                 if st_dtype == "U8" and not qtype and not isinstance(key, PackedExperts):
-                    raise ModelLoadError(str(path), f"tensor {name} is uint8 (packed FP4?) but "
-                                         "the config names no modelopt NVFP4 quantization")
+                    raise ModelLoadError(str(path), f"tensor {file_name} is uint8 (packed FP4?) "
+                                         "but the config names no NVFP4 quantization "
+                                         "(modelopt or compressed-tensors)")
                 if qtype == "NVFP4" and len(shape) == 2:
                     shape = (shape[0], 2 * shape[1])  # two values a byte
                 if isinstance(key, PackedExperts):
-                    check_part(key, shape, spec, str(path), name)
+                    check_part(key, shape, spec, str(path), file_name)
                     continue
                 if isinstance(key, ExpertKey):
                     if experts is None or key.layer not in layer_index or not 0 <= key.expert < spec.num_experts:
-                        raise ModelLoadError(str(path), f"unexpected expert tensor {name}")
+                        raise ModelLoadError(str(path), f"unexpected expert tensor {file_name}")
                     if shape != spec.expert_shapes[key.tensor]:
-                        raise ModelLoadError(str(path), f"tensor {name} has shape {list(shape)}, "
+                        raise ModelLoadError(str(path), f"tensor {file_name} has shape "
+                                             f"{list(shape)}, "
                                              f"expected {list(spec.expert_shapes[key.tensor])}")
                     if qtype:
-                        quant[name] = (str(path), qtype, f.get_tensor(name))
+                        quant[name] = (str(path), qtype, f.get_tensor(file_name))
                     else:
-                        entries.append((str(path), name, layer_index[key.layer], key.expert,
+                        entries.append((str(path), file_name, layer_index[key.layer], key.expert,
                                         key.tensor))
                     seen_experts.add(key)
                     continue
                 if key not in want and key not in optional:
-                    raise ModelLoadError(str(path), f"unexpected tensor {name} for {spec.arch}")
+                    raise ModelLoadError(str(path), f"unexpected tensor {file_name} for {spec.arch}")
                 if key in want and shape != want[key]:
-                    raise ModelLoadError(str(path), f"tensor {name} has shape {list(shape)}, "
+                    raise ModelLoadError(str(path), f"tensor {file_name} has shape "
+                                         f"{list(shape)}, "
                                          f"expected {list(want[key])}")
                 if qtype:
-                    quant[name] = (str(path), qtype, f.get_tensor(name))
+                    quant[name] = (str(path), qtype, f.get_tensor(file_name))
                     dense[key] = torch.empty(0)  # placed below, once its scales are read
                     continue
                 try:
                     # copy=True: never leave a weight backed by the file's pages, which the
                     # kernel may drop under memory pressure and fault back in on every step
-                    dense[key] = f.get_tensor(name).to(device=device, dtype=dtype, copy=True)
+                    dense[key] = f.get_tensor(file_name).to(device=device, dtype=dtype, copy=True)
                 except Exception as e:
-                    raise ModelLoadError(str(path), f"cannot read tensor {name}: {e}") from e
+                    raise ModelLoadError(str(path), f"cannot read tensor {file_name}: {e}") from e
         bar.update(1)
     bar.close()
     missing = sorted(set(want) - set(dense))

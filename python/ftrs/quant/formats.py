@@ -19,7 +19,7 @@ value, so whole rows can be sliced (gpt-oss interleaves gate and up rows) and th
 share one code path.
 
 `NVFP4` (NVIDIA's FP4: ModelOpt checkpoints, `quant_method == "modelopt"`, `quant_algo ==
-"NVFP4"`) is kept in ggml's `block_nvfp4` layout: per 64 values, four e4m3 scale bytes (one per
+"NVFP4"`, and compressed-tensors' `nvfp4-pack-quantized`) is kept in ggml's `block_nvfp4` layout: per 64 values, four e4m3 scale bytes (one per
 16 values), then 8 bytes per 16 values whose low nibbles are values 0..7 and high nibbles 8..15.
 The format also has one fp32 scale per tensor (`weight_scale_2`), which no block holds: a
 `QuantTensor` of this type carries it after its rows (`TAIL_BYTES`), as FP8_BLOCK carries its
