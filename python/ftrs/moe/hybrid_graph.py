@@ -41,11 +41,6 @@ from ftrs.moe.offload_graph import begin_host_step
 if TYPE_CHECKING:
     from ftrs.moe.hybrid import HybridStrategy
 
-#: With a CPU share in the layer, a wait for the fetches shorter than this (a call's own cost)
-#: means they landed during the CPU work: no sample of the link.
-LINK_SAMPLE_MIN_WAIT_S = 1e-4
-
-
 def host_step(h: HybridStrategy, layer: int, ids: torch.Tensor, weights: torch.Tensor,
               rows: int, x: torch.Tensor) -> None:
     """The layer's split, fetches and CPU share, outside any graph (module doc). Only the first
@@ -88,15 +83,16 @@ def host_step(h: HybridStrategy, layer: int, ids: torch.Tensor, weights: torch.T
         slots, ticket = h._lookup(li, device, prefetch) if device or prefetch else ([], None)
         if on_cpu:  # on the host while the fetches are on the link
             _cpu_rows(h, layer, x_h, ids_h, weights[:rows], on_cpu, y)
-        waited = 0.0
+        landed_first = False  # every copy done before the wait: it had nothing to wait for
         if ticket is not None:
+            landed_first = bool(on_cpu) and all(h.engine.ready(slots))
             t1 = h.clock()
             h.engine.wait(ticket)
-            waited = h.clock() - t1
-            h._wait_s += waited
+            h._wait_s += h.clock() - t1
         # the copies ran from the lookup on: their time is the elapsed time when the wait
-        # blocked, but only a bound above it when the CPU share outlasted them
-        if fetch and (not on_cpu or waited > LINK_SAMPLE_MIN_WAIT_S):
+        # blocked, but only a bound above it when the CPU share outlasted them (asked of the
+        # engine, not read from the wait's own time, which a thread switch can stretch)
+        if fetch and not landed_first:
             h.cost.observe_link(len(fetch) * h.experts.expert_bytes, len(fetch), h.clock() - t0)
         for e, s in zip(device, slots, strict=True):
             table[e] = s
