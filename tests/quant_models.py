@@ -186,3 +186,19 @@ def write_nvfp4_checkpoint(root: Path, hf_quant_config: bool = False,
     else:
         (nv_dir / "config.json").write_text(json.dumps(cfg | {"quantization_config": qc}))
     return nv_dir, ref_dir
+
+
+def to_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor,
+                                                            torch.Tensor]:
+    """(fp8 weight, fp32 scale per `block` tile, the dequantized fp32 weight), as block-scaled
+    FP8 checkpoints (Qwen3-FP8, DeepSeek-V3) hold a weight: w = fp8 * scale of its tile."""
+    rows, cols = w.shape
+    gr, gc = -(-rows // block[0]), -(-cols // block[1])
+    scale = torch.empty(gr, gc)
+    for i in range(gr):
+        for j in range(gc):
+            tile = w[i * block[0]:(i + 1) * block[0], j * block[1]:(j + 1) * block[1]]
+            scale[i, j] = tile.abs().max() / 448.0
+    full = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    w8 = (w / full).to(torch.float8_e4m3fn)
+    return w8, scale, w8.float() * full

@@ -92,6 +92,10 @@ def test_why_graphs_are_off(tiny_models: dict[str, Path]) -> None:
     assert "sliding-window" in str(why_off(on, cuda, "triton", sliding, None))
     sinks = dataclasses.replace(spec, attention_sinks=True)
     assert "sinks" in str(why_off(on, cuda, "triton", sinks, None))
+    from ftrs.models.mla import MlaSpec
+
+    mla = dataclasses.replace(spec, mla=MlaSpec(0, 16, 12, 8, 10, 0.2))
+    assert "latent attention (MLA)" in str(why_off(on, cuda, "triton", mla, None))
     off = _Declares(GraphSupport("off", "slots are looked up on the host"))
     assert why_off(on, cuda, "triton", spec, off) == "slots are looked up on the host"
     for mode in ("step", "layer"):

@@ -21,27 +21,13 @@ from ftrs.llm import LLM
 from ftrs.models.load import load_model
 from ftrs.models.tiny import make_tiny
 from ftrs.quant import FP8_BLOCK, QuantTensor, kernel_types, use_kernels
-from quant_models import strategy_logits_equal_resident
+from quant_models import strategy_logits_equal_resident, to_fp8
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-4
 IDS = [3, 17, 250, 41, 99, 500, 7, 8, 311, 42, 42, 42, 130, 64, 255, 1, 300, 12, 77, 5]
 BLOCK = (32, 32)  # the tiny experts are 48 wide: partial tiles at the edge
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def to_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp8 weight, fp32 scale per tile, the dequantized fp32 weight)."""
-    rows, cols = w.shape
-    gr, gc = -(-rows // BLOCK[0]), -(-cols // BLOCK[1])
-    scale = torch.empty(gr, gc)
-    for i in range(gr):
-        for j in range(gc):
-            tile = w[i * BLOCK[0]:(i + 1) * BLOCK[0], j * BLOCK[1]:(j + 1) * BLOCK[1]]
-            scale[i, j] = tile.abs().max() / 448.0
-    full = scale.repeat_interleave(BLOCK[0], 0)[:rows].repeat_interleave(BLOCK[1], 1)[:, :cols]
-    w8 = (w / full).to(torch.float8_e4m3fn)
-    return w8, scale, w8.float() * full
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +42,7 @@ def fp8_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     ref: dict[str, torch.Tensor] = {}
     for name, w in tensors.items():
         if name.endswith(".weight") and name.split(".")[-2] in QUANTIZED:
-            w8, s, deq = to_fp8(w)
+            w8, s, deq = to_fp8(w, BLOCK)
             fp8[name], fp8[name[:-7] + ".weight_scale_inv"] = w8, s
             ref[name] = deq
         else:
@@ -112,7 +98,7 @@ def test_fp8_experts_stay_fp8_in_the_pool(fp8_model: tuple[Path, Path]) -> None:
     # 48x64 fp8 bytes + a 2x2 grid of fp32 scales, against 48x64x4 bytes in fp32
     assert m.experts.exact_bytes(0, 0) == 48 * 64 + 4 * 4
     w8, s, _ = to_fp8(load_file(str(fp8_model[1].parent / "src" / "model.safetensors"))[
-        "model.layers.0.mlp.experts.5.gate_proj.weight"])
+        "model.layers.0.mlp.experts.5.gate_proj.weight"], BLOCK)
     assert torch.equal(gate.data[:48 * 64], w8.view(torch.uint8).reshape(-1))
     assert torch.equal(gate.data[48 * 64:].view(torch.float32), s.reshape(-1))
 

@@ -89,6 +89,8 @@ def why_off(config: EngineConfig, device: torch.device, kernels: str, spec: Arch
         return "the model has sliding-window or linear attention layers (torch paths, not captured)"
     if spec.attention_sinks:
         return "the model's attention sinks run the torch path, not captured"
+    if spec.mla is not None:
+        return "the model's latent attention (MLA) runs the torch path, not captured"
     if moe is not None:
         support = moe.graph_support()
         if support.mode not in ("step", "layer"):

@@ -135,7 +135,8 @@ class Runtime:
     def _kv_budget_tokens(self) -> int:
         s = self.spec
         layers = len(s.kv_layers)  # linear attention layers keep no KV
-        per_token = 2 * max(1, layers) * s.num_kv_heads * s.head_dim * self.dtype.itemsize
+        tensors = 1 if s.mla is not None else 2  # MLA: one latent row for keys and values
+        per_token = tensors * max(1, layers) * s.num_kv_heads * s.head_dim * self.dtype.itemsize
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             free -= state_bytes(s, self.state_slots, self.dtype)  # allocated beside the KV

@@ -2,7 +2,8 @@
 
 Routing follows the reference: router logits, softmax in fp32 over all experts, top-k, then
 (when the architecture says so) renormalisation of the k weights to sum to one. gpt_oss routes
-otherwise (`topk_softmax`): router logits with a bias, top-k of the logits, softmax over those k.
+otherwise (`topk_softmax`): router logits with a bias, top-k of the logits, softmax over those k;
+deepseek_v3 too (`route_grouped`): sigmoid scores, biased choice within the best expert groups.
 
 `plan_experts` sorts the (token, slot) pairs of a layer by expert once (one stable argsort and
 one bincount), so each expert's tokens are a slice of that order, in ascending token, the order
@@ -60,6 +61,28 @@ def route(
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights.to(x.dtype)
+
+
+def route_grouped(x: torch.Tensor, router: torch.Tensor, correction: torch.Tensor, top_k: int,
+                  groups: tuple[int, int], renormalize: bool, scaling: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """deepseek_v3's routing ("noaux_tc"), in fp32 as the reference: sigmoid scores; the choice
+    made on the scores plus the `correction` bias, within the `groups[1]` of `groups[0]` expert
+    groups whose two best choice scores sum highest; weights are the chosen experts' plain
+    scores, renormalised (+1e-20) when asked, times `scaling`."""
+    n_group, topk_group = groups
+    scores = torch.sigmoid(F.linear(x.float(), router.float()))
+    choice = scores + correction.float()
+    t, e = choice.shape
+    group_scores = choice.view(t, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    kept = torch.topk(group_scores, topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores).scatter_(1, kept, 1.0).bool()
+    mask = mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)
+    ids = torch.topk(choice.masked_fill(~mask, float("-inf")), top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, (weights * scaling).to(x.dtype)
 
 
 class ExpertPlan(NamedTuple):

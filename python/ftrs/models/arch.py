@@ -18,13 +18,17 @@ dropped after it), a router with a bias that takes the softmax of the top-k logi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftrs.errors import ModelLoadError
 
-SUPPORTED = ("llama", "qwen3", "mixtral", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss")
+if TYPE_CHECKING:  # models.mla imports the layers, which import this module
+    from ftrs.models.mla import MlaSpec
+
+SUPPORTED = ("llama", "qwen3", "mixtral", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss",
+             "deepseek_v3")
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)  # the hybrids' kinds
@@ -105,7 +109,10 @@ class ArchSpec:
     rotary_dim: int = 0  # partial rotary: the leading dims of each head rotated; 0: all of them
     attn_output_gate: bool = False  # q_proj also yields a per-channel sigmoid gate of the output
     norm_plus_one: bool = False  # RMSNorm weights stored centred on zero: scale by (1 + w)
-    shared_expert_intermediate_size: int = 0  # >0: a gated dense expert beside the routed ones
+    shared_expert_intermediate_size: int = 0  # >0: a dense expert beside the routed ones
+    mla: MlaSpec | None = None  # deepseek_v3: multi-head latent attention (models.mla)
+    router_groups: tuple[int, int] = (1, 1)  # grouped routing: (groups, groups kept)
+    routed_scaling_factor: float = 1.0  # grouped routing: the routed experts' weights times it
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -295,7 +302,7 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
         cfg = {"sliding_window": 128, "layer_types": [
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]} | cfg
     layer_types, window = ((), 0) if arch in _HYBRID else _layer_types(cfg, layers, source)
-    return ArchSpec(
+    spec = ArchSpec(
         arch=arch,
         vocab_size=int(need("vocab_size")),
         hidden_size=hidden,
@@ -328,6 +335,11 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
         swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
         **_hybrid_fields(cfg, arch, layers, head_dim, source, layer_types),
     )
+    if arch == "deepseek_v3":
+        from ftrs.models.mla import deepseek_fields
+
+        spec = replace(spec, **deepseek_fields(cfg, layers, heads, scaling, source))
+    return spec
 
 
 def _layer_types(cfg: dict[str, Any], layers: int, source: str) -> tuple[tuple[str, ...], int]:

@@ -1,5 +1,5 @@
-"""The one generic decoder: llama, qwen3, mixtral, qwen3_moe, qwen3_5_moe, qwen3_next and gpt_oss
-differ only in their ArchSpec.
+"""The one generic decoder: llama, qwen3, mixtral, qwen3_moe, qwen3_5_moe, qwen3_next, gpt_oss
+and deepseek_v3 differ only in their ArchSpec (deepseek_v3's MLA layers: `models.mla`).
 
 A forward pass takes the flattened tokens of a whole batch (decode tokens and prefill chunks
 mixed), their absolute positions, and the attention metadata that says where each token's
@@ -43,10 +43,11 @@ from ftrs.kvcache.state import StateCache
 from ftrs.layers.attention import AttnMetadata, paged_attention
 from ftrs.layers.deltanet import gated_deltanet
 from ftrs.layers.linear import embedding, linear
-from ftrs.layers.moe import route
+from ftrs.layers.moe import route, route_grouped
 from ftrs.layers.norm import rms_norm
 from ftrs.layers.rotary import Rotary, rotate
 from ftrs.models.arch import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION, ArchSpec
+from ftrs.models.mla import GROUPED_SIGMOID, mla_attention
 from ftrs.moe.base import MoEStrategy
 from ftrs.quant.matmul import Weight
 
@@ -67,8 +68,10 @@ class KVCache:
         shape = (len(spec.kv_layers), num_slots, spec.num_kv_heads, spec.head_dim)
         state = (StateCache.allocate(spec, state_slots, dtype, device)
                  if spec.has_linear_attention else None)
-        return cls(torch.zeros(shape, dtype=dtype, device=device),
-                   torch.zeros(shape, dtype=dtype, device=device), state)
+        k = torch.zeros(shape, dtype=dtype, device=device)
+        # MLA keeps one latent row a token, its keys and its values: one tensor for both
+        v = k if spec.mla is not None else torch.zeros(shape, dtype=dtype, device=device)
+        return cls(k, v, state)
 
 
 @dataclass(slots=True)
@@ -110,7 +113,9 @@ class Decoder:
         self.lm_head = weights["embed"] if spec.tie_word_embeddings else weights["lm_head"]
         # per layer: its token mixer and its row in its cache (KV for attention of either
         # window, state for linear attention)
-        self.mixers = [MIXERS[spec.layer_type(i)] for i in range(spec.num_layers)]
+        self.mixers = [mla_attention if spec.mla is not None else MIXERS[spec.layer_type(i)]
+                       for i in range(spec.num_layers)]
+        self.mla_kv_b: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # `models.mla`
         self.cache_index = [(spec.layers_of(LINEAR_ATTENTION) if spec.layer_type(i) == LINEAR_ATTENTION
                              else spec.kv_layers).index(i) for i in range(spec.num_layers)]
         k = self.kernels = kernels if kernels is not None else select_kernels("torch", device)
@@ -120,7 +125,7 @@ class Decoder:
         full_rotary = spec.rotary_dim in (0, spec.head_dim)
         self.rotary_ = k.rotary_ if k.rotates_in_place and full_rotary else None
         # per layer: attention through the paged kernel (no window, no sinks: it has neither)
-        self.paged_kernel = [triton and spec.layer_type(i) == FULL_ATTENTION
+        self.paged_kernel = [triton and spec.layer_type(i) == FULL_ATTENTION and spec.mla is None
                              and not spec.attention_sinks for i in range(spec.num_layers)]
         # the norm each layer's MLP output is added in front of: the next layer's input norm
         self.next_norm = [f"{i + 1}.input_norm" for i in range(spec.num_layers - 1)] + ["norm"]
@@ -182,13 +187,19 @@ class Decoder:
         s, w, p = self.spec, self.w, f"{layer}."
         if s.is_moe_layer(layer):
             assert self.moe is not None  # invariant: a MoE spec always gets a strategy
-            ids, weights = route(x, w[p + "router"], s.top_k, s.norm_topk_prob,
-                                 w.get(p + "router_bias"), s.router)
+            if s.router == GROUPED_SIGMOID:
+                ids, weights = route_grouped(x, w[p + "router"], w[p + "router_correction"],
+                                             s.top_k, s.router_groups, s.norm_topk_prob,
+                                             s.routed_scaling_factor)
+            else:
+                ids, weights = route(x, w[p + "router"], s.top_k, s.norm_topk_prob,
+                                     w.get(p + "router_bias"), s.router)
             out = self.moe.forward(layer, x, ids, weights)
-            if s.shared_expert_intermediate_size:  # dense, always resident, sigmoid-gated
+            if s.shared_expert_intermediate_size:  # dense, always resident
                 shared = linear(F.silu(linear(x, w[p + "shared_gate"]))
                                 * linear(x, w[p + "shared_up"]), w[p + "shared_down"])
-                out = out + torch.sigmoid(linear(x, w[p + "shared_expert_gate"])) * shared
+                gate = w.get(p + "shared_expert_gate")  # the hybrids' sigmoid gate
+                out = out + (shared if gate is None else torch.sigmoid(linear(x, gate)) * shared)
             return out
         return linear(F.silu(linear(x, w[p + "gate"])) * linear(x, w[p + "up"]), w[p + "down"])
 

@@ -23,7 +23,8 @@ GATE_BIAS, UP_BIAS, DOWN_BIAS = 3, 4, 5
 #: decoder decodes the rows it looks up, and a tied LM head reads the blocks). Norms and routers
 #: are dequantized.
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down", "lm_head", "embed", "lin_qkv", "lin_z",
-               "lin_out", "shared_gate", "shared_up", "shared_down")
+               "lin_out", "shared_gate", "shared_up", "shared_down", "q_a", "q_b", "kv_a",
+               "kv_b")  # kv_b: read as a matrix by MLA (`models.mla`), dequantized there once
 
 
 def keeps_quantized(key: str, device_type: str) -> bool:
@@ -82,6 +83,17 @@ _LAYER_DENSE = {
     "mlp.shared_expert.up_proj.weight": "shared_up",
     "mlp.shared_expert.down_proj.weight": "shared_down",
     "mlp.shared_expert_gate.weight": "shared_expert_gate",
+    # deepseek_v3: MLA, plain shared experts, the router's correction bias
+    "self_attn.q_a_proj.weight": "q_a",
+    "self_attn.q_a_layernorm.weight": "q_a_norm",
+    "self_attn.q_b_proj.weight": "q_b",
+    "self_attn.kv_a_proj_with_mqa.weight": "kv_a",
+    "self_attn.kv_a_layernorm.weight": "kv_a_norm",
+    "self_attn.kv_b_proj.weight": "kv_b",
+    "mlp.shared_experts.gate_proj.weight": "shared_gate",
+    "mlp.shared_experts.up_proj.weight": "shared_up",
+    "mlp.shared_experts.down_proj.weight": "shared_down",
+    "mlp.gate.e_score_correction_bias": "router_correction",
     # Gated DeltaNet (linear attention) layers
     "linear_attn.in_proj_qkv.weight": "lin_qkv",
     "linear_attn.in_proj_z.weight": "lin_z",

@@ -33,6 +33,7 @@ from tqdm import tqdm
 from ftrs.errors import ModelLoadError
 from ftrs.models.arch import LINEAR_ATTENTION, ArchSpec
 from ftrs.models.experts import ExpertFormat, HostExperts, TensorFormat
+from ftrs.models.mla import GROUPED_SIGMOID, mla_shapes
 from ftrs.models.names import (
     ExpertKey,
     PackedExperts,
@@ -88,6 +89,8 @@ def expected_dense_shapes(spec: ArchSpec, flat_linear: bool = False) -> dict[str
         shapes |= {p + "input_norm": (h,), p + "post_norm": (h,)}
         if s.layer_type(layer) == LINEAR_ATTENTION:
             shapes |= _linear_attn_shapes(s, p, flat_linear)
+        elif s.mla is not None:
+            shapes |= mla_shapes(s, p)
         else:
             shapes |= {p + "q": (q_out * (2 if s.attn_output_gate else 1), h),
                        p + "k": (kv_out, h), p + "v": (kv_out, h), p + "o": (h, q_out)}
@@ -102,10 +105,14 @@ def expected_dense_shapes(spec: ArchSpec, flat_linear: bool = False) -> dict[str
             shapes[p + "router"] = (s.num_experts, h)
             if s.router == "topk_softmax":
                 shapes[p + "router_bias"] = (s.num_experts,)
+            if s.router == GROUPED_SIGMOID:
+                shapes[p + "router_correction"] = (s.num_experts,)
             si = s.shared_expert_intermediate_size
             if si:
                 shapes |= {p + "shared_gate": (si, h), p + "shared_up": (si, h),
-                           p + "shared_down": (h, si), p + "shared_expert_gate": (1, h)}
+                           p + "shared_down": (h, si)}
+                if s.mla is None:  # the hybrids' shared expert is sigmoid-gated
+                    shapes[p + "shared_expert_gate"] = (1, h)
         else:
             i = s.intermediate_size
             shapes |= {p + "gate": (i, s.hidden_size), p + "up": (i, s.hidden_size),

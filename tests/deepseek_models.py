@@ -1,0 +1,61 @@
+"""Tiny deepseek_v3 checkpoints (MLA, grouped sigmoid routing, shared experts) built with
+transformers, for tests.
+
+Odd sizes on purpose: qk_head_dim 20 against hidden / heads = 12, kv_lora_rank 16, v_head_dim
+10, six routed experts (not a power of two) in three groups of which two are kept, top-3, one
+shared expert, the first layer dense (the pattern starts with the rarer kind). The weights are
+redrawn from a seeded generator at scales that make every path matter, the router's correction
+bias included (it decides the choice, not the weights), then saved by transformers'
+`save_pretrained`, with the byte-level tokenizer of `ftrs.models.tiny`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ftrs.models.tiny import tiny_tokenizer
+
+CONFIG: dict[str, Any] = {
+    "vocab_size": 512, "hidden_size": 48, "intermediate_size": 56, "moe_intermediate_size": 24,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+    "n_shared_experts": 1, "n_routed_experts": 6, "num_experts_per_tok": 3, "n_group": 3,
+    "topk_group": 2, "first_k_dense_replace": 1, "q_lora_rank": 20, "kv_lora_rank": 16,
+    "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 10,
+    "routed_scaling_factor": 2.5, "norm_topk_prob": True, "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2,
+}
+#: YaRN as DeepSeek-V3 ships it (mscale and mscale_all_dim: the softmax scale changes too)
+YARN = {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 256, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}
+
+
+def build(out_dir: Path, seed: int = 1, dtype: torch.dtype = torch.float32,
+          **changes: Any) -> Path:
+    """A tiny deepseek_v3 checkpoint written by transformers into `out_dir` (`changes`
+    override the config); returns it."""
+    import transformers
+
+    cfg = transformers.DeepseekV3Config(**(CONFIG | changes))
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            r = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * r if p.dim() == 1 else 0.1 * r)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn(b.shape, generator=g))
+    model.to(dtype).save_pretrained(str(out_dir))
+    tiny_tokenizer(CONFIG["vocab_size"]).save(out_dir)
+    return out_dir
+
+
+def hf_model(path: Path, dtype: torch.dtype = torch.float32) -> Any:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, experts_implementation="eager").eval()
