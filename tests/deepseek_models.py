@@ -1,5 +1,5 @@
-"""Tiny deepseek_v3 checkpoints (MLA, grouped sigmoid routing, shared experts) built with
-transformers, for tests.
+"""Tiny deepseek_v3 and deepseek_v2 checkpoints (MLA, grouped routing, shared experts) built
+with transformers, for tests.
 
 Odd sizes on purpose: qk_head_dim 20 against hidden / heads = 12, kv_lora_rank 16, v_head_dim
 10, six routed experts (not a power of two) in three groups of which two are kept, top-3, one
@@ -33,13 +33,25 @@ YARN = {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor"
                             "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}}
 
 
+#: deepseek_v2 (V2-Lite's design: no q_lora, softmax routing, two shared experts), and V2's
+#: own group-limited routing (groups scored by their best expert, weights scaled)
+V2_LITE = {"arch": "deepseek_v2", "q_lora_rank": None, "n_shared_experts": 2, "n_group": None,
+           "topk_group": None, "topk_method": "greedy", "routed_scaling_factor": 1.0,
+           "norm_topk_prob": False}
+V2_GROUPED = {"arch": "deepseek_v2", "n_group": 3, "topk_group": 2,
+              "topk_method": "group_limited_greedy", "routed_scaling_factor": 16.0,
+              "norm_topk_prob": False}
+
+
 def build(out_dir: Path, seed: int = 1, dtype: torch.dtype = torch.float32,
-          **changes: Any) -> Path:
-    """A tiny deepseek_v3 checkpoint written by transformers into `out_dir` (`changes`
-    override the config); returns it."""
+          arch: str = "deepseek_v3", **changes: Any) -> Path:
+    """A tiny `arch` (deepseek_v3 or deepseek_v2) checkpoint written by transformers into
+    `out_dir` (`changes` override the config); returns it."""
     import transformers
 
-    cfg = transformers.DeepseekV3Config(**(CONFIG | changes))
+    make = (transformers.DeepseekV3Config if arch == "deepseek_v3"
+            else transformers.DeepseekV2Config)
+    cfg = make(**(CONFIG | changes))
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

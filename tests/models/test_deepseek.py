@@ -20,15 +20,17 @@ from ftrs.sampling import SamplingParams
 pytest.importorskip("transformers.models.deepseek_v3")
 TOL = 1e-4
 IDS = [(i * 37 + 11) % 509 + 3 for i in range(57)]
-VARIANTS = {"q_lora": {}, "no_q_lora": {"q_lora_rank": None}, "yarn": "yarn"}
+VARIANTS = {"q_lora": {}, "no_q_lora": {"q_lora_rank": None}, "yarn": "yarn",
+            "v2_lite": "v2_lite", "v2_grouped": "v2_grouped"}
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from deepseek_models import YARN, build
+    from deepseek_models import V2_GROUPED, V2_LITE, YARN, build
 
     root = tmp_path_factory.mktemp("deepseek")
-    return {name: build(root / name, **(YARN if ch == "yarn" else ch))  # type: ignore[arg-type]
+    named = {"yarn": YARN, "v2_lite": V2_LITE, "v2_grouped": V2_GROUPED}
+    return {name: build(root / name, **(named[ch] if isinstance(ch, str) else ch))
             for name, ch in VARIANTS.items()}
 
 
@@ -76,22 +78,28 @@ def test_incremental_decode_matches_full_forward(models: dict[str, Path],
     llm.close()
 
 
-def test_group_limited_routing_is_what_the_reference_chooses(models: dict[str, Path]) -> None:
+@pytest.mark.parametrize("variant", ["q_lora", "v2_grouped"])
+def test_group_limited_routing_is_what_the_reference_chooses(models: dict[str, Path],
+                                                             variant: str) -> None:
     # the reference's router on the checkpoint's own weights; and the groups must matter here:
-    # top-3 of all six experts picks differently for some token
+    # the top-3 of all six experts picks differently for some token
     from deepseek_models import hf_model
 
-    hf = hf_model(models["q_lora"])
+    hf = hf_model(models[variant])
     gate = hf.model.layers[1].mlp.gate
+    v3 = variant == "q_lora"
+    correction = gate.e_score_correction_bias if v3 else None
     x = torch.randn(64, 48, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         _, want_w, want_ids = gate(x)
-    ids, w = route_grouped(x, gate.weight, gate.e_score_correction_bias, 3, (3, 2), True, 2.5)
+    ids, w = route_grouped(x, gate.weight, correction, 3, (3, 2), v3, 2.5 if v3 else 16.0)
     order, want_order = ids.sort(dim=1), want_ids.sort(dim=1)
     assert torch.equal(order.values, want_order.values)
     assert torch.allclose(w.gather(1, order.indices), want_w.gather(1, want_order.indices),
-                          atol=1e-6)
-    choice = torch.sigmoid(x @ gate.weight.T) + gate.e_score_correction_bias
+                          atol=1e-5)
+    logits = x @ gate.weight.T
+    choice = (torch.sigmoid(logits) + gate.e_score_correction_bias if v3
+              else torch.softmax(logits, dim=-1))
     ungrouped = choice.topk(3, dim=1).indices.sort(dim=1).values
     assert not torch.equal(ungrouped, order.values)
 

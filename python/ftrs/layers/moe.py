@@ -63,18 +63,26 @@ def route(
     return ids, weights.to(x.dtype)
 
 
-def route_grouped(x: torch.Tensor, router: torch.Tensor, correction: torch.Tensor, top_k: int,
-                  groups: tuple[int, int], renormalize: bool, scaling: float
+def route_grouped(x: torch.Tensor, router: torch.Tensor, correction: torch.Tensor | None,
+                  top_k: int, groups: tuple[int, int], renormalize: bool, scaling: float
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """deepseek_v3's routing ("noaux_tc"), in fp32 as the reference: sigmoid scores; the choice
-    made on the scores plus the `correction` bias, within the `groups[1]` of `groups[0]` expert
-    groups whose two best choice scores sum highest; weights are the chosen experts' plain
+    """DeepSeek's routing, in fp32 as the reference. With a `correction` (deepseek_v3's
+    "noaux_tc"): sigmoid scores; the choice made on the scores plus the correction, within the
+    `groups[1]` of `groups[0]` expert groups whose two best choice scores sum highest. Without
+    (deepseek_v2): softmax scores, the choice on them, within the groups whose best score is
+    highest ("group_limited_greedy"; one group: "greedy"). The weights are the chosen experts'
     scores, renormalised (+1e-20) when asked, times `scaling`."""
     n_group, topk_group = groups
-    scores = torch.sigmoid(F.linear(x.float(), router.float()))
-    choice = scores + correction.float()
+    logits = F.linear(x.float(), router.float())
+    if correction is None:
+        scores = choice = torch.softmax(logits, dim=-1)
+    else:
+        scores = torch.sigmoid(logits)
+        choice = scores + correction.float()
     t, e = choice.shape
-    group_scores = choice.view(t, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)
+    per_group = choice.view(t, n_group, e // n_group)
+    group_scores = (per_group.amax(dim=-1) if correction is None
+                    else per_group.topk(2, dim=-1)[0].sum(dim=-1))
     kept = torch.topk(group_scores, topk_group, dim=-1, sorted=False)[1]
     mask = torch.zeros_like(group_scores).scatter_(1, kept, 1.0).bool()
     mask = mask.unsqueeze(-1).expand(t, n_group, e // n_group).reshape(t, e)

@@ -1,5 +1,5 @@
-"""The one generic decoder: llama, qwen3, mixtral, qwen3_moe, qwen3_5_moe, qwen3_next, gpt_oss
-and deepseek_v3 differ only in their ArchSpec (deepseek_v3's MLA layers: `models.mla`).
+"""The one generic decoder: llama, qwen3, mixtral, qwen3_moe, qwen3_5_moe, qwen3_next, gpt_oss,
+deepseek_v2 and deepseek_v3 differ only in their ArchSpec (the DeepSeek MLA layers: `models.mla`).
 
 A forward pass takes the flattened tokens of a whole batch (decode tokens and prefill chunks
 mixed), their absolute positions, and the attention metadata that says where each token's
@@ -47,7 +47,7 @@ from ftrs.layers.moe import route, route_grouped
 from ftrs.layers.norm import rms_norm
 from ftrs.layers.rotary import Rotary, rotate
 from ftrs.models.arch import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION, ArchSpec
-from ftrs.models.mla import GROUPED_SIGMOID, mla_attention
+from ftrs.models.mla import GROUPED, mla_attention
 from ftrs.moe.base import MoEStrategy
 from ftrs.quant.matmul import Weight
 
@@ -187,8 +187,8 @@ class Decoder:
         s, w, p = self.spec, self.w, f"{layer}."
         if s.is_moe_layer(layer):
             assert self.moe is not None  # invariant: a MoE spec always gets a strategy
-            if s.router == GROUPED_SIGMOID:
-                ids, weights = route_grouped(x, w[p + "router"], w[p + "router_correction"],
+            if s.router in GROUPED:
+                ids, weights = route_grouped(x, w[p + "router"], w.get(p + "router_correction"),
                                              s.top_k, s.router_groups, s.norm_topk_prob,
                                              s.routed_scaling_factor)
             else:

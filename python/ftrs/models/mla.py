@@ -1,6 +1,7 @@
-"""deepseek_v3 (DeepSeek-V3/R1, Kimi-K2, Moonlight) as data for the one decoder: multi-head
-latent attention (MLA), grouped sigmoid routing with a correction bias, shared experts, and the
-first `first_k_dense_replace` layers dense.
+"""deepseek_v3 (DeepSeek-V3/R1, Kimi-K2, Moonlight) and deepseek_v2 (DeepSeek-V2, V2-Lite,
+Coder-V2-Lite) as data for the one decoder: multi-head latent attention (MLA), grouped routing
+(v3: sigmoid scores with a correction bias; v2: softmax scores, greedy or within the best
+groups), shared experts, and the first `first_k_dense_replace` layers dense.
 
 MLA. Keys and values of every head come from one compressed latent per token: `c` (kv_lora_rank
 channels, normed) and a rotary part `k_pe` shared by the heads. The paged KV cache keeps only
@@ -15,9 +16,10 @@ This is one multi-query attention over the paged cache (`layers.attention.paged_
 kv_heads = 1), exact in chunked prefill and decode; the sums run in another order than the
 expanded form's, so it agrees with transformers to fp32 rounding, not bit for bit.
 
-DeepSeek's rotary channels come in interleaved pairs (`rope_interleave`, the default): they are
-de-interleaved (evens, then odds) before the rotate-half rotation, as transformers does, on q
-and k alike, so their dot products are those of the reference.
+DeepSeek's rotary channels come in interleaved pairs (v3's `rope_interleave`, the default; v2
+rotates them as complex numbers): they are de-interleaved (evens, then odds) before the
+rotate-half rotation, as transformers does for v3, on q and k alike, so their dot products are
+those of the reference (v2's complex product keeps the pairs in place: the same products).
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ if TYPE_CHECKING:
     from ftrs.models.arch import ArchSpec
     from ftrs.models.decoder import Decoder, KVCache, Rope
 
-GROUPED_SIGMOID = "grouped_sigmoid"  # `ArchSpec.router` of deepseek_v3
+GROUPED_SIGMOID = "grouped_sigmoid"  # `ArchSpec.router` of deepseek_v3 (`noaux_tc`)
+GROUPED_SOFTMAX = "grouped_softmax"  # of deepseek_v2 (`greedy`, `group_limited_greedy`)
+GROUPED = (GROUPED_SIGMOID, GROUPED_SOFTMAX)
 
 
 @dataclass(frozen=True)
@@ -67,13 +71,14 @@ def _mscale(factor: float, mscale: float) -> float:
     return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
-def deepseek_fields(cfg: dict[str, Any], layers: int, heads: int,
+def deepseek_fields(cfg: dict[str, Any], arch: str, layers: int,
                     scaling: dict[str, Any] | None, source: str) -> dict[str, Any]:
-    """The `ArchSpec` fields of a deepseek_v3 config (shapes checked, names in the error)."""
+    """The `ArchSpec` fields of a deepseek_v2 or deepseek_v3 config (shapes checked, names in
+    the error)."""
     def need(key: str) -> int:
         v = cfg.get(key)
         if not isinstance(v, int) or v < 1:
-            raise ModelLoadError(source, f"deepseek_v3 needs a positive {key!r}, got {v!r}")
+            raise ModelLoadError(source, f"{arch} needs a positive {key!r}, got {v!r}")
         return v
 
     kv_rank, nope, rope, vdim = (need(k) for k in ("kv_lora_rank", "qk_nope_head_dim",
@@ -87,16 +92,16 @@ def deepseek_fields(cfg: dict[str, Any], layers: int, heads: int,
         m = _mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
         scale = scale * m * m  # the softmax scale of every channel, as the reference
     experts, top_k = need("n_routed_experts"), need("num_experts_per_tok")
-    n_group, topk_group = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    router = _router(cfg, arch, source)
+    grouped = router == GROUPED_SIGMOID or cfg.get("topk_method") == "group_limited_greedy"
+    n_group = int(cfg.get("n_group") or 1) if grouped else 1
+    topk_group = int(cfg.get("topk_group") or 1) if grouped else 1
     if experts % n_group or not 1 <= topk_group <= n_group or top_k > experts:
-        raise ModelLoadError(source, f"bad deepseek_v3 routing: {experts} experts in {n_group} "
+        raise ModelLoadError(source, f"bad {arch} routing: {experts} experts in {n_group} "
                              f"groups, top-{topk_group} groups, top-{top_k} experts")
-    if experts // n_group < 2:
-        raise ModelLoadError(source, "deepseek_v3 groups need two experts each (a group's score "
+    if router == GROUPED_SIGMOID and experts // n_group < 2:
+        raise ModelLoadError(source, f"{arch} groups need two experts each (a group's score "
                              "is its top two)")
-    if cfg.get("topk_method", "noaux_tc") != "noaux_tc" or cfg.get("scoring_func", "sigmoid") != "sigmoid":
-        raise ModelLoadError(source, f"unsupported deepseek_v3 routing topk_method="
-                             f"{cfg.get('topk_method')!r} scoring_func={cfg.get('scoring_func')!r}")
     first_dense = int(cfg.get("first_k_dense_replace") or 0)
     freq = int(cfg.get("moe_layer_freq") or 1)
     moe_inter = need("moe_intermediate_size")
@@ -106,12 +111,25 @@ def deepseek_fields(cfg: dict[str, Any], layers: int, heads: int,
         "num_kv_heads": 1, "head_dim": kv_rank + rope, "rotary_dim": rope,
         "num_experts": experts, "top_k": top_k, "moe_intermediate_size": moe_inter,
         "moe_layers": tuple(i for i in range(first_dense, layers) if i % freq == 0),
-        "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
-        "router": GROUPED_SIGMOID, "router_groups": (n_group, topk_group),
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", arch == "deepseek_v3")),
+        "router": router, "router_groups": (n_group, topk_group),
         "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
         "shared_expert_intermediate_size": moe_inter * int(cfg.get("n_shared_experts") or 0),
         "qk_norm": False,
     }
+
+
+def _router(cfg: dict[str, Any], arch: str, source: str) -> str:
+    """deepseek_v3 routes by sigmoid scores (`noaux_tc`), deepseek_v2 by softmax (`greedy`, or
+    `group_limited_greedy` within the best groups); anything else is named."""
+    method = cfg.get("topk_method", "noaux_tc" if arch == "deepseek_v3" else "greedy")
+    scoring = cfg.get("scoring_func", "sigmoid" if arch == "deepseek_v3" else "softmax")
+    if arch == "deepseek_v3" and (method, scoring) == ("noaux_tc", "sigmoid"):
+        return GROUPED_SIGMOID
+    if arch == "deepseek_v2" and method in ("greedy", "group_limited_greedy") and scoring == "softmax":
+        return GROUPED_SOFTMAX
+    raise ModelLoadError(source, f"unsupported {arch} routing topk_method={method!r} "
+                         f"scoring_func={scoring!r}")
 
 
 def mla_shapes(s: ArchSpec, p: str) -> dict[str, tuple[int, ...]]:
