@@ -35,12 +35,13 @@ from ftrs.models.tiny import tiny_tokenizer
 # transformers probes for a `kernels` package, and this folder's kernels.py is not it
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent]
 
-LITE = {"vocab_size": 512, "hidden_size": 2048, "intermediate_size": 1024,
-        "moe_intermediate_size": 128, "num_attention_heads": 16, "num_key_value_heads": 16,
-        "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
-        "first_k_dense_replace": 1, "q_lora_rank": None, "kv_lora_rank": 512,
-        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
-        "topk_method": "greedy", "max_position_embeddings": 16384, "rms_norm_eps": 1e-6}
+LITE: dict[str, Any] = {
+    "vocab_size": 512, "hidden_size": 2048, "intermediate_size": 1024,
+    "moe_intermediate_size": 128, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
+    "first_k_dense_replace": 1, "q_lora_rank": None, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "topk_method": "greedy", "max_position_embeddings": 16384, "rms_norm_eps": 1e-6}
 
 
 def build(root: Path, layers: int) -> Path:
