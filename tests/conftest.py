@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,6 +36,21 @@ def hybrid_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("hybrid")
     return {arch: build(arch, root / arch) for arch in ("qwen3_5_moe", "qwen3_next")}
+
+
+@pytest.fixture(scope="session")
+def deepseek_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny deepseek_v3 and deepseek_v2 checkpoints written by transformers
+    (tests/deepseek_models): v3 with and without q_lora, v3 with YaRN, V2-Lite's shape, V2's
+    group-limited routing."""
+    pytest.importorskip("transformers.models.deepseek_v3")
+    from deepseek_models import V2_GROUPED, V2_LITE, YARN, build
+
+    root = tmp_path_factory.mktemp("deepseek")
+    variants: dict[str, dict[str, Any]] = {"q_lora": {}, "no_q_lora": {"q_lora_rank": None},
+                                           "yarn": YARN, "v2_lite": V2_LITE,
+                                           "v2_grouped": V2_GROUPED}
+    return {name: build(root / name, **changes) for name, changes in variants.items()}
 
 
 @pytest.fixture(scope="session")

@@ -20,18 +20,12 @@ from ftrs.sampling import SamplingParams
 pytest.importorskip("transformers.models.deepseek_v3")
 TOL = 1e-4
 IDS = [(i * 37 + 11) % 509 + 3 for i in range(57)]
-VARIANTS = {"q_lora": {}, "no_q_lora": {"q_lora_rank": None}, "yarn": "yarn",
-            "v2_lite": "v2_lite", "v2_grouped": "v2_grouped"}
+VARIANTS = ["q_lora", "no_q_lora", "yarn", "v2_lite", "v2_grouped"]  # conftest's deepseek_models
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from deepseek_models import V2_GROUPED, V2_LITE, YARN, build
-
-    root = tmp_path_factory.mktemp("deepseek")
-    named = {"yarn": YARN, "v2_lite": V2_LITE, "v2_grouped": V2_GROUPED}
-    return {name: build(root / name, **(named[ch] if isinstance(ch, str) else ch))
-            for name, ch in VARIANTS.items()}
+def models(deepseek_models: dict[str, Path]) -> dict[str, Path]:
+    return deepseek_models
 
 
 def ref_logits(path: Path, ids: list[int]) -> torch.Tensor:
@@ -41,7 +35,7 @@ def ref_logits(path: Path, ids: list[int]) -> torch.Tensor:
         return hf_model(path)(torch.tensor([ids])).logits[0].float()
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_logits_match_transformers(models: dict[str, Path], variant: str) -> None:
     llm = LLM(str(models[variant]), kv_tokens=1024, dtype="float32")
     ours = llm.logits(IDS)

@@ -1,5 +1,6 @@
-"""The server serves a tiny qwen3_5_moe (linear attention layers, shared expert) through the
-official `openai` client, streaming and not, and says what the offline engine says."""
+"""The server serves a tiny qwen3_5_moe (linear attention layers, shared expert) and a tiny
+deepseek_v3 (latent attention, grouped routing) through the official `openai` client,
+streaming and not, and says what the offline engine says."""
 
 from __future__ import annotations
 
@@ -15,9 +16,16 @@ openai = pytest.importorskip("openai")
 MSGS = [{"role": "user", "content": "Hello, hybrid model"}]
 
 
+@pytest.fixture(scope="module", params=["qwen3_5_moe", "deepseek_v3"])
+def model(request: pytest.FixtureRequest) -> Path:
+    if request.param == "qwen3_5_moe":
+        return request.getfixturevalue("hybrid_models")["qwen3_5_moe"]  # type: ignore[no-any-return]
+    return request.getfixturevalue("deepseek_models")["q_lora"]  # type: ignore[no-any-return]
+
+
 @pytest.fixture(scope="module")
-def server(hybrid_models: dict[str, Path]) -> Iterator[ServerProcess]:
-    s = ServerProcess(["--model", str(hybrid_models["qwen3_5_moe"]), "--served-model-name",
+def server(model: Path) -> Iterator[ServerProcess]:
+    s = ServerProcess(["--model", str(model), "--served-model-name",
                        "tiny", "--device", "cpu", "--dtype", "float32"], api_key=None, backend=None)
     try:
         s.wait("ok")
@@ -26,12 +34,11 @@ def server(hybrid_models: dict[str, Path]) -> Iterator[ServerProcess]:
         s.stop()
 
 
-def test_openai_client_streaming_and_not(server: ServerProcess,
-                                         hybrid_models: dict[str, Path]) -> None:
+def test_openai_client_streaming_and_not(server: ServerProcess, model: Path) -> None:
     from ftrs import LLM
     from ftrs.sampling import SamplingParams
 
-    llm = LLM(str(hybrid_models["qwen3_5_moe"]), device="cpu", dtype="float32")
+    llm = LLM(str(model), device="cpu", dtype="float32")
     try:
         expected = llm.generate([llm.chat_prompt(MSGS)], SamplingParams(max_tokens=10,
                                                                         temperature=0))[0]
