@@ -17,6 +17,7 @@
 //! kernels' worker pool ([`crate::quant::threads`]), only when there is enough of it.
 
 use crate::error::{CoreError, Result};
+use crate::quant::simd::{axpy_f32, dot_f32};
 use crate::quant::threads;
 
 fn config(msg: String) -> CoreError {
@@ -224,71 +225,79 @@ pub fn decode_attention(
         )));
     }
     let group = heads / kv_heads;
-    let pairs = rows * heads;
-    // bytes of K and V each (row, head) pair reads
-    let tasks = threads::plan(pairs, pairs * keys * d * 8, threads);
-    let one = |pair: usize, o: &mut [f32]| {
-        let (r, h) = (pair / heads, pair % heads);
-        let kvh = h / group;
-        let qv = &q[pair * d..(pair + 1) * d];
+    // A task unit is `sub` query heads of one kv head: each key and value is read once for
+    // all of them (16 heads share one latent row in MLA, 2-8 share a kv head in GQA). A
+    // group is cut into parts only to give every thread a unit.
+    let sub = heads_per_unit(group, rows * kv_heads, threads::resolve(threads));
+    let units = rows * heads / sub;
+    // bytes of K and V the units read
+    let tasks = threads::plan(units, units * keys * d * 8, threads);
+    let one = |unit: usize, o: &mut [f32]| {
+        let (r, h0) = (unit * sub / heads, unit * sub % heads);
+        let kvh = h0 / group;
+        let qs = &q[(r * heads + h0) * d..(r * heads + h0 + sub) * d];
         let row_slots = &slots[r * keys..(r + 1) * keys];
         let row_valid = valid.map(|v| &v[r * keys..(r + 1) * keys]);
-        let mut scores = vec![f32::NEG_INFINITY; keys];
-        let mut max = f32::NEG_INFINITY;
-        for (l, (sc, &slot)) in scores.iter_mut().zip(row_slots).enumerate() {
+        // scores[j * keys + l]: head h0 + j against key l
+        let mut scores = vec![f32::NEG_INFINITY; sub * keys];
+        let mut max = vec![f32::NEG_INFINITY; sub];
+        for (l, &slot) in row_slots.iter().enumerate() {
             if row_valid.is_some_and(|v| v[l] == 0) {
                 continue;
             }
             let at = slot as usize * per_slot + kvh * d;
-            *sc = dot(qv, &k_cache[at..at + d]) * scale;
-            max = max.max(*sc);
+            let key = &k_cache[at..at + d];
+            for (j, (qv, m)) in qs.chunks_exact(d).zip(max.iter_mut()).enumerate() {
+                let sc = dot_f32(qv, key) * scale;
+                scores[j * keys + l] = sc;
+                *m = m.max(sc);
+            }
         }
         o.fill(0.0);
-        if max == f32::NEG_INFINITY {
-            return;
-        }
-        let mut total = 0f64;
-        for sc in scores.iter_mut() {
-            *sc = (*sc - max).exp();
-            total += f64::from(*sc);
-        }
-        let inv = (1.0 / total) as f32;
-        for (&p, &slot) in scores.iter().zip(row_slots) {
-            if p == 0.0 {
-                continue;
+        let mut inv = vec![0f32; sub];
+        for (j, (&m, iv)) in max.iter().zip(inv.iter_mut()).enumerate() {
+            if m == f32::NEG_INFINITY {
+                continue; // no valid column: this head's output stays zero
             }
-            let p = p * inv;
+            let mut total = 0f64;
+            for sc in scores[j * keys..(j + 1) * keys].iter_mut() {
+                *sc = (*sc - m).exp();
+                total += f64::from(*sc);
+            }
+            *iv = (1.0 / total) as f32;
+        }
+        for (l, &slot) in row_slots.iter().enumerate() {
             let at = slot as usize * per_slot + kvh * d;
-            for (acc, &v) in o.iter_mut().zip(&v_cache[at..at + d]) {
-                *acc += p * v;
+            let value = &v_cache[at..at + d];
+            for (j, oj) in o.chunks_exact_mut(d).enumerate() {
+                let p = scores[j * keys + l];
+                if p == 0.0 || p == f32::NEG_INFINITY {
+                    continue;
+                }
+                axpy_f32(p * inv[j], value, oj);
             }
         }
     };
-    threads::for_chunks(tasks, threads, out, d, |first, chunk| {
-        for (i, o) in chunk.chunks_exact_mut(d).enumerate() {
+    threads::for_chunks(tasks, threads, out, sub * d, |first, chunk| {
+        for (i, o) in chunk.chunks_exact_mut(sub * d).enumerate() {
             one(first + i, o);
         }
     });
     Ok(())
 }
 
-/// A dot product in eight fp32 lanes (vectorised by the compiler).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let mut ca = a.chunks_exact(8);
-    let mut cb = b.chunks_exact(8);
-    for (x, y) in (&mut ca).zip(&mut cb) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
+/// Query heads a decode-attention unit takes: the whole group of a kv head, or the largest
+/// divisor of it that still gives each of `threads` threads a unit when `groups` (rows x kv
+/// heads) are fewer than the threads.
+fn heads_per_unit(group: usize, groups: usize, threads: usize) -> usize {
+    if groups >= threads {
+        return group;
     }
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
+    let parts = threads.div_ceil(groups.max(1));
+    (1..=group.div_ceil(parts))
+        .rev()
+        .find(|s| group.is_multiple_of(*s))
+        .unwrap_or(1)
 }
 
 #[cfg(test)]
@@ -370,6 +379,64 @@ mod tests {
         assert!(rotary(&mut q, &mut k, d, &cos, &sin, &[4, 0]).is_err());
     }
 
+    /// `decode_attention` against the formula in f64 (1e-5), and the same bits on 1 and 4
+    /// threads (the units differ; each head's sums do not).
+    fn check_decode_attention(shape: AttnShape, slots: &[i64], valid: Option<&[u8]>) {
+        let AttnShape {
+            rows,
+            heads,
+            kv_heads,
+            head_dim: d,
+            keys,
+        } = shape;
+        let slots_n = 1 + *slots.iter().max().unwrap() as usize;
+        let (k, v) = (
+            seq(slots_n * kv_heads * d, 6),
+            seq(slots_n * kv_heads * d, 7),
+        );
+        let q = seq(rows * heads * d, 8);
+        let mut first: Option<Vec<f32>> = None;
+        for threads in [1, 2, 4] {
+            let mut out = vec![1f32; q.len()];
+            decode_attention(shape, &q, &k, &v, slots, valid, 0.25, &mut out, threads).unwrap();
+            for r in 0..rows {
+                for h in 0..heads {
+                    let kvh = h / (heads / kv_heads);
+                    let cols: Vec<usize> = (0..keys)
+                        .filter(|&l| valid.is_none_or(|m| m[r * keys + l] != 0))
+                        .collect();
+                    let at = |l: usize| (slots[r * keys + l] as usize * kv_heads + kvh) * d;
+                    let sc: Vec<f64> = cols
+                        .iter()
+                        .map(|&l| {
+                            (0..d)
+                                .map(|i| {
+                                    f64::from(q[(r * heads + h) * d + i]) * f64::from(k[at(l) + i])
+                                })
+                                .sum::<f64>()
+                                * 0.25
+                        })
+                        .collect();
+                    let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let z: f64 = sc.iter().map(|s| (s - m).exp()).sum();
+                    for i in 0..d {
+                        let want: f64 = cols
+                            .iter()
+                            .zip(&sc)
+                            .map(|(&l, s)| (s - m).exp() / z * f64::from(v[at(l) + i]))
+                            .sum();
+                        let got = f64::from(out[(r * heads + h) * d + i]);
+                        assert!((got - want).abs() < 1e-5, "{r} {h} {i}: {got} vs {want}");
+                    }
+                }
+            }
+            match &first {
+                None => first = Some(out),
+                Some(f) => assert!(f.iter().zip(&out).all(|(a, b)| a.to_bits() == b.to_bits())),
+            }
+        }
+    }
+
     #[test]
     fn decode_attention_equals_the_softmax_formula_with_masks_and_groups() {
         let shape = AttnShape {
@@ -379,61 +446,31 @@ mod tests {
             head_dim: 16,
             keys: 5,
         };
-        let slots_n = 9;
-        let (k, v) = (seq(slots_n * 2 * 16, 6), seq(slots_n * 2 * 16, 7));
-        let q = seq(2 * 4 * 16, 8);
         let slots = [4i64, 0, 7, 2, 8, 1, 3, 5, 0, 0];
-        let valid = [1u8, 1, 1, 1, 1, 1, 1, 1, 0, 0];
-        for threads in [1, 2] {
-            let mut out = vec![1f32; q.len()];
-            decode_attention(
-                shape,
-                &q,
-                &k,
-                &v,
-                &slots,
-                Some(&valid),
-                0.25,
-                &mut out,
-                threads,
-            )
-            .unwrap();
-            for r in 0..2 {
-                for h in 0..4 {
-                    let kvh = h / 2;
-                    let cols: Vec<usize> = (0..5).filter(|&l| valid[r * 5 + l] != 0).collect();
-                    let sc: Vec<f64> = cols
-                        .iter()
-                        .map(|&l| {
-                            let s = slots[r * 5 + l] as usize;
-                            (0..16)
-                                .map(|i| {
-                                    f64::from(q[(r * 4 + h) * 16 + i])
-                                        * f64::from(k[(s * 2 + kvh) * 16 + i])
-                                })
-                                .sum::<f64>()
-                                * 0.25
-                        })
-                        .collect();
-                    let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let z: f64 = sc.iter().map(|s| (s - m).exp()).sum();
-                    for i in 0..16 {
-                        let want: f64 = cols
-                            .iter()
-                            .zip(&sc)
-                            .map(|(&l, s)| {
-                                let slot = slots[r * 5 + l] as usize;
-                                (s - m).exp() / z * f64::from(v[(slot * 2 + kvh) * 16 + i])
-                            })
-                            .sum();
-                        let got = f64::from(out[(r * 4 + h) * 16 + i]);
-                        assert!((got - want).abs() < 1e-5, "{r} {h} {i}: {got} vs {want}");
-                    }
-                }
-            }
-        }
+        check_decode_attention(shape, &slots, Some(&[1u8, 1, 1, 1, 1, 1, 1, 1, 0, 0]));
+        // MLA's shape: one row, six query heads on one kv head (a latent row), cut into parts
+        // of two heads on four threads; 20 channels (not a multiple of 8)
+        let mla = AttnShape {
+            rows: 1,
+            heads: 6,
+            kv_heads: 1,
+            head_dim: 20,
+            keys: 7,
+        };
+        check_decode_attention(mla, &[3, 0, 6, 1, 5, 2, 4], None);
+        let q = seq(2 * 4 * 16, 8);
+        let (k, v) = (seq(9 * 2 * 16, 6), seq(9 * 2 * 16, 7));
         let mut out = vec![0f32; q.len()];
         let bad = [9i64, 0, 0, 0, 0, 0, 0, 0, 0, 0];
         assert!(decode_attention(shape, &q, &k, &v, &bad, None, 1.0, &mut out, 1).is_err());
+    }
+
+    #[test]
+    fn a_unit_takes_a_whole_group_unless_threads_would_idle() {
+        assert_eq!(heads_per_unit(16, 1, 2), 8); // MLA decode, one row, two threads
+        assert_eq!(heads_per_unit(16, 1, 1), 16);
+        assert_eq!(heads_per_unit(6, 1, 4), 2);
+        assert_eq!(heads_per_unit(7, 1, 2), 1); // a prime group: one head a unit
+        assert_eq!(heads_per_unit(4, 8, 2), 4); // enough (row, kv head) groups already
     }
 }
