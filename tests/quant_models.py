@@ -10,12 +10,13 @@ safetensors checkpoint, quantized here as ModelOpt lays it out, beside the fp32 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from ftrs.models.gguf_write import Quantizer, gguf_quantizer, write_gguf
 from ftrs.models.tiny import tiny_config, tiny_tensors, tiny_tokenizer
@@ -202,3 +203,25 @@ def to_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch
     full = scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
     w8 = (w / full).to(torch.float8_e4m3fn)
     return w8, scale, w8.float() * full
+
+
+def write_fp8_checkpoint(src: Path, fp8_dir: Path, ref_dir: Path, block: tuple[int, int],
+                         quantized: Callable[[str], bool]) -> None:
+    """Copies of the checkpoint at `src` into `fp8_dir` and `ref_dir` (both existing
+    checkpoint directories, tokenizer included): the weights `quantized(name)` says as
+    block-scaled FP8 (`weight_scale_inv` per `block` tile, the fp8 config) in `fp8_dir`, and
+    the values they hold, dequantized to fp32, in `ref_dir`."""
+    fp8: dict[str, torch.Tensor] = {}
+    ref: dict[str, torch.Tensor] = {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if quantized(name):
+            w8, s, ref[name] = to_fp8(w, block)
+            fp8[name], fp8[name[:-7] + ".weight_scale_inv"] = w8, s
+        else:
+            fp8[name] = ref[name] = w
+    save_file(fp8, str(fp8_dir / "model.safetensors"))
+    save_file(ref, str(ref_dir / "model.safetensors"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                  "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    (fp8_dir / "config.json").write_text(json.dumps(cfg))

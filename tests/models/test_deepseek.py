@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from decode_checks import record_logits
 from ftrs.layers.moe import route_grouped
 from ftrs.llm import LLM
 from ftrs.models.arch import arch_from_config
@@ -52,16 +53,7 @@ def test_logits_match_transformers(models: dict[str, Path], variant: str) -> Non
 def test_incremental_decode_matches_full_forward(models: dict[str, Path],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     llm = LLM(str(models["q_lora"]), kv_tokens=1024, dtype="float32", max_prefill_length=16)
-    decoder = llm.engine.rt.decoder
-    seen: list[torch.Tensor] = []
-    logits = decoder.logits
-
-    def record(hidden: torch.Tensor) -> torch.Tensor:
-        out = logits(hidden)
-        seen.append(out.clone())
-        return out
-
-    monkeypatch.setattr(decoder, "logits", record)
+    seen = record_logits(llm, monkeypatch)
     out = llm.generate([IDS[:40]], SamplingParams(max_tokens=18, temperature=0,
                                                   ignore_eos=True))[0].token_ids
     prefill_chunks = len(seen) - 17  # 40 tokens in chunks of 16: the last chunk's logits count
@@ -120,29 +112,14 @@ def test_fp8_block_checkpoint_as_deepseek_ships_it(models: dict[str, Path],
     """Every projection FP8 with a fp32 `weight_scale_inv` per 16x16 tile (partial tiles at the
     20- and 24-wide edges), kv_b included (dequantized once for the absorbed attention): the
     logits of transformers on the dequantized weights."""
-    import json
     import shutil
 
-    from safetensors.torch import load_file, save_file
-
-    from quant_models import to_fp8
+    from quant_models import write_fp8_checkpoint
 
     src = models["q_lora"]
     fp8_dir, ref_dir = (shutil.copytree(src, tmp_path / d) for d in ("fp8", "ref"))
-    fp8: dict[str, torch.Tensor] = {}
-    ref: dict[str, torch.Tensor] = {}
-    for name, w in load_file(str(src / "model.safetensors")).items():
-        if name.endswith("proj.weight") or name.endswith("proj_with_mqa.weight"):
-            w8, s, ref[name] = to_fp8(w, (16, 16))
-            fp8[name], fp8[name[:-7] + ".weight_scale_inv"] = w8, s
-        else:
-            fp8[name] = ref[name] = w
-    save_file(fp8, str(fp8_dir / "model.safetensors"))
-    save_file(ref, str(ref_dir / "model.safetensors"))
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                  "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
-    (fp8_dir / "config.json").write_text(json.dumps(cfg))
+    write_fp8_checkpoint(src, fp8_dir, ref_dir, (16, 16),
+                         lambda name: name.endswith(("proj.weight", "proj_with_mqa.weight")))
     llm = LLM(str(fp8_dir), kv_tokens=1024, dtype="float32")
     w = llm.engine.rt.decoder.w  # the MLA projections stay FP8 on the CPU
     assert all(type(w[k]).__name__ == "QuantTensor" and w[k].qtype == "FP8_BLOCK"

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from decode_checks import record_logits
 from ftrs.layers import deltanet
 from ftrs.llm import LLM
 from ftrs.models.arch import arch_from_config
@@ -56,16 +57,7 @@ def test_incremental_decode_matches_full_forward(hybrid_models: dict[str, Path],
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(deltanet, "CHUNK", 16)  # the 40-token prefill spans three blocks
     llm = LLM(str(hybrid_models[arch]), kv_tokens=1024, dtype="float32")
-    decoder = llm.engine.rt.decoder
-    seen: list[torch.Tensor] = []
-    logits = decoder.logits
-
-    def record(hidden: torch.Tensor) -> torch.Tensor:
-        out = logits(hidden)
-        seen.append(out.clone())
-        return out
-
-    monkeypatch.setattr(decoder, "logits", record)
+    seen = record_logits(llm, monkeypatch)
     out = llm.generate([IDS[:40]], SamplingParams(max_tokens=18, temperature=0,
                                                   ignore_eos=True))[0].token_ids
     assert len(seen) == 18 and all(s.shape == (1, 512) for s in seen)  # 1 prefill + 17 decodes

@@ -21,7 +21,7 @@ from ftrs.llm import LLM
 from ftrs.models.load import load_model
 from ftrs.models.tiny import make_tiny
 from ftrs.quant import FP8_BLOCK, QuantTensor, kernel_types, use_kernels
-from quant_models import strategy_logits_equal_resident, to_fp8
+from quant_models import strategy_logits_equal_resident, to_fp8, write_fp8_checkpoint
 
 transformers = pytest.importorskip("transformers")
 TOL = 1e-4
@@ -34,25 +34,11 @@ QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "do
 def fp8_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("fp8")
     src = make_tiny("qwen3_moe", root / "src", seed=3)
-    tensors = load_file(str(src / "model.safetensors"))
     fp8_dir, ref_dir = root / "fp8", root / "ref"
     shutil.copytree(src, fp8_dir)
     shutil.copytree(src, ref_dir)
-    fp8: dict[str, torch.Tensor] = {}
-    ref: dict[str, torch.Tensor] = {}
-    for name, w in tensors.items():
-        if name.endswith(".weight") and name.split(".")[-2] in QUANTIZED:
-            w8, s, deq = to_fp8(w, BLOCK)
-            fp8[name], fp8[name[:-7] + ".weight_scale_inv"] = w8, s
-            ref[name] = deq
-        else:
-            fp8[name] = ref[name] = w
-    save_file(fp8, str(fp8_dir / "model.safetensors"))
-    save_file(ref, str(ref_dir / "model.safetensors"))
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
-                                  "activation_scheme": "dynamic", "weight_block_size": list(BLOCK)}
-    (fp8_dir / "config.json").write_text(json.dumps(cfg))
+    write_fp8_checkpoint(src, fp8_dir, ref_dir, BLOCK,
+                         lambda name: name.endswith(".weight") and name.split(".")[-2] in QUANTIZED)
     return fp8_dir, ref_dir
 
 

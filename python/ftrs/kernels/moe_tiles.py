@@ -57,6 +57,19 @@ if triton_importable():
         return tl.where(s == 0x7F, 0.0, v)
 
     @triton.jit
+    def _k_scale_min(blk, j, mask):
+        """Q4_K/Q5_K: the 6-bit scale and min of sub-block `j` (per column of the tile), packed
+        in the 12 bytes after the super-block's d and dmin (`blk` points at its start)."""
+        lo = (j < 4)[:, None]
+        sa = tl.load(blk + (4 + j)[:, None], mask=mask, other=0).to(tl.int32)
+        sb4 = tl.load(blk + (8 + j)[:, None], mask=mask, other=0).to(tl.int32)
+        sc4 = tl.load(blk + (4 + tl.where(j < 4, 0, j - 4))[:, None], mask=mask,
+                      other=0).to(tl.int32)
+        sc = tl.where(lo, sa & 63, (sb4 & 15) | ((sc4 >> 6) << 4)).to(tl.float32)
+        mn = tl.where(lo, sb4 & 63, (sb4 >> 4) | ((sa >> 6) << 4)).to(tl.float32)
+        return sc, mn
+
+    @triton.jit
     def _low_quants(w_ptr, ws_ptr, slot, n, k, n_rows, n_cols, stride_s, stride_r, sc_stride_s,
                     sc_stride_r, QUANT: tl.constexpr, DT: tl.constexpr):
         """The tiles of the types a second kernel switch keeps `_w_tile` short for: Q4_0,
@@ -128,13 +141,7 @@ if triton_importable():
             hb = tl.load(blk + (16 + k % 32)[:, None], mask=mask, other=0).to(tl.int32)
             q = (tl.where((j % 2 == 0)[:, None], byte & 15, byte >> 4)
                  | (((hb >> j[:, None]) & 1) << 4)).to(tl.float32)
-            lo = (j < 4)[:, None]
-            sa = tl.load(blk + (4 + j)[:, None], mask=mask, other=0).to(tl.int32)
-            sb4 = tl.load(blk + (8 + j)[:, None], mask=mask, other=0).to(tl.int32)
-            sc4 = tl.load(blk + (4 + tl.where(j < 4, 0, j - 4))[:, None], mask=mask,
-                          other=0).to(tl.int32)
-            sc = tl.where(lo, sa & 63, (sb4 & 15) | ((sc4 >> 6) << 4)).to(tl.float32)
-            mn = tl.where(lo, sb4 & 63, (sb4 >> 4) | ((sa >> 6) << 4)).to(tl.float32)
+            sc, mn = _k_scale_min(blk, j, mask)
             hbase = sbase + (sb * 88)[:, None]
             d = tl.load(hbase, mask=mask, other=0.0).to(tl.float32)
             dmin = tl.load(hbase + 1, mask=mask, other=0.0).to(tl.float32)
@@ -174,13 +181,7 @@ if triton_importable():
             blk = base + (sb * 144)[:, None]
             byte = tl.load(blk + (16 + 32 * (j // 2) + k % 32)[:, None], mask=mask, other=0)
             q = tl.where((j % 2 == 0)[:, None], byte & 15, byte >> 4).to(tl.float32)
-            lo = (j < 4)[:, None]
-            sa = tl.load(blk + (4 + j)[:, None], mask=mask, other=0).to(tl.int32)
-            sb4 = tl.load(blk + (8 + j)[:, None], mask=mask, other=0).to(tl.int32)
-            sc4 = tl.load(blk + (4 + tl.where(j < 4, 0, j - 4))[:, None], mask=mask,
-                          other=0).to(tl.int32)
-            sc = tl.where(lo, sa & 63, (sb4 & 15) | ((sc4 >> 6) << 4)).to(tl.float32)
-            mn = tl.where(lo, sb4 & 63, (sb4 >> 4) | ((sa >> 6) << 4)).to(tl.float32)
+            sc, mn = _k_scale_min(blk, j, mask)
             hbase = sbase + (sb * 72)[:, None]
             d = tl.load(hbase, mask=mask, other=0.0).to(tl.float32)
             dmin = tl.load(hbase + 1, mask=mask, other=0.0).to(tl.float32)
