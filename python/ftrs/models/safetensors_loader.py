@@ -151,6 +151,15 @@ def _weight_name(name: str, spec: ArchSpec) -> str:
     return name
 
 
+def _past_the_last_layer(key: str | ExpertKey | PackedExperts, spec: ArchSpec) -> bool:
+    """A layer past `num_hidden_layers`: DeepSeek-V3's multi-token-prediction block (its
+    `num_nextn_predict_layers`), shipped as the next layer; not read."""
+    if isinstance(key, str):
+        layer, _, rest = key.partition(".")
+        return bool(rest) and layer.isdigit() and int(layer) >= spec.num_layers
+    return key.layer >= spec.num_layers
+
+
 def _quantized(dtype: str, spec: ArchSpec) -> str | None:
     """The `ftrs.quant` type a tensor of safetensors dtype `dtype` is kept in, None if plain."""
     if dtype == "F8_E4M3" and spec.fp8_block:
@@ -247,7 +256,7 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
                     continue
                 name = _weight_name(file_name, spec)
                 key = map_hf_name(name)
-                if key is None:
+                if key is None or _past_the_last_layer(key, spec):
                     continue
                 shape = tuple(f.get_slice(file_name).get_shape())
                 st_dtype = f.get_slice(file_name).get_dtype()
