@@ -1,4 +1,4 @@
-"""deepseek_v3 (DeepSeek-V3/R1, Moonlight) and deepseek_v2 (DeepSeek-V2, V2-Lite,
+"""deepseek_v3 (DeepSeek-V3/R1) and deepseek_v2 (DeepSeek-V2, V2-Lite,
 Coder-V2-Lite) as data for the one decoder: multi-head latent attention (MLA), grouped routing
 (v3: sigmoid scores with a correction bias; v2: softmax scores, greedy or within the best
 groups), shared experts, and the first `first_k_dense_replace` layers dense.
