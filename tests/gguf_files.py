@@ -12,16 +12,19 @@ import torch
 from ftrs.models.gguf_write import add_field
 
 
-def rewrite(src: Path, dst: Path, drop: str = "", fields: dict[str, object] | None = None,
-            extra: dict[str, np.ndarray] | None = None) -> Path:
-    """`src` again without the tensors whose names contain `drop`, with `fields` changed (typed
-    as `gguf_write.add_field` types them) and the F32 tensors `extra` added."""
+def rewrite(src: Path, dst: Path, drop: str | tuple[str, ...] = "",
+            fields: dict[str, object] | None = None, extra: dict[str, np.ndarray] | None = None,
+            drop_fields: tuple[str, ...] = ()) -> Path:
+    """`src` again without the tensors whose names contain `drop` (or any of them), with
+    `fields` changed (typed as `gguf_write.add_field` types them), `drop_fields` left out and
+    the F32 tensors `extra` added."""
     reader = gguf.GGUFReader(str(src))
     arch = reader.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst), arch)
     changed = fields or {}
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in changed:
+        if (key.startswith("GGUF.") or key == "general.architecture" or key in changed
+                or key in drop_fields):
             continue
         vtype = field.types[0]
         if vtype == gguf.GGUFValueType.ARRAY:
@@ -31,7 +34,7 @@ def rewrite(src: Path, dst: Path, drop: str = "", fields: dict[str, object] | No
     for key, value in changed.items():
         add_field(w, key, value)
     for t in reader.tensors:
-        if drop and drop in t.name:
+        if any(d and d in t.name for d in ((drop,) if isinstance(drop, str) else drop)):
             continue
         data = np.asarray(t.data)
         w.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=t.tensor_type)

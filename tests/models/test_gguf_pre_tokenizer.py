@@ -28,6 +28,9 @@ SPLITS = {
     # o200k (gpt-oss): a lower-case run ends a word (camel case splits), the contraction stays
     "gpt-4o": ["hello", "World", " ", "123", "45", " it's", " HTTPServer", "\n\n", " ", " x",
                "/y"],
+    # DeepSeek-V3: digits in threes split first; here the same as Llama 3's (see below)
+    "deepseek-v3": ["helloWorld", " ", "123", "45", " it", "'s", " HTTPServer", "\n\n", " ",
+                    " x", "/y"],
     # SmolLM: single digits, then GPT-2's split
     "smollm": ["helloWorld", " ", "1", "2", "3", "4", "5", " it", "'s", " HTTPServer", "\n\n ",
                " x", "/", "y"],
@@ -68,3 +71,14 @@ def test_the_file_tokenizer_uses_it() -> None:
 def test_an_unknown_pre_tokenizer_is_refused() -> None:
     with pytest.raises(ModelLoadError, match=r"unsupported GGUF pre-tokenizer 'tekken'.*gpt-4o"):
         Tokenizer.from_gguf_fields(_meta("tekken"), "t.gguf")
+
+
+def test_deepseek_v3_splits_cjk_runs_and_non_ascii_punctuation_apart() -> None:
+    # Llama 3's word may start with any non-letter ("«hi") and runs through every letter, kana
+    # and ideographs included; DeepSeek-V3 isolates the CJK run first, and only an ASCII mark
+    # may lead a word, so "«" and "»" stand alone; a combining mark stays inside its word
+    text = "«hi» 日本語abc ne\u0301x"
+    for pre, want in (("llama-bpe", ["«hi", "»", " 日本語abc", " ne", "\u0301x"]),
+                      ("deepseek-v3", ["«", "hi", "»", " ", "日本語", "abc", " ne\u0301x"])):
+        pieces = gguf_pre_tokenizer(pre, "t.gguf").pre_tokenize_str(text)
+        assert [text[a:b] for _, (a, b) in pieces] == want, pre

@@ -2,7 +2,8 @@
 
 Used to build quantized test checkpoints and the quantized demo (`ftrs models demo --quant`).
 Architectures: `llama` (dense, or Mixtral-style with `llama.expert_count`), `qwen3`, `qwen3moe`,
-`gpt-oss`. Routed experts are stacked into 3-D `blk.N.ffn_{gate,up,down}_exps.weight`; the llama
+`gpt-oss`, `qwen3next`, `qwen35moe` and `deepseek2` (the converter's changes to those three in
+`models/gguf_archs.py` and `models/gguf_deepseek.py`). Routed experts are stacked into 3-D `blk.N.ffn_{gate,up,down}_exps.weight`; the llama
 q and k projections get llama.cpp's row permutation. gpt-oss follows llama.cpp's converter: its
 names from the `gguf` package's own name map, gate and up taken out of the interleaved
 `gate_up_proj` (and its bias) and every expert matrix transposed to the `Linear` layout; YaRN
@@ -29,12 +30,14 @@ from ftrs.models.gguf_archs import (
     llama3_rope_factors,
     qwen3next_tensors,
 )
+from ftrs.models.gguf_deepseek import deepseek2_metadata, deepseek2_tensors
 from ftrs.models.tokenizer import Tokenizer
 
 #: (HF name, fp32 values (rows, cols) or (E, rows, cols)) -> (GGUF type, raw bytes (..., row_bytes))
 Quantizer = Callable[[str, np.ndarray], tuple[str, np.ndarray]]
 _ARCH = {"llama": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
-         "gpt_oss": "gpt-oss", "qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe"}
+         "gpt_oss": "gpt-oss", "qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe",
+         "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}
 _LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
           "self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k",
           "self_attn.v_proj.weight": "attn_v", "self_attn.o_proj.weight": "attn_output",
@@ -238,6 +241,8 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
         tensors = {}
     elif arch in ("qwen3next", "qwen35moe"):
         plain, tensors = qwen3next_tensors(tensors, cfg)
+    elif arch == "deepseek2":
+        plain, tensors = deepseek2_tensors(tensors, cfg)
     for name, t in tensors.items():
         arr = t.detach().float().numpy()
         if name in _TOP:
@@ -259,7 +264,10 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
         plain[f"blk.{layer}.{_LAYER[rest]}.weight"] = (name, arr)
 
     writer = gguf.GGUFWriter(str(path), arch)
-    for k, v in _metadata(cfg, arch).items():
+    meta = _metadata(cfg, arch)
+    if arch == "deepseek2":
+        meta |= {f"{arch}.{k}": v for k, v in deepseek2_metadata(cfg).items()}
+    for k, v in meta.items():
         add_field(writer, k, v)
     fields = tokenizer_fields if tokenizer_fields is not None else (
         _tokenizer_fields(tokenizer) if tokenizer is not None else {})
@@ -302,12 +310,14 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
         return out
     if arch == "gpt-oss":
         return gpt_oss_packed({hf: held[gname] for gname, (hf, _) in plain.items()})
-    if arch in ("qwen3next", "qwen35moe"):  # the F32 values are the source's, transformed
+    if arch in ("qwen3next", "qwen35moe", "deepseek2"):  # F32 values: the source's, transformed
         if any(types[gname] != "F32" for gname in plain):
-            raise ConfigError("write_gguf: qwen3next's values are returned for files whose "
+            raise ConfigError(f"write_gguf: {arch}'s values are returned for files whose "
                               "tensors other than the routed experts are F32")
+        layers = int(cfg["num_hidden_layers"])
         out = {name: t.detach().float() for name, t in source.items()
-               if ".mlp.experts." not in name}
+               if ".mlp.experts." not in name
+               and not (name.startswith("model.layers.") and int(name.split(".")[2]) >= layers)}
         plain = {}
     for gname, (hf, _) in plain.items():
         t = held[gname]

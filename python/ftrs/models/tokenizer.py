@@ -3,8 +3,8 @@
 Built on `tokenizers` and `jinja2` only; transformers is never needed at run time. GGUF files
 carry a byte-level BPE vocabulary and merges; the pre-tokenizer follows llama.cpp's `pre` name
 (for `smollm`: single digits, then the GPT-2 byte-level split, as the original tokenizer does;
-for `llama-bpe`, `qwen2`, `qwen35` and `gpt-4o`: the split pattern of that tokenizer's own
-`tokenizer.json`, then the byte-level mapping); a name it does not know is refused, not guessed.
+for `llama-bpe`, `qwen2`, `qwen35`, `gpt-4o` and `deepseek-v3`: the split pattern(s) of that
+tokenizer's own `tokenizer.json`, then the byte-level mapping); a name it does not know is refused, not guessed.
 """
 
 from __future__ import annotations
@@ -36,9 +36,16 @@ _UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]
 _O200K = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
           rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-#: llama.cpp's `tokenizer.ggml.pre` names -> the split pattern of the tokenizer each names
-_PRE_SPLIT = {"llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "qwen2": _QWEN2,
-              "deepseek-r1-qwen": _QWEN2, "qwen35": _QWEN35, "gpt-4o": _O200K, "llama4": _O200K}
+#: DeepSeek-V3's three splits, one after the other: digits in threes, runs of CJK ideographs and
+#: kana, then words (an ASCII punctuation mark joins the ASCII letters after it)
+_DEEPSEEK_V3 = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+                r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+                r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+#: llama.cpp's `tokenizer.ggml.pre` names -> the split pattern(s) of the tokenizer each names
+_PRE_SPLIT: dict[str, str | tuple[str, ...]] = {
+    "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "qwen2": _QWEN2,
+    "deepseek-r1-qwen": _QWEN2, "qwen35": _QWEN35, "gpt-4o": _O200K, "llama4": _O200K,
+    "deepseek-v3": _DEEPSEEK_V3}
 _GPT2_PRE = (None, "default", "gpt-2", "gpt2")  # ByteLevel's own split
 
 
@@ -51,8 +58,10 @@ def gguf_pre_tokenizer(pre: str | None, source: str) -> Any:
     if pre == "smollm":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in _PRE_SPLIT:
-        split = pre_tokenizers.Split(Regex(_PRE_SPLIT[pre]), behavior="isolated", invert=False)
-        return pre_tokenizers.Sequence([split, byte_level])
+        patterns = _PRE_SPLIT[pre]
+        splits = [pre_tokenizers.Split(Regex(p), behavior="isolated", invert=False)
+                  for p in ((patterns,) if isinstance(patterns, str) else patterns)]
+        return pre_tokenizers.Sequence([*splits, byte_level])
     known = sorted(k for k in (*_PRE_SPLIT, "smollm", *_GPT2_PRE) if k)
     raise ModelLoadError(source, f"unsupported GGUF pre-tokenizer {pre!r} "
                          f"(supported: {', '.join(known)})")
