@@ -63,7 +63,7 @@ import torch
 import _common as common
 from ftrs import _core
 from ftrs.config import ftrs_home
-from ftrs.layers.moe import route
+from ftrs.layers.moe import route_by
 from ftrs.llm import LLM
 from ftrs.moe.base import MoEStrategy
 from ftrs.moe.hybrid import CostModel, HybridStrategy, LayerModes
@@ -182,9 +182,7 @@ def layer_overhead(llm: LLM, passes: int, seed: int = 0) -> dict[str, Any]:
     inputs = {}
     for layer in spec.moe_layers:
         x = torch.randn((1, spec.hidden_size), generator=gen)  # (1, hidden): one decode token
-        router = parts.routers[layer]
-        assert isinstance(router, torch.Tensor)
-        ids, w = route(x, router, spec.top_k, spec.norm_topk_prob)
+        ids, w = route_by(spec, parts.routers[layer], x)
         inputs[layer] = (x, ids, w)
     hybrid = make(llm, "hybrid", 8.0, 0.5)
 

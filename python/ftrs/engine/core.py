@@ -24,7 +24,9 @@ from ftrs.engine.sampler import sample
 from ftrs.errors import ConfigError, ContextLengthExceeded, DeviceError, FtrsError, InvalidRequest
 from ftrs.kvcache.pages import PagePool
 from ftrs.kvcache.state import StateSlots
+from ftrs.layers.moe import Router
 from ftrs.models.arch import ArchSpec
+from ftrs.models.decoder import layer_router
 from ftrs.models.experts import HostExperts
 from ftrs.moe.base import MoEStrategy
 from ftrs.scheduler.scheduler import Scheduler
@@ -41,7 +43,7 @@ class MoEParts(NamedTuple):
 
     spec: ArchSpec
     experts: HostExperts
-    routers: dict[int, Any]  # MoE layer -> router weight (a tensor, or the file's QuantTensor)
+    routers: dict[int, Router]  # MoE layer -> its router (weight and biases: `layers.moe`)
     device: torch.device
     kernels: Kernels | None = None  # the engine's: a GPU strategy built without them runs torch
 
@@ -363,7 +365,7 @@ class EngineCore:
         if experts is None:
             raise ConfigError(f"{self.spec.arch}: a dense model has no routed experts")
         dense = self.rt.loaded.dense
-        routers = {layer: dense[f"{layer}.router"] for layer in self.spec.moe_layers}
+        routers = {layer: layer_router(dense, layer) for layer in self.spec.moe_layers}
         return MoEParts(self.spec, experts, routers, self.rt.device, self.rt.kernels)
 
     def forward_once(self, ids: list[int]) -> None:

@@ -12,7 +12,8 @@ from ftrs.engine.graphs import DecodeGraphs, build_graphs, why_off
 from ftrs.errors import ConfigError
 from ftrs.kernels import Kernels, select_kernels
 from ftrs.kvcache.state import state_bytes
-from ftrs.models.decoder import Decoder, KVCache
+from ftrs.layers.moe import Router
+from ftrs.models.decoder import Decoder, KVCache, layer_router
 from ftrs.models.load import load_model
 from ftrs.moe.base import MoEStrategy, create_strategy, import_strategy
 
@@ -124,11 +125,11 @@ class Runtime:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
-    def _routers(self) -> dict[int, torch.Tensor]:
-        out: dict[int, torch.Tensor] = {}
+    def _routers(self) -> dict[int, Router]:
+        out: dict[int, Router] = {}
         for layer in self.spec.moe_layers:
-            router = self.loaded.dense[f"{layer}.router"]
-            assert isinstance(router, torch.Tensor)  # invariant: routers are never kept quantized
+            router = layer_router(self.loaded.dense, layer)
+            assert isinstance(router.weight, torch.Tensor)  # invariant: never kept quantized
             out[layer] = router
         return out
 

@@ -4,6 +4,8 @@ Routing follows the reference: router logits, softmax in fp32 over all experts, 
 (when the architecture says so) renormalisation of the k weights to sum to one. gpt_oss routes
 otherwise (`topk_softmax`): router logits with a bias, top-k of the logits, softmax over those k;
 deepseek_v3 too (`route_grouped`): sigmoid scores, biased choice within the best expert groups.
+`route_by` is the one place a layer's routing is chosen from the spec, for the decoder and the
+prefetch ranker alike (`moe.rank`), from a `Router` (the weight and the biases the layer has).
 
 `plan_experts` sorts the (token, slot) pairs of a layer by expert once (one stable argsort and
 one bincount), so each expert's tokens are a slice of that order, in ascending token, the order
@@ -22,13 +24,20 @@ weights carry them (tensors 3..5 of its pool block).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from ftrs.layers.linear import linear
 from ftrs.quant.matmul import Weight, expert_ffn
+
+if TYPE_CHECKING:
+    from ftrs.models.arch import ArchSpec
+
+GROUPED_SIGMOID = "grouped_sigmoid"  # `ArchSpec.router` of deepseek_v3 (`noaux_tc`)
+GROUPED_SOFTMAX = "grouped_softmax"  # of deepseek_v2 (`greedy`, `group_limited_greedy`)
+GROUPED = (GROUPED_SIGMOID, GROUPED_SOFTMAX)
 
 SMALL_ROWS = 32  # below this, accumulate by indexing instead of index_add_
 #: gate (I,H), up (I,H), down (H,I); with expert biases also gate (1,I), up (1,I), down (1,H) rows
@@ -91,6 +100,24 @@ def route_grouped(x: torch.Tensor, router: torch.Tensor, correction: torch.Tenso
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return ids, (weights * scaling).to(x.dtype)
+
+
+class Router(NamedTuple):
+    """A MoE layer's router: its weight (experts x hidden), gpt_oss's logit bias, deepseek_v3's
+    correction bias (added to the scores for the choice only)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    correction: torch.Tensor | None = None
+
+
+def route_by(spec: ArchSpec, router: Router, x: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's routing as its architecture does it: grouped (DeepSeek) or `route`'s."""
+    if spec.router in GROUPED:
+        return route_grouped(x, router.weight, router.correction, spec.top_k,
+                             spec.router_groups, spec.norm_topk_prob, spec.routed_scaling_factor)
+    return route(x, router.weight, spec.top_k, spec.norm_topk_prob, router.bias, spec.router)
 
 
 class ExpertPlan(NamedTuple):

@@ -43,11 +43,11 @@ from ftrs.kvcache.state import StateCache
 from ftrs.layers.attention import AttnMetadata, paged_attention
 from ftrs.layers.deltanet import gated_deltanet
 from ftrs.layers.linear import embedding, linear
-from ftrs.layers.moe import route, route_grouped
+from ftrs.layers.moe import Router, route_by
 from ftrs.layers.norm import rms_norm
 from ftrs.layers.rotary import Rotary, rotate
 from ftrs.models.arch import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION, ArchSpec
-from ftrs.models.mla import GROUPED, mla_attention
+from ftrs.models.mla import mla_attention
 from ftrs.moe.base import MoEStrategy
 from ftrs.quant.matmul import Weight
 
@@ -94,6 +94,14 @@ def rms_norm_plus_one(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if residual is not None:
         x = residual + x
     return rms_norm(x, weight, eps, plus_one=True), (x if residual is not None else None)
+
+
+def layer_router(weights: Mapping[str, Any], layer: int) -> Router:
+    """MoE layer `layer`'s router in the decoder's `weights`, with the biases it has (what
+    `layers.moe.route_by` routes with; the prefetch ranker gets the same)."""
+    p = f"{layer}."
+    return Router(weights[p + "router"], weights.get(p + "router_bias"),
+                  weights.get(p + "router_correction"))
 
 
 class Decoder:
@@ -183,17 +191,14 @@ class Decoder:
         return gated_deltanet(x, self.w, f"{layer}.", s.linear, s.rms_norm_eps, meta.linear,
                               kv.state.conv[i], kv.state.recurrent[i])
 
+    def router(self, layer: int) -> Router:
+        return layer_router(self.w, layer)
+
     def _mlp(self, layer: int, x: torch.Tensor) -> torch.Tensor:
         s, w, p = self.spec, self.w, f"{layer}."
         if s.is_moe_layer(layer):
             assert self.moe is not None  # invariant: a MoE spec always gets a strategy
-            if s.router in GROUPED:
-                ids, weights = route_grouped(x, w[p + "router"], w.get(p + "router_correction"),
-                                             s.top_k, s.router_groups, s.norm_topk_prob,
-                                             s.routed_scaling_factor)
-            else:
-                ids, weights = route(x, w[p + "router"], s.top_k, s.norm_topk_prob,
-                                     w.get(p + "router_bias"), s.router)
+            ids, weights = route_by(s, self.router(layer), x)
             out = self.moe.forward(layer, x, ids, weights)
             if s.shared_expert_intermediate_size:  # dense, always resident
                 shared = linear(F.silu(linear(x, w[p + "shared_gate"]))

@@ -33,6 +33,7 @@ import torch
 from ftrs.errors import ModelLoadError
 from ftrs.layers.attention import AttnMetadata, paged_attention
 from ftrs.layers.linear import linear
+from ftrs.layers.moe import GROUPED_SIGMOID, GROUPED_SOFTMAX
 from ftrs.layers.rotary import rotate
 from ftrs.quant.formats import QuantTensor
 
@@ -40,9 +41,6 @@ if TYPE_CHECKING:
     from ftrs.models.arch import ArchSpec
     from ftrs.models.decoder import Decoder, KVCache, Rope
 
-GROUPED_SIGMOID = "grouped_sigmoid"  # `ArchSpec.router` of deepseek_v3 (`noaux_tc`)
-GROUPED_SOFTMAX = "grouped_softmax"  # of deepseek_v2 (`greedy`, `group_limited_greedy`)
-GROUPED = (GROUPED_SIGMOID, GROUPED_SOFTMAX)
 
 
 @dataclass(frozen=True)

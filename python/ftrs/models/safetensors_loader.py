@@ -31,9 +31,10 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ftrs.errors import ModelLoadError
+from ftrs.layers.moe import GROUPED_SIGMOID
 from ftrs.models.arch import LINEAR_ATTENTION, ArchSpec
 from ftrs.models.experts import ExpertFormat, HostExperts, TensorFormat
-from ftrs.models.mla import GROUPED_SIGMOID, mla_shapes
+from ftrs.models.mla import mla_shapes
 from ftrs.models.names import (
     ExpertKey,
     PackedExperts,

@@ -9,7 +9,8 @@ Invariant every strategy keeps: the result is the selected experts' contribution
 (`layers.moe.accumulate`), as `combine_experts` does, so all strategies agree bit for bit with
 `resident`.
 
-Factories take keyword arguments: `experts`, `device`, `config`, `routers`, and `kernels` (a
+Factories take keyword arguments: `experts`, `device`, `config`, `routers` (MoE layer ->
+`layers.moe.Router`, or a bare router weight for a plain softmax router), and `kernels` (a
 `ftrs.kernels.Kernels`; with Triton ones a strategy computes the layers it can through the
 fused MoE kernel, `moe.fused`; None or the torch references: the per-expert path).
 """

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +70,7 @@ from ftrs.layers.moe import (
     Contribution,
     ExpertPlan,
     ExpertWeights,
+    Router,
     accumulate,
     expert_contribution,
     plan_experts,
@@ -118,7 +120,7 @@ class HybridStrategy(OffloadStrategy):
     name = "hybrid"
 
     def __init__(self, experts: HostExperts, device: torch.device, config: EngineConfig,
-                 routers: dict[int, torch.Tensor], **kw: Any) -> None:
+                 routers: Mapping[int, Router | torch.Tensor], **kw: Any) -> None:
         super().__init__(experts, device, config, routers, **kw)
         self.device = device
         self.threads = config.cpu_expert_threads or int(_core.quant_threads())

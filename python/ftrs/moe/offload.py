@@ -74,6 +74,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -85,6 +86,7 @@ from ftrs.layers.moe import (
     Contribution,
     ExpertPlan,
     ExpertWeights,
+    Router,
     accumulate,
     expert_contribution,
     plan_experts,
@@ -158,7 +160,7 @@ class OffloadStrategy(MoEStrategy):
     name = "offload"
 
     def __init__(self, experts: HostExperts, device: torch.device, config: EngineConfig,
-                 routers: dict[int, torch.Tensor], kernels: Kernels | None = None,
+                 routers: Mapping[int, Router | torch.Tensor], kernels: Kernels | None = None,
                  **_: object) -> None:
         self.experts = experts
         self.spec = experts.spec
@@ -203,7 +205,7 @@ class OffloadStrategy(MoEStrategy):
         self.working_set = len(self.spec.moe_layers) * self.spec.top_k
         self.next_moe = {a: b for a, b in zip(self.spec.moe_layers, self.spec.moe_layers[1:])}
         self._predicted: dict[int, set[int]] = {}
-        self._ranker = NextLayerRanker(routers, self.spec.top_k, self.spec.num_experts)
+        self._ranker = NextLayerRanker(routers, self.spec)
         self.pred_hits = self.pred_issued = self.pred_needed = 0
         # The link-bound gate (module docstring): this forward's start, transfer waits and end;
         # per width (False: narrow, True: wide), whether its last forward was link-bound and

@@ -1,7 +1,8 @@
 """Ranking the next MoE layer's likeliest experts, for prefetch (`OffloadStrategy._predict`).
 
-`NextLayerRanker.rank` routes this layer's rows through the next layer's router and ranks the
-experts by their summed weight, with torch where the rows are or on the host. `rank_on_host`
+`NextLayerRanker.rank` routes this layer's rows through the next layer's router, as the model
+routes (its biases and groups included), and ranks the experts by their summed weight, with
+torch where the rows are or on the host. `rank_on_host`
 is the host side: no device round trip. Hybrid's decode-graph host step reads the real rows
 back once (its CPU share needs them) and ranks them here; offload's graph host step, and a
 GPU's decode-sized eager layers, copy the rows back for it: the device path costs its launches
@@ -15,12 +16,16 @@ from __future__ import annotations
 
 import heapq
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from ftrs.layers.moe import route
+from ftrs.layers.moe import Router, route, route_by
+
+if TYPE_CHECKING:
+    from ftrs.models.arch import ArchSpec
 
 #: `rank_on_host` ranks in plain Python up to this many logits (rows x experts), numpy above.
 RANK_PY_LOGITS = 256
@@ -58,14 +63,19 @@ def rank_on_host(x: torch.Tensor, router: np.ndarray, top_k: int) -> list[int]:
 
 class NextLayerRanker:
     """Ranks a MoE layer's experts from the previous layer's rows through its router, for
-    `OffloadStrategy._predict`: on the host (`rank_on_host`, the routers copied there once, fp32)
-    or with torch where the rows are."""
+    `OffloadStrategy._predict`: on the host (the routers copied there once, fp32) or with torch
+    where the rows are. A plain softmax router ranks by `rank_on_host` on the host; one with a
+    bias (gpt_oss) or grouped routing (DeepSeek: the correction bias and the groups decide the
+    choice) by the model's own routing, `layers.moe.route_by`."""
 
-    def __init__(self, routers: dict[int, Any], top_k: int, num_experts: int) -> None:
-        self.routers = routers
-        self.top_k = top_k
-        self.num_experts = num_experts
-        self._host: dict[int, np.ndarray] = {}  # fp32 host copies of the routers
+    def __init__(self, routers: Mapping[int, Router | torch.Tensor], spec: ArchSpec) -> None:
+        self.routers = {la: r if isinstance(r, Router) else Router(r) for la, r in routers.items()}
+        self.spec = spec
+        self.top_k = spec.top_k
+        self.num_experts = spec.num_experts
+        self._plain = spec.router == "softmax" and all(
+            r.bias is None and r.correction is None for r in self.routers.values())
+        self._host: dict[int, Router] = {}  # fp32 host copies of the routers
 
     def rank(self, layer: int, x: torch.Tensor, x_host: torch.Tensor | None = None,
              on_host: bool | None = None) -> list[int]:
@@ -82,10 +92,19 @@ class NextLayerRanker:
         if x_host is not None:
             router = self._host.get(layer)
             if router is None:
-                router = self._host[layer] = (
-                    self.routers[layer].detach().to("cpu", torch.float32).numpy())
-            return rank_on_host(x_host, router, self.top_k)
-        ids, w = route(x, self.routers[layer], self.top_k, False)
+                w, b, c = (None if t is None else t.detach().to("cpu", torch.float32)
+                           for t in self.routers[layer])
+                assert w is not None  # invariant: a router has a weight
+                router = self._host[layer] = Router(w, b, c)
+            if self._plain:
+                return rank_on_host(x_host, router.weight.numpy(), self.top_k)
+            x, chosen = x_host, router
+        else:
+            chosen = self.routers[layer]
+        if self._plain:
+            ids, w = route(x, chosen.weight, self.top_k, False)
+        else:
+            ids, w = route_by(self.spec, chosen, x)
         score = torch.zeros(self.num_experts, dtype=torch.float32, device=ids.device)
         score.index_add_(0, ids.flatten(), w.flatten().float())
         ranked = torch.argsort(score, descending=True, stable=True)
