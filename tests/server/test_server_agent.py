@@ -12,6 +12,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from live_agent import (
+    FORECAST,
+    LIVE_OPTIONS,
+    PERSON,
+    check_forced_call,
+    check_json_schema_samples,
+    openai_client,
+)
 
 from ftrs.sampling import SEED_MAX
 from ftrs.server.prepare import choice_seed
@@ -257,21 +265,6 @@ def test_reasoning_content_is_split_from_the_answer(tmp_path: Any) -> None:
 
 # ------------------------------------------------------- live: the tiny model and the demo MoE
 
-LIVE_OPTIONS = ["--device", "cpu", "--dtype", "float32", "--max-n", "20"]
-FORECAST = {"type": "function", "function": {
-    "name": "get_forecast", "description": "Forecast of a city for some days",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
-                   "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
-                                  "days": {"type": "integer", "minimum": 1, "maximum": 7},
-                                  "metric": {"type": "boolean"}}}}}
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
-          "properties": {"name": {"type": "string", "maxLength": 12},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                         "tags": {"type": "array", "maxItems": 3,
-                                  "items": {"type": "string", "enum": ["a", "b", "c"]}}}}
-NAMED = {"type": "function", "function": {"name": "get_forecast"}}
-
-
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     pytest.importorskip("ftrs.engine.core")
@@ -289,57 +282,8 @@ def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         server.stop()
 
 
-def _openai(server: Any) -> Any:
-    import openai
-
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
-
-
-def _check_forced_call(c: Any, model: str, parallel: bool, temperature: float = 1.0) -> None:
-    """A named tool_choice: the call's arguments parse and follow the tool's schema, in the
-    full answer and in the stream (whose pieces add up to the same call)."""
-    import jsonschema
-
-    schema = FORECAST["function"]["parameters"]  # type: ignore[index]
-    msgs = [{"role": "user", "content": "What will the weather be in Oslo for the next 3 days?"}]
-    kw: dict[str, Any] = {"model": model, "messages": msgs, "tools": [FORECAST], "tool_choice": NAMED,
-                          "max_tokens": 200, "temperature": temperature, "seed": 5,
-                          "parallel_tool_calls": parallel}
-    full = c.chat.completions.create(**kw)
-    choice = full.choices[0]
-    assert choice.finish_reason == "tool_calls", choice
-    assert choice.message.tool_calls, choice
-    for call in choice.message.tool_calls:
-        assert call.function.name == "get_forecast"
-        jsonschema.validate(json.loads(call.function.arguments), schema)
-    args: dict[int, str] = defaultdict(str)
-    finish = None
-    for chunk in c.chat.completions.create(**kw, stream=True):
-        for ch in chunk.choices:
-            for d in ch.delta.tool_calls or []:
-                args[d.index] += d.function.arguments or ""
-            finish = ch.finish_reason or finish
-    assert finish == "tool_calls"
-    assert [args[i] for i in sorted(args)] == [call.function.arguments for call in choice.message.tool_calls]
-
-
-def _check_json_schema_samples(c: Any, model: str, n: int) -> None:
-    """`n` seeded samples at temperature 1.0, in one request: each parses and validates."""
-    import jsonschema
-
-    r = c.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Describe a person as JSON."}],
-        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
-        temperature=1.0, seed=123, n=n, max_tokens=120)
-    assert len(r.choices) == n
-    for choice in r.choices:
-        assert choice.finish_reason == "stop", choice
-        jsonschema.validate(json.loads(choice.message.content), PERSON)
-    assert len({choice.message.content for choice in r.choices}) > 1  # they are samples, not copies
-
-
 def test_live_forced_tool_call_validates_against_the_tool_schema(tiny_server: Any) -> None:
-    _check_forced_call(_openai(tiny_server), "tiny", parallel=False)
+    check_forced_call(openai_client(tiny_server), "tiny", parallel=False)
 
 
 def test_live_required_tool_choice_calls_one_of_the_tools_by_its_schema(tiny_server: Any) -> None:
@@ -348,7 +292,7 @@ def test_live_required_tool_choice_calls_one_of_the_tools_by_its_schema(tiny_ser
     schemas = {"get_forecast": FORECAST["function"]["parameters"],  # type: ignore[index]
                "get_person": PERSON}
     tools = [FORECAST, {"type": "function", "function": {"name": "get_person", "parameters": PERSON}}]
-    r = _openai(tiny_server).chat.completions.create(
+    r = openai_client(tiny_server).chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "Use a tool."}], tools=tools,
         tool_choice="required", parallel_tool_calls=False, max_tokens=200, temperature=1.0, seed=8)
     choice = r.choices[0]
@@ -358,7 +302,7 @@ def test_live_required_tool_choice_calls_one_of_the_tools_by_its_schema(tiny_ser
 
 
 def test_live_json_schema_output_validates_for_20_seeded_samples(tiny_server: Any) -> None:
-    _check_json_schema_samples(_openai(tiny_server), "tiny", 20)
+    check_json_schema_samples(openai_client(tiny_server), "tiny", 20)
 
 
 def _check_n_3(server: Any, model: str, prompt: list[int], exact: bool = True) -> None:
@@ -391,7 +335,7 @@ def test_live_n_3_choices_are_the_requests_with_distinct_seeds(tiny_server: Any)
 
 
 def test_live_logit_bias_moves_the_sample(tiny_server: Any) -> None:
-    c = _openai(tiny_server)
+    c = openai_client(tiny_server)
     r = c.completions.create(model="tiny", prompt="hello", max_tokens=6, temperature=1.0, seed=1,
                              logit_bias={"65": 100}, extra_body={"return_token_ids": True})
     assert r.choices[0].token_ids == [65] * 6  # +100 outweighs any logit gap
@@ -403,7 +347,7 @@ def test_live_logit_bias_moves_the_sample(tiny_server: Any) -> None:
 def test_live_bad_input_is_a_400_naming_the_field_and_the_server_serves_on(tiny_server: Any) -> None:
     import openai
 
-    c = _openai(tiny_server)
+    c = openai_client(tiny_server)
     msgs = [{"role": "user", "content": "hi"}]
     cases: list[tuple[dict[str, Any], str]] = [
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
@@ -444,12 +388,12 @@ def demo_server() -> Iterator[Any]:
 
 @pytest.mark.slow
 def test_demo_forced_tool_call_validates_against_the_tool_schema(demo_server: Any) -> None:
-    _check_forced_call(_openai(demo_server), "demo", parallel=True, temperature=0.7)
+    check_forced_call(openai_client(demo_server), "demo", parallel=True, temperature=0.7)
 
 
 @pytest.mark.slow
 def test_demo_json_schema_output_validates_for_20_seeded_samples(demo_server: Any) -> None:
-    _check_json_schema_samples(_openai(demo_server), "demo", 20)
+    check_json_schema_samples(openai_client(demo_server), "demo", 20)
 
 
 @pytest.mark.slow

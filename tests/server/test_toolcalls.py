@@ -198,6 +198,50 @@ def test_llama3_json_malformed_is_content() -> None:
     check("llama3_json", text, text, [])
 
 
+# --- deepseek_v3 and deepseek_v31 ---------------------------------------------------------
+
+DS_V3 = ("Let me check.\n\n<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather"
+         '\n```json\n{"city": "Tokyo", "days": 2}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>'
+         "function<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+DS_V31 = ('Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city":"Tokyo",'
+          '"days":2}<｜tool▁call▁end｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜>'
+          "<｜tool▁calls▁end｜>")
+
+
+@pytest.mark.parametrize("parser", ["deepseek_v3", "deepseek_v31"])
+def test_deepseek_reads_both_forms_of_its_calls(parser: str) -> None:
+    calls = [("get_weather", {"city": "Tokyo", "days": 2}), ("now", {})]
+    check(parser, DS_V3, "Let me check.", calls)
+    check(parser, DS_V31, "Sure.", calls)
+    # a section left open (the model stopped after its last call) keeps its calls
+    check(parser, DS_V31.removesuffix("<｜tool▁calls▁end｜>") + "\n", "Sure.", calls)
+    # cut off before a call's end tag: its complete arguments still make the call
+    cut = DS_V3[:DS_V3.index("{}") + 2]
+    check(parser, cut, "Let me check.", calls)
+
+
+@pytest.mark.parametrize("text", [
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{} oops",
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>search<｜tool▁sep｜>now\n```json\n{}\n```",
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get weather<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{\"a\": <｜tool▁call▁end｜>",
+    "<｜tool▁calls▁begin｜>no call here",
+])
+def test_deepseek_malformed_is_content(text: str) -> None:
+    # a non-function type, a name with a space, bad JSON, no call in the section
+    check("deepseek_v3", "Hm. " + text, "Hm. " + text, [])
+
+
+def test_deepseek_writes_its_own_form() -> None:
+    v3, v31 = TOOL_PARSERS["deepseek_v3"], TOOL_PARSERS["deepseek_v31"]
+    calls = [("get_weather", {"city": "Tokyo", "days": 2}), ("now", {})]
+    assert v3.format_calls(calls) == DS_V3.removeprefix("Let me check.\n\n").replace(
+        '{"city": "Tokyo", "days": 2}', json.dumps(calls[0][1]))
+    assert v31.format_calls(calls) == DS_V31.removeprefix("Sure.").replace(
+        '{"city":"Tokyo","days":2}', json.dumps(calls[0][1]))
+    assert v31.format_results(["12"]) == "<｜tool▁output▁begin｜>12<｜tool▁output▁end｜>"
+
+
 # --- choosing a parser --------------------------------------------------------------------
 
 def test_choose_tool_parser_flag_wins_and_unknown_names_the_known_ones() -> None:
@@ -212,6 +256,11 @@ def test_choose_tool_parser_flag_wins_and_unknown_names_the_known_ones() -> None
     ("{{ '<tool_call>' }}{{ tools | tojson }}", "hermes"),
     ("{% if tools %}[AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]", "mistral"),
     ("<|start_header_id|>ipython<|end_header_id|><|python_tag|>", "llama3_json"),
+    ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + "
+     "tool['function']['name'] + '\\n' + '```json' + '\\n' + tool['function']['arguments']}}",
+     "deepseek_v3"),
+    ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name'] + "
+     "'<｜tool▁sep｜>' + tool['function']['arguments'] + '<｜tool▁call▁end｜>'}}", "deepseek_v31"),
     ("{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}", "hermes"),
     (None, "hermes"),
 ])
@@ -250,6 +299,16 @@ FORCED = [  # (parser, choice, parallel, accepted, rejected)
     ("llama3_json", "required", True,
      ['{"name": "now", "parameters": {}}; {"name": "get_weather", "parameters": {"city": "X"}}'],
      ['{"name": "now", "arguments": {}}']),
+    ("deepseek_v3", "required", True,
+     [DS_V3.removeprefix("Let me check.\n\n")],
+     [DS_V31.removeprefix("Sure."), "Hi " + DS_V3.removeprefix("Let me check.\n\n")]),
+    ("deepseek_v31", NAMED, False,
+     ['<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}'
+      "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"],
+     ["<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}<｜tool▁call▁end｜>"
+      "<｜tool▁calls▁end｜>",
+      '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"days": 1}'
+      "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"]),
 ]
 
 
@@ -292,6 +351,7 @@ def test_forced_grammar_bad_choice_or_tools_are_typed_errors() -> None:
      [("get_weather", {"city": "Lyon"})]),
     ("llama3_json", 'One moment.<|python_tag|>{"name": "now", "parameters": {}}', "One moment.",
      [("now", {})]),
+    ("deepseek_v31", DS_V31, "Sure.", [("get_weather", {"city": "Tokyo", "days": 2}), ("now", {})]),
 ])
 def test_special_token_tags_reach_the_parser_token_by_token(
         parser: str, text: str, content: str, calls: list[tuple[str, dict[str, Any]]]) -> None:

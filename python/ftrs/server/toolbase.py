@@ -193,6 +193,11 @@ def chosen_functions(tools: list[dict[str, Any]],
     return chosen
 
 
+def args_schema(params: dict[str, Any]) -> str:
+    """JSON Schema (as text) of one function's arguments object, laid out as json.dumps does."""
+    return json.dumps({**params, "x-guidance": _JSON_LAYOUT})
+
+
 def call_schema(fns: list[tuple[str, dict[str, Any]]], args_key: str) -> str:
     """JSON Schema (as text) of one call object of any of `fns`, name first."""
     options = [{"type": "object",
@@ -307,5 +312,5 @@ class ToolParser:
         raise NotImplementedError
 
 
-__all__ = ["CallStream", "ToolCall", "ToolCallDelta", "ToolParser", "arguments_of",
+__all__ = ["CallStream", "ToolCall", "ToolCallDelta", "ToolParser", "args_schema", "arguments_of",
            "call_schema", "chosen_functions", "new_call_id", "parse_object_call", "split_at_tag"]

@@ -7,7 +7,10 @@ content to show and `ToolCallDelta`s. The families (`TOOL_PARSERS`):
 - `mistral`: `[TOOL_CALLS][{"name": .., "arguments": {..}}, ..]`, or the newer
   `[TOOL_CALLS]name[ARGS]{..}` (optionally `[CALL_ID]id` before `[ARGS]`), repeated;
 - `llama3_json`: `{"name": .., "parameters": {..}}` as the whole answer or after
-  `<|python_tag|>`, several separated by `;`.
+  `<|python_tag|>`, several separated by `;`;
+- `deepseek_v3` (DeepSeek-V3, R1) and `deepseek_v31` (V3.1 on): `<｜tool▁calls▁begin｜>`, then
+  per call `<｜tool▁call▁begin｜>`, `function<｜tool▁sep｜>name` and the arguments in a ```json
+  fence, or (V3.1) `name<｜tool▁sep｜>{..}`, then `<｜tool▁call▁end｜>` (`toolcalls_deepseek`).
 
 Streaming contract: a call's first delta carries its `index` (0, 1, .. in the order calls are
 streamed), its `id` (`call_` + 24 random hex digits, the same in `calls`) and its name, as soon as
@@ -42,6 +45,7 @@ from ftrs.server.toolbase import (
     parse_object_call,
     split_at_tag,
 )
+from ftrs.server.toolcalls_deepseek import DeepSeekToolParser, DeepSeekV31ToolParser
 
 
 class HermesToolParser(ToolParser):
@@ -383,6 +387,8 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "mistral": MistralToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "deepseek_v3": DeepSeekToolParser,
+    "deepseek_v31": DeepSeekV31ToolParser,
 }
 
 
@@ -400,6 +406,8 @@ def choose_tool_parser(flag: str | None, chat_template: str | None) -> str:
         return "mistral"
     if "<|python_tag|>" in template or "<|start_header_id|>" in template:
         return "llama3_json"
+    if "tool▁calls▁begin" in template:  # DeepSeek's: V3/R1 fence the arguments, V3.1 does not
+        return "deepseek_v3" if "```json" in template else "deepseek_v31"
     return "hermes"
 
 

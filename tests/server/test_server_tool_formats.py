@@ -1,0 +1,37 @@
+"""Every tool-call family end to end: a named `tool_choice` on the tiny model, served with
+`--tool-parser` set to the family, over real HTTP with the official `openai` client. The grammar
+forces the family's format, the parser reads it back from the streamed text, and the call's
+arguments follow the tool's schema, whole and streamed (`live_agent.check_forced_call`). Hermes,
+the default, runs in `test_server_agent.py`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from live_agent import LIVE_OPTIONS, check_forced_call, openai_client
+
+
+@pytest.fixture(scope="module", params=["mistral", "llama3_json", "deepseek_v3", "deepseek_v31"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[Any]:
+    pytest.importorskip("ftrs.engine.core")
+    from ftrs_server_harness import ServerProcess
+
+    from ftrs.models.tiny import make_tiny
+
+    model = make_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", seed=0)
+    proc = ServerProcess(["--model", str(model), "--served-model-name", "tiny",
+                          "--tool-parser", request.param, *LIVE_OPTIONS], api_key=None, backend=None)
+    try:
+        proc.wait("ok")
+        yield proc
+    finally:
+        proc.stop()
+
+
+def test_a_forced_call_in_the_familys_format_is_read_back(server: Any) -> None:
+    # one call (parallel off): the tiny model's random text would fill max_tokens with calls
+    check_forced_call(openai_client(server), "tiny", parallel=False)
