@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
 from live_agent import LIVE_OPTIONS, check_forced_call, openai_client
 
 
