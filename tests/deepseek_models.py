@@ -1,5 +1,6 @@
-"""Tiny deepseek_v3 and deepseek_v2 checkpoints (MLA, grouped routing, shared experts) built
-with transformers, for tests.
+"""Tiny deepseek_v3 and deepseek_v2 checkpoints (MLA, grouped routing, shared experts), and
+glm4_moe ones (the same routing beside grouped-query attention), built with transformers, for
+tests.
 
 Odd sizes on purpose: qk_head_dim 20 against hidden / heads = 12, kv_lora_rank 16, v_head_dim
 10, six routed experts (not a power of two) in three groups of which two are kept, top-3, one
@@ -43,15 +44,29 @@ V2_GROUPED = {"arch": "deepseek_v2", "n_group": 3, "topk_group": 2,
               "norm_topk_prob": False}
 
 
+#: glm4_moe (GLM-4.5): DeepSeek-V3's routing and shared experts beside grouped-query attention
+#: with q/k/v biases, q/k norms and rotary on half of each head
+GLM: dict[str, Any] = {
+    "vocab_size": 512, "hidden_size": 48, "intermediate_size": 56, "moe_intermediate_size": 24,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "n_shared_experts": 1, "n_routed_experts": 6, "num_experts_per_tok": 3, "n_group": 3,
+    "topk_group": 2, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+    "norm_topk_prob": True, "use_qk_norm": True, "attention_bias": True,
+    "partial_rotary_factor": 0.5, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+
+
 def build(out_dir: Path, seed: int = 1, dtype: torch.dtype = torch.float32,
           arch: str = "deepseek_v3", **changes: Any) -> Path:
-    """A tiny `arch` (deepseek_v3 or deepseek_v2) checkpoint written by transformers into
-    `out_dir` (`changes` override the config); returns it."""
+    """A tiny `arch` (deepseek_v3, deepseek_v2 or glm4_moe) checkpoint written by transformers
+    into `out_dir` (`changes` override the config); returns it."""
     import transformers
 
-    make = (transformers.DeepseekV3Config if arch == "deepseek_v3"
-            else transformers.DeepseekV2Config)
-    cfg = make(**(CONFIG | changes))
+    make = {"deepseek_v3": transformers.DeepseekV3Config,
+            "deepseek_v2": transformers.DeepseekV2Config,
+            "glm4_moe": transformers.Glm4MoeConfig}[arch]
+    cfg = make(**((GLM if arch == "glm4_moe" else CONFIG) | changes))
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # models.mla imports the layers, which import this module
     from ftrs.models.mla import MlaSpec
 
 SUPPORTED = ("llama", "qwen3", "mixtral", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss",
-             "deepseek_v2", "deepseek_v3")
+             "deepseek_v2", "deepseek_v3", "glm4_moe")
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)  # the hybrids' kinds
@@ -339,6 +339,10 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
         from ftrs.models.mla import deepseek_fields
 
         spec = replace(spec, **deepseek_fields(cfg, arch, layers, scaling, source))
+    elif arch == "glm4_moe":
+        from ftrs.models.glm import glm4_moe_fields
+
+        spec = replace(spec, **glm4_moe_fields(cfg, layers, head_dim, source))
     return spec
 
 

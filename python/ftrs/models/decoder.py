@@ -1,5 +1,6 @@
 """The one generic decoder: llama, qwen3, mixtral, qwen3_moe, qwen3_5_moe, qwen3_next, gpt_oss,
-deepseek_v2 and deepseek_v3 differ only in their ArchSpec (the DeepSeek MLA layers: `models.mla`).
+deepseek_v2, deepseek_v3 and glm4_moe differ only in their ArchSpec (the DeepSeek MLA layers:
+`models.mla`; GLM-4.5: `models.glm`).
 
 A forward pass takes the flattened tokens of a whole batch (decode tokens and prefill chunks
 mixed), their absolute positions, and the attention metadata that says where each token's

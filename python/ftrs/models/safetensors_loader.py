@@ -97,9 +97,10 @@ def expected_dense_shapes(spec: ArchSpec, flat_linear: bool = False) -> dict[str
                        p + "k": (kv_out, h), p + "v": (kv_out, h), p + "o": (h, q_out)}
             if s.qk_norm:
                 shapes |= {p + "q_norm": (s.head_dim,), p + "k_norm": (s.head_dim,)}
-            if s.attention_bias:
+            if s.attention_bias:  # glm4_moe's output projection has none
                 shapes |= {p + "q_bias": (q_out,), p + "k_bias": (kv_out,),
-                           p + "v_bias": (kv_out,), p + "o_bias": (h,)}
+                           p + "v_bias": (kv_out,)} | ({} if s.arch == "glm4_moe"
+                                                      else {p + "o_bias": (h,)})
             if s.attention_sinks:
                 shapes[p + "sinks"] = (s.num_heads,)
         if s.is_moe_layer(layer):
@@ -112,7 +113,7 @@ def expected_dense_shapes(spec: ArchSpec, flat_linear: bool = False) -> dict[str
             if si:
                 shapes |= {p + "shared_gate": (si, h), p + "shared_up": (si, h),
                            p + "shared_down": (h, si)}
-                if s.mla is None:  # the hybrids' shared expert is sigmoid-gated
+                if s.linear is not None:  # the hybrids' shared expert is sigmoid-gated
                     shapes[p + "shared_expert_gate"] = (1, h)
         else:
             i = s.intermediate_size
