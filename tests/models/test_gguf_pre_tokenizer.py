@@ -28,6 +28,8 @@ SPLITS = {
     # o200k (gpt-oss): a lower-case run ends a word (camel case splits), the contraction stays
     "gpt-4o": ["hello", "World", " ", "123", "45", " it's", " HTTPServer", "\n\n", " ", " x",
                "/y"],
+    # GLM-4.5 (`glm4`): Llama 3's pattern
+    "glm4": ["helloWorld", " ", "123", "45", " it", "'s", " HTTPServer", "\n\n", " ", " x", "/y"],
     # DeepSeek-V3: digits in threes split first; here the same as Llama 3's (see below)
     "deepseek-v3": ["helloWorld", " ", "123", "45", " it", "'s", " HTTPServer", "\n\n", " ",
                     " x", "/y"],

@@ -100,3 +100,72 @@ def test_a_config_that_cannot_run_is_refused_by_name(change: dict[str, object],
     cfg = deepseek_models.GLM | {"model_type": "glm4_moe"} | change
     with pytest.raises(ModelLoadError, match=message):
         arch_from_config(cfg, "config.json")
+
+
+# --- GGUF (`glm4moe`, as llama.cpp's converter writes it) ---------------------------------
+
+def _gguf(src: Path, out: Path, quantize: object = None) -> dict[str, torch.Tensor]:
+    import json
+
+    from safetensors.torch import load_file
+
+    from ftrs.models.gguf_write import keep_f32, write_gguf
+    from ftrs.models.tokenizer import Tokenizer
+
+    cfg = json.loads((src / "config.json").read_text())
+    return write_gguf(out, cfg, load_file(str(src / "model.safetensors")),
+                      quantize or keep_f32, Tokenizer.from_dir(src))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_gguf_file_runs_as_its_source(models: dict[str, Path], variant: str,
+                                        tmp_path: Path) -> None:
+    import json
+
+    from ftrs.models.gguf_loader import open_gguf
+
+    path = tmp_path / "f32.gguf"
+    _gguf(models[variant], path)
+    cfg, src = open_gguf(path).config, json.loads((models[variant] / "config.json").read_text())
+    keys = ("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "n_group",
+            "topk_group", "first_k_dense_replace", "routed_scaling_factor", "norm_topk_prob",
+            "use_qk_norm", "attention_bias", "num_key_value_heads", "head_dim")
+    assert {k: cfg[k] for k in keys} == {k: src[k] for k in keys}
+    assert cfg["model_type"] == "glm4_moe" and cfg["partial_rotary_factor"] == 0.5
+    ours = LLM(str(path), kv_tokens=1024, dtype="float32").logits(IDS)
+    assert (ours - ref_logits(models[variant], IDS)).abs().max().item() <= TOL
+
+
+def test_gguf_q8_experts_match_transformers_on_their_values(tmp_path: Path) -> None:
+    import numpy as np
+    from safetensors.torch import save_file
+
+    from ftrs.models.gguf_write import gguf_quantizer, keep_f32
+    from ftrs.quant import use_kernels
+
+    src = deepseek_models.build(tmp_path / "src", seed=4, arch="glm4_moe", hidden_size=64,
+                                moe_intermediate_size=32, intermediate_size=64)
+
+    def experts_q8(name: str, w: np.ndarray) -> tuple[str, np.ndarray]:
+        return gguf_quantizer("Q8_0", min_dims=3)(name, w) if w.ndim == 3 else keep_f32(name, w)
+
+    held = _gguf(src, tmp_path / "q8.gguf", experts_q8)
+    ref = shutil.copytree(src, tmp_path / "ref")
+    save_file({k: v.contiguous() for k, v in held.items()}, str(ref / "model.safetensors"))
+    llm = LLM(str(tmp_path / "q8.gguf"), kv_tokens=1024, dtype="float32")
+    with use_kernels(False):  # the Rust kernels round activations to int8 digits
+        ours = llm.logits(IDS)
+    assert (ours - ref_logits(ref, IDS)).abs().max().item() <= TOL
+    assert (ours - ref_logits(src, IDS)).abs().max().item() > 10 * TOL  # Q8_0 changed them
+    llm.close()
+
+
+def test_llama_cpp_computes_the_same_gguf(models: dict[str, Path], tmp_path: Path) -> None:
+    """The peer on the F32 file (fp32 KV cache), where `llama-cpp-python` is installed."""
+    pytest.importorskip("llama_cpp")
+    from gguf_files import llama_cpp_logits
+
+    path = tmp_path / "f32.gguf"
+    _gguf(models["glm"], path)
+    ours = LLM(str(path), kv_tokens=1024, dtype="float32").logits(IDS)
+    assert (ours - llama_cpp_logits(path, IDS, tmp_path)).abs().max().item() <= 1e-4

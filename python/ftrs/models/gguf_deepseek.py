@@ -1,4 +1,10 @@
-"""DeepSeek-V2/V3 GGUF files (llama.cpp's `deepseek2`), both ways.
+"""DeepSeek-V2/V3 GGUF files (llama.cpp's `deepseek2`), and GLM-4.5's (`glm4moe`), both ways.
+
+GLM-4.5 routes as DeepSeek-V3 and its file says so in the same `expert_*` fields; its attention
+is plain grouped-query attention (rotate-half rotary, so no rows move), with the rotary width in
+`rope.dimension_count` (a part of `attention.key_length`), q/k/v biases and q/k norms where the
+file has those tensors, and the second norm named `post_attention_norm`; the converter appends
+the MTP layer (`nextn_predict_layers`), which is left out.
 
 What llama.cpp's converter does to a deepseek_v2 / deepseek_v3 checkpoint: MLA written as MQA
 with one wide head (`attention.head_count_kv` 1, `key_length` = kv_lora_rank + rope dims,
@@ -40,7 +46,10 @@ DEEPSEEK2_NAMES = {"attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn
                    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
                    "ffn_up_shexp": "mlp.shared_experts.up_proj",
                    "ffn_down_shexp": "mlp.shared_experts.down_proj"}
-#: deepseek2 tensors whose HF name has no `.weight`/`.bias` of its own
+#: glm4moe's own block names
+GLM4MOE_NAMES = {"post_attention_norm": "post_attention_layernorm",
+                 **{k: v for k, v in DEEPSEEK2_NAMES.items() if "shexp" in k}}
+#: deepseek2 and glm4moe tensors whose HF name has no `.weight`/`.bias` of its own
 DEEPSEEK2_BARE = {("exp_probs_b", "bias"): "mlp.gate.e_score_correction_bias"}
 _SOFTMAX, _SIGMOID = 1, 2
 _LOG_MUL = 0.1  # the converter's yarn_log_multiplier per unit of mscale_all_dim
@@ -94,6 +103,37 @@ def deepseek2_config(meta: dict[str, Any], cfg: dict[str, Any], experts: int,
            "topk_method": "noaux_tc" if sigmoid else
                           "group_limited_greedy" if groups > 1 else "greedy"}
     return out
+
+
+def glm4moe_config(meta: dict[str, Any], cfg: dict[str, Any], experts: int,
+                   moe_layers: set[int], tensor_names: set[str], source: str) -> dict[str, Any]:
+    """The glm4_moe fields of a `glm4moe` file."""
+    def get(key: str, default: Any = None) -> Any:
+        v = meta.get(f"glm4moe.{key}", default)
+        if v is None:
+            raise ModelLoadError(source, f"missing GGUF metadata glm4moe.{key}")
+        return v
+
+    if experts < 1:
+        raise ModelLoadError(source, "glm4moe file without glm4moe.expert_count")
+    if int(get("expert_gating_func", _SIGMOID)) != _SIGMOID:
+        raise ModelLoadError(source, "glm4moe.expert_gating_func must be 2 (sigmoid)")
+    layers, first_dense = cfg["num_hidden_layers"], int(get("leading_dense_block_count", 0))
+    if moe_layers != set(range(first_dense, layers)):
+        raise ModelLoadError(source, f"glm4moe: routers (blk.N.ffn_gate_inp.weight) in layers "
+                             f"{sorted(moe_layers)}, expected {first_dense}..{layers - 1}")
+    groups = int(get("expert_group_count", 1))
+    return {"model_type": "glm4_moe", "n_routed_experts": experts,
+            "n_shared_experts": int(get("expert_shared_count", 0)),
+            "moe_intermediate_size": int(get("expert_feed_forward_length")),
+            "intermediate_size": int(get("feed_forward_length", 0)),
+            "first_k_dense_replace": first_dense,
+            "norm_topk_prob": bool(get("expert_weights_norm", False)),
+            "routed_scaling_factor": float(get("expert_weights_scale", 1.0)),
+            "n_group": groups, "topk_group": int(get("expert_group_used_count", groups)),
+            "partial_rotary_factor": int(get("rope.dimension_count")) / cfg["head_dim"],
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in tensor_names,
+            "attention_bias": "blk.0.attn_q.bias" in tensor_names}
 
 
 def deepseek2_yarn(meta: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
@@ -161,18 +201,43 @@ def deepseek2_metadata(cfg: dict[str, Any]) -> dict[str, Any]:
     return m
 
 
-def deepseek2_tensors(tensors: dict[str, torch.Tensor], cfg: dict[str, Any]
+def glm4moe_metadata(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `glm4moe.*` fields the converter writes beyond the common ones (no prefix; the MTP
+    layer is not written, as with the converter's `--no-mtp`)."""
+    head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // int(cfg["num_attention_heads"]))
+    params = cfg.get("rope_parameters") or {}
+    factor = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.5)))
+    m: dict[str, Any] = {
+        "rope.dimension_count": int(head_dim * factor),
+        "leading_dense_block_count": int(cfg.get("first_k_dense_replace") or 0),
+        "expert_count": int(cfg["n_routed_experts"]),
+        "expert_used_count": int(cfg["num_experts_per_tok"]),
+        "expert_feed_forward_length": int(cfg["moe_intermediate_size"]),
+        "expert_shared_count": int(cfg.get("n_shared_experts") or 0),
+        "expert_gating_func": _SIGMOID,
+        "expert_weights_scale": float(cfg.get("routed_scaling_factor", 1.0)),
+        "expert_weights_norm": bool(cfg.get("norm_topk_prob", True)),
+    }
+    if cfg.get("n_group") is not None:
+        m |= {"expert_group_count": int(cfg["n_group"]),
+              "expert_group_used_count": int(cfg.get("topk_group") or 1)}
+    return m
+
+
+def converter_tensors(tensors: dict[str, torch.Tensor], cfg: dict[str, Any], arch: str
                       ) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, torch.Tensor]]:
-    """A deepseek_v2/v3 checkpoint's tensors as the converter writes them (GGUF name -> (HF
-    name, values)), names through the `gguf` package's map: kv_b cut into k_b (transposed) and
-    v_b, the correction bias as `exp_probs_b.bias`, layers past `num_hidden_layers` (the
-    multi-token-prediction block) left out. The routed experts are returned apart."""
+    """A deepseek_v2/v3 or glm4_moe checkpoint's tensors as the converter writes them for `arch`
+    (deepseek2, glm4moe; GGUF name -> (HF name, values)), names through the `gguf` package's
+    map: kv_b cut into k_b (transposed) and v_b, the correction bias as `exp_probs_b.bias`,
+    layers past `num_hidden_layers` (the multi-token-prediction block) left out. The routed
+    experts are returned apart."""
     import gguf
 
     layers = int(cfg["num_hidden_layers"])
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.DEEPSEEK2, layers)
-    heads, nope, vdim = (int(cfg[k]) for k in ("num_attention_heads", "qk_nope_head_dim",
-                                               "v_head_dim"))
+    model_arch = {"deepseek2": gguf.MODEL_ARCH.DEEPSEEK2, "glm4moe": gguf.MODEL_ARCH.GLM4_MOE}
+    names = gguf.get_tensor_name_map(model_arch[arch], layers)
+    heads = int(cfg["num_attention_heads"])
+    nope, vdim = int(cfg.get("qk_nope_head_dim") or 0), int(cfg.get("v_head_dim") or 0)
     plain: dict[str, tuple[str, np.ndarray]] = {}
     experts: dict[str, torch.Tensor] = {}
 

@@ -1,8 +1,8 @@
 """GGUF checkpoints (llama.cpp's format), through the `gguf` package.
 
 Architectures: `llama` (dense, or Mixtral-style MoE when `llama.expert_count` is set), `qwen3`,
-`qwen3moe`, `gpt-oss`, `qwen3next`, `qwen35moe` (`models/gguf_archs.py`) and `deepseek2`
-(DeepSeek-V2/V3, `models/gguf_deepseek.py`). The config and the tokenizer come from the file's metadata. Tensor
+`qwen3moe`, `gpt-oss`, `qwen3next`, `qwen35moe` (`models/gguf_archs.py`), `deepseek2`
+(DeepSeek-V2/V3) and `glm4moe` (GLM-4.5; both `models/gguf_deepseek.py`). The config and the tokenizer come from the file's metadata. Tensor
 names are mapped to Hugging Face names; llama.cpp's row permutation of the llama q and k
 projections is undone (for quantized weights by moving whole rows of blocks, which is exact: the
 permutation is over rows); llama3's rope scaling, stored as `rope_freqs.weight` (one divisor per
@@ -49,9 +49,11 @@ from ftrs.models.gguf_archs import (
 from ftrs.models.gguf_deepseek import (
     DEEPSEEK2_BARE,
     DEEPSEEK2_NAMES,
+    GLM4MOE_NAMES,
     deepseek2_config,
     deepseek2_to_hf,
     deepseek2_yarn,
+    glm4moe_config,
 )
 from ftrs.models.names import DOWN, GATE, UP
 from ftrs.models.tokenizer import Tokenizer
@@ -76,7 +78,9 @@ _BLK = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)(?:\.(weight|bias))?$")  # ssm_a ha
 SUPPORTED_TYPES = tuple(t for t in GGUF_FORMATS if t not in TAIL_BYTES)
 _ARCH_TYPE = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
               "qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe_text",
-              "deepseek2": "deepseek_v3"}  # or deepseek_v2: its gating says (`deepseek2_config`)
+              "deepseek2": "deepseek_v3",  # or deepseek_v2: its gating says (`deepseek2_config`)
+              "glm4moe": "glm4_moe"}
+_SHARED_EXPERTS = (*DELTANET, "deepseek2", "glm4moe")  # architectures with ffn_*_shexp
 
 
 @dataclass
@@ -185,7 +189,7 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
     experts = int(meta.get(f"{arch}.expert_count") or 0)
     if arch == "qwen3moe" and experts < 1:
         raise ModelLoadError(source, "qwen3moe file without qwen3moe.expert_count")
-    if arch not in (*DELTANET, "deepseek2") and any(n.endswith("_shexp.weight") for n in tensor_names):
+    if arch not in _SHARED_EXPERTS and any(n.endswith("_shexp.weight") for n in tensor_names):
         raise ModelLoadError(source, "shared experts (ffn_*_shexp) are not supported")
     ff = meta.get(f"{arch}.feed_forward_length")
     if experts:
@@ -203,6 +207,8 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
             cfg |= deltanet_config(meta, arch, cfg, experts, source)
         elif arch == "deepseek2":
             cfg |= deepseek2_config(meta, cfg, experts, moe_layers, source)
+        elif arch == "glm4moe":
+            cfg |= glm4moe_config(meta, cfg, experts, moe_layers, tensor_names, source)
         elif arch == "gpt-oss":
             layers = cfg["num_hidden_layers"]
             cfg |= {"num_local_experts": experts, "attention_bias": True, "swiglu_limit": 7.0,
@@ -215,7 +221,7 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
                     "moe_intermediate_size": int(get("expert_feed_forward_length")),
                     "intermediate_size": int(ff or 0),
                     "mlp_only_layers": sorted(set(range(cfg["num_hidden_layers"])) - moe_layers)}
-    elif arch in ("gpt-oss", "deepseek2", *DELTANET):
+    elif arch in ("gpt-oss", *_SHARED_EXPERTS):
         raise ModelLoadError(source, f"{arch} file without {arch}.expert_count")
     else:
         cfg["intermediate_size"] = int(get("feed_forward_length"))
@@ -252,10 +258,10 @@ def _hf_name(name: str, arch: str) -> str | tuple[int, int] | None:
         return (layer, _BIAS + which) if arch == "gpt-oss" else None
     if arch in DELTANET and (kind, suffix) in QWEN3NEXT_BARE:
         return f"model.layers.{layer}.{QWEN3NEXT_BARE[kind, suffix]}"
-    if arch == "deepseek2" and (kind, suffix) in DEEPSEEK2_BARE:
+    if arch in ("deepseek2", "glm4moe") and (kind, suffix) in DEEPSEEK2_BARE:
         return f"model.layers.{layer}.{DEEPSEEK2_BARE[kind, suffix]}"
     block = _BLOCK | {"gpt-oss": GPT_OSS_NAMES, "qwen3next": QWEN3NEXT_NAMES, "qwen35moe": QWEN35MOE_NAMES,
-                      "deepseek2": DEEPSEEK2_NAMES}.get(arch, {})
+                      "deepseek2": DEEPSEEK2_NAMES, "glm4moe": GLM4MOE_NAMES}.get(arch, {})
     if kind not in block or suffix is None:
         return None
     if kind == "attn_sinks":

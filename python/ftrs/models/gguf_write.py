@@ -2,7 +2,7 @@
 
 Used to build quantized test checkpoints and the quantized demo (`ftrs models demo --quant`).
 Architectures: `llama` (dense, or Mixtral-style with `llama.expert_count`), `qwen3`, `qwen3moe`,
-`gpt-oss`, `qwen3next`, `qwen35moe` and `deepseek2` (the converter's changes to those three in
+`gpt-oss`, `qwen3next`, `qwen35moe`, `deepseek2` and `glm4moe` (the converter's changes to those in
 `models/gguf_archs.py` and `models/gguf_deepseek.py`). Routed experts are stacked into 3-D `blk.N.ffn_{gate,up,down}_exps.weight`; the llama
 q and k projections get llama.cpp's row permutation. gpt-oss follows llama.cpp's converter: its
 names from the `gguf` package's own name map, gate and up taken out of the interleaved
@@ -30,14 +30,14 @@ from ftrs.models.gguf_archs import (
     llama3_rope_factors,
     qwen3next_tensors,
 )
-from ftrs.models.gguf_deepseek import deepseek2_metadata, deepseek2_tensors
+from ftrs.models.gguf_deepseek import converter_tensors, deepseek2_metadata, glm4moe_metadata
 from ftrs.models.tokenizer import Tokenizer
 
 #: (HF name, fp32 values (rows, cols) or (E, rows, cols)) -> (GGUF type, raw bytes (..., row_bytes))
 Quantizer = Callable[[str, np.ndarray], tuple[str, np.ndarray]]
 _ARCH = {"llama": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
          "gpt_oss": "gpt-oss", "qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe",
-         "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}
+         "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe"}
 _LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
           "self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k",
           "self_attn.v_proj.weight": "attn_v", "self_attn.o_proj.weight": "attn_output",
@@ -241,8 +241,8 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
         tensors = {}
     elif arch in ("qwen3next", "qwen35moe"):
         plain, tensors = qwen3next_tensors(tensors, cfg)
-    elif arch == "deepseek2":
-        plain, tensors = deepseek2_tensors(tensors, cfg)
+    elif arch in ("deepseek2", "glm4moe"):
+        plain, tensors = converter_tensors(tensors, cfg, arch)
     for name, t in tensors.items():
         arr = t.detach().float().numpy()
         if name in _TOP:
@@ -265,8 +265,9 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
 
     writer = gguf.GGUFWriter(str(path), arch)
     meta = _metadata(cfg, arch)
-    if arch == "deepseek2":
-        meta |= {f"{arch}.{k}": v for k, v in deepseek2_metadata(cfg).items()}
+    if arch in ("deepseek2", "glm4moe"):
+        extra = deepseek2_metadata(cfg) if arch == "deepseek2" else glm4moe_metadata(cfg)
+        meta |= {f"{arch}.{k}": v for k, v in extra.items()}
     for k, v in meta.items():
         add_field(writer, k, v)
     fields = tokenizer_fields if tokenizer_fields is not None else (
@@ -310,7 +311,7 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
         return out
     if arch == "gpt-oss":
         return gpt_oss_packed({hf: held[gname] for gname, (hf, _) in plain.items()})
-    if arch in ("qwen3next", "qwen35moe", "deepseek2"):  # F32 values: the source's, transformed
+    if arch in ("qwen3next", "qwen35moe", "deepseek2", "glm4moe"):  # F32: the source's values
         if any(types[gname] != "F32" for gname in plain):
             raise ConfigError(f"write_gguf: {arch}'s values are returned for files whose "
                               "tensors other than the routed experts are F32")
