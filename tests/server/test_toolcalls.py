@@ -242,6 +242,36 @@ def test_deepseek_writes_its_own_form() -> None:
     assert v31.format_results(["12"]) == "<｜tool▁output▁begin｜>12<｜tool▁output▁end｜>"
 
 
+# --- glm45 --------------------------------------------------------------------------------
+
+GLM = ("Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris 75"
+       "</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>\n"
+       "<tool_call>now\n</tool_call>")
+
+
+def test_glm_members_become_json_arguments_typed_by_the_schema() -> None:
+    calls = [("get_weather", {"city": "Paris 75", "days": 3}), ("now", {})]
+    check("glm45", GLM, "Checking.", calls)
+    # "city" is a string in the schema: digits stay text; "days" is not: read as JSON
+    digits = GLM.replace("Paris 75", "75").replace("<arg_value>3<", "<arg_value>[1, 2]<")
+    check("glm45", digits, "Checking.", [("get_weather", {"city": "75", "days": [1, 2]}),
+                                         ("now", {})])
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n",
+    "<tool_call>get_weather\n<arg_value>Paris</arg_value>\n</tool_call>",
+    "<tool_call>get weather\n</tool_call>",
+])
+def test_glm_malformed_or_cut_off_is_content(text: str) -> None:
+    check("glm45", "So: " + text, "So: " + text, [])
+
+
+def test_glm_writes_its_own_form() -> None:
+    calls = [("get_weather", {"city": "Paris 75", "days": 3}), ("now", {})]
+    assert TOOL_PARSERS["glm45"].format_calls(calls) == GLM.removeprefix("Checking.\n")
+
+
 # --- choosing a parser --------------------------------------------------------------------
 
 def test_choose_tool_parser_flag_wins_and_unknown_names_the_known_ones() -> None:
@@ -261,6 +291,8 @@ def test_choose_tool_parser_flag_wins_and_unknown_names_the_known_ones() -> None
      "deepseek_v3"),
     ("{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name'] + "
      "'<｜tool▁sep｜>' + tool['function']['arguments'] + '<｜tool▁call▁end｜>'}}", "deepseek_v31"),
+    ("{{ '\\n<tool_call>' + tc.name }}{% for k, v in _args.items() %}<arg_key>{{ k }}"
+     "</arg_key>{% endfor %}", "glm45"),
     ("{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}", "hermes"),
     (None, "hermes"),
 ])
@@ -302,6 +334,11 @@ FORCED = [  # (parser, choice, parallel, accepted, rejected)
     ("deepseek_v3", "required", True,
      [DS_V3.removeprefix("Let me check.\n\n")],
      [DS_V31.removeprefix("Sure."), "Hi " + DS_V3.removeprefix("Let me check.\n\n")]),
+    ("glm45", "required", True,
+     [GLM.removeprefix("Checking.\n")],
+     ["<tool_call>get_weather\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
+      "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n"
+      "<arg_key>days</arg_key>\n<arg_value>three</arg_value>\n</tool_call>"]),
     ("deepseek_v31", NAMED, False,
      ['<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}'
       "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"],
@@ -352,6 +389,7 @@ def test_forced_grammar_bad_choice_or_tools_are_typed_errors() -> None:
     ("llama3_json", 'One moment.<|python_tag|>{"name": "now", "parameters": {}}', "One moment.",
      [("now", {})]),
     ("deepseek_v31", DS_V31, "Sure.", [("get_weather", {"city": "Tokyo", "days": 2}), ("now", {})]),
+    ("glm45", GLM, "Checking.", [("get_weather", {"city": "Paris 75", "days": 3}), ("now", {})]),
 ])
 def test_special_token_tags_reach_the_parser_token_by_token(
         parser: str, text: str, content: str, calls: list[tuple[str, dict[str, Any]]]) -> None:

@@ -10,7 +10,9 @@ content to show and `ToolCallDelta`s. The families (`TOOL_PARSERS`):
   `<|python_tag|>`, several separated by `;`;
 - `deepseek_v3` (DeepSeek-V3, R1) and `deepseek_v31` (V3.1 on): `<｜tool▁calls▁begin｜>`, then
   per call `<｜tool▁call▁begin｜>`, `function<｜tool▁sep｜>name` and the arguments in a ```json
-  fence, or (V3.1) `name<｜tool▁sep｜>{..}`, then `<｜tool▁call▁end｜>` (`toolcalls_deepseek`).
+  fence, or (V3.1) `name<｜tool▁sep｜>{..}`, then `<｜tool▁call▁end｜>` (`toolcalls_deepseek`);
+- `glm45` (GLM-4.5, 4.6, 4.7): `<tool_call>name` then `<arg_key>k</arg_key><arg_value>v</arg_value>`
+  per argument, `</tool_call>` (`toolcalls_glm`).
 
 Streaming contract: a call's first delta carries its `index` (0, 1, .. in the order calls are
 streamed), its `id` (`call_` + 24 random hex digits, the same in `calls`) and its name, as soon as
@@ -46,6 +48,7 @@ from ftrs.server.toolbase import (
     split_at_tag,
 )
 from ftrs.server.toolcalls_deepseek import DeepSeekToolParser, DeepSeekV31ToolParser
+from ftrs.server.toolcalls_glm import GlmToolParser
 
 
 class HermesToolParser(ToolParser):
@@ -389,6 +392,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonToolParser,
     "deepseek_v3": DeepSeekToolParser,
     "deepseek_v31": DeepSeekV31ToolParser,
+    "glm45": GlmToolParser,
 }
 
 
@@ -400,6 +404,8 @@ def choose_tool_parser(flag: str | None, chat_template: str | None) -> str:
                               f"known: {', '.join(sorted(TOOL_PARSERS))}")
         return flag
     template = chat_template or ""
+    if "<arg_key>" in template:  # GLM-4.5's members inside its <tool_call>
+        return "glm45"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
