@@ -42,14 +42,15 @@ def hybrid_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def deepseek_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Tiny deepseek_v3 and deepseek_v2 checkpoints written by transformers
     (tests/deepseek_models): v3 with and without q_lora, v3 with YaRN, V2-Lite's shape, V2's
-    group-limited routing."""
+    group-limited routing, and GLM-4.7-Flash's glm4_moe_lite (V3's design)."""
     pytest.importorskip("transformers.models.deepseek_v3")
     from deepseek_models import V2_GROUPED, V2_LITE, YARN, build
 
     root = tmp_path_factory.mktemp("deepseek")
     variants: dict[str, dict[str, Any]] = {"q_lora": {}, "no_q_lora": {"q_lora_rank": None},
                                            "yarn": YARN, "v2_lite": V2_LITE,
-                                           "v2_grouped": V2_GROUPED}
+                                           "v2_grouped": V2_GROUPED,
+                                           "glm_lite": {"arch": "glm4_moe_lite"}}
     return {name: build(root / name, **changes) for name, changes in variants.items()}
 
 

@@ -59,13 +59,15 @@ GLM: dict[str, Any] = {
 
 def build(out_dir: Path, seed: int = 1, dtype: torch.dtype = torch.float32,
           arch: str = "deepseek_v3", **changes: Any) -> Path:
-    """A tiny `arch` (deepseek_v3, deepseek_v2 or glm4_moe) checkpoint written by transformers
-    into `out_dir` (`changes` override the config); returns it."""
+    """A tiny `arch` (deepseek_v3, deepseek_v2, glm4_moe or glm4_moe_lite: GLM-4.7-Flash, V3's
+    design, its dense layers in `mlp_layer_types`) checkpoint written by transformers into
+    `out_dir` (`changes` override the config); returns it."""
     import transformers
 
     make = {"deepseek_v3": transformers.DeepseekV3Config,
             "deepseek_v2": transformers.DeepseekV2Config,
-            "glm4_moe": transformers.Glm4MoeConfig}[arch]
+            "glm4_moe": transformers.Glm4MoeConfig,
+            "glm4_moe_lite": transformers.Glm4MoeLiteConfig}[arch]
     cfg = make(**((GLM if arch == "glm4_moe" else CONFIG) | changes))
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     g = torch.Generator().manual_seed(seed)

@@ -21,7 +21,8 @@ from ftrs.sampling import SamplingParams
 pytest.importorskip("transformers.models.deepseek_v3")
 TOL = 1e-4
 IDS = [(i * 37 + 11) % 509 + 3 for i in range(57)]
-VARIANTS = ["q_lora", "no_q_lora", "yarn", "v2_lite", "v2_grouped"]  # conftest's deepseek_models
+VARIANTS = ["q_lora", "no_q_lora", "yarn", "v2_lite", "v2_grouped",  # conftest's deepseek_models
+            "glm_lite"]
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # models.mla imports the layers, which import this module
     from ftrs.models.mla import MlaSpec
 
 SUPPORTED = ("llama", "qwen3", "mixtral", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss",
-             "deepseek_v2", "deepseek_v3", "glm4_moe")
+             "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)  # the hybrids' kinds
@@ -335,7 +335,7 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
         swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
         **_hybrid_fields(cfg, arch, layers, head_dim, source, layer_types),
     )
-    if arch in ("deepseek_v2", "deepseek_v3"):
+    if arch in ("deepseek_v2", "deepseek_v3", "glm4_moe_lite"):  # GLM-4.7-Flash: V3's design
         from ftrs.models.mla import deepseek_fields
 
         spec = replace(spec, **deepseek_fields(cfg, arch, layers, scaling, source))

@@ -172,13 +172,13 @@ def deepseek2_to_hf(dense: dict[str, GGUFTensor], cfg: dict[str, Any], source: s
 def deepseek2_metadata(cfg: dict[str, Any]) -> dict[str, Any]:
     """The `deepseek2.*` fields the converter writes beyond the common ones (no prefix)."""
     rank, rope = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
-    v3 = cfg["model_type"] == "deepseek_v3"
+    v3 = cfg["model_type"] != "deepseek_v2"  # deepseek_v3, glm4_moe_lite
     m: dict[str, Any] = {
         "attention.head_count_kv": 1, "attention.kv_lora_rank": rank,
         "attention.key_length": rank + rope, "attention.value_length": rank,
         "attention.key_length_mla": int(cfg["qk_nope_head_dim"]) + rope,
         "attention.value_length_mla": int(cfg["v_head_dim"]), "rope.dimension_count": rope,
-        "leading_dense_block_count": int(cfg.get("first_k_dense_replace") or 0),
+        "leading_dense_block_count": _leading_dense(cfg),
         "expert_count": int(cfg["n_routed_experts"]),
         "expert_used_count": int(cfg["num_experts_per_tok"]),
         "expert_feed_forward_length": int(cfg["moe_intermediate_size"]),
@@ -199,6 +199,15 @@ def deepseek2_metadata(cfg: dict[str, Any]) -> dict[str, Any]:
     if scaling.get("mscale_all_dim") is not None:
         m["rope.scaling.yarn_log_multiplier"] = _LOG_MUL * float(scaling["mscale_all_dim"])
     return m
+
+
+def _leading_dense(cfg: dict[str, Any]) -> int:
+    """The dense layers before the first MoE one (glm4_moe_lite lists them in
+    `mlp_layer_types`)."""
+    kinds = cfg.get("mlp_layer_types")
+    if isinstance(kinds, list) and "sparse" in kinds:
+        return kinds.index("sparse")
+    return int(cfg.get("first_k_dense_replace") or 0)
 
 
 def glm4moe_metadata(cfg: dict[str, Any]) -> dict[str, Any]:

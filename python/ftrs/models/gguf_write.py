@@ -37,7 +37,8 @@ from ftrs.models.tokenizer import Tokenizer
 Quantizer = Callable[[str, np.ndarray], tuple[str, np.ndarray]]
 _ARCH = {"llama": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
          "gpt_oss": "gpt-oss", "qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe",
-         "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe"}
+         "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe",
+         "glm4_moe_lite": "deepseek2"}
 _LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
           "self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k",
           "self_attn.v_proj.weight": "attn_v", "self_attn.o_proj.weight": "attn_output",

@@ -71,8 +71,8 @@ def _mscale(factor: float, mscale: float) -> float:
 
 def deepseek_fields(cfg: dict[str, Any], arch: str, layers: int,
                     scaling: dict[str, Any] | None, source: str) -> dict[str, Any]:
-    """The `ArchSpec` fields of a deepseek_v2 or deepseek_v3 config (shapes checked, names in
-    the error)."""
+    """The `ArchSpec` fields of a deepseek_v2, deepseek_v3 or glm4_moe_lite config (shapes
+    checked, names in the error)."""
     def need(key: str) -> int:
         v = cfg.get(key)
         if not isinstance(v, int) or v < 1:
@@ -102,14 +102,21 @@ def deepseek_fields(cfg: dict[str, Any], arch: str, layers: int,
                              "is its top two)")
     first_dense = int(cfg.get("first_k_dense_replace") or 0)
     freq = int(cfg.get("moe_layer_freq") or 1)
+    moe_layers = tuple(i for i in range(first_dense, layers) if i % freq == 0)
+    kinds = cfg.get("mlp_layer_types")  # glm4_moe_lite's spelling: "dense" / "sparse" a layer
+    if kinds is not None:
+        if not isinstance(kinds, list) or len(kinds) != layers or set(kinds) - {"dense", "sparse"}:
+            raise ModelLoadError(source, f"mlp_layer_types must list {layers} of 'dense' or "
+                                 f"'sparse', got {kinds!r}")
+        moe_layers = tuple(i for i, k in enumerate(kinds) if k == "sparse")
     moe_inter = need("moe_intermediate_size")
     return {
         "mla": MlaSpec(int(q_rank), kv_rank, nope, rope, vdim, scale,
                        bool(cfg.get("rope_interleave", True))),
         "num_kv_heads": 1, "head_dim": kv_rank + rope, "rotary_dim": rope,
         "num_experts": experts, "top_k": top_k, "moe_intermediate_size": moe_inter,
-        "moe_layers": tuple(i for i in range(first_dense, layers) if i % freq == 0),
-        "norm_topk_prob": bool(cfg.get("norm_topk_prob", arch == "deepseek_v3")),
+        "moe_layers": moe_layers,
+        "norm_topk_prob": bool(cfg.get("norm_topk_prob", arch != "deepseek_v2")),
         "router": router, "router_groups": (n_group, topk_group),
         "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
         "shared_expert_intermediate_size": moe_inter * int(cfg.get("n_shared_experts") or 0),
@@ -120,9 +127,10 @@ def deepseek_fields(cfg: dict[str, Any], arch: str, layers: int,
 def _router(cfg: dict[str, Any], arch: str, source: str) -> str:
     """deepseek_v3 routes by sigmoid scores (`noaux_tc`), deepseek_v2 by softmax (`greedy`, or
     `group_limited_greedy` within the best groups); anything else is named."""
-    method = cfg.get("topk_method", "noaux_tc" if arch == "deepseek_v3" else "greedy")
-    scoring = cfg.get("scoring_func", "sigmoid" if arch == "deepseek_v3" else "softmax")
-    if arch == "deepseek_v3" and (method, scoring) == ("noaux_tc", "sigmoid"):
+    v3 = arch != "deepseek_v2"  # deepseek_v3, and glm4_moe_lite (GLM-4.7-Flash) built as it
+    method = cfg.get("topk_method", "noaux_tc" if v3 else "greedy")
+    scoring = cfg.get("scoring_func", "sigmoid" if v3 else "softmax")
+    if v3 and (method, scoring) == ("noaux_tc", "sigmoid"):
         return GROUPED_SIGMOID
     if arch == "deepseek_v2" and method in ("greedy", "group_limited_greedy") and scoring == "softmax":
         return GROUPED_SOFTMAX
