@@ -272,6 +272,31 @@ def test_glm_writes_its_own_form() -> None:
     assert TOOL_PARSERS["glm45"].format_calls(calls) == GLM.removeprefix("Checking.\n")
 
 
+# --- qwen3_coder ---------------------------------------------------------------------------
+
+QWEN = ("I will check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis 75\n"
+        "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=now>\n</function>\n</tool_call>")
+
+
+def test_qwen3_coder_parameters_become_json_arguments_typed_by_the_schema() -> None:
+    calls = [("get_weather", {"city": "Paris 75", "days": 3}), ("now", {})]
+    check("qwen3_coder", QWEN, "I will check.", calls)
+    two_lines = QWEN.replace("Paris 75", "line one\nline two")  # one newline each side is framing
+    check("qwen3_coder", two_lines, "I will check.",
+          [("get_weather", {"city": "line one\nline two", "days": 3}), ("now", {})])
+    assert TOOL_PARSERS["qwen3_coder"].format_calls(calls) == QWEN.removeprefix("I will check.\n")
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n",
+    "<tool_call>\n<parameter=city>\nParis\n</parameter>\n</tool_call>",
+    "<tool_call>\n<function=get weather>\n</function>\n</tool_call>",
+])
+def test_qwen3_coder_malformed_or_cut_off_is_content(text: str) -> None:
+    check("qwen3_coder", "So: " + text, "So: " + text, [])
+
+
 # --- choosing a parser --------------------------------------------------------------------
 
 def test_choose_tool_parser_flag_wins_and_unknown_names_the_known_ones() -> None:
@@ -293,6 +318,7 @@ def test_choose_tool_parser_flag_wins_and_unknown_names_the_known_ones() -> None
      "'<｜tool▁sep｜>' + tool['function']['arguments'] + '<｜tool▁call▁end｜>'}}", "deepseek_v31"),
     ("{{ '\\n<tool_call>' + tc.name }}{% for k, v in _args.items() %}<arg_key>{{ k }}"
      "</arg_key>{% endfor %}", "glm45"),
+    ("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}", "qwen3_coder"),
     ("{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}", "hermes"),
     (None, "hermes"),
 ])
@@ -339,6 +365,12 @@ FORCED = [  # (parser, choice, parallel, accepted, rejected)
      ["<tool_call>get_weather\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
       "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n"
       "<arg_key>days</arg_key>\n<arg_value>three</arg_value>\n</tool_call>"]),
+    ("qwen3_coder", NAMED, False,
+     ["<tool_call>\n<function=get_weather>\n<parameter=city>\nline one\nline two\n</parameter>\n"
+      "</function>\n</tool_call>"],
+     ["<tool_call>\n<function=now>\n</function>\n</tool_call>",
+      "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n</function>\n"
+      "</tool_call>"]),
     ("deepseek_v31", NAMED, False,
      ['<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}'
       "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"],
@@ -390,6 +422,8 @@ def test_forced_grammar_bad_choice_or_tools_are_typed_errors() -> None:
      [("now", {})]),
     ("deepseek_v31", DS_V31, "Sure.", [("get_weather", {"city": "Tokyo", "days": 2}), ("now", {})]),
     ("glm45", GLM, "Checking.", [("get_weather", {"city": "Paris 75", "days": 3}), ("now", {})]),
+    ("qwen3_coder", QWEN, "I will check.",
+     [("get_weather", {"city": "Paris 75", "days": 3}), ("now", {})]),
 ])
 def test_special_token_tags_reach_the_parser_token_by_token(
         parser: str, text: str, content: str, calls: list[tuple[str, dict[str, Any]]]) -> None:

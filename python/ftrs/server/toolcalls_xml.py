@@ -1,0 +1,338 @@
+"""Tool calls whose arguments are written as tagged members, not JSON, parsed incrementally:
+GLM-4.5's (`glm45`: GLM-4.5, 4.6, 4.7, 4.5-Air) and Qwen3-Coder's (`qwen3_coder`: Qwen3-Coder,
+Qwen3.5). As their chat templates write them:
+
+    <tool_call>get_weather                     <tool_call>
+    <arg_key>city</arg_key>                    <function=get_weather>
+    <arg_value>Paris</arg_value>               <parameter=city>
+    <arg_key>days</arg_key>                    Paris
+    <arg_value>3</arg_value>                   </parameter>
+    </tool_call>                               <parameter=days>
+                                               3
+                                               </parameter>
+                                               </function>
+                                               </tool_call>
+
+A value is the text itself for a string, JSON (the templates' `tojson`) otherwise: the parser
+reads a value as a string where the tool's schema says `string`, else as JSON (the text itself
+when it is not). The arguments are streamed as JSON a member at a time, through the same
+`CallStream` as every family, so the pieces add up to `json.dumps(arguments)`. The forced
+grammars write the schema's properties in order (the required ones always): a string as
+non-empty text without `<` (an enum as one of its strings), anything else as JSON by its own
+schema.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar
+
+from ftrs.server.toolbase import (
+    CallStream,
+    ToolParser,
+    args_schema,
+    arguments_of,
+    chosen_functions,
+    split_at_tag,
+)
+
+START, END = "<tool_call>", "</tool_call>"
+KEY, KEY_END, VALUE, VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
+FUNCTION, FUNCTION_END, PARAM, PARAM_END = "<function=", "</function>", "<parameter=", "</parameter>"
+_LONGEST_NAME = 256  # no function or argument name is longer: a longer one is not a call
+
+
+class _MemberToolParser(ToolParser):
+    """What both families share: the states' plumbing (`_st_<state>` methods, "out" and
+    "bad" here), members typed by the schema and streamed as JSON, the call closed or shown
+    as content."""
+
+    special_tags: ClassVar[tuple[str, ...]] = (START, END)
+
+    def __init__(self, tools: list[dict[str, Any]]) -> None:
+        super().__init__(tools)
+        self._props: dict[str, dict[str, Any]] = {}  # tool -> its parameters' properties
+        for tool in tools:
+            fn = tool.get("function") if isinstance(tool, dict) else None
+            params = fn.get("parameters") if isinstance(fn, dict) else None
+            if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+                props = params.get("properties") if isinstance(params, dict) else None
+                self._props[fn["name"]] = props if isinstance(props, dict) else {}
+        self._state = "out"
+        self._call: CallStream | None = None
+        self._key = ""
+        self._members = 0
+        self._raw: list[str] = []  # the call's text so far, shown as content if malformed
+
+    def _advance(self) -> None:
+        while self._buf or self._state == "bad":
+            if self._state == "bad":
+                self._raw.append(self._buf)
+                self._buf = ""
+                return
+            if not getattr(self, "_st_" + self._state)():
+                return
+
+    def _take(self, n: int) -> str:
+        taken, self._buf = self._buf[:n], self._buf[n:]
+        self._raw.append(taken)
+        return taken
+
+    def _bad(self) -> bool:
+        self._state = "bad"
+        return True
+
+    def _until(self, tag: str) -> str | None:
+        """The text before `tag` (both consumed), or None while `tag` has not come."""
+        i = self._buf.find(tag)
+        if i < 0:
+            return None
+        text = self._take(i)
+        self._take(len(tag))
+        return text
+
+    def _after_space(self, *tags: str) -> str | None:
+        """The tag of `tags` the buffer starts with after whitespace (both consumed); "" while
+        it may still become one; None when it cannot."""
+        stripped = self._buf.lstrip()
+        for tag in tags:
+            if stripped.startswith(tag):
+                self._take(len(self._buf) - len(stripped) + len(tag))
+                return tag
+        return "" if any(tag.startswith(stripped) for tag in tags) else None
+
+    def _st_out(self) -> bool:
+        before, after, held = split_at_tag(self._buf, START)
+        self._show(before)
+        if after is None:
+            self._buf = held
+            return False
+        self._enter_call()
+        self._raw, self._buf, self._state = [START], after, self.FIRST
+        return True
+
+    FIRST = ""  # the state after <tool_call>
+
+    def _open(self, name: str, state: str) -> bool:
+        name = name.strip()
+        if not name or any(c in name for c in " \t\n{}[]\"'<>="):
+            return self._bad()
+        self._call, self._members, self._state = CallStream(self._take_index, name), 0, state
+        return True
+
+    def _member(self, key: str, text: str) -> None:
+        """One argument, its text typed by the tool's schema, streamed as a JSON member."""
+        assert self._call is not None and self._call.name is not None
+        value = _typed(self._props.get(self._call.name, {}).get(key), text)
+        piece = ("{" if self._members == 0 else ", ") + f"{json.dumps(key)}: {json.dumps(value)}"
+        self._members += 1
+        self._stream(self._call, piece)
+
+    def _close_call(self) -> bool:
+        assert self._call is not None and self._call.name is not None
+        self._stream(self._call, "}" if self._members else "{}")
+        args = arguments_of({"arguments": json.loads(self._call.raw)})
+        assert args is not None  # invariant: the object was written here
+        self._finish_call(self._call, (self._call.name, args), "")
+        self._call, self._raw, self._state = None, [], "out"
+        return True
+
+    def _close(self) -> None:
+        if self._state == "out":
+            self._show(self._buf)
+        else:  # a call that did not end: its text is content
+            self._malformed("".join(self._raw) + self._buf)
+        self._buf, self._raw, self._state = "", [], "out"
+
+    # --- the format: a call is OPEN, then per member HEAD, its value and TAIL, then CLOSE ----
+
+    OPEN = HEAD = TAIL = CLOSE = ""  # "{name}" and "{key}" stand for the call's and member's
+    #: what follows a free-text value in a forced call (Qwen's newline before </parameter>
+    #: belongs to the text: the grammar's text runs up to a `<`)
+    TEXT_TAIL = ""
+
+    @classmethod
+    def _call_text(cls, name: str, members: list[tuple[str, str]]) -> str:
+        """A call as the model writes it, its members' values already as text."""
+        return (cls.OPEN.replace("{name}", name)
+                + "".join(cls.HEAD.replace("{key}", k) + v + cls.TAIL for k, v in members)
+                + cls.CLOSE)
+
+    @classmethod
+    def forced_grammar(cls, tools: list[dict[str, Any]], choice: str | dict[str, Any],
+                       parallel: bool) -> str:
+        fns = chosen_functions(tools, choice)
+        lines = ['start: call ("\\n" call)*' if parallel else "start: call",
+                 "call: " + " | ".join(f"call_{i}" for i in range(len(fns))),
+                 "text: /[^<]+/"]
+        for i, (name, params) in enumerate(fns):
+            props = params.get("properties") or {}
+            required = set(params.get("required") or [])
+            members = []
+            for j, (key, schema) in enumerate(props.items()):
+                members.append(f"arg_{i}_{j}" if key in required else f"arg_{i}_{j}?")
+                value = _value_rule(schema if isinstance(schema, dict) else {})
+                tail = cls.TEXT_TAIL or cls.TAIL if value == "text" else cls.TAIL
+                lines.append(f"arg_{i}_{j}: {_lit(cls.HEAD.replace('{key}', key))} "
+                             f"value_{i}_{j} {_lit(tail)}")
+                lines.append(f"value_{i}_{j}: {value}")
+            lines.append(f"call_{i}: {_lit(cls.OPEN.replace('{name}', name))} "
+                         f"{' '.join(members)} {_lit(cls.CLOSE)}")
+        return "\n".join(lines) + "\n"
+
+    @classmethod
+    def format_calls(cls, calls: list[tuple[str, dict[str, Any]]]) -> str:
+        return "\n".join(cls._call_text(name, [
+            (k, v if isinstance(v, str) else json.dumps(v, ensure_ascii=False))
+            for k, v in args.items()]) for name, args in calls)
+
+    @classmethod
+    def format_results(cls, results: list[str]) -> str:
+        return "\n".join(f"<tool_response>\n{r}\n</tool_response>" for r in results)
+
+
+class GlmToolParser(_MemberToolParser):
+    name = "glm45"
+    special_tags = (START, END, KEY, KEY_END, VALUE, VALUE_END)
+    FIRST = "name"  # "name" the line after <tool_call>; "args" between members; "key",
+    # "pre_value" and "value" in a member
+
+    def _st_name(self) -> bool:
+        ends = [i for tag in ("\n", KEY, END) if (i := self._buf.find(tag)) >= 0]
+        if not ends:
+            return self._bad() if len(self._buf) > _LONGEST_NAME else False
+        return self._open(self._take(min(ends)), "args")
+
+    def _st_args(self) -> bool:
+        tag = self._after_space(KEY, END)
+        if tag is None:
+            return self._bad()
+        if tag == KEY:
+            self._state = "key"
+        elif tag == END:
+            return self._close_call()
+        return bool(tag)
+
+    def _st_key(self) -> bool:
+        key = self._until(KEY_END)
+        if key is None:
+            return self._bad() if len(self._buf) > _LONGEST_NAME else False
+        self._key, self._state = key.strip(), "pre_value"
+        return True
+
+    def _st_pre_value(self) -> bool:
+        tag = self._after_space(VALUE)
+        if tag is None:
+            return self._bad()
+        if tag:
+            self._state = "value"
+        return bool(tag)
+
+    def _st_value(self) -> bool:
+        text = self._until(VALUE_END)
+        if text is None:
+            return False
+        self._member(self._key, text)
+        self._state = "args"
+        return True
+
+    OPEN, HEAD, TAIL, CLOSE = START + "{name}\n", KEY + "{key}" + KEY_END + "\n" + VALUE, \
+        VALUE_END + "\n", END
+
+    @classmethod
+    def describe_tools(cls, tools: list[dict[str, Any]]) -> str:
+        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        return ("# Tools\n\nYou may call functions to help with the request. Their signatures, "
+                f"one per line, are inside <tools></tools>:\n<tools>\n{listed}\n</tools>\n\n"
+                "For each function call, output the function name and arguments in this "
+                f"format:\n{START}{{function-name}}\n{KEY}{{arg-key-1}}{KEY_END}\n"
+                f"{VALUE}{{arg-value-1}}{VALUE_END}\n...\n{END}")
+
+
+class QwenCoderToolParser(_MemberToolParser):
+    name = "qwen3_coder"
+    FIRST = "function"  # "function" before <function=; "fname" its name; "params" between
+    # parameters; "key" a parameter's name; "value" its text; "end" before </tool_call>
+
+    def _st_function(self) -> bool:
+        tag = self._after_space(FUNCTION)
+        if tag is None:
+            return self._bad()
+        if tag:
+            self._state = "fname"
+        return bool(tag)
+
+    def _st_fname(self) -> bool:
+        name = self._until(">")
+        if name is None:
+            return self._bad() if len(self._buf) > _LONGEST_NAME else False
+        return self._open(name, "params")
+
+    def _st_params(self) -> bool:
+        tag = self._after_space(PARAM, FUNCTION_END)
+        if tag is None:
+            return self._bad()
+        if tag:
+            self._state = "key" if tag == PARAM else "end"
+        return bool(tag)
+
+    def _st_key(self) -> bool:
+        key = self._until(">")
+        if key is None:
+            return self._bad() if len(self._buf) > _LONGEST_NAME else False
+        self._key, self._state = key.strip(), "value"
+        return True
+
+    def _st_value(self) -> bool:
+        text = self._until(PARAM_END)
+        if text is None:
+            return False
+        # the template puts the value on lines of its own
+        self._member(self._key, text.removeprefix("\n").removesuffix("\n"))
+        self._state = "params"
+        return True
+
+    def _st_end(self) -> bool:
+        tag = self._after_space(END)
+        if tag is None:
+            return self._bad()
+        return self._close_call() if tag else False
+
+    OPEN = START + "\n" + FUNCTION + "{name}>\n"
+    HEAD, TAIL, CLOSE = PARAM + "{key}>\n", "\n" + PARAM_END + "\n", FUNCTION_END + "\n" + END
+    TEXT_TAIL = PARAM_END + "\n"
+
+    @classmethod
+    def describe_tools(cls, tools: list[dict[str, Any]]) -> str:
+        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        example = cls._call_text("function-name", [("parameter-name", "value")])
+        return ("# Tools\n\nYou have access to these functions, one per line:\n<tools>\n"
+                f"{listed}\n</tools>\n\nTo call a function, reply in this format:\n{example}")
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _typed(schema: Any, text: str) -> Any:
+    """A value's text as its schema reads it: a string where it says `string`, else JSON (the
+    text itself when it is not)."""
+    if isinstance(schema, dict) and schema.get("type") == "string":
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _value_rule(schema: dict[str, Any]) -> str:
+    """A value's grammar: a string's text (an enum's strings), anything else JSON by its schema."""
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and all(isinstance(e, str) and "<" not in e for e in enum):
+        return " | ".join(_lit(e) for e in enum)
+    if schema.get("type") == "string":
+        return "text"
+    return f"%json {args_schema(schema)}"
+
+
+__all__ = ["GlmToolParser", "QwenCoderToolParser"]
