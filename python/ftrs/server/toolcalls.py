@@ -12,7 +12,7 @@ content to show and `ToolCallDelta`s. The families (`TOOL_PARSERS`):
   per call `<｜tool▁call▁begin｜>`, `function<｜tool▁sep｜>name` and the arguments in a ```json
   fence, or (V3.1) `name<｜tool▁sep｜>{..}`, then `<｜tool▁call▁end｜>` (`toolcalls_deepseek`);
 - `glm45` (GLM-4.5, 4.6, 4.7): `<tool_call>name` then `<arg_key>k</arg_key><arg_value>v</arg_value>`
-  per argument, `</tool_call>`; `qwen3_coder` (Qwen3-Coder, Qwen3.5): `<tool_call>`,
+  per argument, `</tool_call>`; `qwen3_coder` (Qwen3-Coder; any template writing `<function=`): `<tool_call>`,
   `<function=name>`, `<parameter=k>` v `</parameter>` per argument (`toolcalls_xml`).
 
 Streaming contract: a call's first delta carries its `index` (0, 1, .. in the order calls are
@@ -408,7 +408,7 @@ def choose_tool_parser(flag: str | None, chat_template: str | None) -> str:
     template = chat_template or ""
     if "<arg_key>" in template:  # GLM-4.5's members inside its <tool_call>
         return "glm45"
-    if "<function=" in template:  # Qwen3-Coder's and Qwen3.5's <function=..><parameter=..>
+    if "<function=" in template:  # Qwen3-Coder's <function=..><parameter=..>
         return "qwen3_coder"
     if "<tool_call>" in template:
         return "hermes"

@@ -1,6 +1,6 @@
 """Tool calls whose arguments are written as tagged members, not JSON, parsed incrementally:
-GLM-4.5's (`glm45`: GLM-4.5, 4.6, 4.7, 4.5-Air) and Qwen3-Coder's (`qwen3_coder`: Qwen3-Coder,
-Qwen3.5). As their chat templates write them:
+GLM-4.5's (`glm45`: GLM-4.5, 4.6, 4.7, 4.5-Air) and Qwen3-Coder's (`qwen3_coder`, and any
+template that writes `<function=`). As their chat templates write them:
 
     <tool_call>get_weather                     <tool_call>
     <arg_key>city</arg_key>                    <function=get_weather>
