@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 LIVE_OPTIONS = ["--device", "cpu", "--dtype", "float32", "--max-n", "20"]
@@ -69,3 +72,20 @@ def check_json_schema_samples(c: Any, model: str, n: int) -> None:
         assert choice.finish_reason == "stop", choice
         jsonschema.validate(json.loads(choice.message.content), PERSON)
     assert len({choice.message.content for choice in r.choices}) > 1  # they are samples, not copies
+
+
+@contextmanager
+def tiny_server(root: Path, *args: str) -> Iterator[Any]:
+    """A real server on loopback over a tiny llama written into `root` (`args`: more flags)."""
+    from ftrs_server_harness import ServerProcess
+
+    from ftrs.models.tiny import make_tiny
+
+    model = make_tiny("llama", root / "llama", seed=0)
+    server = ServerProcess(["--model", str(model), "--served-model-name", "tiny", *LIVE_OPTIONS,
+                            *args], api_key=None, backend=None)
+    try:
+        server.wait("ok")
+        yield server
+    finally:
+        server.stop()

@@ -20,6 +20,7 @@ from live_agent import (
     check_json_schema_samples,
     openai_client,
 )
+from live_agent import tiny_server as live_tiny_server
 
 from ftrs.sampling import SEED_MAX
 from ftrs.server.prepare import choice_seed
@@ -268,18 +269,8 @@ def test_reasoning_content_is_split_from_the_answer(tmp_path: Any) -> None:
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     pytest.importorskip("ftrs.engine.core")
-    from ftrs_server_harness import ServerProcess
-
-    from ftrs.models.tiny import make_tiny
-
-    model = make_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", seed=0)
-    server = ServerProcess(["--model", str(model), "--served-model-name", "tiny", *LIVE_OPTIONS],
-                           api_key=None, backend=None)
-    try:
-        server.wait("ok")
+    with live_tiny_server(tmp_path_factory.mktemp("tiny")) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_live_forced_tool_call_validates_against_the_tool_schema(tiny_server: Any) -> None:

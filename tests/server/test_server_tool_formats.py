@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from live_agent import LIVE_OPTIONS, check_forced_call, openai_client
+from live_agent import check_forced_call, openai_client, tiny_server
 
 
 @pytest.fixture(scope="module", params=["mistral", "llama3_json", "deepseek_v3", "deepseek_v31",
@@ -18,18 +18,8 @@ from live_agent import LIVE_OPTIONS, check_forced_call, openai_client
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[Any]:
     pytest.importorskip("ftrs.engine.core")
-    from ftrs_server_harness import ServerProcess
-
-    from ftrs.models.tiny import make_tiny
-
-    model = make_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama", seed=0)
-    proc = ServerProcess(["--model", str(model), "--served-model-name", "tiny",
-                          "--tool-parser", request.param, *LIVE_OPTIONS], api_key=None, backend=None)
-    try:
-        proc.wait("ok")
+    with tiny_server(tmp_path_factory.mktemp("tiny"), "--tool-parser", request.param) as proc:
         yield proc
-    finally:
-        proc.stop()
 
 
 def test_a_forced_call_in_the_familys_format_is_read_back(server: Any) -> None:

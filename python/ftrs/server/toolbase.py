@@ -312,5 +312,45 @@ class ToolParser:
         raise NotImplementedError
 
 
-__all__ = ["CallStream", "ToolCall", "ToolCallDelta", "ToolParser", "args_schema", "arguments_of",
+class StateToolParser(ToolParser):
+    """A family read by a state machine: `_st_<state>` methods consume the buffer and say
+    whether they progressed; `_raw` is the current call section's text, shown as content if it
+    turns out malformed; the "bad" state keeps it to the end."""
+
+    def __init__(self, tools: list[dict[str, Any]]) -> None:
+        super().__init__(tools)
+        self._state = "out"
+        self._raw: list[str] = []
+
+    def _advance(self) -> None:
+        while self._buf or self._state == "bad":
+            if self._state == "bad":
+                self._raw.append(self._buf)
+                self._buf = ""
+                return
+            if not getattr(self, "_st_" + self._state)():
+                return
+
+    def _take(self, n: int) -> str:
+        """The next `n` characters, consumed into the section's text."""
+        taken, self._buf = self._buf[:n], self._buf[n:]
+        self._raw.append(taken)
+        return taken
+
+    def _bad(self) -> bool:
+        self._state = "bad"
+        return True
+
+    def _after_space(self, *tags: str) -> str | None:
+        """The tag of `tags` the buffer starts with after whitespace (both consumed); "" while
+        it may still become one; None when it cannot."""
+        stripped = self._buf.lstrip()
+        for tag in tags:
+            if stripped.startswith(tag):
+                self._take(len(self._buf) - len(stripped) + len(tag))
+                return tag
+        return "" if any(tag.startswith(stripped) for tag in tags) else None
+
+
+__all__ = ["CallStream", "StateToolParser", "ToolCall", "ToolCallDelta", "ToolParser", "args_schema", "arguments_of",
            "call_schema", "chosen_functions", "new_call_id", "parse_object_call", "split_at_tag"]

@@ -38,6 +38,7 @@ from typing import Any
 from ftrs.errors import ConfigError
 from ftrs.server.toolbase import (
     CallStream,
+    StateToolParser,
     ToolCall,
     ToolCallDelta,
     ToolParser,
@@ -125,7 +126,7 @@ class HermesToolParser(ToolParser):
         return "\n".join(f"<tool_response>\n{r}\n</tool_response>" for r in results)
 
 
-class MistralToolParser(ToolParser):
+class MistralToolParser(StateToolParser):
     name = "mistral"
     TAG, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
     special_tags = (TAG, ARGS, CALL_ID)
@@ -134,24 +135,7 @@ class MistralToolParser(ToolParser):
         super().__init__(tools)
         # "out" content; "pre" after the tag; "list" in [..] between calls; "obj" a call object;
         # "name" / "id" before [ARGS]; "args" the arguments object; "bad" malformed to the end.
-        self._state = "out"
         self._call: CallStream | None = None
-        self._raw: list[str] = []  # the current call section, shown as content if malformed
-
-    def _advance(self) -> None:
-        while self._buf or self._state == "bad":
-            if self._state == "bad":
-                self._raw.append(self._buf)
-                self._buf = ""
-                return
-            progressed = getattr(self, "_st_" + self._state)()
-            if not progressed:
-                return
-
-    def _take(self, n: int) -> str:
-        text, self._buf = self._buf[:n], self._buf[n:]
-        self._raw.append(text)
-        return text
 
     def _st_out(self) -> bool:
         before, after, held = split_at_tag(self._buf, self.TAG)

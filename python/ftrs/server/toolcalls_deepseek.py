@@ -22,7 +22,7 @@ from typing import Any
 
 from ftrs.server.toolbase import (
     CallStream,
-    ToolParser,
+    StateToolParser,
     args_schema,
     arguments_of,
     chosen_functions,
@@ -36,7 +36,7 @@ FENCE_OPEN, FENCE_CLOSE = "```json", "```"
 _LONGEST_NAME = 256  # no function name is longer: a longer head is not a call
 
 
-class DeepSeekToolParser(ToolParser):
+class DeepSeekToolParser(StateToolParser):
     name = "deepseek_v3"
     special_tags = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
 
@@ -45,39 +45,10 @@ class DeepSeekToolParser(ToolParser):
         # "out" content; "between" in a section, around its calls; "head" before the separator;
         # "kind" just after it; "name" V3's name line; "fence" before V3's ```json; "args" the
         # arguments object; "tail" after it, to the call's end tag; "bad" malformed to the end.
-        self._state = "out"
         self._call: CallStream | None = None
         self._head = ""
         self._fenced = False  # V3's form: a ``` closes the arguments before the end tag
-        self._raw: list[str] = []  # the section since its last complete call
-        self._section_calls = 0
-
-    def _advance(self) -> None:
-        while self._buf or self._state == "bad":
-            if self._state == "bad":
-                self._raw.append(self._buf)
-                self._buf = ""
-                return
-            if not getattr(self, "_st_" + self._state)():
-                return
-
-    def _take(self, n: int) -> None:
-        self._raw.append(self._buf[:n])
-        self._buf = self._buf[n:]
-
-    def _bad(self) -> bool:
-        self._state = "bad"
-        return True
-
-    def _after_space(self, *tags: str) -> str | None:
-        """The tag of `tags` the buffer starts with after whitespace (both consumed); "" while
-        the buffer may still become one; None when it cannot."""
-        stripped = self._buf.lstrip()
-        for tag in tags:
-            if stripped.startswith(tag):
-                self._take(len(self._buf) - len(stripped) + len(tag))
-                return tag
-        return "" if any(tag.startswith(stripped) for tag in tags) else None
+        self._section_calls = 0  # (`_raw`: the section since its last complete call)
 
     def _st_out(self) -> bool:
         before, after, held = split_at_tag(self._buf, CALLS_BEGIN)

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 from ftrs.server.toolbase import (
     CallStream,
-    ToolParser,
+    StateToolParser,
     args_schema,
     arguments_of,
     chosen_functions,
@@ -42,7 +42,7 @@ FUNCTION, FUNCTION_END, PARAM, PARAM_END = "<function=", "</function>", "<parame
 _LONGEST_NAME = 256  # no function or argument name is longer: a longer one is not a call
 
 
-class _MemberToolParser(ToolParser):
+class _MemberToolParser(StateToolParser):
     """What both families share: the states' plumbing (`_st_<state>` methods, "out" and
     "bad" here), members typed by the schema and streamed as JSON, the call closed or shown
     as content."""
@@ -58,29 +58,9 @@ class _MemberToolParser(ToolParser):
             if isinstance(fn, dict) and isinstance(fn.get("name"), str):
                 props = params.get("properties") if isinstance(params, dict) else None
                 self._props[fn["name"]] = props if isinstance(props, dict) else {}
-        self._state = "out"
         self._call: CallStream | None = None
         self._key = ""
         self._members = 0
-        self._raw: list[str] = []  # the call's text so far, shown as content if malformed
-
-    def _advance(self) -> None:
-        while self._buf or self._state == "bad":
-            if self._state == "bad":
-                self._raw.append(self._buf)
-                self._buf = ""
-                return
-            if not getattr(self, "_st_" + self._state)():
-                return
-
-    def _take(self, n: int) -> str:
-        taken, self._buf = self._buf[:n], self._buf[n:]
-        self._raw.append(taken)
-        return taken
-
-    def _bad(self) -> bool:
-        self._state = "bad"
-        return True
 
     def _until(self, tag: str) -> str | None:
         """The text before `tag` (both consumed), or None while `tag` has not come."""
@@ -90,16 +70,6 @@ class _MemberToolParser(ToolParser):
         text = self._take(i)
         self._take(len(tag))
         return text
-
-    def _after_space(self, *tags: str) -> str | None:
-        """The tag of `tags` the buffer starts with after whitespace (both consumed); "" while
-        it may still become one; None when it cannot."""
-        stripped = self._buf.lstrip()
-        for tag in tags:
-            if stripped.startswith(tag):
-                self._take(len(self._buf) - len(stripped) + len(tag))
-                return tag
-        return "" if any(tag.startswith(stripped) for tag in tags) else None
 
     def _st_out(self) -> bool:
         before, after, held = split_at_tag(self._buf, START)
