@@ -88,3 +88,22 @@ def hf_model(path: Path, dtype: torch.dtype = torch.float32) -> Any:
 
     return transformers.AutoModelForCausalLM.from_pretrained(
         str(path), dtype=dtype, experts_implementation="eager").eval()
+
+
+def with_mtp_layer(src: Path, dst: Path) -> Path:
+    """`src` copied to `dst` with a multi-token-prediction layer after its last, as DeepSeek-V3
+    and GLM-4.5 ship theirs (layer num_hidden_layers: a copy of the last layer, experts
+    included, and a tensor of its own)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = shutil.copytree(src, dst)
+    last = json.loads((d / "config.json").read_text())["num_hidden_layers"] - 1
+    t = load_file(str(d / "model.safetensors"))
+    t |= {k.replace(f"layers.{last}.", f"layers.{last + 1}."): v.clone()
+          for k, v in t.items() if f".layers.{last}." in k}
+    t[f"model.layers.{last + 1}.eh_proj.weight"] = torch.zeros(48, 96)
+    save_file(t, str(d / "model.safetensors"))
+    return d

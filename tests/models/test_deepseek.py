@@ -133,16 +133,9 @@ def test_fp8_block_checkpoint_as_deepseek_ships_it(models: dict[str, Path],
 
 def test_the_multi_token_prediction_layer_is_left_out(models: dict[str, Path],
                                                        tmp_path: Path) -> None:
-    # DeepSeek-V3 ships its MTP block as layer num_hidden_layers (here 4), experts included
-    import shutil
+    from deepseek_models import with_mtp_layer
 
-    from safetensors.torch import load_file, save_file
-
-    d = shutil.copytree(models["q_lora"], tmp_path / "mtp")
-    t = load_file(str(d / "model.safetensors"))
-    t |= {k.replace("layers.3.", "layers.4."): v.clone() for k, v in t.items() if ".layers.3." in k}
-    t["model.layers.4.eh_proj.weight"] = torch.zeros(48, 96)
-    save_file(t, str(d / "model.safetensors"))
+    d = with_mtp_layer(models["q_lora"], tmp_path / "mtp")
     with_mtp = LLM(str(d), kv_tokens=1024, dtype="float32").logits(IDS)
     assert torch.equal(with_mtp, LLM(str(models["q_lora"]), kv_tokens=1024,
                                      dtype="float32").logits(IDS))

@@ -76,14 +76,9 @@ def test_offloaded_experts_equal_resident(models: dict[str, Path], strategy: str
 
 def test_the_multi_token_prediction_layer_is_left_out(models: dict[str, Path],
                                                        tmp_path: Path) -> None:
-    # GLM-4.5 ships its MTP block as layer num_hidden_layers (here 4), experts included
-    from safetensors.torch import load_file, save_file
+    from deepseek_models import with_mtp_layer
 
-    d = shutil.copytree(models["glm"], tmp_path / "mtp")
-    t = load_file(str(d / "model.safetensors"))
-    t |= {k.replace("layers.3.", "layers.4."): v.clone() for k, v in t.items() if ".layers.3." in k}
-    t["model.layers.4.eh_proj.weight"] = torch.zeros(48, 96)
-    save_file(t, str(d / "model.safetensors"))
+    d = with_mtp_layer(models["glm"], tmp_path / "mtp")
     with_mtp = LLM(str(d), kv_tokens=1024, dtype="float32").logits(IDS)
     assert torch.equal(with_mtp, LLM(str(models["glm"]), kv_tokens=1024,
                                      dtype="float32").logits(IDS))

@@ -28,6 +28,7 @@ scores every file's groups by their top two).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -55,14 +56,21 @@ _SOFTMAX, _SIGMOID = 1, 2
 _LOG_MUL = 0.1  # the converter's yarn_log_multiplier per unit of mscale_all_dim
 
 
+def _getter(meta: dict[str, Any], arch: str, source: str) -> Callable[..., Any]:
+    """`get(key, default=None)`: the file's `{arch}.{key}`, the default when absent, an error
+    naming the key when neither is there."""
+    def get(key: str, default: Any = None) -> Any:
+        v = meta.get(f"{arch}.{key}", default)
+        if v is None:
+            raise ModelLoadError(source, f"missing GGUF metadata {arch}.{key}")
+        return v
+    return get
+
+
 def deepseek2_config(meta: dict[str, Any], cfg: dict[str, Any], experts: int,
                      moe_layers: set[int], source: str) -> dict[str, Any]:
     """The deepseek_v3 (sigmoid gating) or deepseek_v2 (softmax) fields of a `deepseek2` file."""
-    def get(key: str, default: Any = None) -> Any:
-        v = meta.get(f"deepseek2.{key}", default)
-        if v is None:
-            raise ModelLoadError(source, f"missing GGUF metadata deepseek2.{key}")
-        return v
+    get = _getter(meta, "deepseek2", source)
 
     if experts < 1:
         raise ModelLoadError(source, "deepseek2 file without deepseek2.expert_count")
@@ -108,11 +116,7 @@ def deepseek2_config(meta: dict[str, Any], cfg: dict[str, Any], experts: int,
 def glm4moe_config(meta: dict[str, Any], cfg: dict[str, Any], experts: int,
                    moe_layers: set[int], tensor_names: set[str], source: str) -> dict[str, Any]:
     """The glm4_moe fields of a `glm4moe` file."""
-    def get(key: str, default: Any = None) -> Any:
-        v = meta.get(f"glm4moe.{key}", default)
-        if v is None:
-            raise ModelLoadError(source, f"missing GGUF metadata glm4moe.{key}")
-        return v
+    get = _getter(meta, "glm4moe", source)
 
     if experts < 1:
         raise ModelLoadError(source, "glm4moe file without glm4moe.expert_count")

@@ -317,10 +317,24 @@ class StateToolParser(ToolParser):
     whether they progressed; `_raw` is the current call section's text, shown as content if it
     turns out malformed; the "bad" state keeps it to the end."""
 
+    SECTION = ""  # the tag a call section opens with (`_st_out`)
+    FIRST = ""  # the state after it
+
     def __init__(self, tools: list[dict[str, Any]]) -> None:
         super().__init__(tools)
         self._state = "out"
         self._raw: list[str] = []
+
+    def _st_out(self) -> bool:
+        """Content up to the section's tag, then its first state."""
+        before, after, held = split_at_tag(self._buf, self.SECTION)
+        self._show(before)
+        if after is None:
+            self._buf = held
+            return False
+        self._enter_call()
+        self._raw, self._buf, self._state = [self.SECTION], after, self.FIRST
+        return True
 
     def _advance(self) -> None:
         while self._buf or self._state == "bad":

@@ -26,7 +26,6 @@ from ftrs.server.toolbase import (
     args_schema,
     arguments_of,
     chosen_functions,
-    split_at_tag,
 )
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -50,15 +49,11 @@ class DeepSeekToolParser(StateToolParser):
         self._fenced = False  # V3's form: a ``` closes the arguments before the end tag
         self._section_calls = 0  # (`_raw`: the section since its last complete call)
 
+    SECTION, FIRST = CALLS_BEGIN, "between"
+
     def _st_out(self) -> bool:
-        before, after, held = split_at_tag(self._buf, CALLS_BEGIN)
-        self._show(before)
-        if after is None:
-            self._buf = held
-            return False
-        self._enter_call()
-        self._raw, self._buf, self._state, self._section_calls = [CALLS_BEGIN], after, "between", 0
-        return True
+        self._section_calls = 0
+        return super()._st_out()
 
     def _st_between(self) -> bool:
         tag = self._after_space(CALL_BEGIN, CALLS_END)

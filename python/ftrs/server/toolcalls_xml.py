@@ -33,7 +33,6 @@ from ftrs.server.toolbase import (
     args_schema,
     arguments_of,
     chosen_functions,
-    split_at_tag,
 )
 
 START, END = "<tool_call>", "</tool_call>"
@@ -71,17 +70,7 @@ class _MemberToolParser(StateToolParser):
         self._take(len(tag))
         return text
 
-    def _st_out(self) -> bool:
-        before, after, held = split_at_tag(self._buf, START)
-        self._show(before)
-        if after is None:
-            self._buf = held
-            return False
-        self._enter_call()
-        self._raw, self._buf, self._state = [START], after, self.FIRST
-        return True
-
-    FIRST = ""  # the state after <tool_call>
+    SECTION = START
 
     def _open(self, name: str, state: str) -> bool:
         name = name.strip()
