@@ -1,6 +1,6 @@
 """Tiny deepseek_v3 and deepseek_v2 checkpoints (MLA, grouped routing, shared experts), and
-glm4_moe ones (the same routing beside grouped-query attention), built with transformers, for
-tests.
+glm4_moe and minimax_m2 ones (V3's routing beside grouped-query attention), built with
+transformers, for tests.
 
 Odd sizes on purpose: qk_head_dim 20 against hidden / heads = 12, kv_lora_rank 16, v_head_dim
 10, six routed experts (not a power of two) in three groups of which two are kept, top-3, one
@@ -57,18 +57,30 @@ GLM: dict[str, Any] = {
 }
 
 
+#: minimax_m2 (MiniMax-M2): every layer routed by V3's sigmoid scores with a correction bias (no
+#: groups, no shared expert), q/k norms over all heads' channels, rotary on 8 of 16 channels
+MINIMAX: dict[str, Any] = {
+    "vocab_size": 512, "hidden_size": 48, "intermediate_size": 24, "num_hidden_layers": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 6,
+    "num_experts_per_tok": 3, "rotary_dim": 8, "max_position_embeddings": 1024,
+    "bos_token_id": 1, "eos_token_id": 2,
+}
+_BASE = {"glm4_moe": GLM, "minimax_m2": MINIMAX}
+
+
 def build(out_dir: Path, seed: int = 1, dtype: torch.dtype = torch.float32,
           arch: str = "deepseek_v3", **changes: Any) -> Path:
-    """A tiny `arch` (deepseek_v3, deepseek_v2, glm4_moe or glm4_moe_lite: GLM-4.7-Flash, V3's
-    design, its dense layers in `mlp_layer_types`) checkpoint written by transformers into
-    `out_dir` (`changes` override the config); returns it."""
+    """A tiny `arch` (deepseek_v3, deepseek_v2, glm4_moe, glm4_moe_lite: GLM-4.7-Flash, V3's
+    design, its dense layers in `mlp_layer_types`, or minimax_m2) checkpoint written by
+    transformers into `out_dir` (`changes` override the config); returns it."""
     import transformers
 
     make = {"deepseek_v3": transformers.DeepseekV3Config,
             "deepseek_v2": transformers.DeepseekV2Config,
             "glm4_moe": transformers.Glm4MoeConfig,
-            "glm4_moe_lite": transformers.Glm4MoeLiteConfig}[arch]
-    cfg = make(**((GLM if arch == "glm4_moe" else CONFIG) | changes))
+            "glm4_moe_lite": transformers.Glm4MoeLiteConfig,
+            "minimax_m2": transformers.MiniMaxM2Config}[arch]
+    cfg = make(**(_BASE.get(arch, CONFIG) | changes))
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

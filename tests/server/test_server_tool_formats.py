@@ -14,7 +14,7 @@ from live_agent import check_forced_call, openai_client, tiny_server
 
 
 @pytest.fixture(scope="module", params=["mistral", "llama3_json", "deepseek_v3", "deepseek_v31",
-                                               "glm45", "qwen3_coder"])
+                                               "glm45", "qwen3_coder", "minimax_m2"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[Any]:
     pytest.importorskip("ftrs.engine.core")

@@ -226,6 +226,7 @@ def test_deepseek_reads_both_forms_of_its_calls(parser: str) -> None:
     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get weather<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
     "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{\"a\": <｜tool▁call▁end｜>",
     "<｜tool▁calls▁begin｜>no call here",
+    "<｜tool▁calls▁begin｜><｜tool▁calls▁end｜>",
 ])
 def test_deepseek_malformed_is_content(text: str) -> None:
     # a non-function type, a name with a space, bad JSON, no call in the section
@@ -297,6 +298,31 @@ def test_qwen3_coder_malformed_or_cut_off_is_content(text: str) -> None:
     check("qwen3_coder", "So: " + text, "So: " + text, [])
 
 
+# --- minimax_m2 ---------------------------------------------------------------------------
+
+MINIMAX = ('Let me look.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">'
+           'Paris 75</parameter>\n<parameter name="days">3</parameter>\n</invoke>\n'
+           '<invoke name="now">\n</invoke>\n</minimax:tool_call>')
+
+
+def test_minimax_invokes_in_one_section_become_calls() -> None:
+    calls = [("get_weather", {"city": "Paris 75", "days": 3}), ("now", {})]
+    check("minimax_m2", MINIMAX, "Let me look.", calls)
+    # a section left open after its last call keeps the calls
+    check("minimax_m2", MINIMAX.removesuffix("</minimax:tool_call>"), "Let me look.", calls)
+    one = TOOL_PARSERS["minimax_m2"].format_calls(calls[:1])
+    check("minimax_m2", one, "", calls[:1])
+
+
+@pytest.mark.parametrize("text", [
+    '<minimax:tool_call>\n<invoke name="now">\n<parameter name="x">1</parameter>\n',
+    '<minimax:tool_call>\n<parameter name="x">1</parameter>\n</minimax:tool_call>',
+    "<minimax:tool_call>\n</minimax:tool_call>",
+])
+def test_minimax_malformed_or_cut_off_is_content(text: str) -> None:
+    check("minimax_m2", "So: " + text, "So: " + text, [])
+
+
 # --- choosing a parser --------------------------------------------------------------------
 
 def test_choose_tool_parser_flag_wins_and_unknown_names_the_known_ones() -> None:
@@ -319,6 +345,8 @@ def test_choose_tool_parser_flag_wins_and_unknown_names_the_known_ones() -> None
     ("{{ '\\n<tool_call>' + tc.name }}{% for k, v in _args.items() %}<arg_key>{{ k }}"
      "</arg_key>{% endfor %}", "glm45"),
     ("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}", "qwen3_coder"),
+    ("{{- '<minimax:tool_call>\\n' }}{{- '<invoke name=\"' + tool_call.name + '\">' }}",
+     "minimax_m2"),
     ("{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}", "hermes"),
     (None, "hermes"),
 ])
@@ -371,6 +399,10 @@ FORCED = [  # (parser, choice, parallel, accepted, rejected)
      ["<tool_call>\n<function=now>\n</function>\n</tool_call>",
       "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n</function>\n"
       "</tool_call>"]),
+    ("minimax_m2", "required", False,
+     ['<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Rome</parameter>\n'
+      "</invoke>\n</minimax:tool_call>"],
+     ['<minimax:tool_call>\n<invoke name="later">\n</invoke>\n</minimax:tool_call>']),
     ("deepseek_v31", NAMED, False,
      ['<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}'
       "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"],
@@ -422,6 +454,8 @@ def test_forced_grammar_bad_choice_or_tools_are_typed_errors() -> None:
      [("now", {})]),
     ("deepseek_v31", DS_V31, "Sure.", [("get_weather", {"city": "Tokyo", "days": 2}), ("now", {})]),
     ("glm45", GLM, "Checking.", [("get_weather", {"city": "Paris 75", "days": 3}), ("now", {})]),
+    ("minimax_m2", MINIMAX, "Let me look.",
+     [("get_weather", {"city": "Paris 75", "days": 3}), ("now", {})]),
     ("qwen3_coder", QWEN, "I will check.",
      [("get_weather", {"city": "Paris 75", "days": 3}), ("now", {})]),
 ])

@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # models.mla imports the layers, which import this module
     from ftrs.models.mla import MlaSpec
 
 SUPPORTED = ("llama", "qwen3", "mixtral", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "gpt_oss",
-             "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite")
+             "deepseek_v2", "deepseek_v3", "glm4_moe", "glm4_moe_lite", "minimax_m2")
 FULL_ATTENTION, LINEAR_ATTENTION = "full_attention", "linear_attention"
 SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, LINEAR_ATTENTION)  # the hybrids' kinds
@@ -84,6 +84,7 @@ class ArchSpec:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     qk_norm: bool = False  # qwen3: RMSNorm on each head of q and k before RoPE
+    qk_norm_full: bool = False  # minimax_m2: one RMSNorm over all heads' channels of q, of k
     attention_bias: bool = False
     num_experts: int = 0  # 0: dense model
     top_k: int = 0
@@ -279,12 +280,12 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
     moe_inter = 0
     moe_layers: tuple[int, ...] = ()
     norm_topk = True
-    if arch in ("mixtral", "qwen3_moe", "gpt_oss", *_HYBRID):
+    if arch in ("mixtral", "qwen3_moe", "gpt_oss", "minimax_m2", *_HYBRID):
         num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
         top_k = int(cfg.get("num_experts_per_tok") or 0)
         if num_experts < 1 or not 1 <= top_k <= num_experts:
             raise ModelLoadError(source, f"bad MoE shape: {num_experts} experts, top-{top_k}")
-        if arch in ("mixtral", "gpt_oss"):
+        if arch in ("mixtral", "gpt_oss", "minimax_m2"):
             moe_inter = int(need("intermediate_size"))
             moe_layers = tuple(range(layers))
         elif arch == "qwen3_5_moe":  # every layer routed, weights always renormalised
@@ -340,9 +341,13 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
 
         spec = replace(spec, **deepseek_fields(cfg, arch, layers, scaling, source))
     elif arch == "glm4_moe":
-        from ftrs.models.glm import glm4_moe_fields
+        from ftrs.models.sigmoid_moe import glm4_moe_fields
 
         spec = replace(spec, **glm4_moe_fields(cfg, layers, head_dim, source))
+    elif arch == "minimax_m2":
+        from ftrs.models.sigmoid_moe import minimax_m2_fields
+
+        spec = replace(spec, **minimax_m2_fields(cfg, head_dim, source))
     return spec
 
 

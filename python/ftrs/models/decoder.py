@@ -1,6 +1,6 @@
 """The one generic decoder: llama, qwen3, mixtral, qwen3_moe, qwen3_5_moe, qwen3_next, gpt_oss,
-deepseek_v2, deepseek_v3 and glm4_moe differ only in their ArchSpec (the DeepSeek MLA layers:
-`models.mla`; GLM-4.5: `models.glm`).
+deepseek_v2, deepseek_v3, glm4_moe and minimax_m2 differ only in their ArchSpec (the DeepSeek
+MLA layers: `models.mla`; GLM-4.5 and MiniMax-M2: `models.sigmoid_moe`).
 
 A forward pass takes the flattened tokens of a whole batch (decode tokens and prefill chunks
 mixed), their absolute positions, and the attention metadata that says where each token's
@@ -163,6 +163,9 @@ class Decoder:
         if s.qk_norm:
             q = self.norm(q, w[p + "q_norm"], s.rms_norm_eps)[0]
             k = self.norm(k, w[p + "k_norm"], s.rms_norm_eps)[0]
+        elif s.qk_norm_full:  # one norm over every head's channels, then the heads again
+            q = self.norm(q.reshape(t, -1), w[p + "q_norm"], s.rms_norm_eps)[0].view(q.shape)
+            k = self.norm(k.reshape(t, -1), w[p + "k_norm"], s.rms_norm_eps)[0].view(k.shape)
         if rope.table is None:
             assert self.rotary_ is not None
             self.rotary_(q, k, self.rotary.cos, self.rotary.sin, rope.positions)

@@ -94,6 +94,7 @@ _LAYER_DENSE = {
     "mlp.shared_experts.up_proj.weight": "shared_up",
     "mlp.shared_experts.down_proj.weight": "shared_down",
     "mlp.gate.e_score_correction_bias": "router_correction",
+    "block_sparse_moe.e_score_correction_bias": "router_correction",  # minimax_m2
     # Gated DeltaNet (linear attention) layers
     "linear_attn.in_proj_qkv.weight": "lin_qkv",
     "linear_attn.in_proj_z.weight": "lin_z",

@@ -97,6 +97,8 @@ def expected_dense_shapes(spec: ArchSpec, flat_linear: bool = False) -> dict[str
                        p + "k": (kv_out, h), p + "v": (kv_out, h), p + "o": (h, q_out)}
             if s.qk_norm:
                 shapes |= {p + "q_norm": (s.head_dim,), p + "k_norm": (s.head_dim,)}
+            if s.qk_norm_full:
+                shapes |= {p + "q_norm": (q_out,), p + "k_norm": (kv_out,)}
             if s.attention_bias:  # glm4_moe's output projection has none
                 shapes |= {p + "q_bias": (q_out,), p + "k_bias": (kv_out,),
                            p + "v_bias": (kv_out,)} | ({} if s.arch == "glm4_moe"

@@ -13,7 +13,8 @@ content to show and `ToolCallDelta`s. The families (`TOOL_PARSERS`):
   fence, or (V3.1) `name<｜tool▁sep｜>{..}`, then `<｜tool▁call▁end｜>` (`toolcalls_deepseek`);
 - `glm45` (GLM-4.5, 4.6, 4.7): `<tool_call>name` then `<arg_key>k</arg_key><arg_value>v</arg_value>`
   per argument, `</tool_call>`; `qwen3_coder` (Qwen3-Coder; any template writing `<function=`): `<tool_call>`,
-  `<function=name>`, `<parameter=k>` v `</parameter>` per argument (`toolcalls_xml`).
+  `<function=name>`, `<parameter=k>` v `</parameter>` per argument; `minimax_m2`:
+  `<minimax:tool_call>`, `<invoke name="..">`, `<parameter name="..">v</parameter>` (`toolcalls_xml`).
 
 Streaming contract: a call's first delta carries its `index` (0, 1, .. in the order calls are
 streamed), its `id` (`call_` + 24 random hex digits, the same in `calls`) and its name, as soon as
@@ -50,7 +51,7 @@ from ftrs.server.toolbase import (
     split_at_tag,
 )
 from ftrs.server.toolcalls_deepseek import DeepSeekToolParser, DeepSeekV31ToolParser
-from ftrs.server.toolcalls_xml import GlmToolParser, QwenCoderToolParser
+from ftrs.server.toolcalls_xml import GlmToolParser, MiniMaxToolParser, QwenCoderToolParser
 
 
 class HermesToolParser(ToolParser):
@@ -379,6 +380,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "deepseek_v31": DeepSeekV31ToolParser,
     "glm45": GlmToolParser,
     "qwen3_coder": QwenCoderToolParser,
+    "minimax_m2": MiniMaxToolParser,
 }
 
 
@@ -390,6 +392,8 @@ def choose_tool_parser(flag: str | None, chat_template: str | None) -> str:
                               f"known: {', '.join(sorted(TOOL_PARSERS))}")
         return flag
     template = chat_template or ""
+    if "<minimax:tool_call>" in template:
+        return "minimax_m2"
     if "<arg_key>" in template:  # GLM-4.5's members inside its <tool_call>
         return "glm45"
     if "<function=" in template:  # Qwen3-Coder's <function=..><parameter=..>

@@ -62,6 +62,8 @@ class DeepSeekToolParser(StateToolParser):
         if tag == CALL_BEGIN:
             self._state = "head"
         elif tag == CALLS_END:
+            if not self._section_calls:  # an empty section: not a call, so content
+                self._malformed("".join(self._raw))
             self._raw, self._state = [], "out"
         return bool(tag)
 

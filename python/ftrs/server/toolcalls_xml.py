@@ -1,6 +1,8 @@
 """Tool calls whose arguments are written as tagged members, not JSON, parsed incrementally:
-GLM-4.5's (`glm45`: GLM-4.5, 4.6, 4.7, 4.5-Air) and Qwen3-Coder's (`qwen3_coder`, and any
-template that writes `<function=`). As their chat templates write them:
+GLM-4.5's (`glm45`: GLM-4.5, 4.6, 4.7, 4.5-Air), Qwen3-Coder's (`qwen3_coder`, and any
+template that writes `<function=`) and MiniMax-M2's (`minimax_m2`: a `<minimax:tool_call>`
+section of `<invoke name="..">` calls with `<parameter name="..">` members). As the first two
+chat templates write them:
 
     <tool_call>get_weather                     <tool_call>
     <arg_key>city</arg_key>                    <function=get_weather>
@@ -269,6 +271,87 @@ class QwenCoderToolParser(_MemberToolParser):
                 f"{listed}\n</tools>\n\nTo call a function, reply in this format:\n{example}")
 
 
+class MiniMaxToolParser(_MemberToolParser):
+    """MiniMax-M2's: a `<minimax:tool_call>` section of `<invoke name="..">` calls, each of
+    `<parameter name="..">value</parameter>` members."""
+
+    name = "minimax_m2"
+    SECTION, SECTION_END = "<minimax:tool_call>", "</minimax:tool_call>"
+    INVOKE, INVOKE_END = '<invoke name="', "</invoke>"
+    PARAMETER = '<parameter name="'
+    special_tags = (SECTION, SECTION_END)
+    FIRST = "invoke"  # "invoke" between calls; "iname" a call's name; "params" between its
+    # members; "key" a member's name; "value" its text
+
+    def __init__(self, tools: list[dict[str, Any]]) -> None:
+        super().__init__(tools)
+        self._section_calls = 0
+
+    def _st_out(self) -> bool:
+        self._section_calls = 0
+        return super()._st_out()
+
+    def _st_invoke(self) -> bool:
+        tag = self._after_space(self.INVOKE, self.SECTION_END)
+        if tag is None:
+            return self._bad()
+        if tag == self.INVOKE:
+            self._state = "iname"
+        elif tag == self.SECTION_END:
+            if not self._section_calls:  # an empty section: not a call, so content
+                self._malformed("".join(self._raw))
+            self._raw, self._state = [], "out"
+        return bool(tag)
+
+    def _st_iname(self) -> bool:
+        name = self._until('">')
+        if name is None:
+            return self._bad() if len(self._buf) > _LONGEST_NAME else False
+        return self._open(name, "params")
+
+    def _st_params(self) -> bool:
+        tag = self._after_space(self.PARAMETER, self.INVOKE_END)
+        if tag is None:
+            return self._bad()
+        if tag == self.PARAMETER:
+            self._state = "key"
+        elif tag == self.INVOKE_END:
+            self._close_call()
+            self._state = "invoke"
+            self._section_calls += 1
+        return bool(tag)
+
+    def _st_key(self) -> bool:
+        key = self._until('">')
+        if key is None:
+            return self._bad() if len(self._buf) > _LONGEST_NAME else False
+        self._key, self._state = key.strip(), "value"
+        return True
+
+    def _st_value(self) -> bool:
+        text = self._until(PARAM_END)
+        if text is None:
+            return False
+        self._member(self._key, text)
+        self._state = "params"
+        return True
+
+    def _close(self) -> None:
+        if self._state == "invoke" and self._section_calls and not self._buf.strip():
+            self._buf, self._raw, self._state = "", [], "out"  # a section left open is fine
+        super()._close()
+
+    OPEN = SECTION + "\n" + INVOKE + '{name}">\n'
+    HEAD, TAIL, CLOSE = PARAMETER + '{key}">', PARAM_END + "\n", INVOKE_END + "\n" + SECTION_END
+
+    @classmethod
+    def describe_tools(cls, tools: list[dict[str, Any]]) -> str:
+        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        example = cls._call_text("function-name", [("parameter-name", "value")])
+        return ("# Tools\n\nYou may call one or more tools. They are, one per line:\n<tools>\n"
+                f"{listed}\n</tools>\n\nTo call tools, reply in this format:\n{example}")
+
+
 def _lit(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
@@ -294,4 +377,4 @@ def _value_rule(schema: dict[str, Any]) -> str:
     return f"%json {args_schema(schema)}"
 
 
-__all__ = ["GlmToolParser", "QwenCoderToolParser"]
+__all__ = ["GlmToolParser", "MiniMaxToolParser", "QwenCoderToolParser"]
