@@ -81,3 +81,42 @@ def test_a_config_that_cannot_run_is_refused_by_name(change: dict[str, object],
     cfg = deepseek_models.MINIMAX | {"model_type": "minimax_m2"} | change
     with pytest.raises(ModelLoadError, match=message):
         arch_from_config(cfg, "config.json")
+
+
+# --- GGUF (`minimax-m2`, as llama.cpp's converter writes it) -----------------------------
+
+def _gguf(src: Path, out: Path) -> Path:
+    import json
+
+    from safetensors.torch import load_file
+
+    from ftrs.models.gguf_write import keep_f32, write_gguf
+    from ftrs.models.tokenizer import Tokenizer
+
+    cfg = json.loads((src / "config.json").read_text())
+    write_gguf(out, cfg, load_file(str(src / "model.safetensors")), keep_f32,
+               Tokenizer.from_dir(src))
+    return out
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_gguf_file_runs_as_its_source(models: dict[str, Path], variant: str,
+                                        tmp_path: Path) -> None:
+    from ftrs.models.gguf_loader import open_gguf
+
+    path = _gguf(models[variant], tmp_path / "f32.gguf")
+    cfg = open_gguf(path).config
+    assert (cfg["model_type"], cfg["rotary_dim"], cfg["num_local_experts"], cfg["use_qk_norm"]) \
+        == ("minimax_m2", 8 if variant == "partial_rotary" else 16, 6, True)
+    ours = LLM(str(path), kv_tokens=1024, dtype="float32").logits(IDS)
+    assert (ours - ref_logits(models[variant], IDS)).abs().max().item() <= TOL
+
+
+def test_llama_cpp_computes_the_same_gguf(models: dict[str, Path], tmp_path: Path) -> None:
+    """The peer on the F32 file (fp32 KV cache), where `llama-cpp-python` is installed."""
+    pytest.importorskip("llama_cpp")
+    from gguf_files import llama_cpp_logits
+
+    path = _gguf(models["partial_rotary"], tmp_path / "f32.gguf")
+    ours = LLM(str(path), kv_tokens=1024, dtype="float32").logits(IDS)
+    assert (ours - llama_cpp_logits(path, IDS, tmp_path)).abs().max().item() <= 1e-4

@@ -1,4 +1,6 @@
-"""DeepSeek-V2/V3 GGUF files (llama.cpp's `deepseek2`), and GLM-4.5's (`glm4moe`), both ways.
+"""DeepSeek-V2/V3 GGUF files (llama.cpp's `deepseek2`), GLM-4.5's (`glm4moe`) and MiniMax-M2's
+(`minimax-m2`: every layer routed by sigmoid scores, the rotary width in `rope.dimension_count`,
+q/k norms over all heads where the file has them), both ways.
 
 GLM-4.5 routes as DeepSeek-V3 and its file says so in the same `expert_*` fields; its attention
 is plain grouped-query attention (rotate-half rotary, so no rows move), with the rotary width in
@@ -140,6 +142,27 @@ def glm4moe_config(meta: dict[str, Any], cfg: dict[str, Any], experts: int,
             "attention_bias": "blk.0.attn_q.bias" in tensor_names}
 
 
+def minimax_m2_config(meta: dict[str, Any], cfg: dict[str, Any], experts: int,
+                      tensor_names: set[str], source: str) -> dict[str, Any]:
+    """The minimax_m2 fields of a `minimax-m2` file (every layer routed, checked by the
+    caller; its q/k norms span all heads, read from the tensors present)."""
+    get = _getter(meta, "minimax-m2", source)
+    gating = int(get("expert_gating_func", _SIGMOID))
+    return {"model_type": "minimax_m2", "num_local_experts": experts,
+            "intermediate_size": int(get("expert_feed_forward_length")),
+            "rotary_dim": int(get("rope.dimension_count")),
+            "scoring_func": "sigmoid" if gating == _SIGMOID else f"gating {gating}",
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in tensor_names}
+
+
+def minimax_m2_metadata(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `minimax-m2.*` fields the converter writes beyond the common ones (no prefix)."""
+    return {"expert_count": int(cfg["num_local_experts"]),
+            "expert_used_count": int(cfg["num_experts_per_tok"]),
+            "expert_feed_forward_length": int(cfg["intermediate_size"]),
+            "expert_gating_func": _SIGMOID, "rope.dimension_count": int(cfg["rotary_dim"])}
+
+
 def deepseek2_yarn(meta: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
     """HF's YaRN fields for a deepseek2 file: `mscale_all_dim` back from the log multiplier
     (rounded to the float32 it was written from), `mscale` equal to it."""
@@ -239,15 +262,16 @@ def glm4moe_metadata(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def converter_tensors(tensors: dict[str, torch.Tensor], cfg: dict[str, Any], arch: str
                       ) -> tuple[dict[str, tuple[str, np.ndarray]], dict[str, torch.Tensor]]:
-    """A deepseek_v2/v3 or glm4_moe checkpoint's tensors as the converter writes them for `arch`
-    (deepseek2, glm4moe; GGUF name -> (HF name, values)), names through the `gguf` package's
+    """A deepseek_v2/v3, glm4_moe or minimax_m2 checkpoint's tensors as the converter writes
+    them for `arch` (deepseek2, glm4moe, minimax-m2; GGUF name -> (HF name, values)), names through the `gguf` package's
     map: kv_b cut into k_b (transposed) and v_b, the correction bias as `exp_probs_b.bias`,
     layers past `num_hidden_layers` (the multi-token-prediction block) left out. The routed
     experts are returned apart."""
     import gguf
 
     layers = int(cfg["num_hidden_layers"])
-    model_arch = {"deepseek2": gguf.MODEL_ARCH.DEEPSEEK2, "glm4moe": gguf.MODEL_ARCH.GLM4_MOE}
+    model_arch = {"deepseek2": gguf.MODEL_ARCH.DEEPSEEK2, "glm4moe": gguf.MODEL_ARCH.GLM4_MOE,
+                  "minimax-m2": gguf.MODEL_ARCH.MINIMAXM2}
     names = gguf.get_tensor_name_map(model_arch[arch], layers)
     heads = int(cfg["num_attention_heads"])
     nope, vdim = int(cfg.get("qk_nope_head_dim") or 0), int(cfg.get("v_head_dim") or 0)
@@ -264,7 +288,7 @@ def converter_tensors(tensors: dict[str, torch.Tensor], cfg: dict[str, Any], arc
         if name.startswith("model.layers.") and int(name.split(".")[2]) >= layers:
             continue
         arr = t.detach().float().numpy()
-        if ".mlp.experts." in name:
+        if ".mlp.experts." in name or ".block_sparse_moe.experts." in name:
             experts[name] = t
         elif name.endswith("kv_b_proj.weight"):
             kv = arr.reshape(heads, nope + vdim, arr.shape[1])

@@ -2,7 +2,8 @@
 
 Architectures: `llama` (dense, or Mixtral-style MoE when `llama.expert_count` is set), `qwen3`,
 `qwen3moe`, `gpt-oss`, `qwen3next`, `qwen35moe` (`models/gguf_archs.py`), `deepseek2`
-(DeepSeek-V2/V3) and `glm4moe` (GLM-4.5; both `models/gguf_deepseek.py`). The config and the tokenizer come from the file's metadata. Tensor
+(DeepSeek-V2/V3), `glm4moe` (GLM-4.5) and `minimax-m2` (MiniMax-M2; these three
+`models/gguf_deepseek.py`). The config and the tokenizer come from the file's metadata. Tensor
 names are mapped to Hugging Face names; llama.cpp's row permutation of the llama q and k
 projections is undone (for quantized weights by moving whole rows of blocks, which is exact: the
 permutation is over rows); llama3's rope scaling, stored as `rope_freqs.weight` (one divisor per
@@ -54,6 +55,7 @@ from ftrs.models.gguf_deepseek import (
     deepseek2_to_hf,
     deepseek2_yarn,
     glm4moe_config,
+    minimax_m2_config,
 )
 from ftrs.models.names import DOWN, GATE, UP
 from ftrs.models.tokenizer import Tokenizer
@@ -79,7 +81,7 @@ SUPPORTED_TYPES = tuple(t for t in GGUF_FORMATS if t not in TAIL_BYTES)
 _ARCH_TYPE = {"llama": "llama", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
               "qwen3next": "qwen3_next", "qwen35moe": "qwen3_5_moe_text",
               "deepseek2": "deepseek_v3",  # or deepseek_v2: its gating says (`deepseek2_config`)
-              "glm4moe": "glm4_moe"}
+              "glm4moe": "glm4_moe", "minimax-m2": "minimax_m2"}
 _SHARED_EXPERTS = (*DELTANET, "deepseek2", "glm4moe")  # architectures with ffn_*_shexp
 
 
@@ -197,7 +199,8 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
         moe_layers = {int(m.group(1)) for n in tensor_names
                       if (m := _BLK.match(n)) and m.group(2) == "ffn_gate_inp"
                       and int(m.group(1)) < cfg["num_hidden_layers"]}
-        if arch in ("llama", "gpt-oss", *DELTANET) and moe_layers != set(range(cfg["num_hidden_layers"])):
+        if arch in ("llama", "gpt-oss", "minimax-m2", *DELTANET) and \
+                moe_layers != set(range(cfg["num_hidden_layers"])):
             raise ModelLoadError(source, f"{arch} MoE file: every layer needs a router "
                                  "(blk.N.ffn_gate_inp.weight)")
         if arch == "llama":
@@ -209,6 +212,8 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
             cfg |= deepseek2_config(meta, cfg, experts, moe_layers, source)
         elif arch == "glm4moe":
             cfg |= glm4moe_config(meta, cfg, experts, moe_layers, tensor_names, source)
+        elif arch == "minimax-m2":
+            cfg |= minimax_m2_config(meta, cfg, experts, tensor_names, source)
         elif arch == "gpt-oss":
             layers = cfg["num_hidden_layers"]
             cfg |= {"num_local_experts": experts, "attention_bias": True, "swiglu_limit": 7.0,
@@ -221,7 +226,7 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
                     "moe_intermediate_size": int(get("expert_feed_forward_length")),
                     "intermediate_size": int(ff or 0),
                     "mlp_only_layers": sorted(set(range(cfg["num_hidden_layers"])) - moe_layers)}
-    elif arch in ("gpt-oss", *_SHARED_EXPERTS):
+    elif arch in ("gpt-oss", "minimax-m2", *_SHARED_EXPERTS):
         raise ModelLoadError(source, f"{arch} file without {arch}.expert_count")
     else:
         cfg["intermediate_size"] = int(get("feed_forward_length"))
@@ -258,7 +263,7 @@ def _hf_name(name: str, arch: str) -> str | tuple[int, int] | None:
         return (layer, _BIAS + which) if arch == "gpt-oss" else None
     if arch in DELTANET and (kind, suffix) in QWEN3NEXT_BARE:
         return f"model.layers.{layer}.{QWEN3NEXT_BARE[kind, suffix]}"
-    if arch in ("deepseek2", "glm4moe") and (kind, suffix) in DEEPSEEK2_BARE:
+    if arch in ("deepseek2", "glm4moe", "minimax-m2") and (kind, suffix) in DEEPSEEK2_BARE:
         return f"model.layers.{layer}.{DEEPSEEK2_BARE[kind, suffix]}"
     block = _BLOCK | {"gpt-oss": GPT_OSS_NAMES, "qwen3next": QWEN3NEXT_NAMES, "qwen35moe": QWEN35MOE_NAMES,
                       "deepseek2": DEEPSEEK2_NAMES, "glm4moe": GLM4MOE_NAMES}.get(arch, {})

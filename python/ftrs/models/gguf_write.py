@@ -2,7 +2,7 @@
 
 Used to build quantized test checkpoints and the quantized demo (`ftrs models demo --quant`).
 Architectures: `llama` (dense, or Mixtral-style with `llama.expert_count`), `qwen3`, `qwen3moe`,
-`gpt-oss`, `qwen3next`, `qwen35moe`, `deepseek2` and `glm4moe` (the converter's changes to those in
+`gpt-oss`, `qwen3next`, `qwen35moe`, `deepseek2`, `glm4moe` and `minimax-m2` (the converter's changes to those in
 `models/gguf_archs.py` and `models/gguf_deepseek.py`). Routed experts are stacked into 3-D `blk.N.ffn_{gate,up,down}_exps.weight`; the llama
 q and k projections get llama.cpp's row permutation. gpt-oss follows llama.cpp's converter: its
 names from the `gguf` package's own name map, gate and up taken out of the interleaved
@@ -30,7 +30,12 @@ from ftrs.models.gguf_archs import (
     llama3_rope_factors,
     qwen3next_tensors,
 )
-from ftrs.models.gguf_deepseek import converter_tensors, deepseek2_metadata, glm4moe_metadata
+from ftrs.models.gguf_deepseek import (
+    converter_tensors,
+    deepseek2_metadata,
+    glm4moe_metadata,
+    minimax_m2_metadata,
+)
 from ftrs.models.tokenizer import Tokenizer
 
 #: (HF name, fp32 values (rows, cols) or (E, rows, cols)) -> (GGUF type, raw bytes (..., row_bytes))
@@ -38,7 +43,7 @@ Quantizer = Callable[[str, np.ndarray], tuple[str, np.ndarray]]
 _ARCH = {"llama": "llama", "mixtral": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
          "gpt_oss": "gpt-oss", "qwen3_next": "qwen3next", "qwen3_5_moe": "qwen35moe",
          "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2", "glm4_moe": "glm4moe",
-         "glm4_moe_lite": "deepseek2"}
+         "glm4_moe_lite": "deepseek2", "minimax_m2": "minimax-m2"}
 _LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "ffn_norm",
           "self_attn.q_proj.weight": "attn_q", "self_attn.k_proj.weight": "attn_k",
           "self_attn.v_proj.weight": "attn_v", "self_attn.o_proj.weight": "attn_output",
@@ -50,6 +55,9 @@ _EXPERT = re.compile(r"^(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
                      r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 _EXPERT_NAME = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
                 "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
+#: the architectures written through `gguf_deepseek.converter_tensors`, and their metadata
+_CONVERTED = {"deepseek2": deepseek2_metadata, "glm4moe": glm4moe_metadata,
+              "minimax-m2": minimax_m2_metadata}
 _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
         "lm_head.weight": "output.weight"}
 
@@ -242,7 +250,7 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
         tensors = {}
     elif arch in ("qwen3next", "qwen35moe"):
         plain, tensors = qwen3next_tensors(tensors, cfg)
-    elif arch in ("deepseek2", "glm4moe"):
+    elif arch in _CONVERTED:
         plain, tensors = converter_tensors(tensors, cfg, arch)
     for name, t in tensors.items():
         arr = t.detach().float().numpy()
@@ -266,9 +274,8 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
 
     writer = gguf.GGUFWriter(str(path), arch)
     meta = _metadata(cfg, arch)
-    if arch in ("deepseek2", "glm4moe"):
-        extra = deepseek2_metadata(cfg) if arch == "deepseek2" else glm4moe_metadata(cfg)
-        meta |= {f"{arch}.{k}": v for k, v in extra.items()}
+    if arch in _CONVERTED:
+        meta |= {f"{arch}.{k}": v for k, v in _CONVERTED[arch](cfg).items()}
     for k, v in meta.items():
         add_field(writer, k, v)
     fields = tokenizer_fields if tokenizer_fields is not None else (
@@ -312,13 +319,13 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
         return out
     if arch == "gpt-oss":
         return gpt_oss_packed({hf: held[gname] for gname, (hf, _) in plain.items()})
-    if arch in ("qwen3next", "qwen35moe", "deepseek2", "glm4moe"):  # F32: the source's values
+    if arch in ("qwen3next", "qwen35moe", *_CONVERTED):  # F32: the source's values
         if any(types[gname] != "F32" for gname in plain):
             raise ConfigError(f"write_gguf: {arch}'s values are returned for files whose "
                               "tensors other than the routed experts are F32")
         layers = int(cfg["num_hidden_layers"])
         out = {name: t.detach().float() for name, t in source.items()
-               if ".mlp.experts." not in name
+               if ".experts." not in name
                and not (name.startswith("model.layers.") and int(name.split(".")[2]) >= layers)}
         plain = {}
     for gname, (hf, _) in plain.items():
