@@ -33,6 +33,9 @@ SPLITS = {
     # DeepSeek-V3: digits in threes split first; here the same as Llama 3's (see below)
     "deepseek-v3": ["helloWorld", " ", "123", "45", " it", "'s", " HTTPServer", "\n\n", " ",
                     " x", "/y"],
+    # MiniMax-M2: o200k's pattern
+    "minimax-m2": ["hello", "World", " ", "123", "45", " it's", " HTTPServer", "\n\n", " ",
+                   " x", "/y"],
     # SmolLM: single digits, then GPT-2's split
     "smollm": ["helloWorld", " ", "1", "2", "3", "4", "5", " it", "'s", " HTTPServer", "\n\n ",
                " x", "/", "y"],

@@ -3,7 +3,7 @@
 Built on `tokenizers` and `jinja2` only; transformers is never needed at run time. GGUF files
 carry a byte-level BPE vocabulary and merges; the pre-tokenizer follows llama.cpp's `pre` name
 (for `smollm`: single digits, then the GPT-2 byte-level split, as the original tokenizer does;
-for `llama-bpe`, `qwen2`, `qwen35`, `gpt-4o`, `deepseek-v3` and `glm4`: the split pattern(s) of that
+for `llama-bpe`, `qwen2`, `qwen35`, `gpt-4o`, `deepseek-v3`, `glm4` and `minimax-m2`: the split pattern(s) of that
 tokenizer's own `tokenizer.json`, then the byte-level mapping); a name it does not know is refused, not guessed.
 """
 
@@ -45,7 +45,7 @@ _DEEPSEEK_V3 = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
 _PRE_SPLIT: dict[str, str | tuple[str, ...]] = {
     "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "qwen2": _QWEN2,
     "deepseek-r1-qwen": _QWEN2, "qwen35": _QWEN35, "gpt-4o": _O200K, "llama4": _O200K,
-    "deepseek-v3": _DEEPSEEK_V3, "glm4": _LLAMA3, "chatglm-bpe": _LLAMA3}
+    "deepseek-v3": _DEEPSEEK_V3, "glm4": _LLAMA3, "chatglm-bpe": _LLAMA3, "minimax-m2": _O200K}
 _GPT2_PRE = (None, "default", "gpt-2", "gpt2")  # ByteLevel's own split
 
 
