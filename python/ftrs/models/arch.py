@@ -85,7 +85,8 @@ class ArchSpec:
     tie_word_embeddings: bool = False
     qk_norm: bool = False  # qwen3: RMSNorm on each head of q and k before RoPE
     qk_norm_full: bool = False  # minimax_m2: one RMSNorm over all heads' channels of q, of k
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v biases
+    o_bias: bool = False  # and one on the output projection (all of them but GLM-4.5's)
     num_experts: int = 0  # 0: dense model
     top_k: int = 0
     moe_intermediate_size: int = 0
@@ -318,6 +319,7 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qk_norm=arch in ("qwen3", "qwen3_moe", *_HYBRID),
         attention_bias=bool(cfg.get("attention_bias", gpt_oss)),
+        o_bias=bool(cfg.get("attention_bias", gpt_oss)),
         num_experts=num_experts,
         top_k=top_k,
         moe_intermediate_size=moe_inter,

@@ -99,10 +99,11 @@ def expected_dense_shapes(spec: ArchSpec, flat_linear: bool = False) -> dict[str
                 shapes |= {p + "q_norm": (s.head_dim,), p + "k_norm": (s.head_dim,)}
             if s.qk_norm_full:
                 shapes |= {p + "q_norm": (q_out,), p + "k_norm": (kv_out,)}
-            if s.attention_bias:  # glm4_moe's output projection has none
+            if s.attention_bias:
                 shapes |= {p + "q_bias": (q_out,), p + "k_bias": (kv_out,),
-                           p + "v_bias": (kv_out,)} | ({} if s.arch == "glm4_moe"
-                                                      else {p + "o_bias": (h,)})
+                           p + "v_bias": (kv_out,)}
+            if s.o_bias:
+                shapes[p + "o_bias"] = (h,)
             if s.attention_sinks:
                 shapes[p + "sinks"] = (s.num_heads,)
         if s.is_moe_layer(layer):

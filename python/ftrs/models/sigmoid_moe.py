@@ -51,7 +51,7 @@ def glm4_moe_fields(cfg: dict[str, Any], layers: int, head_dim: int,
         "router": GROUPED_SIGMOID, "router_groups": (n_group, topk_group),
         "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
         "shared_expert_intermediate_size": moe_inter * int(cfg.get("n_shared_experts") or 0),
-        "qk_norm": bool(cfg.get("use_qk_norm", False)),
+        "qk_norm": bool(cfg.get("use_qk_norm", False)), "o_bias": False,
         "rotary_dim": 0 if rotary == head_dim else rotary,
     }
 
