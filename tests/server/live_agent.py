@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -75,13 +75,14 @@ def check_json_schema_samples(c: Any, model: str, n: int) -> None:
 
 
 @contextmanager
-def tiny_server(root: Path, *args: str) -> Iterator[Any]:
-    """A real server on loopback over a tiny llama written into `root` (`args`: more flags)."""
+def tiny_server(root: Path, *args: str, specials: Sequence[str] = ()) -> Iterator[Any]:
+    """A real server on loopback over a tiny llama written into `root` (`args`: more flags;
+    `specials`: texts its tokenizer holds as special tokens)."""
     from ftrs_server_harness import ServerProcess
 
     from ftrs.models.tiny import make_tiny
 
-    model = make_tiny("llama", root / "llama", seed=0)
+    model = make_tiny("llama", root / "llama", seed=0, specials=specials)
     server = ServerProcess(["--model", str(model), "--served-model-name", "tiny", *LIVE_OPTIONS,
                             *args], api_key=None, backend=None)
     try:

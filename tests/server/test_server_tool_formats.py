@@ -1,6 +1,7 @@
 """Every tool-call family end to end: a named `tool_choice` on the tiny model, served with
 `--tool-parser` set to the family, over real HTTP with the official `openai` client. The grammar
-forces the family's format, the parser reads it back from the streamed text, and the call's
+forces the family's format (its tags as the special tokens they are in the family's
+tokenizers), the parser reads it back from the streamed text, and the call's
 arguments follow the tool's schema, whole and streamed (`live_agent.check_forced_call`). Hermes,
 the default, runs in `test_server_agent.py`."""
 
@@ -12,13 +13,17 @@ from typing import Any
 import pytest
 from live_agent import check_forced_call, openai_client, tiny_server
 
+from ftrs.server.toolcalls import TOOL_PARSERS
+
 
 @pytest.fixture(scope="module", params=["mistral", "llama3_json", "deepseek_v3", "deepseek_v31",
                                                "glm45", "qwen3_coder", "minimax_m2"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[Any]:
     pytest.importorskip("ftrs.engine.core")
-    with tiny_server(tmp_path_factory.mktemp("tiny"), "--tool-parser", request.param) as proc:
+    # the family's tags are special tokens of the tokenizer, as in the models that write them
+    with tiny_server(tmp_path_factory.mktemp("tiny"), "--tool-parser", request.param,
+                     specials=TOOL_PARSERS[request.param].special_tags) as proc:
         yield proc
 
 

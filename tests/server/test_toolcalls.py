@@ -13,6 +13,7 @@ import pytest
 
 from ftrs.errors import ConfigError, InvalidRequest
 from ftrs.models.tiny import tiny_tokenizer
+from ftrs.server.prepare import special_tag_ids
 from ftrs.server.toolcalls import TOOL_PARSERS, ToolCallDelta, choose_tool_parser
 
 CHUNKS = (1, 2, 3, 7, 10_000)
@@ -426,6 +427,39 @@ def test_forced_grammar_compiles_accepts_its_format_and_rejects_others(
         assert calls and all(json.loads(a) is not None for _, _, a in calls)
     for text in bad:
         assert not accepts(lltok, grammar, text), text
+
+
+@pytest.mark.parametrize(("parser", "choice", "parallel", "good", "bad"),
+                         [f for f in FORCED
+                          if any(t in f[3][0] for t in TOOL_PARSERS[f[0]].special_tags)])
+def test_forced_grammar_writes_special_tags_as_the_tokens_the_model_writes(
+        parser: str, choice: Any, parallel: bool, good: list[str], bad: list[str]) -> None:
+    """Where the tokenizer holds the family's tags as special tokens (Mistral's, DeepSeek's,
+    GLM's), the model writes each tag as one token: the grammar must allow that token, which a
+    quoted literal does not (llguidance matches it against text only)."""
+    cls = TOOL_PARSERS[parser]
+    tok = tiny_tokenizer(512, cls.special_tags)
+    lltok = llguidance.LLTokenizer(tok.tk.to_str(), eos_token=2)
+    special = special_tag_ids(tok, cls.special_tags)
+    assert sorted(special) == sorted(cls.special_tags)
+    grammar = cls.forced_grammar(TOOLS, choice, parallel, special)
+    quoted = cls.forced_grammar(TOOLS, choice, parallel)
+
+    def accepts_ids(grammar: str, ids: list[int]) -> bool:
+        m = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_lark(grammar),
+                                 log_level=0)
+        return m.consume_tokens(ids) and m.is_accepting()
+
+    for text in good:
+        ids = [*tok.encode(text), 2]
+        assert set(special.values()) & set(ids)
+        assert accepts_ids(grammar, ids), text
+        assert not accepts_ids(quoted, ids), text
+        shown = tok.decode(ids, keep=frozenset(special.values()))
+        assert shown == text
+        assert run(parser, shown, 3)[1]
+    for text in bad:
+        assert not accepts_ids(grammar, [*tok.encode(text), 2]), text
 
 
 def test_forced_grammar_single_call_when_not_parallel(lltok: llguidance.LLTokenizer) -> None:

@@ -8,6 +8,7 @@ checkpoint comes with a byte-level tokenizer and a ChatML template, so it can be
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,18 +49,21 @@ def tiny_config(arch: str) -> dict[str, Any]:
     return cfg
 
 
-def tiny_tokenizer(vocab_size: int) -> Tokenizer:
+def tiny_tokenizer(vocab_size: int, specials: Sequence[str] = ()) -> Tokenizer:
+    """A byte-level tokenizer of `vocab_size` ids; ids past the bytes are special tokens, the
+    first of them `specials` (a tool format's tags, say), the rest reserved."""
     byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    chatml = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = {t: i for i, t in enumerate(chatml)}
     for ch in byte_chars:
         vocab[ch] = len(vocab)
     tk = HFTokenizer(models.BPE(vocab, [], fuse_unk=False))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tk.decoder = decoders.ByteLevel()
-    reserved = [f"<|reserved_{i}|>" for i in range(vocab_size - len(vocab))]
+    named = [t for t in specials if t not in vocab]
+    reserved = [f"<|reserved_{i}|>" for i in range(vocab_size - len(vocab) - len(named))]
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                           for t in specials + reserved])
+                           for t in chatml + named + reserved])
     return Tokenizer(tk, CHATML, "<|im_start|>", "<|im_end|>", [2], add_bos=False)
 
 
@@ -107,13 +111,15 @@ def tiny_tensors(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     return t
 
 
-def make_tiny(arch: str, out_dir: Path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
-    """Write config.json, model.safetensors and a tokenizer to `out_dir`; returns it."""
+def make_tiny(arch: str, out_dir: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
+              specials: Sequence[str] = ()) -> Path:
+    """Write config.json, model.safetensors and a tokenizer (`specials` among its special
+    tokens, see `tiny_tokenizer`) to `out_dir`; returns it."""
     cfg = tiny_config(arch)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.to(dtype).contiguous() for k, v in tiny_tensors(cfg, seed).items()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-    tiny_tokenizer(cfg["vocab_size"]).save(out_dir)
+    tiny_tokenizer(cfg["vocab_size"], specials).save(out_dir)
     return out_dir

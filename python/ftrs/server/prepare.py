@@ -9,6 +9,7 @@ they run in a worker thread, never on the event loop.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -314,7 +315,16 @@ def _final_prefill(req: ChatCompletionRequest, messages: list[dict[str, Any]]) -
     return text
 
 
-def _structured(req: ChatCompletionRequest, setup: ChatSetup) -> StructuredSpec | None:
+def special_tag_ids(tokenizer: Any, tags: Sequence[str]) -> dict[str, int]:
+    """Those of `tags` that `tokenizer` holds as single special tokens, with their ids."""
+    if not hasattr(tokenizer, "special_ids"):
+        return {}
+    found = {t: tokenizer.special_ids([t]) for t in tags}
+    return {t: next(iter(ids)) for t, ids in found.items() if len(ids) == 1}
+
+
+def _structured(req: ChatCompletionRequest, setup: ChatSetup,
+                tokenizer: Any) -> StructuredSpec | None:
     """The grammar the output must follow: a forced tool call, or the response_format."""
     fmt = req.response_format
     forced = setup.tools is not None and setup.tool_choice != "auto"
@@ -322,8 +332,9 @@ def _structured(req: ChatCompletionRequest, setup: ChatSetup) -> StructuredSpec 
         raise _bad("response_format", "cannot be combined with a required or named tool_choice")
     if forced:
         assert setup.tools is not None and setup.tool_parser is not None
-        grammar = TOOL_PARSERS[setup.tool_parser].forced_grammar(setup.tools, setup.tool_choice,
-                                                                 setup.parallel)
+        parser = TOOL_PARSERS[setup.tool_parser]
+        grammar = parser.forced_grammar(setup.tools, setup.tool_choice, setup.parallel,
+                                        special_tag_ids(tokenizer, parser.special_tags))
         return StructuredSpec("lark", grammar, "tool_choice")
     if fmt is None or fmt.type == "text":
         return None
@@ -363,7 +374,7 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, options: Limits) ->
         max_tokens = max(min(options.default_max_tokens, options.max_model_len - len(ids)), 1)
     else:
         max_tokens = requested
-    structured = _structured(req, setup)
+    structured = _structured(req, setup, tokenizer)
     params = _params(req, max_tokens, logprobs, options.vocab_size, structured)
     _check_context(len(ids), max_tokens, options.max_model_len, "messages")
     if structured is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -198,6 +198,26 @@ def args_schema(params: dict[str, Any]) -> str:
     return json.dumps({**params, "x-guidance": _JSON_LAYOUT})
 
 
+def lark_literal(text: str, special: Mapping[str, int] | None = None) -> str:
+    """`text` as a Lark expression in llguidance's dialect: quoted text, except that each tag of
+    `special` (a tag the tokenizer holds as one special token, and that token's id) is written
+    as its token, `<[id]>`. A quoted literal matches text only, never a special token: a forced
+    grammar that quoted `[TOOL_CALLS]` would forbid the very token the model writes it with."""
+    parts: list[str] = []
+    tags = sorted((special or {}).items(), key=lambda kv: -len(kv[0]))
+    while text:
+        found = [(i, tag, tid) for tag, tid in tags if (i := text.find(tag)) >= 0]
+        if not found:
+            parts.append(json.dumps(text, ensure_ascii=False))
+            break
+        i, tag, tid = min(found, key=lambda f: (f[0], -len(f[1])))
+        if i:
+            parts.append(json.dumps(text[:i], ensure_ascii=False))
+        parts.append(f"<[{tid}]>")
+        text = text[i + len(tag):]
+    return " ".join(parts) or '""'
+
+
 def call_schema(fns: list[tuple[str, dict[str, Any]]], args_key: str) -> str:
     """JSON Schema (as text) of one call object of any of `fns`, name first."""
     options = [{"type": "object",
@@ -291,9 +311,11 @@ class ToolParser:
 
     # --- the format, for templates and grammars ---------------------------------------------
 
-    @staticmethod
-    def forced_grammar(tools: list[dict[str, Any]], choice: str | dict[str, Any],
-                       parallel: bool) -> str:
+    @classmethod
+    def forced_grammar(cls, tools: list[dict[str, Any]], choice: str | dict[str, Any],
+                       parallel: bool, special: Mapping[str, int] | None = None) -> str:
+        """A Lark grammar of the calls `choice` forces; `special`: those of `special_tags` the
+        tokenizer holds as special tokens, with their ids (see `lark_literal`)."""
         raise NotImplementedError
 
     @classmethod
@@ -367,4 +389,4 @@ class StateToolParser(ToolParser):
 
 
 __all__ = ["CallStream", "StateToolParser", "ToolCall", "ToolCallDelta", "ToolParser", "args_schema", "arguments_of",
-           "call_schema", "chosen_functions", "new_call_id", "parse_object_call", "split_at_tag"]
+           "call_schema", "chosen_functions", "lark_literal", "new_call_id", "parse_object_call", "split_at_tag"]

@@ -34,6 +34,7 @@ arguments by its `parameters` schema) or any of the tools for `"required"`.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from ftrs.errors import ConfigError
@@ -46,6 +47,7 @@ from ftrs.server.toolbase import (
     arguments_of,
     call_schema,
     chosen_functions,
+    lark_literal,
     new_call_id,
     parse_object_call,
     split_at_tag,
@@ -97,13 +99,14 @@ class HermesToolParser(ToolParser):
         self._show(self._buf)
         self._buf = ""
 
-    @staticmethod
-    def forced_grammar(tools: list[dict[str, Any]], choice: str | dict[str, Any],
-                       parallel: bool) -> str:
+    @classmethod
+    def forced_grammar(cls, tools: list[dict[str, Any]], choice: str | dict[str, Any],
+                       parallel: bool, special: Mapping[str, int] | None = None) -> str:
         schema = call_schema(chosen_functions(tools, choice), "arguments")
-        calls = 'call ("\\n" call)*' if parallel else "call"
+        calls, nl = ('call ("\\n" call)*' if parallel else "call"), "\n"
         return (f"start: {calls}\n"
-                'call: "<tool_call>\\n" body "\\n</tool_call>"\n'
+                f"call: {lark_literal(cls.START + nl, special)} body "
+                f"{lark_literal(nl + cls.END, special)}\n"
                 f"body: %json {schema}\n")
 
     @classmethod
@@ -241,12 +244,12 @@ class MistralToolParser(StateToolParser):
             self._malformed("".join(self._raw) + self._buf)
         self._buf, self._raw, self._state = "", [], "out"
 
-    @staticmethod
-    def forced_grammar(tools: list[dict[str, Any]], choice: str | dict[str, Any],
-                       parallel: bool) -> str:
+    @classmethod
+    def forced_grammar(cls, tools: list[dict[str, Any]], choice: str | dict[str, Any],
+                       parallel: bool, special: Mapping[str, int] | None = None) -> str:
         schema = call_schema(chosen_functions(tools, choice), "arguments")
         calls = 'body (", " body)*' if parallel else "body"
-        return (f'start: "[TOOL_CALLS][" {calls} "]"\n'
+        return (f'start: {lark_literal(cls.TAG + "[", special)} {calls} "]"\n'
                 f"body: %json {schema}\n")
 
     @classmethod
@@ -350,7 +353,7 @@ class Llama3JsonToolParser(ToolParser):
 
     @staticmethod
     def forced_grammar(tools: list[dict[str, Any]], choice: str | dict[str, Any],
-                       parallel: bool) -> str:
+                       parallel: bool, special: Mapping[str, int] | None = None) -> str:
         schema = call_schema(chosen_functions(tools, choice), "parameters")
         calls = 'body ("; " body)*' if parallel else "body"
         return f"start: {calls}\nbody: %json {schema}\n"

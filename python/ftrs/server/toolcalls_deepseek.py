@@ -18,6 +18,7 @@ contract and the handling of malformed calls are `toolcalls`'s.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from ftrs.server.toolbase import (
@@ -26,6 +27,7 @@ from ftrs.server.toolbase import (
     args_schema,
     arguments_of,
     chosen_functions,
+    lark_literal,
 )
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -161,16 +163,17 @@ class DeepSeekToolParser(StateToolParser):
 
     @classmethod
     def forced_grammar(cls, tools: list[dict[str, Any]], choice: str | dict[str, Any],
-                       parallel: bool) -> str:
+                       parallel: bool, special: Mapping[str, int] | None = None) -> str:
         fns = chosen_functions(tools, choice)
-        lines = [f'start: "{CALLS_BEGIN}" calls "{CALLS_END}"',
-                 f'calls: call ("{json.dumps(cls._JOIN)[1:-1]}" call)*' if parallel
-                 else "calls: call",
+        join = f"{lark_literal(cls._JOIN)} " if cls._JOIN else ""
+        lines = [f"start: {lark_literal(CALLS_BEGIN, special)} calls "
+                 f"{lark_literal(CALLS_END, special)}",
+                 f"calls: call ({join}call)*" if parallel else "calls: call",
                  "call: " + " | ".join(f"call_{i}" for i in range(len(fns)))]
         for i, (name, params) in enumerate(fns):
             before, after = cls._call_text(name, "\0").split("\0")
-            lines.append(f"call_{i}: {json.dumps(before, ensure_ascii=False)} args_{i} "
-                         f"{json.dumps(after, ensure_ascii=False)}")
+            lines.append(f"call_{i}: {lark_literal(before, special)} args_{i} "
+                         f"{lark_literal(after, special)}")
             lines.append(f"args_{i}: %json {args_schema(params)}")
         return "\n".join(lines) + "\n"
 

@@ -27,6 +27,7 @@ schema.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from ftrs.server.toolbase import (
@@ -35,6 +36,7 @@ from ftrs.server.toolbase import (
     args_schema,
     arguments_of,
     chosen_functions,
+    lark_literal,
 )
 
 START, END = "<tool_call>", "</tool_call>"
@@ -121,7 +123,7 @@ class _MemberToolParser(StateToolParser):
 
     @classmethod
     def forced_grammar(cls, tools: list[dict[str, Any]], choice: str | dict[str, Any],
-                       parallel: bool) -> str:
+                       parallel: bool, special: Mapping[str, int] | None = None) -> str:
         fns = chosen_functions(tools, choice)
         lines = ['start: call ("\\n" call)*' if parallel else "start: call",
                  "call: " + " | ".join(f"call_{i}" for i in range(len(fns))),
@@ -134,11 +136,11 @@ class _MemberToolParser(StateToolParser):
                 members.append(f"arg_{i}_{j}" if key in required else f"arg_{i}_{j}?")
                 value = _value_rule(schema if isinstance(schema, dict) else {})
                 tail = cls.TEXT_TAIL or cls.TAIL if value == "text" else cls.TAIL
-                lines.append(f"arg_{i}_{j}: {_lit(cls.HEAD.replace('{key}', key))} "
-                             f"value_{i}_{j} {_lit(tail)}")
+                head = lark_literal(cls.HEAD.replace("{key}", key), special)
+                lines.append(f"arg_{i}_{j}: {head} value_{i}_{j} {lark_literal(tail, special)}")
                 lines.append(f"value_{i}_{j}: {value}")
-            lines.append(f"call_{i}: {_lit(cls.OPEN.replace('{name}', name))} "
-                         f"{' '.join(members)} {_lit(cls.CLOSE)}")
+            lines.append(f"call_{i}: {lark_literal(cls.OPEN.replace('{name}', name), special)} "
+                         f"{' '.join(members)} {lark_literal(cls.CLOSE, special)}")
         return "\n".join(lines) + "\n"
 
     @classmethod
@@ -352,10 +354,6 @@ class MiniMaxToolParser(_MemberToolParser):
                 f"{listed}\n</tools>\n\nTo call tools, reply in this format:\n{example}")
 
 
-def _lit(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)
-
-
 def _typed(schema: Any, text: str) -> Any:
     """A value's text as its schema reads it: a string where it says `string`, else JSON (the
     text itself when it is not)."""
@@ -371,7 +369,7 @@ def _value_rule(schema: dict[str, Any]) -> str:
     """A value's grammar: a string's text (an enum's strings), anything else JSON by its schema."""
     enum = schema.get("enum")
     if isinstance(enum, list) and enum and all(isinstance(e, str) and "<" not in e for e in enum):
-        return " | ".join(_lit(e) for e in enum)
+        return " | ".join(lark_literal(e) for e in enum)
     if schema.get("type") == "string":
         return "text"
     return f"%json {args_schema(schema)}"
