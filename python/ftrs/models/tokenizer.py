@@ -25,6 +25,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from ftrs.errors import InvalidRequest, ModelLoadError
 
 _CONTROL = 3  # llama.cpp token type of special tokens such as <|im_start|>
+_STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+              "tokenizer.ggml.eom_token_id")
+_HARMONY_STOPS = ("<|return|>", "<|call|>", "<|endoftext|>")
 
 _CONTRACTIONS = "(?i:'s|'t|'re|'ve|'m|'ll|'d)"
 _LLAMA3 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -124,6 +127,17 @@ def _with_dict_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
             m = {**m, "tool_calls": fixed}
         out.append(m)
     return out
+
+
+def gguf_stop_ids(meta: dict[str, Any], vocab: dict[str, int]) -> list[int]:
+    """The ids that end a generation of a GGUF file's model: its EOS, end-of-turn and
+    end-of-message tokens; for a harmony vocabulary (gpt-oss) `<|return|>`, `<|call|>` and
+    `<|endoftext|>`, as its checkpoint's generation config lists them (a GGUF names only one
+    EOS), and never `<|end|>`, which closes a message within the answer."""
+    ids = {meta[k] for k in _STOP_KEYS if isinstance(meta.get(k), int)}
+    if all(t in vocab for t in _HARMONY_STOPS):
+        ids = (ids | {vocab[t] for t in _HARMONY_STOPS}) - {vocab.get("<|end|>")}
+    return sorted(ids)
 
 
 class Tokenizer:
@@ -310,9 +324,8 @@ class Tokenizer:
             i = meta.get(key)
             return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
 
-        eos_id = meta.get("tokenizer.ggml.eos_token_id")
         return cls(tk, meta.get("tokenizer.chat_template"), name("tokenizer.ggml.bos_token_id"),
-                   name("tokenizer.ggml.eos_token_id"), [eos_id] if eos_id is not None else [],
+                   name("tokenizer.ggml.eos_token_id"), gguf_stop_ids(meta, vocab),
                    bool(meta.get("tokenizer.ggml.add_bos_token", False)))
 
     def save(self, out_dir: Path) -> None:

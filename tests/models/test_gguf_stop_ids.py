@@ -1,0 +1,35 @@
+"""Which tokens end a generation of a GGUF file's model: the file's EOS, end-of-turn and
+end-of-message ids, and for gpt-oss's harmony vocabulary the stops its checkpoint's generation
+config lists (`<|return|>`, `<|call|>`, `<|endoftext|>`; ids 200002, 200012 and 199999 there),
+not `<|end|>`, which ends a message inside the answer."""
+
+from __future__ import annotations
+
+from ftrs.models.tokenizer import Tokenizer
+
+HARMONY = ["<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
+           "<|message|>", "<|call|>"]
+
+
+def _meta(tokens: list[str], **ids: int) -> dict[str, object]:
+    words = [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": words + tokens,
+            "tokenizer.ggml.token_type": [1] * len(words) + [3] * len(tokens),
+            "tokenizer.ggml.merges": [], "tokenizer.ggml.pre": "gpt-4o",
+            **{f"tokenizer.ggml.{k}_token_id": v for k, v in ids.items()}}
+
+
+def test_eos_end_of_turn_and_end_of_message_all_stop() -> None:
+    tok = Tokenizer.from_gguf_fields(_meta(["<|end_of_text|>", "<|eot_id|>", "<|eom_id|>"],
+                                           eos=26, eot=27, eom=28), "t.gguf")
+    assert tok.eos_token_ids == {26, 27, 28}
+    assert tok.eos_token == "<|end_of_text|>"
+    assert Tokenizer.from_gguf_fields(_meta(["<|im_end|>"], eos=26), "t.gguf").eos_token_ids == {26}
+
+
+def test_harmony_stops_at_return_call_and_endoftext_not_at_end() -> None:
+    ids = {t: 26 + i for i, t in enumerate(HARMONY)}
+    # the file names <|return|> as EOS (and a converter may name <|end|> the end of turn)
+    tok = Tokenizer.from_gguf_fields(_meta(HARMONY, eos=ids["<|return|>"], eot=ids["<|end|>"]),
+                                     "t.gguf")
+    assert tok.eos_token_ids == {ids["<|return|>"], ids["<|call|>"], ids["<|endoftext|>"]}
