@@ -348,6 +348,8 @@ def test_choose_tool_parser_flag_wins_and_unknown_names_the_known_ones() -> None
     ("{{- '<tool_call>\\n<function=' + tool_call.name + '>\\n' }}", "qwen3_coder"),
     ("{{- '<minimax:tool_call>\\n' }}{{- '<invoke name=\"' + tool_call.name + '\">' }}",
      "minimax_m2"),
+    ("{{- '<|start|>assistant to=functions.' + tc.name + '<|channel|>commentary json' }}",
+     "gpt_oss"),
     ("{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}", "hermes"),
     (None, "hermes"),
 ])
@@ -404,6 +406,14 @@ FORCED = [  # (parser, choice, parallel, accepted, rejected)
      ['<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Rome</parameter>\n'
       "</invoke>\n</minimax:tool_call>"],
      ['<minimax:tool_call>\n<invoke name="later">\n</invoke>\n</minimax:tool_call>']),
+    ("gpt_oss", NAMED, True,  # one call whatever parallel says: <|call|> ends the turn
+     ['<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+      '{"city": "Oslo", "days": 2}'],
+     ['<|channel|>commentary to=functions.now <|constrain|>json<|message|>{}',
+      '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+      '{"city": "Oslo"}<|call|><|channel|>commentary to=functions.get_weather '
+      '<|constrain|>json<|message|>{"city": "Oslo"}',
+      '<|channel|>final<|message|>{"city": "Oslo"}']),
     ("deepseek_v31", NAMED, False,
      ['<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}'
       "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"],

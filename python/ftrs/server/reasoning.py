@@ -10,10 +10,28 @@ thinking-only models) leave the model inside it: then the parser starts in reaso
 Whitespace around the reasoning and at the start of the content is dropped (the template's
 newlines after `<think>` and after `</think>`); a tag split across pieces is held back until it
 is decided. If the output ends inside the reasoning, all of it was reasoning.
+
+gpt-oss writes no `<think>`: its output is a run of harmony messages, each a header and a body
+(every tag one special token of its vocabulary):
+
+    <|channel|>analysis<|message|>REASONING<|end|>
+    <|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{..}<|call|>
+    <|start|>assistant<|channel|>final<|message|>ANSWER<|return|>
+
+(the prompt ends with `<|start|>assistant`, so the first header follows at once; a recipient
+`to=..` may also stand before `<|channel|>`; `<|return|>` and `<|call|>` end the generation and
+never reach the text). `HarmonyParser` (`gpt_oss`) reads the messages: the analysis channel is
+reasoning; the final channel and commentary addressed to no one (a preamble) are content; a
+message to `functions.NAME` is passed on as content in one canonical form,
+`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{..}<|call|>`, which the
+`gpt_oss` tool parser reads (`toolcalls_harmony`); a message to another recipient (the built-in
+browser and python tools, which this server does not run) is reasoning. Messages of one kind
+are joined by a blank line. Output that does not open with a header is content as written.
 """
 
 from __future__ import annotations
 
+import re
 from typing import ClassVar
 
 from ftrs.errors import ConfigError
@@ -21,7 +39,8 @@ from ftrs.errors import ConfigError
 OPEN, CLOSE = "<think>", "</think>"
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `tag`."""
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-n:]):
             return n
@@ -39,6 +58,8 @@ class ReasoningParser:
 
     name: ClassVar[str] = ""
     default_starts_in_reasoning: ClassVar[bool] = False
+    #: tags that tokenizers hold as special tokens; the detokenizer keeps them for the parser
+    special_tags: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, starts_in_reasoning: bool | None = None) -> None:
         if starts_in_reasoning is None:
@@ -87,7 +108,7 @@ class ReasoningParser:
                     reasoning.append(self._held(self._buf[:i], close=True))
                     self._buf, self._state, self._lead = self._buf[i + len(CLOSE):], "content", True
                     continue
-                keep = 0 if final else _partial_suffix(self._buf, CLOSE)
+                keep = 0 if final else partial(self._buf, CLOSE)
                 reasoning.append(self._held(self._buf[: len(self._buf) - keep], close=final))
                 self._buf = self._buf[len(self._buf) - keep:]
                 break
@@ -125,24 +146,132 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     default_starts_in_reasoning = True
 
 
+START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
+CONSTRAIN, CALL, RETURN = "<|constrain|>", "<|call|>", "<|return|>"
+FUNCTIONS = "functions."  # the namespace of the request's tools
+_BODY_ENDS = (END, CALL, RETURN, START)  # (a <|start|> ends a body whose <|end|> was left out)
+_OPENINGS = (CHANNEL, START, "to=")  # how the first header may begin
+LONGEST_HEADER = 512  # no header is longer: a longer one is not harmony
+_RECIPIENT = re.compile(r"to=([^\s<]+)")
+_CHANNEL = re.compile(re.escape(CHANNEL) + r"\s*(\w+)")
+
+
+def harmony_header(header: str) -> tuple[str, str]:
+    """(channel, recipient) of a message header ("" where it names none)."""
+    channel, recipient = _CHANNEL.search(header), _RECIPIENT.search(header)
+    return (channel.group(1) if channel else "", recipient.group(1) if recipient else "")
+
+
+def harmony_call_header(recipient: str) -> str:
+    """The canonical header of a call to `recipient` (`functions.NAME`), as the tool parser
+    reads it."""
+    return f"{CHANNEL}commentary to={recipient} {CONSTRAIN}json{MESSAGE}"
+
+
+class HarmonyParser(ReasoningParser):
+    """gpt-oss's messages split into reasoning, content and calls passed on (module doc)."""
+
+    name = "gpt_oss"
+    special_tags = (START, END, MESSAGE, CHANNEL, CONSTRAIN, CALL, RETURN)
+
+    def __init__(self, starts_in_reasoning: bool | None = None) -> None:
+        super().__init__(False)
+        self._state = "first"  # "first" before any header; "header"; "body"; "plain" (no harmony)
+        self._kind = ""  # the body's: "reasoning", "content" or "call"
+        self._shown = {"reasoning": False, "content": False}  # a message of the kind had text
+        self._trail = {"reasoning": "", "content": ""}  # whitespace held at a body's end
+
+    def _advance(self, final: bool) -> tuple[str, str]:
+        out: dict[str, list[str]] = {"reasoning": [], "content": []}
+        while self._buf:
+            if self._state == "first":
+                stripped = self._buf.lstrip()
+                if stripped.startswith(_OPENINGS):
+                    self._state = "header"
+                elif final or not any(o.startswith(stripped) for o in _OPENINGS):
+                    self._state = "plain"
+                else:
+                    break
+            elif self._state == "plain":
+                out["content"].append(self._buf)
+                self._buf = ""
+            elif self._state == "header":
+                i = self._buf.find(MESSAGE)
+                if i < 0:
+                    if len(self._buf) > LONGEST_HEADER:
+                        self._state = "plain"  # not harmony after all: shown as written
+                        continue
+                    if final:  # cut off inside a header: nothing of the message was said
+                        self._buf = ""
+                    break
+                channel, recipient = harmony_header(self._buf[:i])
+                self._buf, self._state, self._lead = self._buf[i + len(MESSAGE):], "body", True
+                if recipient.startswith(FUNCTIONS):
+                    self._kind = "call"
+                    out["content"].append(harmony_call_header(recipient))
+                elif recipient or channel == "analysis":
+                    self._kind = "reasoning"
+                else:
+                    self._kind = "content"
+            else:
+                found = [(j, tag) for tag in _BODY_ENDS if (j := self._buf.find(tag)) >= 0]
+                if found:
+                    j, tag = min(found)
+                    self._body(out, self._buf[:j], close=True)
+                    self._buf = self._buf[j + (0 if tag == START else len(tag)):]
+                    self._state = "header"
+                    continue
+                keep = 0 if final else max(partial(self._buf, t) for t in _BODY_ENDS)
+                self._body(out, self._buf[: len(self._buf) - keep], close=final)
+                self._buf = self._buf[len(self._buf) - keep:]
+                break
+        return "".join(out["reasoning"]), "".join(out["content"])
+
+    def _body(self, out: dict[str, list[str]], text: str, close: bool) -> None:
+        """A piece of the current body, routed by its kind: a call's text as it is; reasoning
+        and content without the whitespace around it, a blank line after an earlier message."""
+        kind = self._kind
+        if kind == "call":
+            out["content"].append(text + (CALL if close else ""))
+            return
+        if self._lead:
+            text = text.lstrip()
+            if not text:
+                return
+            self._lead = False
+            if self._shown[kind]:
+                text = "\n\n" + text
+        text = self._trail[kind] + text
+        kept = text.rstrip()
+        self._trail[kind] = "" if close else text[len(kept):]
+        if kept:
+            out[kind].append(kept)
+            self._shown[kind] = True
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "qwen3": Qwen3ReasoningParser,
     "deepseek_r1": DeepSeekR1ReasoningParser,
+    "gpt_oss": HarmonyParser,
 }
 
 
 def choose_reasoning_parser(flag: str | None, chat_template: str | None) -> str | None:
-    """The `--reasoning-parser` flag if given; else one when the chat template knows `<think>`
-    (`deepseek_r1` for DeepSeek's own markers, `qwen3` otherwise); else None."""
+    """The `--reasoning-parser` flag if given; else `gpt_oss` when the chat template writes
+    harmony channels, one when it knows `<think>` (`deepseek_r1` for DeepSeek's own markers,
+    `qwen3` otherwise); else None."""
     if flag is not None:
         if flag not in REASONING_PARSERS:
             raise ConfigError(f"--reasoning-parser: unknown parser {flag!r}; "
                               f"known: {', '.join(sorted(REASONING_PARSERS))}")
         return flag
     template = chat_template or ""
+    if CHANNEL in template:  # gpt-oss's harmony channels
+        return "gpt_oss"
     if OPEN not in template:
         return None
     return "deepseek_r1" if "<｜Assistant｜>" in template else "qwen3"
 
 
-__all__ = ["REASONING_PARSERS", "ReasoningParser", "choose_reasoning_parser", "opens_reasoning"]
+__all__ = ["REASONING_PARSERS", "HarmonyParser", "ReasoningParser", "choose_reasoning_parser",
+           "harmony_call_header", "harmony_header", "opens_reasoning"]

@@ -255,12 +255,18 @@ class _Choice:
 _END = object()  # a choice's generator is done
 
 
-def _kept_special_ids(tokenizer: Any, plan: Plan) -> frozenset[int]:
-    """The tool parser's tags that the tokenizer holds as special tokens (Mistral's
-    `[TOOL_CALLS]`, Llama's `<|python_tag|>`): the detokenizer must keep them for the parser."""
-    if plan.tools is None or plan.tool_parser is None or not hasattr(tokenizer, "special_ids"):
+def kept_special_ids(tokenizer: Any, plan: Plan) -> frozenset[int]:
+    """The parsers' tags that the tokenizer holds as special tokens (Mistral's `[TOOL_CALLS]`,
+    Llama's `<|python_tag|>`, gpt-oss's harmony tags): the detokenizer keeps them for the
+    parsers."""
+    if not hasattr(tokenizer, "special_ids"):
         return frozenset()
-    return frozenset(tokenizer.special_ids(TOOL_PARSERS[plan.tool_parser].special_tags))
+    tags: tuple[str, ...] = ()
+    if plan.tools is not None and plan.tool_parser is not None:
+        tags += TOOL_PARSERS[plan.tool_parser].special_tags
+    if plan.reasoning_parser is not None:
+        tags += REASONING_PARSERS[plan.reasoning_parser].special_tags
+    return frozenset(tokenizer.special_ids(tags)) if tags else frozenset()
 
 
 class ChatRun:
@@ -276,7 +282,7 @@ class ChatRun:
         self.request_id = request_id
         self.n = len(plan.params)
         self.plan = plan
-        keep = _kept_special_ids(ctx.client.tokenizer, plan)
+        keep = kept_special_ids(ctx.client.tokenizer, plan)
         self._gens = [
             Generation(ctx.client, ctx.metrics, request_id if self.n == 1 else f"{request_id}-{i}",
                        plan.prompt_ids, params, primary=i == 0, keep=keep)
@@ -431,6 +437,7 @@ __all__ = [
     "Generation",
     "ServeContext",
     "disconnect_waiter",
+    "kept_special_ids",
     "render_chat_prompt",
     "start_chat",
     "start_completion",

@@ -14,7 +14,9 @@ content to show and `ToolCallDelta`s. The families (`TOOL_PARSERS`):
 - `glm45` (GLM-4.5, 4.6, 4.7): `<tool_call>name` then `<arg_key>k</arg_key><arg_value>v</arg_value>`
   per argument, `</tool_call>`; `qwen3_coder` (Qwen3-Coder; any template writing `<function=`): `<tool_call>`,
   `<function=name>`, `<parameter=k>` v `</parameter>` per argument; `minimax_m2`:
-  `<minimax:tool_call>`, `<invoke name="..">`, `<parameter name="..">v</parameter>` (`toolcalls_xml`).
+  `<minimax:tool_call>`, `<invoke name="..">`, `<parameter name="..">v</parameter>` (`toolcalls_xml`);
+- `gpt_oss` (harmony): a message to `functions.name` whose body is the arguments object, as the
+  `gpt_oss` reasoning parser passes it on (`toolcalls_harmony`).
 
 Streaming contract: a call's first delta carries its `index` (0, 1, .. in the order calls are
 streamed), its `id` (`call_` + 24 random hex digits, the same in `calls`) and its name, as soon as
@@ -53,6 +55,7 @@ from ftrs.server.toolbase import (
     split_at_tag,
 )
 from ftrs.server.toolcalls_deepseek import DeepSeekToolParser, DeepSeekV31ToolParser
+from ftrs.server.toolcalls_harmony import HarmonyToolParser
 from ftrs.server.toolcalls_xml import GlmToolParser, MiniMaxToolParser, QwenCoderToolParser
 
 
@@ -384,6 +387,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "glm45": GlmToolParser,
     "qwen3_coder": QwenCoderToolParser,
     "minimax_m2": MiniMaxToolParser,
+    "gpt_oss": HarmonyToolParser,
 }
 
 
@@ -395,6 +399,8 @@ def choose_tool_parser(flag: str | None, chat_template: str | None) -> str:
                               f"known: {', '.join(sorted(TOOL_PARSERS))}")
         return flag
     template = chat_template or ""
+    if "<|channel|>" in template:  # gpt-oss's harmony messages
+        return "gpt_oss"
     if "<minimax:tool_call>" in template:
         return "minimax_m2"
     if "<arg_key>" in template:  # GLM-4.5's members inside its <tool_call>
