@@ -419,3 +419,33 @@ def test_continue_final_message_ends_the_prompt_inside_the_assistant_turn() -> N
         with pytest.raises(InvalidRequest) as e:
             render_chat(req, tok, Limits(512, 2048, 16))
         assert e.value.evidence["param"] == "continue_final_message"
+
+
+def test_an_earlier_turns_reasoning_reaches_the_template() -> None:
+    """`reasoning_content` of an assistant turn is passed on as the templates read it: Qwen3's
+    key, and gpt-oss's `thinking`, which its template refuses beside content on a turn with
+    calls (so it is left out there: that template then takes the content as the analysis)."""
+    from ftrs.models.tiny import tiny_tokenizer
+    from ftrs.models.tokenizer import Tokenizer
+    from ftrs.server.prepare import Limits, render_chat
+    from ftrs.server.protocol import ChatCompletionRequest
+
+    template = ("{{ tools | length if tools else '' }}{% for m in messages %}[{{ m.role }}|{{ m.content }}"
+                "{% if m.reasoning_content is defined %}|rc={{ m.reasoning_content }}{% endif %}"
+                "{% if m.thinking is defined %}|th={{ m.thinking }}{% endif %}]{% endfor %}")
+    tok = Tokenizer(tiny_tokenizer(512).tk, template, None, "<|im_end|>", [2])
+    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": "{}"}}
+    msgs = [{"role": "user", "content": "Time?"},
+            {"role": "assistant", "content": "", "reasoning_content": "Ask the clock.",
+             "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+            {"role": "assistant", "content": "Checking again.", "reasoning_content": "Once more.",
+             "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "noon"},
+            {"role": "assistant", "content": "It is noon.", "reasoning_content": "Done."}]
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs})
+    text = render_chat(req, tok, Limits(512, 2048, 16))[1]
+    assert "[assistant||rc=Ask the clock.|th=Ask the clock.]" in text
+    assert "[assistant|Checking again.|rc=Once more.]" in text
+    assert "[assistant|It is noon.|rc=Done.|th=Done.]" in text
+    assert "[user|Time?]" in text  # nothing added to other roles

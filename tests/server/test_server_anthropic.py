@@ -55,7 +55,8 @@ def test_history_with_tools_becomes_the_openai_shaped_chat() -> None:
     msgs = chat["messages"]
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "tool", "user"]
     assert msgs[0]["content"] == "Be brief.\nUse tools."
-    assert msgs[2]["content"] == "Let me look."  # the thinking block is dropped
+    assert msgs[2]["content"] == "Let me look."
+    assert msgs[2]["reasoning_content"] == "I should call the tool"  # the thinking block's text
     call = msgs[2]["tool_calls"][0]
     assert call["id"] == "toolu_1" and call["function"]["name"] == "get_weather"
     assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}

@@ -3,7 +3,8 @@ the `ChatCompletionRequest` every route runs.
 
 `to_chat` maps system → a system message, text blocks → one message text (a newline between
 blocks), assistant tool_use blocks → `tool_calls` (input as JSON text), tool_result blocks →
-`role: "tool"` messages (`is_error` → the text prefixed `Error: `), thinking blocks → dropped,
+`role: "tool"` messages (`is_error` → the text prefixed `Error: `), thinking blocks → the
+turn's `reasoning_content`,
 `input_schema` → `parameters`, `tool_choice` auto/any/tool/none → auto/required/named/none
 (`disable_parallel_tool_use` → `parallel_tool_calls: false`), `stop_sequences` → `stop`,
 `output_config.format` → a `json_schema` response format, `thinking` → the template's
@@ -59,9 +60,11 @@ class ToolResultBlock(_Model):
 
 
 class ThinkingBlock(_Model):
-    """Reasoning of an earlier turn: accepted in the history and dropped."""
+    """Reasoning of an earlier turn: its text becomes the turn's `reasoning_content` (a
+    redacted block, which has none, is dropped)."""
 
     type: Literal["thinking", "redacted_thinking"]
+    thinking: Text | None = None
 
 
 Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock, Field(discriminator="type")]
@@ -226,6 +229,9 @@ def _messages(req: CountTokensRequest) -> tuple[list[dict[str, Any]], list[str]]
                 if isinstance(b, ToolResultBlock):
                     raise _bad(f"{where}.content[{j}]", "tool_result blocks belong in user messages")
             turn: dict[str, Any] = {"role": "assistant", "content": text}
+            thoughts = [b.thinking for b in msg.content if isinstance(b, ThinkingBlock) and b.thinking]
+            if thoughts:
+                turn["reasoning_content"] = "\n".join(thoughts)
             if uses:
                 turn["tool_calls"] = _tool_calls(uses)
                 known.update(b.id for b in uses)

@@ -246,6 +246,13 @@ def _template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             if role != "assistant":
                 raise _bad(f"messages[{i}].tool_calls", "only assistant messages carry tool calls")
             msg["tool_calls"] = [_history_call(i, j, c) for j, c in enumerate(m.tool_calls)]
+        if role == "assistant" and m.reasoning_content:
+            # An earlier turn's reasoning, for templates that show it again in a tool loop:
+            # Qwen3, GLM-4.5 and MiniMax-M2 read `reasoning_content`; gpt-oss reads `thinking`
+            # and refuses it beside content on a turn with calls (it takes the content then).
+            msg["reasoning_content"] = m.reasoning_content
+            if not (m.tool_calls and msg["content"]):
+                msg["thinking"] = m.reasoning_content
         if role == "tool":
             if m.tool_call_id is not None:
                 msg["tool_call_id"] = m.tool_call_id

@@ -126,7 +126,7 @@ class ChatMessage(_Request):
     name: Text | None = None
     tool_calls: list[MessageToolCall] | None = None  # assistant turns
     tool_call_id: Text | None = None  # tool turns: the call this result answers
-    reasoning_content: Text | None = None  # an earlier answer's reasoning: not sent to the template
+    reasoning_content: Text | None = None  # an earlier answer's reasoning (templates may show it)
 
     def text(self) -> str:
         """The message content as one string; non-text parts are refused by the caller."""
