@@ -449,3 +449,27 @@ def test_an_earlier_turns_reasoning_reaches_the_template() -> None:
     assert "[assistant|Checking again.|rc=Once more.]" in text
     assert "[assistant|It is noon.|rc=Done.|th=Done.]" in text
     assert "[user|Time?]" in text  # nothing added to other roles
+
+
+def test_reasoning_effort_is_the_templates_variable() -> None:
+    import pydantic
+
+    from ftrs.models.tiny import tiny_tokenizer
+    from ftrs.models.tokenizer import Tokenizer
+    from ftrs.server.prepare import Limits, render_chat
+    from ftrs.server.protocol import ChatCompletionRequest
+
+    template = "Reasoning: {{ reasoning_effort | default('medium') }}|{{ messages[0].content }}"
+    tok = Tokenizer(tiny_tokenizer(512).tk, template, None, "<|im_end|>", [2])
+
+    def render(**kw: Any) -> str:
+        req = ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw})
+        return render_chat(req, tok, Limits(512, 2048, 16))[1]
+
+    assert render() == "Reasoning: medium|hi"
+    assert render(reasoning_effort="high") == "Reasoning: high|hi"
+    assert render(reasoning_effort="high",
+                  chat_template_kwargs={"reasoning_effort": "low"}) == "Reasoning: low|hi"
+    with pytest.raises(pydantic.ValidationError, match="reasoning_effort"):
+        render(reasoning_effort="extreme")

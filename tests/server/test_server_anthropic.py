@@ -121,6 +121,9 @@ def test_output_format_and_thinking_reach_the_chat_request() -> None:
                         thinking={"type": "disabled"})).chat.model_dump(exclude_none=True, by_alias=True)
     assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
     assert chat["chat_template_kwargs"] == {"enable_thinking": False}
+    assert chat["reasoning_effort"] == "low"
+    assert to_chat(_req(output_config={"effort": "max"})).chat.reasoning_effort == "high"
+    assert to_chat(_req(output_config={"effort": "unheard-of"})).chat.reasoning_effort is None
     adaptive = to_chat(_req(thinking={"type": "adaptive"})).chat
     assert adaptive.chat_template_kwargs == {"enable_thinking": True}
     assert to_chat(_req()).chat.chat_template_kwargs is None

@@ -7,8 +7,8 @@ blocks), assistant tool_use blocks → `tool_calls` (input as JSON text), tool_r
 turn's `reasoning_content`,
 `input_schema` → `parameters`, `tool_choice` auto/any/tool/none → auto/required/named/none
 (`disable_parallel_tool_use` → `parallel_tool_calls: false`), `stop_sequences` → `stop`,
-`output_config.format` → a `json_schema` response format, `thinking` → the template's
-`enable_thinking`. A tool_result must answer a tool_use of an earlier assistant turn. Requests
+`output_config.format` → a `json_schema` response format, `output_config.effort` →
+`reasoning_effort`, `thinking` → the template's `enable_thinking`. A tool_result must answer a tool_use of an earlier assistant turn. Requests
 validate strictly, like the OpenAI models; unknown fields are ignored. `Translation.rename` maps
 a field the chat path names in an error back to the Messages field it came from.
 """
@@ -104,7 +104,7 @@ class OutputFormat(_Model):
 
 class OutputConfig(_Model):
     format: OutputFormat | None = None
-    effort: Text | None = None  # accepted, ignored
+    effort: Text | None = None  # → the chat's reasoning_effort, where it names one (`_EFFORT`)
 
 
 class CountTokensRequest(_Model):
@@ -283,6 +283,9 @@ def _tools(req: CountTokensRequest) -> dict[str, Any]:
     return fields
 
 
+_EFFORT = {"low": "low", "medium": "medium", "high": "high", "max": "high"}
+
+
 def to_chat(req: CountTokensRequest) -> Translation:
     """The chat request that runs `req` (a `MessagesRequest`, or a count_tokens body)."""
     messages, origins = _messages(req)
@@ -302,6 +305,9 @@ def to_chat(req: CountTokensRequest) -> Translation:
         if req.stop_sequences:
             body["stop"] = list(req.stop_sequences)
         fmt = req.output_config.format if req.output_config else None
+        effort = _EFFORT.get(req.output_config.effort or "") if req.output_config else None
+        if effort is not None:
+            body["reasoning_effort"] = effort
         if fmt is not None:
             body["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "output", "schema": fmt.schema_}}

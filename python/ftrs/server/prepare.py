@@ -222,6 +222,8 @@ def chat_setup(req: ChatCompletionRequest, tokenizer: Any, options: Limits) -> C
     clash = sorted(_RESERVED_TEMPLATE_VARS & set(kwargs))
     if clash:
         raise _bad("chat_template_kwargs", f"may not set {', '.join(clash)}")
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("reasoning_effort", req.reasoning_effort)
     use_tools = choice != "none"
     return ChatSetup(
         tools=tools if use_tools else None,

@@ -185,6 +185,8 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None  # default true
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extension: extra template variables
+    # the template's `reasoning_effort` (gpt-oss reads it) unless chat_template_kwargs sets it
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     # extension: the last message is an assistant turn to continue (a prefill), not a finished one
     continue_final_message: bool | None = None
     # Declared so they are refused by name (serving.py) rather than silently ignored.
