@@ -66,6 +66,7 @@ from ftrs.server.protocol import (
     ModelList,
 )
 from ftrs.server.responses import chat_response, completion_response
+from ftrs.server.responses_api import install_responses
 from ftrs.server.serving import (
     ServeContext,
     start_chat,
@@ -217,6 +218,8 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         run = await start_chat(ctx, req, request)
         return await chat_response(ctx, req, run)
+
+    install_responses(app, ctx, authorize, _ERRORS)
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
