@@ -292,6 +292,27 @@ def test_live_required_tool_choice_calls_one_of_the_tools_by_its_schema(tiny_ser
     jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
+def test_live_responses_api_forced_call_and_json_output(tiny_server: Any) -> None:
+    """The Responses API on the real engine: a named tool_choice gives one function_call whose
+    arguments follow the tool's schema; text.format json_schema gives JSON that validates."""
+    import jsonschema
+
+    c = openai_client(tiny_server)
+    fn = FORECAST["function"]
+    tool = {"type": "function", "name": fn["name"], "parameters": fn["parameters"]}  # type: ignore[index]
+    r = c.responses.create(model="tiny", input="Weather in Oslo?", tools=[tool],
+                           tool_choice={"type": "function", "name": "get_forecast"},
+                           parallel_tool_calls=False,
+                           max_output_tokens=200, temperature=1.0)
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert r.status == "completed" and len(calls) == 1 and calls[0].name == "get_forecast"
+    jsonschema.validate(json.loads(calls[0].arguments), fn["parameters"])  # type: ignore[index]
+    r = c.responses.create(model="tiny", input="A person as JSON.", max_output_tokens=120,
+                           text={"format": {"type": "json_schema", "name": "person",
+                                            "schema": PERSON}})
+    jsonschema.validate(json.loads(r.output_text), PERSON)
+
+
 def test_live_json_schema_output_validates_for_20_seeded_samples(tiny_server: Any) -> None:
     check_json_schema_samples(openai_client(tiny_server), "tiny", 20)
 
