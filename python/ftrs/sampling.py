@@ -42,11 +42,18 @@ class StructuredSpec:
     `kind` "json_object" (any JSON object; `value` unused, ""), "json_schema" (`value` is the
     JSON Schema text) or "lark" (`value` is a Lark grammar in llguidance's dialect). `param`
     is the request field a 400 names when the grammar does not compile ("response_format",
-    "tool_choice", ...)."""
+    "tool_choice", ...). `lead`: Lark rules defining a rule `lead`, what may come before the
+    constrained text (a reasoning model's thinking); "" for nothing."""
 
     kind: str
     value: str = ""
     param: str = "response_format"
+    lead: str = ""
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """What the compiled grammar depends on (a cache key)."""
+        return (self.kind, self.value, self.lead)
 
 
 @dataclass(frozen=True)

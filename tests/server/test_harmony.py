@@ -179,3 +179,73 @@ def test_a_harmony_answer_over_http_whole_and_streamed(harmony_server: Any) -> N
             finish = ch.finish_reason or finish
     assert (reasoning, content, finish) == ("Oslo.", "Hi.", "tool_calls")
     assert args == msg.tool_calls[0].function.arguments
+
+
+# --- grammars that let gpt-oss think first -------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+          "additionalProperties": False}
+
+
+def _harmony_tokenizer() -> Any:
+    from ftrs.models.tokenizer import Tokenizer
+
+    tk = tiny_tokenizer(512, REASONING_PARSERS["gpt_oss"].special_tags).tk
+    return Tokenizer(tk, "{{ '<|start|>assistant<|channel|>final<|message|>' }}", None,
+                     "<|return|>", [tk.token_to_id("<|return|>")])
+
+
+def _accepts(tok: Any, spec: Any, text: str) -> bool:
+    import llguidance
+
+    from ftrs.engine import grammar
+
+    m = llguidance.LLMatcher(grammar.ll_tokenizer(tok), grammar.grammar_text(spec), log_level=0)
+    assert not m.is_error(), m.get_error()
+    return bool(m.consume_tokens(tok.encode(text))) and m.is_accepting()
+
+
+def test_structured_output_may_follow_one_analysis_message() -> None:
+    """With the harmony tags as special tokens, a json_schema answer may follow an analysis
+    message and must stand in the final channel; the reasoning parser stays on and splits it."""
+    from ftrs.server.prepare import Limits, prepare_chat
+    from ftrs.server.protocol import ChatCompletionRequest
+
+    tok = _harmony_tokenizer()
+    req = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "a?"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}})
+    plan = prepare_chat(req, tok, Limits(512, 4096, 64, reasoning_parser="gpt_oss"))
+    assert plan.reasoning_parser == "gpt_oss"
+    spec = plan.params[0].structured
+    assert spec is not None and spec.lead
+    thought = "<|channel|>analysis<|message|>It is one.<|end|><|start|>assistant"
+    final = '<|channel|>final<|message|>{"a": 1}'
+    assert _accepts(tok, spec, thought + final)
+    assert _accepts(tok, spec, final)
+    assert not _accepts(tok, spec, '{"a": 1}')  # the answer stands in the final channel
+    assert not _accepts(tok, spec, '<|channel|>final<|message|>{"a": "one"}')
+    assert run(thought + final, 3, tools=False) == ("It is one.", '{"a": 1}', [])
+    # a tokenizer without the tags as special tokens: no lead, the grammar is the whole output
+    plain = prepare_chat(req, tiny_tokenizer(512), Limits(512, 4096, 64, reasoning_parser="gpt_oss"))
+    assert plain.reasoning_parser is None and plain.params[0].structured.lead == ""  # type: ignore[union-attr]
+
+
+def test_a_forced_call_may_follow_one_analysis_message() -> None:
+    from ftrs.server.prepare import Limits, prepare_chat
+    from ftrs.server.protocol import ChatCompletionRequest
+
+    tok = _harmony_tokenizer()
+    req = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    plan = prepare_chat(req, tok, Limits(512, 4096, 64, tool_parser="gpt_oss",
+                                         reasoning_parser="gpt_oss"))
+    spec = plan.params[0].structured
+    assert plan.reasoning_parser == "gpt_oss" and spec is not None and spec.lead
+    call = CALL_HEAD + '{"city": "Oslo"}'
+    assert _accepts(tok, spec, ANALYSIS + NEXT + call)
+    assert _accepts(tok, spec, call)
+    assert not _accepts(tok, spec, ANALYSIS + NEXT + "<|channel|>final<|message|>Sunny.")
+    assert run(ANALYSIS + NEXT + call, 2) == ("The user wants Oslo's weather.", "",
+                                              [("get_weather", {"city": "Oslo"})])

@@ -8,9 +8,9 @@ lines, and the grammar ends at the closing brace.
 
 Two places compile a spec:
 - the API process calls `check(spec, tokenizer)` before queueing the request, so a schema the
-  engine cannot compile is a 400 naming `spec.param` (results cached by (kind, value));
+  engine cannot compile is a 400 naming `spec.param` (results cached by `spec.key`);
 - the engine process calls `new_matcher` when the request is added: compiled grammars are
-  cached by (kind, value) as matchers in their start state, and each request gets a copy. An
+  cached by `spec.key` as matchers in their start state, and each request gets a copy. An
   error there is an `InvalidRequest` for that request alone.
 
 Per step (`MaskFiller`): the bitmasks of the step's constrained rows are filled by llguidance's
@@ -36,6 +36,7 @@ This module imports torch only where masks are made: the API process uses `check
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import weakref
@@ -62,7 +63,7 @@ _lock = threading.Lock()
 _tokenizers: weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]],
                                                  llguidance.LLTokenizer]] = (
     weakref.WeakKeyDictionary())
-_checked: OrderedDict[tuple[str, str], str] = OrderedDict()  # (kind, value) -> error or ""
+_checked: OrderedDict[tuple[str, str, str], str] = OrderedDict()  # spec.key -> error or ""
 
 
 def _bad(spec: StructuredSpec, why: str) -> InvalidRequest:
@@ -81,18 +82,13 @@ def grammar_text(spec: StructuredSpec) -> str:
 
 
 def _grammar_text(spec: StructuredSpec) -> str:
+    if spec.lead:
+        return llguidance.LLMatcher.grammar_from_lark(_with_lead(spec))
     if spec.kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"},
                                                              defaults=JSON_OPTIONS)  # type: ignore[arg-type]
     if spec.kind == "json_schema":
-        try:
-            schema = json.loads(spec.value)
-        except ValueError as e:
-            raise ValueError(f"not valid JSON ({e})") from None
-        if isinstance(schema, bool):  # true: anything; false: nothing
-            schema = {} if schema else {"not": {}}
-        if not isinstance(schema, dict):
-            raise ValueError("a schema must be a JSON object")
+        schema = _schema(spec.value)
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(
                 schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
@@ -101,6 +97,30 @@ def _grammar_text(spec: StructuredSpec) -> str:
     if spec.kind == "lark":
         return llguidance.LLMatcher.grammar_from_lark(spec.value)
     raise ValueError(f"unknown kind {spec.kind!r}")
+
+
+def _schema(text: str) -> dict[str, Any]:
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"not valid JSON ({e})") from None
+    if isinstance(schema, bool):  # true: anything; false: nothing
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, dict):
+        raise ValueError("a schema must be a JSON object")
+    return schema
+
+
+def _with_lead(spec: StructuredSpec) -> str:
+    """`spec` as one Lark grammar whose text may follow what `spec.lead` allows."""
+    if spec.kind == "lark":
+        body = re.sub(r"^start:", "structured:", spec.value, count=1, flags=re.M)
+    elif spec.kind in ("json_object", "json_schema"):
+        schema = {"type": "object"} if spec.kind == "json_object" else _schema(spec.value)
+        body = f"structured: %json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}\n"
+    else:
+        raise ValueError(f"unknown kind {spec.kind!r}")
+    return f"start: lead structured\n{body}\n{spec.lead}"
 
 
 def ll_tokenizer(tokenizer: Any, vocab_size: int | None = None,
@@ -129,8 +149,8 @@ def warm(tokenizer: Any, vocab_size: int | None = None,
 
 def check(spec: StructuredSpec, tokenizer: Any | None) -> None:
     """Compile `spec` as the engine will; InvalidRequest naming `spec.param` when it cannot be.
-    For the API process, before the request is queued. Results are cached by (kind, value)."""
-    key = (spec.kind, spec.value)
+    For the API process, before the request is queued. Results are cached by `spec.key`."""
+    key = spec.key
     with _lock:
         err = _checked.get(key)
         if err is not None:
@@ -151,7 +171,7 @@ def check(spec: StructuredSpec, tokenizer: Any | None) -> None:
 
 
 class GrammarCache:
-    """Compiled grammars of one engine, as matchers in their start state, by (kind, value)."""
+    """Compiled grammars of one engine, as matchers in their start state, by `spec.key`."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
                  size: int = 64) -> None:
@@ -159,13 +179,13 @@ class GrammarCache:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(sorted(eos_token_ids))
         self.size = size
-        self._templates: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._templates: OrderedDict[tuple[str, str, str], llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # the engine loop and its compile worker share the cache
 
     def cached(self, spec: StructuredSpec) -> bool:
         """Whether `spec`'s grammar is compiled already (a matcher is then a copy away)."""
         with self._lock:
-            return (spec.kind, spec.value) in self._templates
+            return spec.key in self._templates
 
     def warm(self) -> None:
         """Build the tokenizer view now rather than at the first structured request."""
@@ -177,7 +197,7 @@ class GrammarCache:
         if self.tokenizer is None:
             raise InvalidRequest(f"{spec.param}: structured output needs the model's tokenizer, "
                                  "and this model has none", evidence={"param": spec.param})
-        key = (spec.kind, spec.value)
+        key = spec.key
         with self._lock:
             template = self._templates.get(key)
             if template is not None:

@@ -22,7 +22,7 @@ from ftrs.server.protocol import (
     MessageToolCall,
     _SamplingFields,
 )
-from ftrs.server.reasoning import choose_reasoning_parser, opens_reasoning
+from ftrs.server.reasoning import REASONING_PARSERS, choose_reasoning_parser, opens_reasoning
 from ftrs.server.toolcalls import TOOL_PARSERS, choose_tool_parser
 
 
@@ -332,9 +332,18 @@ def special_tag_ids(tokenizer: Any, tags: Sequence[str]) -> dict[str, int]:
     return {t: next(iter(ids)) for t, ids in found.items() if len(ids) == 1}
 
 
+def _lead(setup: ChatSetup, tokenizer: Any, answer: bool) -> str:
+    """What the reasoning parser lets a grammar's text follow (see `grammar_lead`)."""
+    if setup.reasoning_parser is None:
+        return ""
+    parser = REASONING_PARSERS[setup.reasoning_parser]
+    return parser.grammar_lead(special_tag_ids(tokenizer, parser.special_tags), answer)
+
+
 def _structured(req: ChatCompletionRequest, setup: ChatSetup,
                 tokenizer: Any) -> StructuredSpec | None:
-    """The grammar the output must follow: a forced tool call, or the response_format."""
+    """The grammar the output must follow: a forced tool call, or the response_format; after
+    the model's reasoning where its reasoning parser can offer that (gpt-oss's analysis)."""
     fmt = req.response_format
     forced = setup.tools is not None and setup.tool_choice != "auto"
     if fmt is not None and fmt.type != "text" and forced:
@@ -344,17 +353,18 @@ def _structured(req: ChatCompletionRequest, setup: ChatSetup,
         parser = TOOL_PARSERS[setup.tool_parser]
         grammar = parser.forced_grammar(setup.tools, setup.tool_choice, setup.parallel,
                                         special_tag_ids(tokenizer, parser.special_tags))
-        return StructuredSpec("lark", grammar, "tool_choice")
+        return StructuredSpec("lark", grammar, "tool_choice", _lead(setup, tokenizer, False))
     if fmt is None or fmt.type == "text":
         return None
+    lead = _lead(setup, tokenizer, True)
     if fmt.type == "json_object":
-        return StructuredSpec("json_object", "", "response_format")
+        return StructuredSpec("json_object", "", "response_format", lead)
     if fmt.json_schema is None:
         raise _bad("response_format.json_schema", 'required when type is "json_schema"')
     if fmt.json_schema.schema_ is None:
         raise _bad("response_format.json_schema.schema", "required")
     return StructuredSpec("json_schema", json.dumps(fmt.json_schema.schema_),
-                          "response_format.json_schema.schema")
+                          "response_format.json_schema.schema", lead)
 
 
 def _check_grammar(spec: StructuredSpec, tokenizer: Any) -> None:
@@ -388,8 +398,8 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, options: Limits) ->
     _check_context(len(ids), max_tokens, options.max_model_len, "messages")
     if structured is not None:
         _check_grammar(structured, tokenizer)
-    # A grammar governs the whole output: none of it is reasoning.
-    reasoning = setup.reasoning_parser if structured is None else None
+    # A grammar governs the whole output: none of it is reasoning, unless it leads with some.
+    reasoning = setup.reasoning_parser if structured is None or structured.lead else None
     return Plan(ids, _choices(req, params), tools=setup.tools, tool_parser=setup.tool_parser,
                 parallel_tool_calls=setup.parallel, reasoning_parser=reasoning,
                 starts_in_reasoning=True if reasoning and opens_reasoning(text) else None)

@@ -32,6 +32,7 @@ are joined by a blank line. Output that does not open with a header is content a
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import ClassVar
 
 from ftrs.errors import ConfigError
@@ -74,6 +75,13 @@ class ReasoningParser:
     def feed(self, text: str) -> tuple[str, str]:
         self._buf += text
         return self._advance(final=False)
+
+    @classmethod
+    def grammar_lead(cls, special: Mapping[str, int], answer: bool) -> str:
+        """Lark rules of a rule `lead`: the reasoning a grammar lets the model write before the
+        text it constrains (`answer`: an answer, else a tool call), with `special` the tags the
+        tokenizer holds as special tokens; "" where the format has none to offer."""
+        return ""
 
     def finish(self) -> tuple[str, str]:
         reasoning, content = self._advance(final=True)
@@ -226,6 +234,18 @@ class HarmonyParser(ReasoningParser):
                 self._buf = self._buf[len(self._buf) - keep:]
                 break
         return "".join(out["reasoning"]), "".join(out["content"])
+
+    @classmethod
+    def grammar_lead(cls, special: Mapping[str, int], answer: bool) -> str:
+        """One analysis message, then the final channel's header before an answer (a tool
+        call's header is the tool grammar's); "" unless the harmony tags are special tokens."""
+        if not all(t in special for t in (CHANNEL, MESSAGE, END, START)):
+            return ""
+        c, m, e, s = (f"<[{special[t]}]>" for t in (CHANNEL, MESSAGE, END, START))
+        final = f' {c} "final" {m}' if answer else ""
+        return (f"lead: analysis?{final}\n"
+                f'analysis: {c} "analysis" {m} THOUGHT {e} {s} "assistant"\n'
+                "THOUGHT: /(.|\\n)*/\n")
 
     def _body(self, out: dict[str, list[str]], text: str, close: bool) -> None:
         """A piece of the current body, routed by its kind: a call's text as it is; reasoning
