@@ -73,3 +73,54 @@ def test_choose_reasoning_parser() -> None:
     assert choose_reasoning_parser(None, "<｜Assistant｜><think>\\n") == "deepseek_r1"
     assert choose_reasoning_parser(None, "<|im_start|>assistant") is None
     assert choose_reasoning_parser(None, None) is None
+
+
+# --- grammars that let a thinking model think first ----------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+          "additionalProperties": False}
+
+
+@pytest.mark.parametrize("special", [False, True])
+@pytest.mark.parametrize("opened", [False, True])
+def test_a_structured_answer_may_follow_a_think_block(special: bool, opened: bool) -> None:
+    """response_format on a `<think>` model: the grammar lets it think first (the block closed
+    before the answer; required to close when the prompt opened it), whether its tokenizer holds
+    the tags as special tokens or as text; the reasoning parser stays on and splits it out."""
+    import llguidance
+
+    from ftrs.engine import grammar
+    from ftrs.models.tiny import tiny_tokenizer
+    from ftrs.models.tokenizer import Tokenizer
+    from ftrs.server.prepare import Limits, prepare_chat
+    from ftrs.server.protocol import ChatCompletionRequest
+
+    tk = tiny_tokenizer(512, ("<think>", "</think>") if special else ()).tk
+    template = "{{ messages[0].content }}|" + ("<think>\n" if opened else "")
+    tok = Tokenizer(tk, template, None, "<|im_end|>", [2])
+    req = ChatCompletionRequest.model_validate({
+        "model": "m", "messages": [{"role": "user", "content": "a?"}], "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}})
+    plan = prepare_chat(req, tok, Limits(512, 4096, 64, reasoning_parser="qwen3"))
+    spec = plan.params[0].structured
+    assert plan.reasoning_parser == "qwen3" and spec is not None and spec.lead
+    assert plan.starts_in_reasoning is (True if opened else None)
+
+    def accepts(text: str) -> bool:
+        m = llguidance.LLMatcher(grammar.ll_tokenizer(tok), grammar.grammar_text(spec),
+                                 log_level=0)
+        return bool(m.consume_tokens(tok.encode(text))) and m.is_accepting()
+
+    thought = "Is a < b? </thin k> not yet.\n</think>\n\n"
+    answer = '{"a": 1}'
+    if opened:
+        assert accepts(thought + answer)
+        assert not accepts(answer)  # the prompt opened the thinking: it must close first
+    else:
+        assert accepts("<think>\n" + thought + answer)
+        assert accepts(answer)
+    assert not accepts("<think>\nNo end " + answer)
+    assert not accepts('Sure: {"a": 1}')
+    r, c = run("qwen3", ("" if opened else "<think>\n") + thought + answer, 3,
+               **({"starts_in_reasoning": True} if opened else {}))
+    assert (r, c) == ("Is a < b? </thin k> not yet.", answer)

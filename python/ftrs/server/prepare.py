@@ -332,16 +332,17 @@ def special_tag_ids(tokenizer: Any, tags: Sequence[str]) -> dict[str, int]:
     return {t: next(iter(ids)) for t, ids in found.items() if len(ids) == 1}
 
 
-def _lead(setup: ChatSetup, tokenizer: Any, answer: bool) -> str:
+def _lead(setup: ChatSetup, tokenizer: Any, answer: bool, prompt: str) -> str:
     """What the reasoning parser lets a grammar's text follow (see `grammar_lead`)."""
     if setup.reasoning_parser is None:
         return ""
     parser = REASONING_PARSERS[setup.reasoning_parser]
-    return parser.grammar_lead(special_tag_ids(tokenizer, parser.special_tags), answer)
+    return parser.grammar_lead(special_tag_ids(tokenizer, parser.special_tags), answer,
+                               opens_reasoning(prompt))
 
 
-def _structured(req: ChatCompletionRequest, setup: ChatSetup,
-                tokenizer: Any) -> StructuredSpec | None:
+def _structured(req: ChatCompletionRequest, setup: ChatSetup, tokenizer: Any,
+                prompt: str) -> StructuredSpec | None:
     """The grammar the output must follow: a forced tool call, or the response_format; after
     the model's reasoning where its reasoning parser can offer that (gpt-oss's analysis)."""
     fmt = req.response_format
@@ -353,10 +354,10 @@ def _structured(req: ChatCompletionRequest, setup: ChatSetup,
         parser = TOOL_PARSERS[setup.tool_parser]
         grammar = parser.forced_grammar(setup.tools, setup.tool_choice, setup.parallel,
                                         special_tag_ids(tokenizer, parser.special_tags))
-        return StructuredSpec("lark", grammar, "tool_choice", _lead(setup, tokenizer, False))
+        return StructuredSpec("lark", grammar, "tool_choice", _lead(setup, tokenizer, False, prompt))
     if fmt is None or fmt.type == "text":
         return None
-    lead = _lead(setup, tokenizer, True)
+    lead = _lead(setup, tokenizer, True, prompt)
     if fmt.type == "json_object":
         return StructuredSpec("json_object", "", "response_format", lead)
     if fmt.json_schema is None:
@@ -393,7 +394,7 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, options: Limits) ->
         max_tokens = max(min(options.default_max_tokens, options.max_model_len - len(ids)), 1)
     else:
         max_tokens = requested
-    structured = _structured(req, setup, tokenizer)
+    structured = _structured(req, setup, tokenizer, text)
     params = _params(req, max_tokens, logprobs, options.vocab_size, structured)
     _check_context(len(ids), max_tokens, options.max_model_len, "messages")
     if structured is not None:

@@ -31,6 +31,7 @@ are joined by a blank line. Output that does not open with a header is content a
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from typing import ClassVar
@@ -59,8 +60,8 @@ class ReasoningParser:
 
     name: ClassVar[str] = ""
     default_starts_in_reasoning: ClassVar[bool] = False
-    #: tags that tokenizers hold as special tokens; the detokenizer keeps them for the parser
-    special_tags: ClassVar[tuple[str, ...]] = ()
+    #: tags that tokenizers may hold as special tokens; the detokenizer keeps them for the parser
+    special_tags: ClassVar[tuple[str, ...]] = (OPEN, CLOSE)
 
     def __init__(self, starts_in_reasoning: bool | None = None) -> None:
         if starts_in_reasoning is None:
@@ -77,11 +78,21 @@ class ReasoningParser:
         return self._advance(final=False)
 
     @classmethod
-    def grammar_lead(cls, special: Mapping[str, int], answer: bool) -> str:
+    def grammar_lead(cls, special: Mapping[str, int], answer: bool, opened: bool = False) -> str:
         """Lark rules of a rule `lead`: the reasoning a grammar lets the model write before the
-        text it constrains (`answer`: an answer, else a tool call), with `special` the tags the
-        tokenizer holds as special tokens; "" where the format has none to offer."""
-        return ""
+        text it constrains (`answer`: an answer, else a tool call), `special` the tags the
+        tokenizer holds as special tokens, `opened`: the prompt opened the reasoning. Here a
+        `<think>` block (closed, when the prompt opened it), then whitespace."""
+        if (OPEN in special) != (CLOSE in special):
+            return ""  # one tag a token, the other text: not offered
+        if OPEN in special:
+            start = f"<[{special[OPEN]}]>"
+            body = f"thought: THOUGHT <[{special[CLOSE]}]>\nTHOUGHT: /(.|\\n)*/\n"
+        else:
+            start = json.dumps(OPEN)
+            body = f"thought[suffix={json.dumps(CLOSE)}]: /(.|\\n)*/\n"
+        lead = "thought /[ \\n]*/" if opened else f"({start} thought /[ \\n]*/)?"
+        return f"lead: {lead}\n{body}"
 
     def finish(self) -> tuple[str, str]:
         reasoning, content = self._advance(final=True)
@@ -236,7 +247,7 @@ class HarmonyParser(ReasoningParser):
         return "".join(out["reasoning"]), "".join(out["content"])
 
     @classmethod
-    def grammar_lead(cls, special: Mapping[str, int], answer: bool) -> str:
+    def grammar_lead(cls, special: Mapping[str, int], answer: bool, opened: bool = False) -> str:
         """One analysis message, then the final channel's header before an answer (a tool
         call's header is the tool grammar's); "" unless the harmony tags are special tokens."""
         if not all(t in special for t in (CHANNEL, MESSAGE, END, START)):
