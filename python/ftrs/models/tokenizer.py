@@ -25,6 +25,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from ftrs.errors import InvalidRequest, ModelLoadError
 
 _CONTROL = 3  # llama.cpp token type of special tokens such as <|im_start|>
+_USER_DEFINED = 4  # of added tokens that are text (Qwen3's <think>, <tool_call>): one token each
 _STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
               "tokenizer.ggml.eom_token_id")
 _HARMONY_STOPS = ("<|return|>", "<|call|>", "<|endoftext|>")
@@ -319,6 +320,10 @@ class Tokenizer:
         types = meta.get("tokenizer.ggml.token_type") or []
         tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                for t, ty in zip(tokens, types) if ty == _CONTROL])
+        # matched whole wherever they stand in a text, as llama.cpp does and the checkpoint's
+        # tokenizer.json (added, not special) did; shown in decoded text
+        tk.add_tokens([AddedToken(t, special=False, normalized=False)
+                       for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
 
         def name(key: str) -> str | None:
             i = meta.get(key)

@@ -1,4 +1,5 @@
-"""Which tokens end a generation of a GGUF file's model: the file's EOS, end-of-turn and
+"""A GGUF file's tokenizer fields beyond the split (`test_gguf_pre_tokenizer`): its user-defined
+tokens (below), and which tokens end a generation of its model: the file's EOS, end-of-turn and
 end-of-message ids, and for gpt-oss's harmony vocabulary the stops its checkpoint's generation
 config lists (`<|return|>`, `<|call|>`, `<|endoftext|>`; ids 200002, 200012 and 199999 there),
 not `<|end|>`, which ends a message inside the answer."""
@@ -33,3 +34,15 @@ def test_harmony_stops_at_return_call_and_endoftext_not_at_end() -> None:
     tok = Tokenizer.from_gguf_fields(_meta(HARMONY, eos=ids["<|return|>"], eot=ids["<|end|>"]),
                                      "t.gguf")
     assert tok.eos_token_ids == {ids["<|return|>"], ids["<|call|>"], ids["<|endoftext|>"]}
+
+
+def test_user_defined_tokens_are_one_token_each_and_text() -> None:
+    """A GGUF's user-defined tokens (Qwen3's `<think>`, `<tool_call>`: added, not special, in
+    the checkpoint's tokenizer.json) are matched whole in a text and decoded as text."""
+    meta = _meta(["<|im_end|>"], eos=26)
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], "<think>"]  # type: ignore[misc]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], 4]  # type: ignore[misc]
+    tok = Tokenizer.from_gguf_fields(meta, "t.gguf")
+    assert tok.encode("<think>ab") == [27, 0, 1]
+    assert tok.decode([27, 0, 26]) == "<think>a"  # <|im_end|> (control) skipped, <think> kept
+    assert tok.special_ids(["<think>"]) == frozenset()
