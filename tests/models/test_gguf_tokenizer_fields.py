@@ -6,7 +6,13 @@ not `<|end|>`, which ends a message inside the answer."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
+from ftrs.models.gguf_loader import gguf_metadata
 from ftrs.models.tokenizer import Tokenizer
+from gguf_files import rewrite
 
 HARMONY = ["<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
            "<|message|>", "<|call|>"]
@@ -46,3 +52,23 @@ def test_user_defined_tokens_are_one_token_each_and_text() -> None:
     assert tok.encode("<think>ab") == [27, 0, 1]
     assert tok.decode([27, 0, 26]) == "<think>a"  # <|im_end|> (control) skipped, <think> kept
     assert tok.special_ids(["<think>"]) == frozenset()
+
+
+def test_user_defined_tokens_split_a_text_as_llama_cpp_does(smollm_gguf: Path, tmp_path: Path) -> None:
+    """The demo's real vocabulary with Qwen3's `<think>` and `</think>` appended as user-defined
+    tokens: ftrs splits a text holding them as llama.cpp does (its vocabulary alone loaded)."""
+    import gguf
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    fields = gguf.GGUFReader(str(smollm_gguf)).fields
+    tokens = [*fields["tokenizer.ggml.tokens"].contents(), "<think>", "</think>"]
+    types = [*fields["tokenizer.ggml.token_type"].contents(), 4, 4]
+    path = rewrite(smollm_gguf, tmp_path / "think.gguf", fields={
+        "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types})
+    ours = Tokenizer.from_gguf_fields(gguf_metadata(gguf.GGUFReader(str(path))), str(path))
+    peer = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    text = "Hi <think>\nIs 12 > 7?</think>\n\nYes, think<think>again</think>."
+    theirs = peer.tokenize(text.encode(), add_bos=False, special=False)
+    assert ours.encode(text) == theirs
+    assert len(tokens) - 2 in theirs and len(tokens) - 1 in theirs  # one token each
+    assert ours.decode(theirs) == text
