@@ -41,12 +41,17 @@ from ftrs.server.anthropic_protocol import (
     CountTokensResponse,
     MessagesRequest,
     MessagesResponse,
-    Translation,
     to_chat,
 )
-from ftrs.server.errors import Unauthorized, param_name
+from ftrs.server.errors import Unauthorized, param_name, renamed
 from ftrs.server.prepare import check_model
-from ftrs.server.serving import ChatRun, ChoiceEvent, ServeContext, render_chat_prompt, start_chat
+from ftrs.server.serving import (
+    ChatRun,
+    ChoiceEvent,
+    ServeContext,
+    render_chat_prompt,
+    start_adapted,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -177,20 +182,6 @@ def _validation_error(exc: RequestValidationError) -> InvalidRequest:
                           evidence={"param": param} if param else None)
 
 
-def _renamed(err: FtrsError, tr: Translation) -> FtrsError:
-    """`err` with its field named as in the Messages request."""
-    param = err.evidence.get("param")
-    if not isinstance(param, str):
-        return err
-    new = tr.rename(param)
-    if new != param:
-        err.evidence["param"] = new
-        if err.message.startswith(f"{param}:"):
-            err.message = f"{new}:{err.message[len(param) + 1:]}"
-            err.args = (err.message,)
-    return err
-
-
 def _route_class(ctx: ServeContext) -> type[APIRoute]:
     """An APIRoute whose every error, validation included, leaves in Anthropic's shape."""
 
@@ -248,11 +239,7 @@ def install_anthropic(app: FastAPI, ctx: ServeContext, api_key: str | None) -> N
                  responses={200: {"model": MessagesResponse}, **_ERRORS})
     async def messages(req: MessagesRequest, request: Request) -> Response:
         tr = to_chat(req)
-        try:
-            run = await start_chat(ctx, tr.chat, request, id_prefix="msg")
-            events = await run.events()
-        except FtrsError as err:
-            raise _renamed(err, tr) from None
+        run, events = await start_adapted(ctx, tr.chat, request, "msg", tr.rename)
         msg_id = "msg_" + run.request_id.removeprefix("msg-")
         if req.stream:
             return _stream(ctx, req, run, events, msg_id)
@@ -277,7 +264,7 @@ def install_anthropic(app: FastAPI, ctx: ServeContext, api_key: str | None) -> N
             check_model(tr.chat, ctx.model_names)
             ids = await asyncio.to_thread(render_chat_prompt, ctx, tr.chat)
         except FtrsError as err:
-            raise _renamed(err, tr) from None
+            raise renamed(err, tr.rename) from None
         return CountTokensResponse(input_tokens=len(ids))
 
     app.include_router(router)

@@ -12,7 +12,7 @@ break the JSON encoder), names a request field in one spelling (`messages[0].con
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -61,6 +61,18 @@ def error_type(status: int) -> str:
 def _utf8(text: str) -> str:
     """`text` with any lone surrogate written as `\\udXXX`, so it encodes as UTF-8."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def renamed(err: FtrsError, rename: Callable[[str], str]) -> FtrsError:
+    """`err` with the field it names (`param`, and the message's leading `param:`) renamed: an
+    adapter's request names its fields otherwise than the chat request it runs as."""
+    param = err.evidence.get("param")
+    if isinstance(param, str) and (new := rename(param)) != param:
+        err.evidence["param"] = new
+        if err.message.startswith(f"{param}:"):
+            err.message = f"{new}:{err.message[len(param) + 1:]}"
+            err.args = (err.message,)
+    return err
 
 
 def error_body(err: FtrsError) -> dict[str, Any]:
@@ -126,5 +138,6 @@ __all__ = [
     "error_to_wire",
     "param_name",
     "public_error",
+    "renamed",
     "scrub_paths",
 ]

@@ -28,7 +28,7 @@ from fastapi.responses import Response, StreamingResponse
 from ftrs.errors import FtrsError
 from ftrs.server.errors import error_body
 from ftrs.server.responses_api_protocol import ResponsesRequest, Translation, to_chat
-from ftrs.server.serving import ChatRun, ChoiceEvent, ServeContext, start_chat
+from ftrs.server.serving import ChatRun, ChoiceEvent, ServeContext, start_adapted
 
 
 def _id(prefix: str) -> str:
@@ -157,17 +157,6 @@ def _response(resp_id: str, req: ResponsesRequest, tr: Translation, created: flo
     return body
 
 
-def _renamed(err: FtrsError, tr: Translation) -> FtrsError:
-    """`err` with its field named as in the Responses request."""
-    param = err.evidence.get("param")
-    if isinstance(param, str) and (new := tr.rename(param)) != param:
-        err.evidence["param"] = new
-        if err.message.startswith(f"{param}:"):
-            err.message = f"{new}:{err.message[len(param) + 1:]}"
-            err.args = (err.message,)
-    return err
-
-
 def install_responses(app: FastAPI, ctx: ServeContext,
                       authorize: Callable[[Request], Coroutine[Any, Any, None]],
                       errors: dict[int | str, dict[str, Any]]) -> None:
@@ -177,11 +166,7 @@ def install_responses(app: FastAPI, ctx: ServeContext,
               responses=errors)
     async def responses(req: ResponsesRequest, request: Request) -> Response:
         tr = to_chat(req)
-        try:
-            run = await start_chat(ctx, tr.chat, request, id_prefix="resp")
-            events = await run.events()
-        except FtrsError as err:
-            raise _renamed(err, tr) from None
+        run, events = await start_adapted(ctx, tr.chat, request, "resp", tr.rename)
         resp_id = "resp_" + run.request_id.removeprefix("resp-")
         created = time.time()
         if req.stream:

@@ -29,6 +29,7 @@ from ftrs.errors import FtrsError, error_from_dict
 from ftrs.server.cli import DEFAULT_MAX_N
 from ftrs.server.detokenize import IncrementalDetokenizer, StopChecker
 from ftrs.server.engine_client import EngineClient
+from ftrs.server.errors import renamed
 from ftrs.server.metrics import ServerMetrics
 from ftrs.server.prepare import (
     Limits,
@@ -395,6 +396,18 @@ async def start_chat(ctx: ServeContext, req: ChatCompletionRequest, request: Any
     return run
 
 
+async def start_adapted(ctx: ServeContext, req: ChatCompletionRequest, request: Any,
+                        id_prefix: str, rename: Callable[[str], str]
+                        ) -> tuple[ChatRun, AsyncIterator[ChoiceEvent]]:
+    """`start_chat` for an adapter's request (Anthropic's, the Responses API's) translated into
+    `req`, primed; an error names the field as `rename` maps the chat request's to the adapter's."""
+    try:
+        run = await start_chat(ctx, req, request, id_prefix=id_prefix)
+        return run, await run.events()
+    except FtrsError as err:
+        raise renamed(err, rename) from None
+
+
 async def start_completion(ctx: ServeContext, req: CompletionRequest, request: Any,
                            id_prefix: str = "cmpl") -> ChatRun:
     """`start_chat` for /v1/completions: the prompt is used as given, the output is not parsed."""
@@ -439,6 +452,7 @@ __all__ = [
     "disconnect_waiter",
     "kept_special_ids",
     "render_chat_prompt",
+    "start_adapted",
     "start_chat",
     "start_completion",
 ]

@@ -318,10 +318,17 @@ class ToolParser:
         tokenizer holds as special tokens, with their ids (see `lark_literal`)."""
         raise NotImplementedError
 
+    _TOOLS_HEADING = "# Tools"  # of `describe_tools`' text
+    _EXAMPLE_NAME = "function name"  # the function its example calls
+
     @classmethod
     def describe_tools(cls, tools: list[dict[str, Any]]) -> str:
-        """A system-prompt text that offers `tools` in this format (for templates without tools)."""
-        raise NotImplementedError
+        """A system-prompt text that offers `tools` in this format (for templates without tools):
+        here their signatures one per line, and an example call in the format."""
+        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        example = cls.format_calls([(cls._EXAMPLE_NAME, {"argument": "value"})])
+        return (f"{cls._TOOLS_HEADING}\n\nYou may call functions to help with the request. Their "
+                f"signatures, one per line:\n{listed}\n\nTo call functions, answer with:\n{example}")
 
     @classmethod
     def format_calls(cls, calls: list[tuple[str, dict[str, Any]]]) -> str:
@@ -346,6 +353,17 @@ class StateToolParser(ToolParser):
         super().__init__(tools)
         self._state = "out"
         self._raw: list[str] = []
+        self._call: CallStream | None = None  # the call being read
+
+    def _stream_args(self) -> bool | None:
+        """Feed the buffer to the current call's arguments object: None while it goes on, True
+        once it is complete, False when it is malformed (the state is then "bad")."""
+        assert self._call is not None
+        self._take(self._stream(self._call, self._buf))
+        if self._call.error:
+            self._state = "bad"
+            return False
+        return True if self._call.done else None
 
     def _st_out(self) -> bool:
         """Content up to the section's tag, then its first state."""

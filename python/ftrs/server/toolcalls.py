@@ -142,7 +142,6 @@ class MistralToolParser(StateToolParser):
         super().__init__(tools)
         # "out" content; "pre" after the tag; "list" in [..] between calls; "obj" a call object;
         # "name" / "id" before [ARGS]; "args" the arguments object; "bad" malformed to the end.
-        self._call: CallStream | None = None
 
     def _st_out(self) -> bool:
         before, after, held = split_at_tag(self._buf, self.TAG)
@@ -227,18 +226,14 @@ class MistralToolParser(StateToolParser):
         return True
 
     def _st_args(self) -> bool:
-        assert self._call is not None
-        self._take(self._stream(self._call, self._buf))
-        if self._call.error:
-            self._state = "bad"
-        elif self._call.done:
+        done = self._stream_args()
+        if done:
+            assert self._call is not None and self._call.name is not None
             args = arguments_of({"arguments": json.loads(self._call.raw, strict=False)})
-            assert self._call.name is not None and args is not None  # the echo saw an object
+            assert args is not None  # the echo saw an object
             self._finish_call(self._call, (self._call.name, args), "")
             self._call, self._raw, self._state = None, [], "out"
-        else:
-            return False
-        return True
+        return done is not None
 
     def _close(self) -> None:
         if self._state == "out":

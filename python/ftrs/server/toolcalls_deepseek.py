@@ -46,7 +46,6 @@ class DeepSeekToolParser(StateToolParser):
         # "out" content; "between" in a section, around its calls; "head" before the separator;
         # "kind" just after it; "name" V3's name line; "fence" before V3's ```json; "args" the
         # arguments object; "tail" after it, to the call's end tag; "bad" malformed to the end.
-        self._call: CallStream | None = None
         self._head = ""
         self._fenced = False  # V3's form: a ``` closes the arguments before the end tag
         self._section_calls = 0  # (`_raw`: the section since its last complete call)
@@ -111,14 +110,10 @@ class DeepSeekToolParser(StateToolParser):
         return True
 
     def _st_args(self) -> bool:
-        assert self._call is not None
-        self._take(self._stream(self._call, self._buf))
-        if self._call.error:
-            return self._bad()
-        if not self._call.done:
-            return False
-        self._state = "tail"
-        return True
+        done = self._stream_args()
+        if done:
+            self._state = "tail"
+        return done is not None
 
     def _st_tail(self) -> bool:
         tag = self._after_space(FENCE_CLOSE if self._fenced else CALL_END)
@@ -177,12 +172,7 @@ class DeepSeekToolParser(StateToolParser):
             lines.append(f"args_{i}: %json {args_schema(params)}")
         return "\n".join(lines) + "\n"
 
-    @classmethod
-    def describe_tools(cls, tools: list[dict[str, Any]]) -> str:
-        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        example = cls.format_calls([("function name", {"argument": "value"})])
-        return ("## Tools\n\nYou may call functions to help with the request. Their signatures, "
-                f"one per line:\n{listed}\n\nTo call functions, answer with:\n{example}")
+    _TOOLS_HEADING = "## Tools"
 
     @classmethod
     def format_calls(cls, calls: list[tuple[str, dict[str, Any]]]) -> str:

@@ -46,10 +46,6 @@ class HarmonyToolParser(StateToolParser):
     # after it (an optional <|call|>); "bad" malformed to the end
     SECTION, FIRST = CHANNEL, "head"
 
-    def __init__(self, tools: list[dict[str, Any]]) -> None:
-        super().__init__(tools)
-        self._call: CallStream | None = None
-
     def _st_head(self) -> bool:
         i = self._buf.find(MESSAGE)
         if i < 0:
@@ -63,13 +59,10 @@ class HarmonyToolParser(StateToolParser):
         return True
 
     def _st_args(self) -> bool:
-        assert self._call is not None
-        self._take(self._stream(self._call, self._buf))
-        if self._call.error:
-            return self._bad()
-        if not self._call.done:
-            return False
-        assert self._call.name is not None
+        done = self._stream_args()
+        if not done:
+            return done is not None
+        assert self._call is not None and self._call.name is not None
         args = arguments_of({"arguments": json.loads(self._call.raw, strict=False)})
         if args is None:
             return self._bad()
@@ -105,12 +98,7 @@ class HarmonyToolParser(StateToolParser):
             lines.append(f"args_{i}: %json {args_schema(params)}")
         return "\n".join(lines) + "\n"
 
-    @classmethod
-    def describe_tools(cls, tools: list[dict[str, Any]]) -> str:
-        listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-        example = cls.format_calls([("NAME", {"argument": "value"})])
-        return ("# Tools\n\nYou may call functions to help with the request. Their signatures, "
-                f"one per line:\n{listed}\n\nTo call one, answer with:\n{example}")
+    _EXAMPLE_NAME = "NAME"  # (a recipient holds no space)
 
     @classmethod
     def format_calls(cls, calls: list[tuple[str, dict[str, Any]]]) -> str:

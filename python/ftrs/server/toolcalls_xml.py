@@ -61,7 +61,6 @@ class _MemberToolParser(StateToolParser):
             if isinstance(fn, dict) and isinstance(fn.get("name"), str):
                 props = params.get("properties") if isinstance(params, dict) else None
                 self._props[fn["name"]] = props if isinstance(props, dict) else {}
-        self._call: CallStream | None = None
         self._key = ""
         self._members = 0
 
