@@ -54,6 +54,18 @@ def test_items_become_the_chat_conversation() -> None:
     assert _chat(input="Hi")["messages"] == [{"role": "user", "content": "Hi"}]
 
 
+def test_reasoning_comes_back_from_its_content_summary_or_sealed_text() -> None:
+    call = {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"}
+    for item, text in (
+            ({"content": [{"type": "reasoning_text", "text": "A."}],
+              "summary": [{"type": "summary_text", "text": "B."}]}, "A."),
+            ({"summary": [{"type": "summary_text", "text": "B."}]}, "B."),
+            ({"summary": [], "encrypted_content": "C."}, "C.")):
+        msgs = _chat(input=[{"role": "user", "content": "q"},
+                            {"type": "reasoning", "id": "rs_1", **item}, call])["messages"]
+        assert msgs[1]["reasoning_content"] == text
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0]"),
@@ -132,6 +144,24 @@ def test_reasoning_text_and_a_call_whole_and_streamed(server: Any) -> None:
     with c.responses.stream(**kw) as s:  # the SDK rebuilds the response from the events
         built = s.get_final_response()
     assert built.output_text == "Sure." and built.output[2].arguments == call.arguments
+
+
+def test_sealed_reasoning_round_trips(server: Any) -> None:
+    """`include: ["reasoning.encrypted_content"]` puts the reasoning text in the reasoning item
+    (whole and streamed), which a stateless client sends back as it got it."""
+    c = _client(server)
+    kw: dict[str, Any] = {"model": "fake", "input": f"SAY:{ANSWER}", "tools": [TOOL],
+                          "include": ["reasoning.encrypted_content"]}
+    item = c.responses.create(**kw).output[0]
+    assert item.type == "reasoning" and item.encrypted_content == "Plan: call w."
+    done = [e.item for e in c.responses.create(**kw, stream=True)
+            if e.type == "response.output_item.done" and e.item.type == "reasoning"]
+    assert done[0].encrypted_content == "Plan: call w."
+    assert c.responses.create(model="fake", input=f"SAY:{ANSWER}").output[0].encrypted_content is None
+    back = {"type": "reasoning", "id": item.id, "summary": [], "encrypted_content": item.encrypted_content}
+    msgs = _chat(input=[{"role": "user", "content": "q"}, back,
+                        {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{}"}])
+    assert msgs["messages"][1]["reasoning_content"] == "Plan: call w."
 
 
 def test_a_tool_loop_in_items_and_the_output_limit(server: Any) -> None:

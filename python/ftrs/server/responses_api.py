@@ -38,7 +38,8 @@ def _id(prefix: str) -> str:
 class ItemEncoder:
     """One choice's `ChoiceEvent`s as output-item events; `output` is the items so far."""
 
-    def __init__(self) -> None:
+    def __init__(self, sealed: bool = False) -> None:
+        self.sealed = sealed  # reasoning items carry their text as `encrypted_content` too
         self.output: list[dict[str, Any]] = []
         self.reasoning_tokens = 0
         self._kind: str | None = None  # "reasoning" | "message" | "function_call" (open item)
@@ -91,6 +92,8 @@ class ItemEncoder:
             out.append({"type": "response.content_part.done", **where, "content_index": 0,
                         "part": dict(part)})
         item["status"] = "completed"
+        if self._kind == "reasoning" and self.sealed:
+            item["encrypted_content"] = item["content"][-1]["text"]
         out.append({"type": "response.output_item.done", "output_index": index,
                     "item": json.loads(json.dumps(item))})
         self._kind, self._call = None, None
@@ -171,7 +174,7 @@ def install_responses(app: FastAPI, ctx: ServeContext,
         created = time.time()
         if req.stream:
             return _stream(ctx, req, tr, run, events, resp_id, created)
-        items = ItemEncoder()
+        items = ItemEncoder(_sealed(req))
         async for e in events:
             items.feed(e)
         items.close()
@@ -179,6 +182,10 @@ def install_responses(app: FastAPI, ctx: ServeContext,
         status = "incomplete" if run.finish_reason(0) == "length" else "completed"
         body = _response(resp_id, req, tr, created, status, items.output, run, items.reasoning_tokens)
         return Response(json.dumps(body, ensure_ascii=False), media_type="application/json")
+
+
+def _sealed(req: ResponsesRequest) -> bool:
+    return "reasoning.encrypted_content" in (req.include or [])
 
 
 def _sse(event: dict[str, Any], seq: list[int]) -> str:
@@ -194,7 +201,7 @@ def _stream(ctx: ServeContext, req: ResponsesRequest, tr: Translation, run: Chat
         start = _response(resp_id, req, tr, created, "in_progress", [])
         yield _sse({"type": "response.created", "response": start}, seq)
         yield _sse({"type": "response.in_progress", "response": start}, seq)
-        items = ItemEncoder()
+        items = ItemEncoder(_sealed(req))
         try:
             async for e in events:
                 for event in items.feed(e):

@@ -13,6 +13,11 @@ the calls as `tool_calls`, their `call_id` as the call ids); `function_call_outp
 `parallel_tool_calls`, `max_output_tokens` → `max_tokens`, `temperature`, `top_p`, `text.format`
 (`text`, `json_object`, `json_schema`) → `response_format`, `reasoning.effort` →
 `reasoning_effort`. Image, file and other item types are 400s naming the item.
+
+Clients that keep no state send reasoning back as `encrypted_content`, asked for with `include:
+["reasoning.encrypted_content"]`; this server fills that field with the reasoning text itself
+(not encrypted: there is no secret to keep from the client that received the text), so the
+reasoning of a tool loop reaches the template again.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: Text | None = None  # refused: nothing is stored
     conversation: Text | dict[str, Any] | None = None  # refused likewise
     background: bool | None = None  # true is refused
+    include: list[Text] | None = None  # "reasoning.encrypted_content": see the module doc
 
 
 def _bad(param: str, why: str) -> InvalidRequest:
@@ -104,7 +110,8 @@ def _field(item: dict[str, Any], key: str, where: str) -> str:
 
 
 def _reasoning_text(item: dict[str, Any], where: str) -> str:
-    """A reasoning item's text: its `content` (reasoning_text parts), else its summary."""
+    """A reasoning item's text: its `content` (reasoning_text parts), else its summary, else
+    its `encrypted_content` (which this server fills with the text itself)."""
     for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
         parts = item.get(key) or []
         if not isinstance(parts, list):
@@ -114,7 +121,8 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str:
             if any(not isinstance(t, str) for t in texts):
                 raise _bad(f"{where}.{key}", "a part without text")
             return "\n".join(str(t) for t in texts)
-    return ""
+    sealed = item.get("encrypted_content")
+    return sealed if isinstance(sealed, str) else ""
 
 
 def _messages(req: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
