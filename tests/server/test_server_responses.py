@@ -76,6 +76,7 @@ def test_reasoning_comes_back_from_its_content_summary_or_sealed_text() -> None:
     ({"input": "hi", "text": {"format": {"type": "yaml"}}}, "text.format"),
     ({"input": "hi", "tool_choice": {"type": "web_search"}}, "tool_choice"),
     ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
+    ({"input": "hi", "tools": [{"type": "function"}]}, "tools[0].name"),
 ])
 def test_what_cannot_be_served_is_a_400_naming_the_field(body: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as e:

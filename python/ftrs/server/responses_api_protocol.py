@@ -263,7 +263,8 @@ def to_chat(req: ResponsesRequest) -> Translation:
     except ValidationError as exc:
         first = exc.errors()[0]
         tr = Translation(ChatCompletionRequest.model_construct(), origins)
-        param = tr.rename(param_name(first["loc"], body) or "input")
+        param = tr.rename(param_name(first["loc"], body, missing=first["type"] == "missing")
+                          or "input")
         raise _bad(param, str(first["msg"])) from None
     return Translation(chat, origins)
 
