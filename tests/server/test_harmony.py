@@ -122,7 +122,7 @@ def test_harmony_tags_reach_the_parsers_as_special_tokens() -> None:
     assert kept_special_ids(tok, Plan([1], (SamplingParams(),), reasoning_parser="qwen3")) == set()
     text = ANALYSIS + NEXT + "<|channel|>commentary<|message|>One moment.<|end|>" + NEXT + CALL_HEAD \
         + '{"city": "Oslo"}'
-    ids = [*tok.encode(text), 2]
+    ids = [*tok.encode(text), tok.tk.token_to_id("<|call|>")]  # the stop token ends it
     assert len(ids) < len(text.encode())  # the tags are single tokens
     detok = IncrementalDetokenizer(tok, keep=keep)
     shown = "".join(detok.push([i]) for i in ids)
