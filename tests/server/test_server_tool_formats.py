@@ -27,6 +27,11 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         yield proc
 
 
+def test_the_server_says_which_format_it_reads(server: Any, request: pytest.FixtureRequest) -> None:
+    family = request.node.callspec.params["server"]
+    assert f"chat: tool calls read as {family}, reasoning as none" in server.log.read_text()
+
+
 def test_a_forced_call_in_the_familys_format_is_read_back(server: Any) -> None:
     # one call (parallel off): the tiny model's random text would fill max_tokens with calls
     check_forced_call(openai_client(server), "tiny", parallel=False)

@@ -65,6 +65,7 @@ from ftrs.server.protocol import (
     ModelCard,
     ModelList,
 )
+from ftrs.server.reasoning import choose_reasoning_parser
 from ftrs.server.responses import chat_response, completion_response
 from ftrs.server.responses_api import install_responses
 from ftrs.server.serving import (
@@ -72,6 +73,7 @@ from ftrs.server.serving import (
     start_chat,
     start_completion,
 )
+from ftrs.server.toolcalls import choose_tool_parser
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +130,11 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
         metrics.set_device_state("degraded" if degraded else "ok", up=not degraded)
         logger.info("ftrs ready: serving %s at http://%s:%d/v1", settings.model_names[0],
                     settings.host, settings.port)
+        template = getattr(client.tokenizer, "chat_template", None)
+        if template is not None:  # the chat format, as flags or the template choose it
+            logger.info("chat: tool calls read as %s, reasoning as %s",
+                        choose_tool_parser(settings.tool_parser, template),
+                        choose_reasoning_parser(settings.reasoning_parser, template) or "none")
 
     adaptive_guard: dict[str, Any] = {}  # the engine's latest `StepStats.guard`
 
