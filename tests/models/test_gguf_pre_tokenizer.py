@@ -7,10 +7,14 @@ contraction, a blank line, a slash.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ftrs.errors import ModelLoadError
+from ftrs.models.gguf_loader import gguf_metadata
 from ftrs.models.tokenizer import Tokenizer, gguf_pre_tokenizer
+from gguf_files import rewrite
 
 TEXT = "helloWorld 12345 it's HTTPServer\n\n  x/y"
 SPLITS = {
@@ -36,6 +40,10 @@ SPLITS = {
     # MiniMax-M2: o200k's pattern
     "minimax-m2": ["hello", "World", " ", "123", "45", " it's", " HTTPServer", "\n\n", " ",
                    " x", "/y"],
+    # DeepSeek-LLM: newlines alone, words of letters (a space before), punctuation runs, digit
+    # runs; what no split takes (the spaces before digits, an extra space) stands alone
+    "deepseek-llm": ["helloWorld", " ", "12345", " it", "'", "s", " HTTPServer", "\n", "\n",
+                     " ", " x", "/", "y"],
     # SmolLM: single digits, then GPT-2's split
     "smollm": ["helloWorld", " ", "1", "2", "3", "4", "5", " it", "'s", " HTTPServer", "\n\n ",
                " x", "/", "y"],
@@ -87,3 +95,32 @@ def test_deepseek_v3_splits_cjk_runs_and_non_ascii_punctuation_apart() -> None:
                       ("deepseek-v3", ["«", "hi", "»", " ", "日本語", "abc", " ne\u0301x"])):
         pieces = gguf_pre_tokenizer(pre, "t.gguf").pre_tokenize_str(text)
         assert [text[a:b] for _, (a, b) in pieces] == want, pre
+
+
+def test_deepseek_llm_splits_as_llama_cpp_does(smollm_gguf: Path, tmp_path: Path) -> None:
+    """The demo's real vocabulary and merges under DeepSeek-LLM's splits: ftrs tokenizes a
+    text of many scripts as llama.cpp does (its vocabulary alone loaded): Latin, Greek (with
+    oxia), the Kelvin and ohm signs, CJK, kana and Hangul runs, full-width punctuation, digits,
+    trailing spaces. (Its fifth split isolates every run of U+0800..U+9FA5, so the letters of
+    its word class in that range, where its list differs from the NFC forms, end up alone.)"""
+    import gguf
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    fields = gguf.GGUFReader(str(smollm_gguf)).fields
+    # digits merge into one token here (the demo's own split keeps them apart: it has none)
+    runs = ["12", "123", "1234", "12345"]
+    path = rewrite(smollm_gguf, tmp_path / "dsllm.gguf", fields={
+        "tokenizer.ggml.pre": "deepseek-llm",
+        "tokenizer.ggml.tokens": [*fields["tokenizer.ggml.tokens"].contents(), *runs],
+        "tokenizer.ggml.token_type": [*fields["tokenizer.ggml.token_type"].contents(), 1, 1, 1, 1],
+        "tokenizer.ggml.merges": [*fields["tokenizer.ggml.merges"].contents(),
+                                  *(f"{r[:-1]} {r[-1]}" for r in runs)]})
+    ours = Tokenizer.from_gguf_fields(gguf_metadata(gguf.GGUFReader(str(path))), str(path))
+    peer = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    text = ("helloWorld 12345 it's HTTPServer\n\n  x/y\r\n\u1f7d\u03ce \u1fbe \u212aelvin "
+            "\u2126 7km！你好，世界。カタカナ 세계 Ⓐ ﬁ ǅ ʔ \U0001e900x ａｂ  ok  \n\t end   ")
+    theirs = peer.tokenize(text.encode(), add_bos=False, special=False)
+    assert ours.encode(text) == theirs
+    assert ours.tk.token_to_id("12345") in theirs
+    gpt2 = Tokenizer.from_gguf_fields(gguf_metadata(gguf.GGUFReader(str(smollm_gguf))), "s")
+    assert gpt2.encode(text) != theirs  # the split decides the tokens of this text

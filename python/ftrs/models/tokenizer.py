@@ -45,11 +45,45 @@ _O200K = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
 _DEEPSEEK_V3 = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
                 r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
                 r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+#: DeepSeek-LLM's letters (the cased letters of an older Unicode, as its tokenizer lists them),
+#: as code point ranges
+_DEEPSEEK_LLM_LETTERS = (
+    (0x41, 0x5A), (0x61, 0x7A), (0xB5, 0xB5), (0xC0, 0xD6), (0xD8, 0xF6), (0xF8, 0x1BA),
+    (0x1BC, 0x1BF), (0x1C4, 0x293), (0x295, 0x2AF), (0x370, 0x373), (0x376, 0x377),
+    (0x37B, 0x37D), (0x37F, 0x37F), (0x386, 0x386), (0x388, 0x38A), (0x38C, 0x38C),
+    (0x38E, 0x3A1), (0x3A3, 0x3F5), (0x3F7, 0x481), (0x48A, 0x52F), (0x531, 0x556),
+    (0x10A0, 0x10C5), (0x13A0, 0x13F5), (0x13F8, 0x13FD), (0x1C90, 0x1CBA), (0x1CBD, 0x1CBF),
+    (0x1D00, 0x1D2B), (0x1D6B, 0x1D77), (0x1D79, 0x1D9A), (0x1E00, 0x1F15), (0x1F18, 0x1F1D),
+    (0x1F20, 0x1F45), (0x1F48, 0x1F4D), (0x1F50, 0x1F57), (0x1F59, 0x1F59), (0x1F5B, 0x1F5B),
+    (0x1F5D, 0x1F5D), (0x1F5F, 0x1F7D), (0x1F80, 0x1FB4), (0x1FB6, 0x1FBC), (0x1FBE, 0x1FBE),
+    (0x1FC2, 0x1FC4), (0x1FC6, 0x1FCC), (0x1FD0, 0x1FD3), (0x1FD6, 0x1FDB), (0x1FE0, 0x1FEC),
+    (0x1FF2, 0x1FF4), (0x1FF6, 0x1FFC), (0x2102, 0x2102), (0x2107, 0x2107), (0x210A, 0x2113),
+    (0x2115, 0x2115), (0x2119, 0x211D), (0x2124, 0x2124), (0x2126, 0x2126), (0x2128, 0x2128),
+    (0x212A, 0x212D), (0x212F, 0x2134), (0x2139, 0x2139), (0x213C, 0x213F), (0x2145, 0x2149),
+    (0x214E, 0x214E), (0x2183, 0x2184), (0x2C00, 0x2C7B), (0x2C7E, 0x2CE4), (0x2CEB, 0x2CEE),
+    (0x2CF2, 0x2CF3), (0xA640, 0xA66D), (0xA680, 0xA69B), (0xA722, 0xA76F), (0xA771, 0xA787),
+    (0xA78B, 0xA78E), (0xAB70, 0xABBF), (0xFB00, 0xFB06), (0xFB13, 0xFB17), (0xFF21, 0xFF3A),
+    (0xFF41, 0xFF5A), (0x10400, 0x1044F), (0x104B0, 0x104D3), (0x104D8, 0x104FB),
+    (0x10C80, 0x10CB2), (0x10CC0, 0x10CF2), (0x118A0, 0x118DF), (0x1E900, 0x1E943))
+
+
+def _char_class(ranges: tuple[tuple[int, int], ...]) -> str:
+    """A regex character class of code point ranges, written as \\x{..} escapes."""
+    return "[" + "".join(f"\\x{{{a:x}}}" if a == b else f"\\x{{{a:x}}}-\\x{{{b:x}}}"
+                         for a, b in ranges) + "]"
+
+
+#: DeepSeek-LLM's (V2, V2-Lite, Coder-V2-Lite) five splits, one after the other: newlines,
+#: words of its letters, runs of ASCII, full-width and CJK punctuation, trailing whitespace,
+#: runs of U+0800..U+9FA5 and Hangul, digits
+_DEEPSEEK_LLM = ("[\r\n]", r"\s?" + _char_class(_DEEPSEEK_LLM_LETTERS) + "+",
+                 r"\s?[!-/:-~\x{ff01}-\x{ff0f}\x{ff1a}-\x{ff5e}\x{2018}-\x{201f}\x{3000}-\x{3002}]+",
+                 r"\s+$", r"[\x{4e00}-\x{9fa5}\x{800}-\x{4e00}\x{ac00}-\x{d7ff}]+", r"\p{N}+")
 #: llama.cpp's `tokenizer.ggml.pre` names -> the split pattern(s) of the tokenizer each names
 _PRE_SPLIT: dict[str, str | tuple[str, ...]] = {
     "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "qwen2": _QWEN2,
     "deepseek-r1-qwen": _QWEN2, "qwen35": _QWEN35, "gpt-4o": _O200K, "llama4": _O200K,
-    "deepseek-v3": _DEEPSEEK_V3, "glm4": _LLAMA3, "chatglm-bpe": _LLAMA3, "minimax-m2": _O200K}
+    "deepseek-v3": _DEEPSEEK_V3, "deepseek-llm": _DEEPSEEK_LLM, "glm4": _LLAMA3, "chatglm-bpe": _LLAMA3, "minimax-m2": _O200K}
 _GPT2_PRE = (None, "default", "gpt-2", "gpt2")  # ByteLevel's own split
 
 
