@@ -73,7 +73,7 @@ def _char_class(ranges: tuple[tuple[int, int], ...]) -> str:
                          for a, b in ranges) + "]"
 
 
-#: DeepSeek-LLM's (V2, V2-Lite, Coder-V2-Lite) five splits, one after the other: newlines,
+#: DeepSeek-LLM's (V2, V2-Lite, Coder-V2-Lite) six splits, one after the other: newlines,
 #: words of its letters, runs of ASCII, full-width and CJK punctuation, trailing whitespace,
 #: runs of U+0800..U+9FA5 and Hangul, digits
 _DEEPSEEK_LLM = ("[\r\n]", r"\s?" + _char_class(_DEEPSEEK_LLM_LETTERS) + "+",
