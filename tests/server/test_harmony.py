@@ -179,6 +179,12 @@ def test_a_harmony_answer_over_http_whole_and_streamed(harmony_server: Any) -> N
             finish = ch.finish_reason or finish
     assert (reasoning, content, finish) == ("Oslo.", "Hi.", "tool_calls")
     assert args == msg.tool_calls[0].function.arguments
+    # the Responses API over the same run: reasoning, message and function_call items
+    resp = c.responses.create(model="fake", input=f"SAY:{out}", max_output_tokens=200,
+                              tools=[{"type": "function", "name": "w"}])
+    assert [i.type for i in resp.output] == ["reasoning", "message", "function_call"]
+    assert (resp.output[0].content[0].text, resp.output_text) == ("Oslo.", "Hi.")
+    assert (resp.output[2].name, json.loads(resp.output[2].arguments)) == ("w", {"d": 3})
 
 
 # --- grammars that let gpt-oss think first -------------------------------------------------
