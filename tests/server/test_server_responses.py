@@ -77,6 +77,9 @@ def test_reasoning_comes_back_from_its_content_summary_or_sealed_text() -> None:
     ({"input": "hi", "tool_choice": {"type": "web_search"}}, "tool_choice"),
     ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
     ({"input": "hi", "tools": [{"type": "function"}]}, "tools[0].name"),
+    # not valid Unicode, found by the chat request: named as the Responses request names it
+    ({"input": [{"role": "user", "content": "ok"}, {"role": "user", "content": "\ud800"}]},
+     "input[1].content"),
 ])
 def test_what_cannot_be_served_is_a_400_naming_the_field(body: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as e:
