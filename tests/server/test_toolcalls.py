@@ -472,6 +472,28 @@ def test_forced_grammar_writes_special_tags_as_the_tokens_the_model_writes(
         assert not accepts_ids(grammar, [*tok.encode(text), 2]), text
 
 
+@pytest.mark.parametrize("parser", ["glm45", "qwen3_coder", "minimax_m2"])
+def test_tagged_member_grammars_bound_a_strings_length(lltok: llguidance.LLTokenizer,
+                                                       parser: str) -> None:
+    """A string member's text is as long as its schema's minLength/maxLength allow (the value
+    the parser reads, Qwen3-Coder's newline before the closing tag not counted)."""
+    cls = TOOL_PARSERS[parser]
+    note = {"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "required": ["text", "tag"], "properties": {
+            "text": {"type": "string", "maxLength": 5}, "tag": {"type": "string", "minLength": 2}}}}}
+    grammar = cls.forced_grammar([note], "required", False)
+
+    def call(text: str, tag: str) -> str:
+        return cls.format_calls([("note", {"text": text, "tag": tag})])
+
+    assert accepts(lltok, grammar, call("abcde", "xy"))
+    assert accepts(lltok, grammar, call("a", "xyz"))
+    assert not accepts(lltok, grammar, call("abcdef", "xy"))  # over maxLength
+    assert not accepts(lltok, grammar, call("abc", "x"))  # under minLength
+    _, calls, _ = run(parser, call("abcde", "xy"), 3)
+    assert [json.loads(a) for _, _, a in calls] == [{"text": "abcde", "tag": "xy"}]
+
+
 def test_forced_grammar_single_call_when_not_parallel(lltok: llguidance.LLTokenizer) -> None:
     grammar = TOOL_PARSERS["hermes"].forced_grammar(TOOLS, "required", False)
     one = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'

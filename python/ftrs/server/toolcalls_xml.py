@@ -125,16 +125,15 @@ class _MemberToolParser(StateToolParser):
                        parallel: bool, special: Mapping[str, int] | None = None) -> str:
         fns = chosen_functions(tools, choice)
         lines = ['start: call ("\\n" call)*' if parallel else "start: call",
-                 "call: " + " | ".join(f"call_{i}" for i in range(len(fns))),
-                 "text: /[^<]+/"]
+                 "call: " + " | ".join(f"call_{i}" for i in range(len(fns)))]
         for i, (name, params) in enumerate(fns):
             props = params.get("properties") or {}
             required = set(params.get("required") or [])
             members = []
             for j, (key, schema) in enumerate(props.items()):
                 members.append(f"arg_{i}_{j}" if key in required else f"arg_{i}_{j}?")
-                value = _value_rule(schema if isinstance(schema, dict) else {})
-                tail = cls.TEXT_TAIL or cls.TAIL if value == "text" else cls.TAIL
+                value = _value_rule(schema if isinstance(schema, dict) else {}, bool(cls.TEXT_TAIL))
+                tail = cls.TEXT_TAIL or cls.TAIL if value.startswith("/") else cls.TAIL
                 head = lark_literal(cls.HEAD.replace("{key}", key), special)
                 lines.append(f"arg_{i}_{j}: {head} value_{i}_{j} {lark_literal(tail, special)}")
                 lines.append(f"value_{i}_{j}: {value}")
@@ -364,14 +363,25 @@ def _typed(schema: Any, text: str) -> Any:
         return text
 
 
-def _value_rule(schema: dict[str, Any]) -> str:
+def _value_rule(schema: dict[str, Any], newline: bool) -> str:
     """A value's grammar: a string's text (an enum's strings), anything else JSON by its schema."""
     enum = schema.get("enum")
     if isinstance(enum, list) and enum and all(isinstance(e, str) and "<" not in e for e in enum):
         return " | ".join(lark_literal(e) for e in enum)
     if schema.get("type") == "string":
-        return "text"
+        return _text_rule(schema, newline)
     return f"%json {args_schema(schema)}"
+
+
+def _text_rule(schema: dict[str, Any], newline: bool) -> str:
+    """A string's text: no `<`, as long as `minLength`/`maxLength` allow (not empty unless they
+    say so); `newline`: the format writes a newline before its closing tag (Qwen3-Coder's,
+    which the parser drops), not counted."""
+    lo, hi = schema.get("minLength"), schema.get("maxLength")
+    hi = hi if isinstance(hi, int) and hi >= 0 else None
+    lo = lo if isinstance(lo, int) and lo >= 0 else min(1, 1 if hi is None else hi)
+    bound = f"{{{lo},{'' if hi is None or hi < lo else hi}}}"
+    return "/[^<]" + bound + ("\\n" if newline else "") + "/"
 
 
 __all__ = ["GlmToolParser", "MiniMaxToolParser", "QwenCoderToolParser"]
