@@ -146,6 +146,9 @@ def _tokenizer_fields(tok: Tokenizer) -> dict[str, Any]:
     }
     if tok.chat_template:
         out["tokenizer.chat_template"] = tok.chat_template
+    if tok.named_templates:  # as llama.cpp's converter writes them
+        out["tokenizer.chat_templates"] = list(tok.named_templates)
+        out |= {f"tokenizer.chat_template.{n}": t for n, t in tok.named_templates.items()}
     for key, name in (("bos", tok.bos_token), ("eos", tok.eos_token)):
         if name is not None and name in vocab:
             out[f"tokenizer.ggml.{key}_token_id"] = vocab[name]

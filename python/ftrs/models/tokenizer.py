@@ -10,7 +10,7 @@ tokenizer's own `tokenizer.json`, then the byte-level mapping); a name it does n
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -175,13 +175,42 @@ def gguf_stop_ids(meta: dict[str, Any], vocab: dict[str, int]) -> list[int]:
     return sorted(ids)
 
 
+def _dir_templates(model_dir: Path, conf_template: Any) -> tuple[str | None, dict[str, str]]:
+    """A checkpoint directory's chat templates, (default, {name: text}), from wherever
+    transformers keeps them: `tokenizer_config.json`'s `chat_template` (one text, or a list of
+    named ones), else `chat_template.jinja` (or `chat_template.json`) and the named ones in
+    `additional_chat_templates/NAME.jinja`."""
+    named: dict[str, str] = {}
+    default: str | None = None
+    if isinstance(conf_template, list):
+        named = {t["name"]: t["template"] for t in conf_template
+                 if isinstance(t, dict) and isinstance(t.get("template"), str)}
+        default = named.pop("default", None)
+    elif isinstance(conf_template, str):
+        default = conf_template
+    if default is None and (model_dir / "chat_template.jinja").is_file():
+        default = (model_dir / "chat_template.jinja").read_text(encoding="utf-8")
+    elif default is None and (model_dir / "chat_template.json").is_file():
+        found = json.loads((model_dir / "chat_template.json").read_text(encoding="utf-8"))
+        default = found.get("chat_template") if isinstance(found, dict) else None
+    extra = model_dir / "additional_chat_templates"
+    if extra.is_dir():
+        for f in sorted(extra.glob("*.jinja")):
+            named.setdefault(f.name.removesuffix(".jinja"), f.read_text(encoding="utf-8"))
+    return default, named
+
+
 class Tokenizer:
     """Encode, decode, and render chat messages into a prompt."""
 
     def __init__(self, tk: HFTokenizer, chat_template: str | None, bos_token: str | None,
-                 eos_token: str | None, eos_token_ids: Sequence[int], add_bos: bool = False) -> None:
+                 eos_token: str | None, eos_token_ids: Sequence[int], add_bos: bool = False,
+                 named_templates: Mapping[str, str] | None = None) -> None:
         self.tk = tk
         self.chat_template = chat_template
+        #: the checkpoint's further templates by name (`tool_use`, `rag`, ...) beside the
+        #: default one; `tool_use` renders the requests that offer tools or carry tool turns
+        self.named_templates = dict(named_templates or {})
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
@@ -195,10 +224,20 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = _strftime_now
         env.filters["tojson"] = _tojson
-        self._template = env.from_string(chat_template) if chat_template else None
-        # Whether the template renders `tools` itself (real tool-calling templates do).
-        self.template_knows_tools = chat_template is not None and "tools" in (
-            jinja2.meta.find_undeclared_variables(env.parse(chat_template)))
+        # every template compiled now, so a broken one fails the load and not a request;
+        # each with whether it renders `tools` itself (real tool-calling templates do)
+        self._templates: dict[str | None, tuple[jinja2.Template, bool]] = {
+            name: (env.from_string(text),
+                   "tools" in jinja2.meta.find_undeclared_variables(env.parse(text)))
+            for name, text in ((None, chat_template), *self.named_templates.items()) if text}
+        self.template_knows_tools = None in self._templates and self._templates[None][1]
+
+    def template_for(self, tools: bool) -> str | None:
+        """The text of the template a request is rendered with: the checkpoint's `tool_use`
+        one when the request offers tools (or its messages carry calls and results) and the
+        checkpoint has one, else the default; None when there is none."""
+        name = "tool_use" if tools and "tool_use" in self.named_templates else None
+        return self.named_templates[name] if name else self.chat_template
 
     @property
     def vocab_size(self) -> int:
@@ -248,16 +287,21 @@ class Tokenizer:
         dicts); `template_kwargs` are further template variables (`enable_thinking`, ...).
         A template that does not render `tools` gets them, the calls and the results written in
         the `tool_parser` format into the messages (`_inline_tools`)."""
-        if self._template is None:
-            raise InvalidRequest("this model has no chat template; use /v1/completions")
         clash = sorted(_RESERVED & template_kwargs.keys())
         if clash:
             raise _bad_message("chat_template_kwargs", f"may not set {', '.join(clash)}")
+        turns = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+        name = "tool_use" if (tools or turns) and "tool_use" in self._templates else None
+        if name not in self._templates:
+            known = ", ".join(sorted(str(k) for k in self._templates))
+            raise InvalidRequest("this model has no chat template; use /v1/completions" if not known
+                                 else f"this model has no default chat template (it has {known})")
+        template, knows_tools = self._templates[name]
         messages = _with_dict_arguments(messages)
-        if not self.template_knows_tools:
+        if not knows_tools:
             messages = self._inline_tools(messages, tools or [])
         try:
-            return str(self._template.render(
+            return str(template.render(
                 **template_kwargs, messages=messages, tools=tools or None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or ""))
@@ -274,7 +318,7 @@ class Tokenizer:
             return messages
         from ftrs.server.toolcalls import TOOL_PARSERS, choose_tool_parser
 
-        fmt = TOOL_PARSERS[self.tool_parser or choose_tool_parser(None, self.chat_template)]
+        fmt = TOOL_PARSERS[self.tool_parser or choose_tool_parser(None, self.template_for(True))]
         out: list[dict[str, Any]] = []
         results: list[str] = []
         for m in messages:
@@ -332,13 +376,9 @@ class Tokenizer:
                     eos_ids |= {int(i) for i in found}
                 elif isinstance(found, int):
                     eos_ids.add(found)
-        template = conf.get("chat_template")
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        jinja = model_dir / "chat_template.jinja"
-        if template is None and jinja.is_file():
-            template = jinja.read_text()
-        return cls(tk, template, bos, eos, sorted(eos_ids), bool(conf.get("add_bos_token", False)))
+        template, named = _dir_templates(model_dir, conf.get("chat_template"))
+        return cls(tk, template, bos, eos, sorted(eos_ids), bool(conf.get("add_bos_token", False)),
+                   named_templates=named)
 
     @classmethod
     def from_gguf_fields(cls, meta: dict[str, Any], source: str) -> Tokenizer:
@@ -363,14 +403,20 @@ class Tokenizer:
             i = meta.get(key)
             return tokens[i] if isinstance(i, int) and 0 <= i < len(tokens) else None
 
+        named = {n: meta[f"tokenizer.chat_template.{n}"] for n in meta.get("tokenizer.chat_templates") or []
+                 if isinstance(meta.get(f"tokenizer.chat_template.{n}"), str)}
         return cls(tk, meta.get("tokenizer.chat_template"), name("tokenizer.ggml.bos_token_id"),
                    name("tokenizer.ggml.eos_token_id"), gguf_stop_ids(meta, vocab),
-                   bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+                   bool(meta.get("tokenizer.ggml.add_bos_token", False)), named_templates=named)
 
     def save(self, out_dir: Path) -> None:
         """Write tokenizer.json and tokenizer_config.json, readable by `from_dir` and by HF."""
         self.tk.save(str(out_dir / "tokenizer.json"))
+        template: Any = self.chat_template
+        if self.named_templates:  # transformers' list form, the default first
+            template = [{"name": n, "template": t} for n, t in (
+                ("default", self.chat_template), *self.named_templates.items()) if t is not None]
         conf = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos_token,
                 "eos_token": self.eos_token, "add_bos_token": self.add_bos,
-                "chat_template": self.chat_template}
+                "chat_template": template}
         (out_dir / "tokenizer_config.json").write_text(json.dumps(conf, indent=2))

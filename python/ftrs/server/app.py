@@ -130,11 +130,15 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
         metrics.set_device_state("degraded" if degraded else "ok", up=not degraded)
         logger.info("ftrs ready: serving %s at http://%s:%d/v1", settings.model_names[0],
                     settings.host, settings.port)
-        template = getattr(client.tokenizer, "chat_template", None)
-        if template is not None:  # the chat format, as flags or the template choose it
-            logger.info("chat: tool calls read as %s, reasoning as %s",
-                        choose_tool_parser(settings.tool_parser, template),
-                        choose_reasoning_parser(settings.reasoning_parser, template) or "none")
+        tok = client.tokenizer
+        template = getattr(tok, "chat_template", None)
+        if template is not None:  # the chat format, as flags or the template(s) choose it
+            named = sorted(getattr(tok, "named_templates", {}))
+            pick = getattr(tok, "template_for", None)
+            logger.info("chat: tool calls read as %s, reasoning as %s%s",
+                        choose_tool_parser(settings.tool_parser, pick(True) if pick else template),
+                        choose_reasoning_parser(settings.reasoning_parser, template) or "none",
+                        f"; named templates: {', '.join(named)}" if named else "")
 
     adaptive_guard: dict[str, Any] = {}  # the engine's latest `StepStats.guard`
 

@@ -11,10 +11,13 @@ JSON and chat-template fields: the API process rebuilds the very tokenizer the e
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftrs.config import EngineConfig
 from ftrs.server.engine_process import LoadedEngine
+
+if TYPE_CHECKING:
+    from ftrs.models.tokenizer import Tokenizer
 
 
 def load(config: EngineConfig) -> LoadedEngine:
@@ -23,12 +26,15 @@ def load(config: EngineConfig) -> LoadedEngine:
     engine = EngineCore(config, progress=True)
     engine.warm_grammar()  # structured output's token trie, built before requests come
     tok = engine.tokenizer
-    source = None
-    if tok is not None:
-        source = {"json": tok.tk.to_str(), "chat_template": tok.chat_template,
-                  "bos_token": tok.bos_token, "eos_token": tok.eos_token,
-                  "eos_token_ids": sorted(tok.eos_token_ids), "add_bos": tok.add_bos}
-    return LoadedEngine(engine, source)
+    return LoadedEngine(engine, tokenizer_source(tok) if tok is not None else None)
+
+
+def tokenizer_source(tok: Tokenizer) -> dict[str, Any]:
+    """The fields `load_tokenizer` rebuilds `tok` from (they pickle)."""
+    return {"json": tok.tk.to_str(), "chat_template": tok.chat_template,
+            "named_templates": tok.named_templates,
+            "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+            "eos_token_ids": sorted(tok.eos_token_ids), "add_bos": tok.add_bos}
 
 
 def load_tokenizer(source: Any) -> Any:
@@ -41,9 +47,9 @@ def load_tokenizer(source: Any) -> Any:
 
     tok = Tokenizer(HFTokenizer.from_str(source["json"]), source["chat_template"],
                     source["bos_token"], source["eos_token"], source["eos_token_ids"],
-                    add_bos=source["add_bos"])
+                    add_bos=source["add_bos"], named_templates=source["named_templates"])
     grammar.warm(tok)  # `grammar.check` compiles against it: build its token trie now
     return tok
 
 
-__all__ = ["load", "load_tokenizer"]
+__all__ = ["load", "load_tokenizer", "tokenizer_source"]

@@ -217,14 +217,19 @@ def chat_setup(req: ChatCompletionRequest, tokenizer: Any, options: Limits) -> C
         raise _bad("tool_choice", f"{json.dumps(choice)} needs `tools`")
     if isinstance(choice, dict) and choice["function"]["name"] not in {t["function"]["name"] for t in tools}:
         raise _bad("tool_choice", f"no tool is named {choice['function']['name']!r}")
-    template = getattr(tokenizer, "chat_template", None)
+    use_tools = choice != "none"
+    # the template the prompt is rendered with: a checkpoint's `tool_use` one when tools are
+    # offered or the history holds calls and results (it then tells the tool format)
+    turns = any(m.tool_calls or m.role == "tool" for m in req.messages)
+    template_for = getattr(tokenizer, "template_for", None)
+    template = (template_for(use_tools or turns) if template_for is not None
+                else getattr(tokenizer, "chat_template", None))
     kwargs = dict(req.chat_template_kwargs or {})
     clash = sorted(_RESERVED_TEMPLATE_VARS & set(kwargs))
     if clash:
         raise _bad("chat_template_kwargs", f"may not set {', '.join(clash)}")
     if req.reasoning_effort is not None:
         kwargs.setdefault("reasoning_effort", req.reasoning_effort)
-    use_tools = choice != "none"
     return ChatSetup(
         tools=tools if use_tools else None,
         tool_choice=choice,
