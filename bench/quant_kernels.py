@@ -36,9 +36,14 @@ import time
 import numpy as np
 
 from ftrs import _core as core
+from ftrs.quant.fixtures import random_blocks
+from ftrs.quant.iquant import IQ_TYPES, install_grids
+
+install_grids(core)  # the i-quants' tables, as `ftrs.quant` hands them to the kernels
 
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS", "NVFP4", "FP8_BLOCK"]
+         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS", "NVFP4", "FP8_BLOCK",
+         *IQ_TYPES]
 FP8, FP8_TILE = "FP8_BLOCK", (128, 128)  # block-scaled FP8 as DeepSeek / Qwen ship it
 # Byte offsets of each block's fp16 scales (ggml block structs): set finite in random blocks.
 SCALE_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_1": (0, 2), "Q5_1": (0, 2),
@@ -63,6 +68,8 @@ def random_weight(qtype: str, rows: int, cols: int, rng: np.random.Generator) ->
         gr, gc = -(-rows // FP8_TILE[0]), -(-cols // FP8_TILE[1])
         scales = (rng.random(gr * gc, dtype=np.float32) * 0.01 + 0.001).view(np.uint8)
         return np.concatenate([w8, scales])
+    if qtype in IQ_TYPES:  # random grid indices, signs and scales under a finite fp16 d
+        return random_blocks(qtype, rows, cols, rng).reshape(-1)
     block, nbytes = core.quant_block_info(qtype)
     blocks = rng.integers(0, 256, (rows * cols // block, nbytes), dtype=np.uint8)
     for off in SCALE_FIELDS.get(qtype, ()):

@@ -63,13 +63,24 @@ QWEN3MOE_TYPES = {  # every type ftrs keeps, one place each; expert down differs
 #: an IQ4_XS file's mix: IQ4_XS experts (IQ4_NL down), IQ4_NL attention
 IQ4_TYPES = {"experts.0.down": "IQ4_NL", "experts": "IQ4_XS", "q_proj": "IQ4_NL",
              "o_proj": "IQ4_XS", "embed_tokens": "Q8_0"}
+#: the i-quants of three bits and less, as unsloth's dynamic and llama.cpp's IQ2/IQ3 files mix
+#: them: a type per MoE layer for the experts (down differs), and the attention (every layer
+#: MoE: `LOW_IQ_CONFIG`, as llama.cpp's qwen3moe requires)
+LOW_IQ_TYPES = {
+    "layers.0.mlp.experts.0.down": "IQ3_S", "layers.0.mlp.experts": "IQ2_XXS",
+    "layers.1.mlp.experts.0.down": "IQ3_XXS", "layers.1.mlp.experts": "IQ2_XS",
+    "experts.0.down": "IQ2_S", "experts": "IQ1_S", "q_proj": "IQ1_M", "o_proj": "IQ3_S",
+    "embed_tokens": "Q8_0"}
+LOW_IQ_CONFIG = {"mlp_only_layers": []}
 MIXTRAL_TYPES = {"experts": "Q4_0", "self_attn": "Q8_0", "embed_tokens": "Q8_0",
                  "lm_head": "Q6_K"}
 
 
-def build(arch: str, types: dict[str, str], root: Path, seed: int = 1) -> tuple[Path, Path]:
-    """(GGUF file, HF checkpoint dir holding the file's dequantized weights)."""
-    cfg = quant_config(arch)
+def build(arch: str, types: dict[str, str], root: Path, seed: int = 1,
+          config: dict[str, Any] | None = None) -> tuple[Path, Path]:
+    """(GGUF file, HF checkpoint dir holding the file's dequantized weights); `config` updates
+    the tiny config."""
+    cfg = quant_config(arch) | (config or {})
     tensors = tiny_tensors(cfg, seed)
     gguf_path = root / f"{arch}.gguf"
     held = write_gguf(gguf_path, cfg, tensors, _mixed(types, seed),

@@ -153,7 +153,7 @@ def test_expert_tensor_of_the_wrong_shape(tmp_path: Path) -> None:
         load_model(str(path), torch.device("cpu"), torch.float32, progress=False)
 
 
-@pytest.mark.parametrize(("qtype", "block"), [("IQ2_XXS", (256, 66)), ("NVFP4", (64, 36))])
+@pytest.mark.parametrize(("qtype", "block"), [("TQ2_0", (256, 66)), ("NVFP4", (64, 36))])
 def test_unsupported_expert_type_named_before_loading(tmp_path: Path, qtype: str,
                                                       block: tuple[int, int]) -> None:
     # NVFP4 has ftrs blocks (ModelOpt safetensors) but a GGUF file keeps its tensor scale

@@ -32,9 +32,12 @@ from gguf import GGMLQuantizationType as GT  # noqa: E402
 from gguf.constants import GGML_QUANT_SIZES  # noqa: E402
 
 from ftrs.errors import ConfigError  # noqa: E402
+from ftrs.quant.fixtures import random_blocks  # noqa: E402
+from ftrs.quant.iquant import IQ_TYPES, install_grids  # noqa: E402
 
+install_grids(core)  # the i-quants' tables (the `gguf` package's), as `ftrs.quant` installs them
 TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS"]
+         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS", *IQ_TYPES]
 QUANTIZED_BY_GGUF = {"BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4"}
 # Byte offsets of a K-quant block's fp16 super-scales (d, dmin), from ggml's block structs.
 K_SCALE_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
@@ -59,6 +62,8 @@ def make_weights(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> 
         return floats.astype(np.float16).view(np.uint8)
     if qtype in QUANTIZED_BY_GGUF:
         return gguf.quants.quantize(floats, GT[qtype])
+    if qtype in IQ_TYPES:  # random grid indices, signs and scales under a finite fp16 d
+        return random_blocks(qtype, rows, cols, rng)
     block, nbytes = core.quant_block_info(qtype)
     blocks = rng.integers(0, 256, (rows * cols // block, nbytes), dtype=np.uint8)
     for off in K_SCALE_FIELDS[qtype]:

@@ -439,6 +439,13 @@ pub fn quant_block_info(qtype: &str) -> PyResult<(usize, usize)> {
     Ok(QType::parse(qtype).py()?.block_info())
 }
 
+/// Installs the grid of an i-quant type (`entries x width` fp32 values, row-major, as the
+/// `gguf` package's tables give them); the kernels refuse the type until then.
+#[pyfunction]
+pub fn quant_set_grid(qtype: &str, values: Vec<f32>) -> PyResult<()> {
+    quant::iq::set_grid(QType::lookup(qtype).py()?, &values).py()
+}
+
 /// The thread count the kernels use when a call passes 0.
 #[pyfunction]
 pub fn quant_threads() -> usize {
@@ -483,6 +490,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_experts_ffn, m)?)?;
     m.add_class::<PyQuantExperts>()?;
     m.add_function(wrap_pyfunction!(quant_block_info, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_set_grid, m)?)?;
     m.add_function(wrap_pyfunction!(quant_threads, m)?)?;
     m.add_function(wrap_pyfunction!(quant_set_threads, m)?)?;
     m.add_function(wrap_pyfunction!(quant_kernel, m)?)?;

@@ -229,6 +229,8 @@ def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
     return (dl * lut[torch.cat([q & 0xF, q >> 4], dim=2)]).view(n, 256)
 
 
+from ftrs.quant import iquant  # noqa: E402, F401  (registers the i-quants' dequantizers)
+
 TORCH_TYPES = frozenset(_TORCH) | frozenset(FLOAT_TYPES) | {FP8_BLOCK}
 
 

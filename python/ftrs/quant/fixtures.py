@@ -20,10 +20,14 @@ _F16_FIELDS: dict[str, tuple[tuple[int, ...], float]] = {
     "Q5_0": ((0,), 1.5e-2), "Q5_1": ((0, 2), 1.5e-2), "Q2_K": ((80, 82), 5e-3),
     "Q3_K": ((108,), 2.5e-3), "Q4_K": ((0, 2), 3e-4), "Q5_K": ((0, 2), 1.5e-4),
     "Q6_K": ((208,), 7e-5), "IQ4_NL": ((0,), 2.4e-3), "IQ4_XS": ((0,), 7e-5),
+    "IQ2_XXS": ((0,), 1.5e-3), "IQ2_XS": ((0,), 1.5e-3), "IQ2_S": ((0,), 1.5e-3),
+    "IQ3_XXS": ((0,), 5e-4), "IQ3_S": ((0,), 5e-4), "IQ1_S": ((0,), 1.5e-2),
 }
+#: IQ1_M keeps its fp16 d in the top nibbles of the four u16 scale words at bytes 48..56.
+_IQ1_M_SCALE = 1.5e-2
 #: MXFP4 (no fp16 field): e8m0 exponents 2^-7..2^-5, e2m1 values up to 6: weights within 0.19.
 _MXFP4_EXPONENTS = (120, 123)
-RANDOM_TYPES = (*_F16_FIELDS, "MXFP4")
+RANDOM_TYPES = (*_F16_FIELDS, "MXFP4", "IQ1_M")
 
 
 def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -38,6 +42,12 @@ def random_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) ->
         return raw.reshape(rows, -1)
     if qtype == "NVFP4":  # the blocks only: the caller adds the tensor scale
         raw[:, :4] = rng.integers(0, 0x80, size=(nblocks, 4), dtype=np.uint8)
+        return raw.reshape(rows, -1)
+    if qtype == "IQ1_M":
+        d = (rng.uniform(0.2, 1.0, size=nblocks) * _IQ1_M_SCALE).astype(np.float16).view(np.uint16)
+        words = raw[:, 48:56].copy().view(np.uint16) & 0x0FFF
+        nibbles = (d[:, None] >> np.array([0, 4, 8, 12], dtype=np.uint16)) & 0xF
+        raw[:, 48:56] = (words | (nibbles << 12)).astype(np.uint16).view(np.uint8)
         return raw.reshape(rows, -1)
     offsets, scale = _F16_FIELDS[qtype]
     for off in offsets:

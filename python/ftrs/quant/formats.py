@@ -61,6 +61,13 @@ GGUF_FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
     BlockFormat("IQ4_NL", 32, 18),
     BlockFormat("IQ4_XS", 256, 136),
     BlockFormat("NVFP4", 64, 36),
+    BlockFormat("IQ1_S", 256, 50),
+    BlockFormat("IQ1_M", 256, 56),
+    BlockFormat("IQ2_XXS", 256, 66),
+    BlockFormat("IQ2_XS", 256, 74),
+    BlockFormat("IQ2_S", 256, 82),
+    BlockFormat("IQ3_XXS", 256, 98),
+    BlockFormat("IQ3_S", 256, 110),
 )}
 #: Bytes a tensor of the type carries after its rows: NVFP4's fp32 tensor scale.
 TAIL_BYTES: dict[str, int] = {"NVFP4": 4}

@@ -55,7 +55,9 @@ def block_kernel_types() -> frozenset[str]:
     if not hasattr(core, "quant_matmul") or not hasattr(core, "quant_block_info"):
         return frozenset()
     from ftrs.quant.formats import GGUF_FORMATS
+    from ftrs.quant.iquant import install_grids
 
+    install_grids(core)  # the i-quants' tables, which the extension does not carry
     out = set()
     for name in GGUF_FORMATS:
         try:

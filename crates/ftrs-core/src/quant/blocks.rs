@@ -59,6 +59,21 @@ pub enum QType {
     /// w = e2m1(q) * ue4m3(s). A tensor of this type carries one fp32 scale after its rows
     /// ([`QType::tail_bytes`]: NVFP4's per-tensor `weight_scale_2`) that multiplies every weight.
     Nvfp4,
+    /// 256 weights: fp16 d, 8 x (4 grid bytes, u32 of sign indices and a scale); [`super::iq`].
+    Iq2Xxs,
+    /// 256 weights: fp16 d, 32 u16 of grid and sign indices, 16 4-bit scales.
+    Iq2Xs,
+    /// 256 weights: fp16 d, grid bytes, sign bits, high index bits, 16 4-bit scales.
+    Iq2S,
+    /// 256 weights: fp16 d, 64 grid bytes (4 weights each), 8 u32 of signs and a scale.
+    Iq3Xxs,
+    /// 256 weights: fp16 d, grid bytes, ninth index bits, sign bits, 8 4-bit scales.
+    Iq3S,
+    /// 256 weights: fp16 d, grid bytes, 8 u16 of high index bits, a scale and delta's sign.
+    Iq1S,
+    /// 256 weights: grid bytes, nibbles of high index bits and delta's sign, 4 u16 of scales
+    /// holding the fp16 d in their top nibbles.
+    Iq1M,
 }
 
 /// IQ4_NL's and IQ4_XS's 16 levels (ggml's `kvalues_iq4nl`).
@@ -68,7 +83,7 @@ pub const IQ4_VALUES: [i8; 16] = [
 
 impl QType {
     /// Every supported type, in the order of [`QType::name`]'s table.
-    pub const ALL: [QType; 17] = [
+    pub const ALL: [QType; 24] = [
         QType::F32,
         QType::F16,
         QType::BF16,
@@ -86,6 +101,13 @@ impl QType {
         QType::Iq4Nl,
         QType::Iq4Xs,
         QType::Nvfp4,
+        QType::Iq2Xxs,
+        QType::Iq2Xs,
+        QType::Iq2S,
+        QType::Iq3Xxs,
+        QType::Iq3S,
+        QType::Iq1S,
+        QType::Iq1M,
     ];
 
     /// The GGUF name (`"Q4_K"`, `"F16"`, ...).
@@ -108,12 +130,31 @@ impl QType {
             QType::Iq4Nl => "IQ4_NL",
             QType::Iq4Xs => "IQ4_XS",
             QType::Nvfp4 => "NVFP4",
+            QType::Iq2Xxs => "IQ2_XXS",
+            QType::Iq2Xs => "IQ2_XS",
+            QType::Iq2S => "IQ2_S",
+            QType::Iq3Xxs => "IQ3_XXS",
+            QType::Iq3S => "IQ3_S",
+            QType::Iq1S => "IQ1_S",
+            QType::Iq1M => "IQ1_M",
         }
     }
 
-    /// Parses a GGUF type name (case-insensitive); an unsupported one is a `Config` error
-    /// naming it.
+    /// Parses a GGUF type name (case-insensitive); an unsupported one, or an i-quant whose
+    /// grid is not installed ([`super::iq::set_grid`]), is a `Config` error naming it.
     pub fn parse(name: &str) -> Result<Self> {
+        let t = Self::lookup(name)?;
+        if !super::iq::ready(t) {
+            return Err(CoreError::Config(format!(
+                "{} needs its grid installed first (quant_set_grid)",
+                t.name()
+            )));
+        }
+        Ok(t)
+    }
+
+    /// The type named `name` (case-insensitive), whether or not it can be decoded yet.
+    pub fn lookup(name: &str) -> Result<Self> {
         let upper = name.to_ascii_uppercase();
         QType::ALL
             .into_iter()
@@ -146,6 +187,13 @@ impl QType {
             QType::Iq4Nl => (32, 18),
             QType::Iq4Xs => (QK_K, 136),
             QType::Nvfp4 => (64, 36),
+            QType::Iq2Xxs => (QK_K, 66),
+            QType::Iq2Xs => (QK_K, 74),
+            QType::Iq2S => (QK_K, 82),
+            QType::Iq3Xxs => (QK_K, 98),
+            QType::Iq3S => (QK_K, 110),
+            QType::Iq1S => (QK_K, 50),
+            QType::Iq1M => (QK_K, 56),
         }
     }
 
@@ -309,6 +357,13 @@ pub fn decode_block(t: QType, b: &[u8], out: &mut [f32]) {
             }
         }
         QType::Iq4Xs => decode_iq4xs(b, out),
+        QType::Iq2Xxs
+        | QType::Iq2Xs
+        | QType::Iq2S
+        | QType::Iq3Xxs
+        | QType::Iq3S
+        | QType::Iq1S
+        | QType::Iq1M => super::iq::decode(t, b, out),
         QType::Nvfp4 => {
             for j in 0..4 {
                 let d = ue4m3_half(b[j]);

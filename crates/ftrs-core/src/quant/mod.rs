@@ -21,6 +21,7 @@
 
 pub mod blocks;
 pub mod fp8;
+pub mod iq;
 pub mod kernel;
 pub mod pool;
 pub mod simd;

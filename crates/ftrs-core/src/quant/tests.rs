@@ -30,17 +30,28 @@ impl Rng {
 /// Offsets of the fp16 scale fields inside one block of `t`.
 fn scale_fields(t: QType) -> &'static [usize] {
     match t {
-        QType::Q8_0 | QType::Q4_0 | QType::Q5_0 | QType::Iq4Nl | QType::Iq4Xs => &[0],
+        QType::Q8_0
+        | QType::Q4_0
+        | QType::Q5_0
+        | QType::Iq4Nl
+        | QType::Iq4Xs
+        | QType::Iq2Xxs
+        | QType::Iq2Xs
+        | QType::Iq2S
+        | QType::Iq3Xxs
+        | QType::Iq3S
+        | QType::Iq1S => &[0],
         QType::Q4_1 | QType::Q5_1 | QType::Q4K | QType::Q5K => &[0, 2],
         QType::Q2K => &[80, 82],
         QType::Q3K => &[108],
         QType::Q6K => &[208],
-        QType::F32 | QType::F16 | QType::BF16 | QType::Mxfp4 | QType::Nvfp4 => &[],
+        QType::F32 | QType::F16 | QType::BF16 | QType::Mxfp4 | QType::Nvfp4 | QType::Iq1M => &[],
     }
 }
 
 /// `rows x cols` random weights of type `t`: random bytes with finite fp16 scales.
 fn random_weights(t: QType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
+    super::iq::test_grids::install();
     let (be, bb) = t.block_info();
     let blocks = rows * cols / be;
     let mut w = Vec::with_capacity(blocks * bb);
@@ -54,6 +65,14 @@ fn random_weights(t: QType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> 
                 for &off in scale_fields(t) {
                     let s = f16::from_f32(rng.unit() * 0.1).to_le_bytes();
                     b[off..off + 2].copy_from_slice(&s);
+                }
+                if t == QType::Iq1M {
+                    // its fp16 d is the top nibbles of the four u16 scale words at 48..56
+                    let d = f16::from_f32(rng.unit() * 0.1).to_bits();
+                    for k in 0..4 {
+                        let at = 48 + 2 * k + 1;
+                        b[at] = (b[at] & 0x0F) | ((((d >> (4 * k)) & 0xF) as u8) << 4);
+                    }
                 }
                 if t == QType::Mxfp4 {
                     b[0] = 118 + (rng.next() % 12) as u8; // 2^-10 .. 2^1: finite products
@@ -447,7 +466,7 @@ fn sizes_are_checked_before_any_write() {
     let e = matmul(QType::Q4K, &w, &x, &mut out[..2], 3, 256, 1, Isa::Portable);
     assert!(matches!(e, Err(CoreError::Config(m)) if m.contains("out has 2 floats")));
     assert_eq!(out, vec![7f32; 3]);
-    assert!(matches!(QType::parse("IQ2_XXS"), Err(CoreError::Config(m)) if m.contains("IQ2_XXS")));
+    assert!(matches!(QType::parse("TQ2_0"), Err(CoreError::Config(m)) if m.contains("TQ2_0")));
     assert_eq!(QType::parse("q4_k").unwrap(), QType::Q4K);
 }
 
@@ -571,4 +590,17 @@ fn q5_1_block_pairs_cover_odd_counts_and_several_gathers() {
             }
         }
     }
+}
+
+#[test]
+fn an_iquant_grid_is_checked_when_installed() {
+    use super::iq::set_grid;
+    super::iq::test_grids::install();
+    let e = set_grid(QType::Iq3S, &[1.0; 100]);
+    assert!(matches!(e, Err(CoreError::Config(m)) if m.contains("100 values, expected 512 x 4")));
+    let e = set_grid(QType::Iq3S, &[1.0; 2048]);
+    assert!(matches!(e, Err(CoreError::Config(m)) if m.contains("already installed")));
+    let e = set_grid(QType::Q4K, &[]);
+    assert!(matches!(e, Err(CoreError::Config(m)) if m.contains("Q4_K has no grid")));
+    assert_eq!(QType::parse("iq1_m").unwrap(), QType::Iq1M);
 }
