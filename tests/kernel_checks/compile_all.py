@@ -53,7 +53,9 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     weights = {"none": ("*bf16", "*bf16"), "Q8_0": ("*i8", "*fp16"), "FP8_BLOCK": ("*u8", "*fp32"),
                "Q4_K": ("*u8", "*fp16"), "Q5_1": ("*u8", "*fp16"), "Q6_K": ("*u8", "*fp16"),
                "MXFP4": ("*u8", "*u8"), "IQ4_NL": ("*u8", "*fp16"), "IQ4_XS": ("*u8", "*fp16"),
-               **{q: ("*u8", "*fp16") for q in ("Q4_0", "Q4_1", "Q5_0", "Q2_K", "Q3_K", "Q5_K")},
+               **{q: ("*u8", "*fp16") for q in ("Q4_0", "Q4_1", "Q5_0", "Q2_K", "Q3_K", "Q5_K",
+                                                 "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+                                                 "IQ3_XXS", "IQ3_S")},
                "NVFP4": ("*u8", "*fp32")}
     cases = [(q, dt, False) for q in weights for dt in (("bf16", "fp32") if q == "none"
                                                           else ("bf16",))]
@@ -66,7 +68,7 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                   "PREC": "ieee" if dt == "fp32" else "tf32", "HAS_BIAS": gpt_oss,
                   "CLAMP": gpt_oss, "ALPHA": 1.702, "LIMIT": 7.0}
         ptrs = {"*": f"*{dt}", "pair_ptr": "*i32", "bslot_ptr": "*i32", "g_ptr": w, "u_ptr": w,
-                "d_ptr": w, "gs_ptr": st, "us_ptr": st, "ds_ptr": st}
+                "d_ptr": w, "gs_ptr": st, "us_ptr": st, "ds_ptr": st, "grid_ptr": "*fp32"}
         tag = f"{qtype}{' gpt_oss' if gpt_oss else ''} {dt}"
         for name, fn in (("gate_up", moe._moe_gate_up_kernel), ("down", moe._moe_down_kernel)):
             own = {p.name for p in fn.params if p.is_constexpr}

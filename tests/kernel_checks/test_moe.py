@@ -280,6 +280,10 @@ def test_dequant_fp8_block_scales_each_tile() -> None:
     ("Q5_K", "Q6_K", 256, 256),  # a Q5_K_M file's
     ("Q4_0", "Q5_0", 96, 160),  # the legacy blocks, and a K-quant file's fallback rows
     ("Q4_1", "Q8_0", 160, 96),
+    ("IQ2_XXS", "IQ3_S", 256, 256),  # unsloth's dynamic IQ2 files' mixes
+    ("IQ2_XS", "IQ3_XXS", 256, 256),
+    ("IQ1_S", "IQ2_S", 256, 256),
+    ("IQ1_M", "IQ4_XS", 256, 256),
 ])
 def test_fused_moe_gguf_types_mixed_per_matrix(device: str, gate_up: str, down: str, h: int,
                                                i: int) -> None:
@@ -316,7 +320,8 @@ def test_reference_dequantizes_the_gguf_types_as_gguf() -> None:
 
     rng = np.random.default_rng(15)
     for qtype in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K", "MXFP4",
-                  "IQ4_NL", "IQ4_XS"):
+                  "IQ4_NL", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S",
+                  "IQ1_M"):
         raw = random_blocks(qtype, 4, 512, rng)
         want = dequantize(raw, GGMLQuantizationType[qtype])
         assert torch.equal(dequant_gguf(torch.from_numpy(raw), qtype, torch.float32),

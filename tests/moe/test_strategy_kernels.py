@@ -156,9 +156,9 @@ def test_offload_waves_with_kernels(tiny_models: dict[str, Path], device: torch.
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "MXFP4", "IQ4_XS", "Q3_K", "Q5_K",
+@pytest.mark.parametrize("qtype", ["Q8_0", "MXFP4", "IQ4_XS", "Q3_K", "Q5_K", "IQ2_XXS",
                                    *(pytest.param(q, marks=pytest.mark.slow)
-                                     for q in ("Q4_K", "Q2_K", "Q4_0", "Q5_0"))])
+                                     for q in ("Q4_K", "Q2_K", "Q4_0", "Q5_0", "IQ1_M", "IQ3_S"))])
 def test_quantized_kernel_matches_the_reference(tmp_path: Path, device: torch.device,
                                                 kern: Kernels, qtype: str) -> None:
     """Tiny qwen3moe GGUF (MoE layers 0 and 2): experts in `qtype`, but layer 0's `up` of

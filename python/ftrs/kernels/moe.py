@@ -53,6 +53,11 @@ to fp32 and casts, the same rounding), so no scratch copy exists:
 - `NVFP4` (ggml's `block_nvfp4`): uint8 (slots, rows, cols/64*36); four 16-value sub-blocks,
   each a ue4m3 scale byte and 8 bytes of e2m1 nibbles, and one fp32 tensor scale per matrix
   (`scales`: one per slot): (e2m1(q)*scale)*tensor scale.
+- `IQ1_S`, `IQ1_M`, `IQ2_XXS`, `IQ2_XS`, `IQ2_S`, `IQ3_XXS`, `IQ3_S` (GGUF): 50-, 56-, 66-, 74-,
+  82-, 98- and 110-byte super-blocks of 256 (`quant/iquant.py`): grid indices, signs, small
+  scales under an fp16 d; each value is a grid entry read from the type's fp32 grid (a kernel
+  argument, `grid_ptr`), times its scale and sign (IQ1: plus its ±0.125 delta), in the
+  reference decoder's order.
 - `FP8_BLOCK`: float8_e4m3fn (slots, rows, cols) with fp32 `scales` (slots, rows/br, cols/bc)
   per (br, bc) tile (`fp8_block`), the layout of `ftrs.quant`: w*scale.
 Gate and up share one type (one kernel reads both); `down` may have its own GGUF type
@@ -83,11 +88,14 @@ __all__ = ["QTYPES", "SlotWeights", "combine_pairs", "dequant_fp8_block", "dequa
            "dequant_q4_k", "dequant_q8_0", "fused_moe_ref", "fused_moe_triton",
            "moe_pairs_triton", "sort_pairs"]
 
+#: the i-quants of three bits and less, which read their format's grid (`_grid_arg`)
+_IQ_CODES = {"IQ2_XXS": 16, "IQ2_XS": 17, "IQ2_S": 18, "IQ3_XXS": 19, "IQ3_S": 20, "IQ1_S": 21,
+             "IQ1_M": 22}
 QTYPES = ("none", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-          "MXFP4", "IQ4_NL", "IQ4_XS", "NVFP4", "FP8_BLOCK")
+          "MXFP4", "IQ4_NL", "IQ4_XS", *_IQ_CODES, "NVFP4", "FP8_BLOCK")
 _QUANT_CODE = {"none": 0, "Q8_0": 1, "FP8_BLOCK": 2, "Q4_K": 3, "Q5_1": 4, "Q6_K": 5, "MXFP4": 6,
                "IQ4_NL": 7, "IQ4_XS": 8, "Q4_0": 9, "Q4_1": 10, "Q5_0": 11, "Q2_K": 12,
-               "Q3_K": 13, "Q5_K": 14, "NVFP4": 15}
+               "Q3_K": 13, "Q5_K": 14, "NVFP4": 15, **_IQ_CODES}
 #: Types whose gate/up and down must share the type (a side buffer outside the GGUF blocks).
 _UNMIXED = ("FP8_BLOCK", "NVFP4")
 
@@ -107,8 +115,8 @@ if triton_importable():
             return tl.dot(a, b, acc, input_precision=PREC)
 
     @triton.jit
-    def _moe_gate_up_kernel(x_ptr, pair_ptr, bslot_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, act_ptr,
-                            gb_ptr, ub_ptr, stride_gbs, stride_ubs,
+    def _moe_gate_up_kernel(x_ptr, pair_ptr, bslot_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, grid_ptr,
+                            act_ptr, gb_ptr, ub_ptr, stride_gbs, stride_ubs,
                             n_pairs, top_k, hidden, inter, stride_xt, stride_s, stride_r, sc_stride_s,
                             sc_stride_r, stride_act, QUANT: tl.constexpr, BR: tl.constexpr,
                             BC: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -131,11 +139,11 @@ if triton_importable():
             k = k0 + tl.arange(0, BLOCK_K)
             xa = tl.load(x_ptr + tok[:, None] * stride_xt + k[None, :],
                          mask=valid[:, None] & (k < hidden)[None, :], other=0.0)
-            wg = _w_tile(g_ptr, gs_ptr, slot, n, k, inter, hidden, stride_s, stride_r, sc_stride_s,
-                         sc_stride_r, QUANT, DT, BR, BC)
+            wg = _w_tile(g_ptr, gs_ptr, grid_ptr, slot, n, k, inter, hidden, stride_s, stride_r,
+                         sc_stride_s, sc_stride_r, QUANT, DT, BR, BC)
             acc_g = _mm(acc_g, xa, wg, UPCAST, PREC)
-            wu = _w_tile(u_ptr, us_ptr, slot, n, k, inter, hidden, stride_s, stride_r, sc_stride_s,
-                         sc_stride_r, QUANT, DT, BR, BC)
+            wu = _w_tile(u_ptr, us_ptr, grid_ptr, slot, n, k, inter, hidden, stride_s, stride_r,
+                         sc_stride_s, sc_stride_r, QUANT, DT, BR, BC)
             acc_u = _mm(acc_u, xa, wu, UPCAST, PREC)
         if HAS_BIAS:  # F.linear with a bias: the product plus the bias, one rounding
             bmask = n < inter
@@ -159,7 +167,7 @@ if triton_importable():
                  mask=valid[:, None] & (n < inter)[None, :])
 
     @triton.jit
-    def _moe_down_kernel(act_ptr, pair_ptr, bslot_ptr, d_ptr, ds_ptr, rw_ptr, y_ptr, db_ptr,
+    def _moe_down_kernel(act_ptr, pair_ptr, bslot_ptr, d_ptr, ds_ptr, grid_ptr, rw_ptr, y_ptr, db_ptr,
                          stride_dbs, n_pairs, hidden, inter,
                          stride_act, stride_s, stride_r, sc_stride_s, sc_stride_r, stride_y,
                          QUANT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
@@ -180,8 +188,8 @@ if triton_importable():
             k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(act_ptr + pair[:, None] * stride_act + k[None, :],
                         mask=valid[:, None] & (k < inter)[None, :], other=0.0)
-            wd = _w_tile(d_ptr, ds_ptr, slot, n, k, hidden, inter, stride_s, stride_r, sc_stride_s,
-                         sc_stride_r, QUANT, DT, BR, BC)
+            wd = _w_tile(d_ptr, ds_ptr, grid_ptr, slot, n, k, hidden, inter, stride_s, stride_r,
+                         sc_stride_s, sc_stride_r, QUANT, DT, BR, BC)
             acc = _mm(acc, a, wd, UPCAST, PREC)
         if HAS_BIAS:
             db = tl.load(db_ptr + slot * stride_dbs + n, mask=n < hidden, other=0.0)
@@ -256,6 +264,16 @@ def _weight_args(w: SlotWeights, which: int) -> tuple[torch.Tensor, torch.Tensor
     return m, m, m.stride(0), m.stride(1), 0, 0
 
 
+def _grid_arg(qtype: str, x: torch.Tensor) -> torch.Tensor:
+    """The fp32 grid an i-quant's tiles read (`quant.iquant`'s, on x's device); `x` (never
+    read) for every other type."""
+    if qtype not in _IQ_CODES:
+        return x
+    from ftrs.quant.iquant import _grid
+
+    return _grid(qtype, x.device)
+
+
 def _bias_args(w: SlotWeights, x: torch.Tensor, inter: int, hidden: int
                ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], tuple[int, int, int]]:
     """(gate, up, down bias rows), (their slot strides); `x` (never read) without biases."""
@@ -317,12 +335,14 @@ def moe_pairs_triton(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     if (uss, usr, uscs, uscr) != (ss, sr, scs, scr):
         raise ValueError("fused_moe: gate and up need the same strides")
     _moe_gate_up_kernel[(num_blocks, triton.cdiv(inter, 64))](
-        x, srt.pair_of_row, srt.block_slot, g, gs, u, us, act, gb, ub, gbs, ubs, n, top_k, hidden,
+        x, srt.pair_of_row, srt.block_slot, g, gs, u, us, _grid_arg(w.qtype, x), act, gb, ub, gbs,
+        ubs, n, top_k, hidden,
         inter, x.stride(0), ss, sr, scs, scr, act.stride(0), QUANT=_QUANT_CODE[w.qtype],
         CLAMP=w.clamp is not None, ALPHA=float(alpha), LIMIT=float(limit), **consts)
     d, ds, dss, dsr, dscs, dscr = _weight_args(w, 2)
     _moe_down_kernel[(num_blocks, triton.cdiv(hidden, 64))](
-        act, srt.pair_of_row, srt.block_slot, d, ds, rw, y, db, dbs, n, hidden, inter,
+        act, srt.pair_of_row, srt.block_slot, d, ds, _grid_arg(w.qtype_of(2), x), rw, y, db, dbs,
+        n, hidden, inter,
         act.stride(0), dss, dsr, dscs, dscr, y.stride(0), QUANT=_QUANT_CODE[w.qtype_of(2)],
         **consts)
     return y

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 _BLOCK = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
           "Q5_1": (32, 24), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144),
           "Q5_K": (256, 176), "Q6_K": (256, 210), "MXFP4": (32, 17), "IQ4_NL": (32, 18),
-          "IQ4_XS": (256, 136), "NVFP4": (64, 36)}  # values and bytes per block
+          "IQ4_XS": (256, 136), "NVFP4": (64, 36), "IQ2_XXS": (256, 66), "IQ2_XS": (256, 74),
+          "IQ2_S": (256, 82), "IQ3_XXS": (256, 98), "IQ3_S": (256, 110), "IQ1_S": (256, 50),
+          "IQ1_M": (256, 56)}  # values and bytes per block
 
 
 class SlotWeights(NamedTuple):

@@ -158,10 +158,115 @@ if triton_importable():
             return round_to((d * lvl) * ts, DT)
 
     @triton.jit
-    def _w_tile(w_ptr, ws_ptr, slot, n, k, n_rows, n_cols, stride_s, stride_r, sc_stride_s,
-                sc_stride_r, QUANT: tl.constexpr, DT: tl.constexpr, BR: tl.constexpr,
-                BC: tl.constexpr):
-        """(BK, BN) tile of W^T for W (n_rows, n_cols) of `slot`: rows `n`, columns `k`."""
+    def _byte(bb, off, mask):
+        return tl.load(bb + off, mask=mask, other=0).to(tl.int32)
+
+    @triton.jit
+    def _sign7(idx, j):
+        """-1 or 1: bit `j` (0..7) of the byte a 7-bit sign index stands for (its seven bits and
+        an eighth making the count of ones even)."""
+        p = idx ^ (idx >> 4)
+        p = p ^ (p >> 2)
+        p = (p ^ (p >> 1)) & 1
+        bit = tl.where(j < 7, (idx >> j) & 1, p)
+        return tl.where(bit == 0, 1.0, -1.0)
+
+    @triton.jit
+    def _iq_tile(w_ptr, ws_ptr, grid_ptr, slot, n, k, n_rows, n_cols, stride_s, stride_r,
+                 sc_stride_s, sc_stride_r, QUANT: tl.constexpr, DT: tl.constexpr):
+        """The i-quants of three bits and less (codes 16..22; 256-value super-blocks, layouts in
+        `quant/iquant.py`): each value's grid row entry read from `grid_ptr` (the type's fp32
+        grid, 8 or 4 values a row), its sign, its scale, in the reference decoder's order."""
+        mask = (n < n_rows)[None, :] & (k < n_cols)[:, None]
+        base = w_ptr + slot * stride_s + n[None, :] * stride_r
+        sbase = ws_ptr + slot * sc_stride_s + n[None, :] * sc_stride_r
+        sb = k // 256
+        i = (k % 256)[:, None]
+        j8 = i % 8
+        k8 = i // 8  # the 8-value group
+        if QUANT == 16:  # IQ2_XXS, 66 bytes
+            bb = base + (sb * 66)[:, None]
+            ib = i // 32
+            at = bb + 2 + 8 * ib
+            aux = (_byte(at, 4, mask) | (_byte(at, 5, mask) << 8) | (_byte(at, 6, mask) << 16)
+                   | (_byte(at, 7, mask).to(tl.uint32) << 24).to(tl.int32))
+            idx = _byte(at, (i % 32) // 8, mask)
+            sgn = _sign7((aux >> (7 * ((i % 32) // 8))) & 127, j8)
+            d = tl.load(sbase + (sb * 33)[:, None], mask=mask, other=0.0).to(tl.float32)
+            db = (d * (0.5 + ((aux >> 28) & 15).to(tl.float32))) * 0.25
+            g = tl.load(grid_ptr + idx * 8 + j8, mask=mask, other=0.0)
+            return round_to((db * g) * sgn, DT)
+        elif QUANT == 17:  # IQ2_XS, 74 bytes: u16 (9-bit grid index, 7-bit sign index)
+            bb = base + (sb * 74)[:, None]
+            q = _byte(bb, 2 + 2 * k8, mask) | (_byte(bb, 3 + 2 * k8, mask) << 8)
+            s = (_byte(bb, 66 + k8 // 4, mask) >> (4 * ((k8 // 2) % 2))) & 15
+            d = tl.load(sbase + (sb * 37)[:, None], mask=mask, other=0.0).to(tl.float32)
+            db = (d * (0.5 + s.to(tl.float32))) * 0.25
+            g = tl.load(grid_ptr + (q & 511) * 8 + j8, mask=mask, other=0.0)
+            return round_to((db * g) * _sign7(q >> 9, j8), DT)
+        elif QUANT == 18:  # IQ2_S, 82 bytes: grid bytes, sign bytes, high bits, scales
+            bb = base + (sb * 82)[:, None]
+            idx = _byte(bb, 2 + k8, mask) | (((_byte(bb, 66 + k8 // 4, mask) >> (2 * (k8 % 4)))
+                                              & 3) << 8)
+            bit = (_byte(bb, 34 + k8, mask) >> j8) & 1
+            s = (_byte(bb, 74 + k8 // 4, mask) >> (4 * ((k8 // 2) % 2))) & 15
+            d = tl.load(sbase + (sb * 41)[:, None], mask=mask, other=0.0).to(tl.float32)
+            db = (d * (0.5 + s.to(tl.float32))) * 0.25
+            g = tl.load(grid_ptr + idx * 8 + j8, mask=mask, other=0.0)
+            return round_to((db * g) * tl.where(bit == 0, 1.0, -1.0), DT)
+        elif QUANT == 19:  # IQ3_XXS, 98 bytes: grid bytes (4 values each), u32 signs + scale
+            bb = base + (sb * 98)[:, None]
+            at = bb + 66 + 4 * (i // 32)
+            aux = (_byte(at, 0, mask) | (_byte(at, 1, mask) << 8) | (_byte(at, 2, mask) << 16)
+                   | (_byte(at, 3, mask).to(tl.uint32) << 24).to(tl.int32))
+            idx = _byte(bb, 2 + i // 4, mask)
+            sgn = _sign7((aux >> (7 * ((i % 32) // 8))) & 127, j8)
+            d = tl.load(sbase + (sb * 49)[:, None], mask=mask, other=0.0).to(tl.float32)
+            db = (d * (0.5 + ((aux >> 28) & 15).to(tl.float32))) * 0.5
+            g = tl.load(grid_ptr + idx * 4 + i % 4, mask=mask, other=0.0)
+            return round_to((db * g) * sgn, DT)
+        elif QUANT == 20:  # IQ3_S, 110 bytes: grid bytes, ninth bits, sign bits, scales
+            bb = base + (sb * 110)[:, None]
+            k4 = i // 4
+            idx = _byte(bb, 2 + k4, mask) | (((_byte(bb, 66 + k4 // 8, mask) >> (k4 % 8)) & 1)
+                                             << 8)
+            bit = (_byte(bb, 74 + i // 8, mask) >> j8) & 1
+            s = (_byte(bb, 106 + i // 64, mask) >> (4 * ((i // 32) % 2))) & 15
+            d = tl.load(sbase + (sb * 55)[:, None], mask=mask, other=0.0).to(tl.float32)
+            db = d * (1 + 2 * s).to(tl.float32)
+            g = tl.load(grid_ptr + idx * 4 + i % 4, mask=mask, other=0.0)
+            return round_to((db * g) * tl.where(bit == 0, 1.0, -1.0), DT)
+        elif QUANT == 21:  # IQ1_S, 50 bytes: grid bytes, u16 of high bits, scale, delta sign
+            bb = base + (sb * 50)[:, None]
+            ib = i // 32
+            qh = _byte(bb, 34 + 2 * ib, mask) | (_byte(bb, 35 + 2 * ib, mask) << 8)
+            idx = _byte(bb, 2 + k8, mask) | (((qh >> (3 * (k8 % 4))) & 7) << 8)
+            d = tl.load(sbase + (sb * 25)[:, None], mask=mask, other=0.0).to(tl.float32)
+            dl = d * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
+            delta = tl.where((qh & 0x8000) == 0, 0.125, -0.125)
+            g = tl.load(grid_ptr + idx * 8 + j8, mask=mask, other=0.0)
+            return round_to(dl * (g + delta), DT)
+        else:  # IQ1_M, 56 bytes: grid bytes, nibbles (high bits, delta sign), 4 u16 scales
+            bb = base + (sb * 56)[:, None]
+            nib = (_byte(bb, 32 + k8 // 2, mask) >> (4 * (k8 % 2))) & 15
+            idx = _byte(bb, k8, mask) | ((nib & 7) << 8)
+            sub = i // 16
+            w = _byte(bb, 48 + 2 * (sub // 4), mask) | (_byte(bb, 49 + 2 * (sub // 4), mask) << 8)
+            s = (w >> (3 * (sub % 4))) & 7
+            bits = ((_byte(bb, 49, mask) >> 4) | (_byte(bb, 51, mask) & 0xF0)
+                    | ((_byte(bb, 53, mask) & 0xF0) << 4) | ((_byte(bb, 55, mask) & 0xF0) << 8))
+            d = bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            dl = d * (2 * s + 1).to(tl.float32)
+            delta = tl.where((nib & 8) == 0, 0.125, -0.125)
+            g = tl.load(grid_ptr + idx * 8 + j8, mask=mask, other=0.0)
+            return round_to(dl * (g + delta), DT)
+
+    @triton.jit
+    def _w_tile(w_ptr, ws_ptr, grid_ptr, slot, n, k, n_rows, n_cols, stride_s, stride_r,
+                sc_stride_s, sc_stride_r, QUANT: tl.constexpr, DT: tl.constexpr,
+                BR: tl.constexpr, BC: tl.constexpr):
+        """(BK, BN) tile of W^T for W (n_rows, n_cols) of `slot`: rows `n`, columns `k`
+        (`grid_ptr`: an i-quant's grid, codes 16..22)."""
         mask = (n < n_rows)[None, :] & (k < n_cols)[:, None]
         base = w_ptr + slot * stride_s + n[None, :] * stride_r
         sbase = ws_ptr + slot * sc_stride_s + n[None, :] * sc_stride_r
@@ -244,6 +349,9 @@ if triton_importable():
             ls = ((lo >> (4 * (s % 2))[:, None]) & 15) | (((hw >> (2 * s)[:, None]) & 3) << 4)
             d = tl.load(sbase + (sb * 68)[:, None], mask=mask, other=0.0).to(tl.float32)
             return round_to((d * (ls - 32).to(tl.float32)) * lvl, DT)
+        elif QUANT >= 16:
+            return _iq_tile(w_ptr, ws_ptr, grid_ptr, slot, n, k, n_rows, n_cols, stride_s,
+                            stride_r, sc_stride_s, sc_stride_r, QUANT, DT)
         elif QUANT >= 9:
             return _low_quants(w_ptr, ws_ptr, slot, n, k, n_rows, n_cols, stride_s, stride_r,
                                sc_stride_s, sc_stride_r, QUANT, DT)

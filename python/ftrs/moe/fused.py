@@ -31,7 +31,8 @@ from ftrs.quant.formats import FP8_BLOCK, fp8_scale_grid, row_bytes
 log = logging.getLogger(__name__)
 #: The GGUF block types the kernel dequantizes itself, which gate/up and down may mix.
 GGUF_KERNEL_QTYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-                      "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS")
+                      "Q6_K", "MXFP4", "IQ4_NL", "IQ4_XS", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS",
+                      "IQ2_S", "IQ3_XXS", "IQ3_S")
 #: Every quantized type it reads (`ftrs.kernels.moe.QTYPES`): NVFP4 and FP8 carry side
 #: buffers (a tensor scale, tile scales) and are not mixed.
 KERNEL_QTYPES = (*GGUF_KERNEL_QTYPES, "NVFP4", FP8_BLOCK)
