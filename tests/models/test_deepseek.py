@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from decode_checks import record_logits
+from ftrs.errors import ModelLoadError
 from ftrs.layers.moe import route_grouped
 from ftrs.llm import LLM
 from ftrs.models.arch import arch_from_config
@@ -175,3 +176,24 @@ def test_bf16_within_measured_tolerance(models: dict[str, Path]) -> None:
     b16 = LLM(path, kv_tokens=1024, dtype="bfloat16").logits(IDS)
     per_token = (b16.float() - fp32).abs().amax(dim=1)
     assert int((per_token > BF16_TOKEN_TOL).sum()) <= BF16_FLIPS, per_token.tolist()
+
+
+def test_kimi_k2_config_is_deepseek_v3(models: dict[str, Path], tmp_path: Path) -> None:
+    """Kimi-K2's config.json names its own model type over DeepSeek-V3's architecture: the
+    same checkpoint under that name is the same model (transformers' logits on the original)."""
+    import json
+    import shutil
+
+    src = models["q_lora"]
+    kimi = tmp_path / "kimi"
+    shutil.copytree(src, kimi)
+    cfg = json.loads((kimi / "config.json").read_text())
+    cfg |= {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}
+    (kimi / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(str(kimi), kv_tokens=1024, dtype="float32")
+    ours = llm.logits(IDS)
+    llm.close()
+    assert (ours - ref_logits(src, IDS)).abs().max().item() <= TOL
+    (kimi / "config.json").write_text(json.dumps(cfg | {"architectures": ["KimiLinear"]}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'kimi_k2'"):
+        LLM(str(kimi), kv_tokens=1024, dtype="float32")

@@ -44,6 +44,9 @@ SPLITS = {
     # runs; what no split takes (the spaces before digits, an extra space) stands alone
     "deepseek-llm": ["helloWorld", " ", "12345", " it", "'", "s", " HTTPServer", "\n", "\n",
                      " ", " x", "/", "y"],
+    # Kimi-K2 / Moonlight: o200k's split here (no Han ideographs in TEXT; see below)
+    "kimi-k2": ["hello", "World", " ", "123", "45", " it's", " HTTPServer", "\n\n", " ", " x",
+                "/y"],
     # SmolLM: single digits, then GPT-2's split
     "smollm": ["helloWorld", " ", "1", "2", "3", "4", "5", " it", "'s", " HTTPServer", "\n\n ",
                " x", "/", "y"],
@@ -124,3 +127,32 @@ def test_deepseek_llm_splits_as_llama_cpp_does(smollm_gguf: Path, tmp_path: Path
     assert ours.tk.token_to_id("12345") in theirs
     gpt2 = Tokenizer.from_gguf_fields(gguf_metadata(gguf.GGUFReader(str(smollm_gguf))), "s")
     assert gpt2.encode(text) != theirs  # the split decides the tokens of this text
+
+
+def test_kimi_k2_splits_han_runs_apart_from_other_letters() -> None:
+    # o200k's letters include the Han ideographs; Kimi's split takes a run of them first, and
+    # its words are o200k's with them taken out (kana stay letters of a word)
+    text = "日本語abcカタカナ 你好World"
+    for pre, want in (("gpt-4o", ["日本語abcカタカナ", " 你好World"]),
+                      ("kimi-k2", ["日本語", "abcカタカナ", " ", "你好", "World"])):
+        pieces = gguf_pre_tokenizer(pre, "t.gguf").pre_tokenize_str(text)
+        assert [text[a:b] for _, (a, b) in pieces] == want, pre
+
+
+def test_kimi_k2_splits_as_llama_cpp_does(smollm_gguf: Path, tmp_path: Path) -> None:
+    """The demo's real vocabulary under Kimi-K2's split (`kimi-k2`, which llama.cpp computes by
+    its own code, not a regex): ftrs tokenizes a text of many scripts as llama.cpp does."""
+    import gguf
+
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = rewrite(smollm_gguf, tmp_path / "kimi.gguf", fields={"tokenizer.ggml.pre": "kimi-k2"})
+    ours = Tokenizer.from_gguf_fields(gguf_metadata(gguf.GGUFReader(str(path))), str(path))
+    peer = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    text = ("helloWorld 12345 it's HTTPServer IT'S Don'T\n\n  x/y\r\n 日本語abcカタカナ 你好World "
+            "中文。混合English文字 ÀÉÎõü ne\u0301x 세계 Ⓐ ﬁ ǅ ʔ ａｂ 7km！ \U00020000x  ok  \n\t end   ")
+    theirs = peer.tokenize(text.encode(), add_bos=False, special=False)
+    assert ours.encode(text) == theirs
+    o200k = Tokenizer.from_gguf_fields(_meta("gpt-4o") | {
+        k: v for k, v in gguf_metadata(gguf.GGUFReader(str(smollm_gguf))).items()
+        if k.startswith("tokenizer.ggml.") and k != "tokenizer.ggml.pre"}, "o")
+    assert o200k.encode(text) != theirs  # the Han split decides the tokens of this text

@@ -17,7 +17,8 @@ from ftrs.server.toolcalls import TOOL_PARSERS
 
 
 @pytest.fixture(scope="module", params=["mistral", "llama3_json", "deepseek_v3", "deepseek_v31",
-                                               "glm45", "qwen3_coder", "minimax_m2", "gpt_oss"])
+                                               "kimi_k2", "glm45", "qwen3_coder", "minimax_m2",
+                                               "gpt_oss"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[Any]:
     pytest.importorskip("ftrs.engine.core")

@@ -41,14 +41,14 @@ def run(parser: str, text: str, chunk: int) -> tuple[str, list[tuple[str, str, s
     return content + c, [(x.id, x.name, x.arguments) for x in p.calls], deltas + d
 
 
-def assemble(deltas: list[ToolCallDelta]) -> list[tuple[str, str, str]]:
+def assemble(deltas: list[ToolCallDelta], ids: re.Pattern[str] = ID) -> list[tuple[str, str, str]]:
     """What a streaming client builds: per index, the first delta's id and name, and the
     concatenated arguments; indices must come 0, 1, ... in order."""
     calls: dict[int, list[str]] = {}
     for d in deltas:
         if d.index not in calls:
             assert d.index == len(calls), "indices are dense and in order"
-            assert d.id is not None and ID.fullmatch(d.id) and d.name
+            assert d.id is not None and ids.fullmatch(d.id) and d.name
             calls[d.index] = [d.id, d.name, ""]
         else:
             assert d.id is None and d.name is None, "id and name come once"
@@ -244,6 +244,44 @@ def test_deepseek_writes_its_own_form() -> None:
     assert v31.format_results(["12"]) == "<｜tool▁output▁begin｜>12<｜tool▁output▁end｜>"
 
 
+# --- kimi_k2 ------------------------------------------------------------------------------
+
+KIMI = ("Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Tokyo", "days": 2}<|tool_call_end|>'
+        "<|tool_call_begin|>functions.now:1<|tool_call_argument_begin|>{}<|tool_call_end|>"
+        "<|tool_calls_section_end|>")
+
+
+def test_kimi_calls_keep_the_models_ids() -> None:
+    """Kimi-K2 heads each call with `functions.NAME:IDX`; that is the call's id, so the
+    client's history renders through Kimi's template as the model wrote it."""
+    calls = [("get_weather", {"city": "Tokyo", "days": 2}), ("now", {})]
+    for text in (KIMI, KIMI.removesuffix("<|tool_calls_section_end|>"),
+                 KIMI[:KIMI.index("{}") + 2]):  # section left open; cut before the end tag
+        for chunk in CHUNKS:
+            content, got, deltas = run("kimi_k2", text, chunk)
+            assert content == "Let me check."
+            assert [(n, json.loads(a)) for _, n, a in got] == calls
+            assert [i for i, _, _ in got] == ["functions.get_weather:0", "functions.now:1"]
+            assert assemble(deltas, re.compile(r"functions\.\w+:\d")) == got
+    assert TOOL_PARSERS["kimi_k2"].format_calls(calls) == KIMI.removeprefix("Let me check.")
+
+
+@pytest.mark.parametrize("text", [
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.now<|tool_call_argument_begin|>{}"
+    "<|tool_call_end|>",  # no index
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.now:x<|tool_call_argument_begin|>{}"
+    "<|tool_call_end|>",
+    '<|tool_calls_section_begin|><|tool_call_begin|>functions.now:0<|tool_call_argument_begin|>{"a": '
+    "<|tool_call_end|>",  # bad JSON
+    "<|tool_calls_section_begin|><|tool_calls_section_end|>",
+])
+def test_kimi_malformed_is_content(text: str) -> None:
+    for chunk in CHUNKS:
+        content, calls, _ = run("kimi_k2", "Hm. " + text, chunk)
+        assert (content, calls) == ("Hm. " + text, []), chunk
+
+
 # --- glm45 --------------------------------------------------------------------------------
 
 GLM = ("Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris 75"
@@ -350,6 +388,8 @@ def test_choose_tool_parser_flag_wins_and_unknown_names_the_known_ones() -> None
      "minimax_m2"),
     ("{{- '<|start|>assistant to=functions.' + tc.name + '<|channel|>commentary json' }}",
      "gpt_oss"),
+    ("{%- for tool_call in message.tool_calls -%}<|tool_calls_section_begin|>"
+     "<|tool_call_begin|>{{ tool_call['id'] }}<|tool_call_argument_begin|>", "kimi_k2"),
     ("{% for m in messages %}<|im_start|>{{ m.content }}{% endfor %}", "hermes"),
     (None, "hermes"),
 ])
@@ -414,6 +454,16 @@ FORCED = [  # (parser, choice, parallel, accepted, rejected)
       '{"city": "Oslo"}<|call|><|channel|>commentary to=functions.get_weather '
       '<|constrain|>json<|message|>{"city": "Oslo"}',
       '<|channel|>final<|message|>{"city": "Oslo"}']),
+    ("kimi_k2", "required", True,
+     ["<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:3"
+      '<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|><|tool_call_begin|>'
+      "functions.now:4<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"],
+     ["<|tool_calls_section_begin|><|tool_call_begin|>functions.now<|tool_call_argument_begin|>"
+      "{}<|tool_call_end|><|tool_calls_section_end|>",
+      "<|tool_calls_section_begin|><|tool_call_begin|>functions.later:0"
+      "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>",
+      "<|tool_calls_section_begin|><|tool_call_begin|>functions.now:1234567"  # 7 digits
+      "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"]),
     ("deepseek_v31", NAMED, False,
      ['<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}'
       "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"],
@@ -519,6 +569,7 @@ def test_forced_grammar_bad_choice_or_tools_are_typed_errors() -> None:
     ("llama3_json", 'One moment.<|python_tag|>{"name": "now", "parameters": {}}', "One moment.",
      [("now", {})]),
     ("deepseek_v31", DS_V31, "Sure.", [("get_weather", {"city": "Tokyo", "days": 2}), ("now", {})]),
+    ("kimi_k2", KIMI, "Let me check.", [("get_weather", {"city": "Tokyo", "days": 2}), ("now", {})]),
     ("glm45", GLM, "Checking.", [("get_weather", {"city": "Paris 75", "days": 3}), ("now", {})]),
     ("minimax_m2", MINIMAX, "Let me look.",
      [("get_weather", {"city": "Paris 75", "days": 3}), ("now", {})]),

@@ -247,6 +247,9 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
                                                    "tie_word_embeddings") if k in cfg}
         cfg = {**top, **(text or cfg), "model_type": "qwen3_5_moe"}
         arch = "qwen3_5_moe"
+    if arch == "kimi_k2" and "DeepseekV3ForCausalLM" in (cfg.get("architectures") or []):
+        arch = "deepseek_v3"  # Kimi-K2 (and K2-Thinking): DeepSeek-V3's model, its own name
+        cfg = {**cfg, "model_type": arch}
     if arch not in SUPPORTED:
         raise ModelLoadError(
             source, f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED)})"

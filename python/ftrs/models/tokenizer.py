@@ -40,6 +40,13 @@ _UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]
 _O200K = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
           rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
           r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+#: Kimi-K2's (and Moonlight's) tiktoken pattern: o200k's words with the Han ideographs taken
+#: out of the letters, a run of them split first
+_NOT_HAN = "&&[^\\p{Han}]"
+_KIMI_K2 = (r"[\p{Han}]+"
+            rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER[:-1]}{_NOT_HAN}]*{_LOWER[:-1]}{_NOT_HAN}]+{_CONTRACTIONS}?"
+            rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER[:-1]}{_NOT_HAN}]+{_LOWER[:-1]}{_NOT_HAN}]*{_CONTRACTIONS}?"
+            r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 #: DeepSeek-V3's three splits, one after the other: digits in threes, runs of CJK ideographs and
 #: kana, then words (an ASCII punctuation mark joins the ASCII letters after it)
 _DEEPSEEK_V3 = (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
@@ -83,7 +90,8 @@ _DEEPSEEK_LLM = ("[\r\n]", r"\s?" + _char_class(_DEEPSEEK_LLM_LETTERS) + "+",
 _PRE_SPLIT: dict[str, str | tuple[str, ...]] = {
     "llama3": _LLAMA3, "llama-v3": _LLAMA3, "llama-bpe": _LLAMA3, "qwen2": _QWEN2,
     "deepseek-r1-qwen": _QWEN2, "qwen35": _QWEN35, "gpt-4o": _O200K, "llama4": _O200K,
-    "deepseek-v3": _DEEPSEEK_V3, "deepseek-llm": _DEEPSEEK_LLM, "glm4": _LLAMA3, "chatglm-bpe": _LLAMA3, "minimax-m2": _O200K}
+    "deepseek-v3": _DEEPSEEK_V3, "deepseek-llm": _DEEPSEEK_LLM, "glm4": _LLAMA3, "chatglm-bpe": _LLAMA3, "minimax-m2": _O200K,
+    "kimi-k2": _KIMI_K2}
 _GPT2_PRE = (None, "default", "gpt-2", "gpt2")  # ByteLevel's own split
 
 

@@ -11,6 +11,9 @@ content to show and `ToolCallDelta`s. The families (`TOOL_PARSERS`):
 - `deepseek_v3` (DeepSeek-V3, R1) and `deepseek_v31` (V3.1 on): `<｜tool▁calls▁begin｜>`, then
   per call `<｜tool▁call▁begin｜>`, `function<｜tool▁sep｜>name` and the arguments in a ```json
   fence, or (V3.1) `name<｜tool▁sep｜>{..}`, then `<｜tool▁call▁end｜>` (`toolcalls_deepseek`);
+  `kimi_k2` (Kimi-K2): V3.1's structure under `<|tool_calls_section_begin|>`,
+  `<|tool_call_begin|>functions.name:IDX<|tool_call_argument_begin|>{..}<|tool_call_end|>`, the
+  head `functions.name:IDX` being the call's id (the history then renders as the model wrote it);
 - `glm45` (GLM-4.5, 4.6, 4.7): `<tool_call>name` then `<arg_key>k</arg_key><arg_value>v</arg_value>`
   per argument, `</tool_call>`; `qwen3_coder` (Qwen3-Coder; any template writing `<function=`): `<tool_call>`,
   `<function=name>`, `<parameter=k>` v `</parameter>` per argument; `minimax_m2`:
@@ -19,7 +22,8 @@ content to show and `ToolCallDelta`s. The families (`TOOL_PARSERS`):
   `gpt_oss` reasoning parser passes it on (`toolcalls_harmony`).
 
 Streaming contract: a call's first delta carries its `index` (0, 1, .. in the order calls are
-streamed), its `id` (`call_` + 24 random hex digits, the same in `calls`) and its name, as soon as
+streamed), its `id` (`call_` + 24 random hex digits, or the model's own: Kimi-K2's; the same in
+`calls`) and its name, as soon as
 the name is complete; later deltas carry pieces of the arguments. The arguments text is
 `json.dumps(arguments)` exactly (see `jsonecho`): the pieces add up to `ToolCall.arguments`.
 Text that might be the start of a tag is held back until it is decided; whitespace right before
@@ -54,7 +58,11 @@ from ftrs.server.toolbase import (
     parse_object_call,
     split_at_tag,
 )
-from ftrs.server.toolcalls_deepseek import DeepSeekToolParser, DeepSeekV31ToolParser
+from ftrs.server.toolcalls_deepseek import (
+    DeepSeekToolParser,
+    DeepSeekV31ToolParser,
+    KimiK2ToolParser,
+)
 from ftrs.server.toolcalls_harmony import HarmonyToolParser
 from ftrs.server.toolcalls_xml import GlmToolParser, MiniMaxToolParser, QwenCoderToolParser
 
@@ -379,6 +387,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "llama3_json": Llama3JsonToolParser,
     "deepseek_v3": DeepSeekToolParser,
     "deepseek_v31": DeepSeekV31ToolParser,
+    "kimi_k2": KimiK2ToolParser,
     "glm45": GlmToolParser,
     "qwen3_coder": QwenCoderToolParser,
     "minimax_m2": MiniMaxToolParser,
@@ -396,6 +405,8 @@ def choose_tool_parser(flag: str | None, chat_template: str | None) -> str:
     template = chat_template or ""
     if "<|channel|>" in template:  # gpt-oss's harmony messages
         return "gpt_oss"
+    if "<|tool_calls_section_begin|>" in template:  # Kimi-K2's
+        return "kimi_k2"
     if "<minimax:tool_call>" in template:
         return "minimax_m2"
     if "<arg_key>" in template:  # GLM-4.5's members inside its <tool_call>

@@ -18,6 +18,7 @@ contract and the handling of malformed calls are `toolcalls`'s.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,6 +41,9 @@ _LONGEST_NAME = 256  # no function name is longer: a longer head is not a call
 class DeepSeekToolParser(StateToolParser):
     name = "deepseek_v3"
     special_tags = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, SEP)
+    #: the family's tags (Kimi-K2's parser reads the same structure under its own)
+    _CALLS_BEGIN, _CALLS_END, _CALL_BEGIN, _CALL_END, _SEP = (CALLS_BEGIN, CALLS_END, CALL_BEGIN,
+                                                             CALL_END, SEP)
 
     def __init__(self, tools: list[dict[str, Any]]) -> None:
         super().__init__(tools)
@@ -57,23 +61,23 @@ class DeepSeekToolParser(StateToolParser):
         return super()._st_out()
 
     def _st_between(self) -> bool:
-        tag = self._after_space(CALL_BEGIN, CALLS_END)
+        tag = self._after_space(self._CALL_BEGIN, self._CALLS_END)
         if tag is None:
             return self._bad()
-        if tag == CALL_BEGIN:
+        if tag == self._CALL_BEGIN:
             self._state = "head"
-        elif tag == CALLS_END:
+        elif tag == self._CALLS_END:
             if not self._section_calls:  # an empty section: not a call, so content
                 self._malformed("".join(self._raw))
             self._raw, self._state = [], "out"
         return bool(tag)
 
     def _st_head(self) -> bool:
-        i = self._buf.find(SEP)
+        i = self._buf.find(self._SEP)
         if i < 0:
             return self._bad() if len(self._buf) > _LONGEST_NAME else False
         self._head = self._buf[:i].strip()
-        self._take(i + len(SEP))
+        self._take(i + len(self._SEP))
         self._state = "kind"
         return True
 
@@ -116,12 +120,12 @@ class DeepSeekToolParser(StateToolParser):
         return done is not None
 
     def _st_tail(self) -> bool:
-        tag = self._after_space(FENCE_CLOSE if self._fenced else CALL_END)
+        tag = self._after_space(FENCE_CLOSE if self._fenced else self._CALL_END)
         if tag is None:
             return self._bad()
         if tag == FENCE_CLOSE:
             self._fenced = False
-        elif tag == CALL_END:
+        elif tag == self._CALL_END:
             self._complete()
             return True
         return bool(tag)
@@ -151,7 +155,8 @@ class DeepSeekToolParser(StateToolParser):
     # --- the format -------------------------------------------------------------------------
 
     @classmethod
-    def _call_text(cls, name: str, args: str) -> str:
+    def _call_text(cls, name: str, args: str, index: int = 0) -> str:
+        """Call number `index` of a section, written (`args`: its arguments' JSON)."""
         return f"{CALL_BEGIN}function{SEP}{name}\n{FENCE_OPEN}\n{args}\n{FENCE_CLOSE}{CALL_END}"
 
     _JOIN = "\n"  # between calls
@@ -161,24 +166,29 @@ class DeepSeekToolParser(StateToolParser):
                        parallel: bool, special: Mapping[str, int] | None = None) -> str:
         fns = chosen_functions(tools, choice)
         join = f"{lark_literal(cls._JOIN)} " if cls._JOIN else ""
-        lines = [f"start: {lark_literal(CALLS_BEGIN, special)} calls "
-                 f"{lark_literal(CALLS_END, special)}",
+        lines = [f"start: {lark_literal(cls._CALLS_BEGIN, special)} calls "
+                 f"{lark_literal(cls._CALLS_END, special)}",
                  f"calls: call ({join}call)*" if parallel else "calls: call",
                  "call: " + " | ".join(f"call_{i}" for i in range(len(fns)))]
         for i, (name, params) in enumerate(fns):
             before, after = cls._call_text(name, "\0").split("\0")
-            lines.append(f"call_{i}: {lark_literal(before, special)} args_{i} "
+            lines.append(f"call_{i}: {cls._lark_head(before, special)} args_{i} "
                          f"{lark_literal(after, special)}")
             lines.append(f"args_{i}: %json {args_schema(params)}")
         return "\n".join(lines) + "\n"
+
+    @classmethod
+    def _lark_head(cls, before: str, special: Mapping[str, int] | None) -> str:
+        """The grammar of a call's text before its arguments (`_call_text`'s)."""
+        return lark_literal(before, special)
 
     _TOOLS_HEADING = "## Tools"
 
     @classmethod
     def format_calls(cls, calls: list[tuple[str, dict[str, Any]]]) -> str:
-        body = cls._JOIN.join(cls._call_text(n, json.dumps(a, ensure_ascii=False))
-                              for n, a in calls)
-        return CALLS_BEGIN + body + CALLS_END
+        body = cls._JOIN.join(cls._call_text(n, json.dumps(a, ensure_ascii=False), i)
+                              for i, (n, a) in enumerate(calls))
+        return cls._CALLS_BEGIN + body + cls._CALLS_END
 
     @classmethod
     def format_results(cls, results: list[str]) -> str:
@@ -193,12 +203,60 @@ class DeepSeekV31ToolParser(DeepSeekToolParser):
     _JOIN = ""
 
     @classmethod
-    def _call_text(cls, name: str, args: str) -> str:
-        return f"{CALL_BEGIN}{name}{SEP}{args}{CALL_END}"
+    def _call_text(cls, name: str, args: str, index: int = 0) -> str:
+        return f"{cls._CALL_BEGIN}{name}{cls._SEP}{args}{cls._CALL_END}"
 
     @classmethod
     def format_results(cls, results: list[str]) -> str:
         return "".join(OUTPUT_BEGIN + r + OUTPUT_END for r in results)
 
 
-__all__ = ["DeepSeekToolParser", "DeepSeekV31ToolParser"]
+KIMI_CALLS_BEGIN, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL_BEGIN, KIMI_CALL_END = "<|tool_call_begin|>", "<|tool_call_end|>"
+KIMI_ARGS = "<|tool_call_argument_begin|>"
+_KIMI_ID = re.compile(r"(?:functions\.)?([^\s:{}\[\]\"']+):(\d+)")
+
+
+class KimiK2ToolParser(DeepSeekV31ToolParser):
+    """Kimi-K2's calls: V3.1's structure under its own tags, each call headed by its id,
+    `functions.NAME:IDX` (IDX counts the conversation's calls), which is the call's id in the
+    response too, so the history the client sends back renders as the model wrote it:
+
+        <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0
+        <|tool_call_argument_begin|>{ARGS}<|tool_call_end|>...<|tool_calls_section_end|>
+    """
+
+    name = "kimi_k2"
+    special_tags = (KIMI_CALLS_BEGIN, KIMI_CALLS_END, KIMI_CALL_BEGIN, KIMI_CALL_END, KIMI_ARGS)
+    _CALLS_BEGIN, _CALLS_END, _CALL_BEGIN, _CALL_END, _SEP = special_tags
+    SECTION = KIMI_CALLS_BEGIN
+    _TOOLS_HEADING = "# Tools"
+
+    def _open(self, name: str, fenced: bool) -> bool:
+        head = _KIMI_ID.fullmatch(name)
+        if head is None or fenced:
+            return self._bad()
+        if not super()._open(head.group(1), fenced=False):
+            return False
+        assert self._call is not None
+        self._call.id = name  # the model's own id, for the history it will read again
+        return True
+
+    @classmethod
+    def _call_text(cls, name: str, args: str, index: int = 0) -> str:
+        return f"{KIMI_CALL_BEGIN}functions.{name}:{index}{KIMI_ARGS}{args}{KIMI_CALL_END}"
+
+    @classmethod
+    def _lark_head(cls, before: str, special: Mapping[str, int] | None) -> str:
+        # a call's index is the conversation's count, not known here: a number (of at most six
+        # digits, so a sampling model cannot write digits until max_tokens)
+        head = before.removesuffix(f"0{KIMI_ARGS}")
+        return (f"{lark_literal(head, special)} /[0-9]{{1,6}}/ "
+                f"{lark_literal(KIMI_ARGS, special)}")
+
+    @classmethod
+    def format_results(cls, results: list[str]) -> str:
+        return "\n\n".join(f"## Return of call {i}\n{r}" for i, r in enumerate(results))
+
+
+__all__ = ["DeepSeekToolParser", "DeepSeekV31ToolParser", "KimiK2ToolParser"]
