@@ -269,9 +269,9 @@ def _grid_arg(qtype: str, x: torch.Tensor) -> torch.Tensor:
     read) for every other type."""
     if qtype not in _IQ_CODES:
         return x
-    from ftrs.quant.iquant import _grid
+    from ftrs.quant.iquant import grid
 
-    return _grid(qtype, x.device)
+    return grid(qtype, x.device)
 
 
 def _bias_args(w: SlotWeights, x: torch.Tensor, inter: int, hidden: int

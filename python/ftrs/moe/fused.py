@@ -27,6 +27,7 @@ import torch
 from ftrs.kernels.moe import SlotWeights
 from ftrs.models.experts import HostExperts
 from ftrs.quant.formats import FP8_BLOCK, fp8_scale_grid, row_bytes
+from ftrs.quant.iquant import IQ_TYPES, grid
 
 log = logging.getLogger(__name__)
 #: The GGUF block types the kernel dequantizes itself, which gate/up and down may mix.
@@ -103,6 +104,8 @@ def _matrices(experts: HostExperts, layer: int, region: torch.Tensor, num_slots:
                                                             strict=True)]
         w = SlotWeights.from_region(region, num_slots, slot_bytes, offsets, rows, torch.uint8)
         w = w._replace(qtype=qtype, down_qtype=down if down != qtype else None)
+        for t in {qtype, down} & set(IQ_TYPES):  # the grid on the device now, not mid-capture
+            grid(t, region.device)
         if qtype == "NVFP4":  # each matrix's fp32 tensor scale follows its rows
             ts = SlotWeights.from_region(region, num_slots, slot_bytes,
                                          [o + r * b for o, (r, b) in zip(offsets, rows, strict=True)],

@@ -25,8 +25,9 @@ _IQ1_DELTA = 0.125
 
 
 @functools.cache
-def _grid(qtype: str, device: torch.device) -> torch.Tensor:
-    """(entries, 8 or 4) fp32: the format's grid, as ggml's tables hold it."""
+def grid(qtype: str, device: torch.device) -> torch.Tensor:
+    """(entries, 8 or 4) fp32: the format's grid, as ggml's tables hold it, on `device` (made
+    once per device: the fused MoE kernel reads it there)."""
     import gguf
 
     cls = getattr(gguf.quants, qtype)
@@ -40,7 +41,7 @@ def install_grids(core: Any) -> None:
     if not hasattr(core, "quant_set_grid"):
         return
     for qtype in IQ_TYPES:
-        core.quant_set_grid(qtype, _grid(qtype, torch.device("cpu")).reshape(-1).tolist())
+        core.quant_set_grid(qtype, grid(qtype, torch.device("cpu")).reshape(-1).tolist())
 
 
 @functools.cache
@@ -82,8 +83,8 @@ def _iq2_xxs(b: torch.Tensor) -> torch.Tensor:
     aux = _words(q[:, :, 4:].reshape(n, 32), 4)  # (n, 8)
     db = (_f16(b[:, :2]) * (0.5 + (aux >> 28).float()) * 0.25).view(n, 8, 1, 1)
     sign_idx = (aux[:, :, None] >> torch.tensor([0, 7, 14, 21], device=b.device)) & 0x7F
-    grid = _grid("IQ2_XXS", b.device)[q[:, :, :4].long()]  # (n, 8, 4, 8)
-    return (db * grid * _sign_bits(b.device)[sign_idx]).view(n, 256)
+    rows = grid("IQ2_XXS", b.device)[q[:, :, :4].long()]  # (n, 8, 4, 8)
+    return (db * rows * _sign_bits(b.device)[sign_idx]).view(n, 256)
 
 
 @_register("IQ2_XS")
@@ -92,9 +93,9 @@ def _iq2_xs(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     qs = _words(b[:, 2:66], 2)  # (n, 32)
     db = (_f16(b[:, :2]) * (0.5 + _nibble_scales(b[:, 66:74])) * 0.25).view(n, 16, 1, 1)
-    grid = _grid("IQ2_XS", b.device)[qs & 511].view(n, 16, 2, 8)
+    rows = grid("IQ2_XS", b.device)[qs & 511].view(n, 16, 2, 8)
     signs = _sign_bits(b.device)[qs >> 9].view(n, 16, 2, 8)
-    return (db * grid * signs).view(n, 256)
+    return (db * rows * signs).view(n, 256)
 
 
 @_register("IQ2_S")
@@ -104,8 +105,8 @@ def _iq2_s(b: torch.Tensor) -> torch.Tensor:
     high = (b[:, 66:74].long()[..., None] >> torch.tensor([0, 2, 4, 6], device=b.device)) & 3
     idx = b[:, 2:34].long() | (high.view(n, 32) << 8)
     db = (_f16(b[:, :2]) * (0.5 + _nibble_scales(b[:, 74:82])) * 0.25).view(n, 16, 1, 1)
-    grid = _grid("IQ2_S", b.device)[idx].view(n, 16, 2, 8)
-    return (db * grid * _bit_signs(b[:, 34:66]).view(n, 16, 2, 8)).view(n, 256)
+    rows = grid("IQ2_S", b.device)[idx].view(n, 16, 2, 8)
+    return (db * rows * _bit_signs(b[:, 34:66]).view(n, 16, 2, 8)).view(n, 256)
 
 
 @_register("IQ3_XXS")
@@ -115,8 +116,8 @@ def _iq3_xxs(b: torch.Tensor) -> torch.Tensor:
     aux = _words(b[:, 66:98], 4)  # (n, 8)
     db = (_f16(b[:, :2]) * (0.5 + (aux >> 28).float()) * 0.5).view(n, 8, 1, 1)
     sign_idx = (aux[:, :, None] >> torch.tensor([0, 7, 14, 21], device=b.device)) & 0x7F
-    grid = _grid("IQ3_XXS", b.device)[b[:, 2:66].long()].view(n, 8, 4, 8)
-    return (db * grid * _sign_bits(b.device)[sign_idx]).view(n, 256)
+    rows = grid("IQ3_XXS", b.device)[b[:, 2:66].long()].view(n, 8, 4, 8)
+    return (db * rows * _sign_bits(b.device)[sign_idx]).view(n, 256)
 
 
 @_register("IQ3_S")
@@ -128,14 +129,14 @@ def _iq3_s(b: torch.Tensor) -> torch.Tensor:
     scales = b[:, 106:110].int()
     odd = (1 + 2 * torch.stack([scales & 0xF, scales >> 4], dim=2).view(n, 8)).float()
     db = (_f16(b[:, :2]) * odd).view(n, 8, 1, 1)
-    grid = _grid("IQ3_S", b.device)[idx].view(n, 8, 4, 8)
-    return (db * grid * _bit_signs(b[:, 74:106]).view(n, 8, 4, 8)).view(n, 256)
+    rows = grid("IQ3_S", b.device)[idx].view(n, 8, 4, 8)
+    return (db * rows * _bit_signs(b[:, 74:106]).view(n, 8, 4, 8)).view(n, 256)
 
 
 def _iq1_values(idx: torch.Tensor, dl: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
     """dl * (grid row + delta), delta -0.125 where `negative`, the value groups of 8 last."""
     delta = torch.where(negative, -_IQ1_DELTA, _IQ1_DELTA)
-    return dl * (_grid("IQ1_S", idx.device)[idx] + delta[..., None])
+    return dl * (grid("IQ1_S", idx.device)[idx] + delta[..., None])
 
 
 @_register("IQ1_S")
@@ -167,4 +168,4 @@ def _iq1_m(b: torch.Tensor) -> torch.Tensor:
     return _iq1_values(idx.view(n, 8, 2, 2), dl, (nib & 8 != 0).view(n, 8, 2, 2)).view(n, 256)
 
 
-__all__ = ["IQ_TYPES", "install_grids"]
+__all__ = ["IQ_TYPES", "grid", "install_grids"]
