@@ -59,11 +59,17 @@ pub fn set_grid(t: QType, values: &[f32]) -> Result<()> {
     Ok(())
 }
 
+/// Whether `t` is one of the i-quants with a grid.
+pub fn grid_type(t: QType) -> bool {
+    grid_shape(t).is_some()
+}
+
 /// Whether `t` can be decoded: not an i-quant with a grid, or one whose grid is installed.
 pub fn ready(t: QType) -> bool {
     grid_shape(t).is_none_or(|(slot, _, _)| GRIDS[slot].get().is_some())
 }
 
+#[inline(always)]
 fn grid(t: QType) -> &'static [f32] {
     let (slot, _, _) = grid_shape(t).expect("an i-quant type");
     GRIDS[slot]
@@ -110,7 +116,9 @@ fn u32_at(b: &[u8], i: usize) -> u32 {
     u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]])
 }
 
-/// Decodes one block of an i-quant type `t` into its 256 weights.
+/// Decodes one block of an i-quant type `t` into its 256 weights (inlined into the generic
+/// kernel, so it is compiled for the kernel's target features).
+#[inline(always)]
 pub fn decode(t: QType, b: &[u8], out: &mut [f32]) {
     let g = grid(t);
     match t {
@@ -158,6 +166,7 @@ fn put_delta(o: &mut [f32], dl: f32, row: &[f32; 8], delta: f32) {
 
 /// fp16 d; 8 groups of 32 weights: 4 grid bytes, then a u32 of four 7-bit sign indices and a
 /// 4-bit scale `s` (bits 28..32); w = d * (0.5 + s) * 0.25 * grid * sign.
+#[inline(always)]
 fn iq2_xxs(g: &[f32], b: &[u8], out: &mut [f32]) {
     let d = f16_at(b, 0);
     for (ib, o32) in out.chunks_exact_mut(32).enumerate() {
@@ -171,6 +180,7 @@ fn iq2_xxs(g: &[f32], b: &[u8], out: &mut [f32]) {
 }
 
 /// fp16 d; 32 u16 (9-bit grid index, 7-bit sign index); 16 4-bit scales, one a 16 weights.
+#[inline(always)]
 fn iq2_xs(g: &[f32], b: &[u8], out: &mut [f32]) {
     let d = f16_at(b, 0);
     for (k, o) in out.chunks_exact_mut(8).enumerate() {
@@ -183,6 +193,7 @@ fn iq2_xs(g: &[f32], b: &[u8], out: &mut [f32]) {
 
 /// fp16 d; 32 grid bytes; 32 sign bytes (a bit a weight); 8 bytes of the indices' 2 high
 /// bits; 16 4-bit scales.
+#[inline(always)]
 fn iq2_s(g: &[f32], b: &[u8], out: &mut [f32]) {
     let d = f16_at(b, 0);
     for (k, o) in out.chunks_exact_mut(8).enumerate() {
@@ -195,6 +206,7 @@ fn iq2_s(g: &[f32], b: &[u8], out: &mut [f32]) {
 
 /// fp16 d; 64 grid bytes (4 weights each); 8 u32 of four 7-bit sign indices and a 4-bit scale;
 /// w = d * (0.5 + s) * 0.5 * grid * sign.
+#[inline(always)]
 fn iq3_xxs(g: &[f32], b: &[u8], out: &mut [f32]) {
     let d = f16_at(b, 0);
     for (ib, o32) in out.chunks_exact_mut(32).enumerate() {
@@ -212,6 +224,7 @@ fn iq3_xxs(g: &[f32], b: &[u8], out: &mut [f32]) {
 
 /// fp16 d; 64 grid bytes; 8 bytes of the indices' ninth bits; 32 sign bytes; 8 4-bit scales,
 /// one a 32 weights; w = d * (1 + 2 s) * grid * sign.
+#[inline(always)]
 fn iq3_s(g: &[f32], b: &[u8], out: &mut [f32]) {
     let d = f16_at(b, 0);
     for (k, o) in out.chunks_exact_mut(4).enumerate() {
@@ -225,6 +238,7 @@ fn iq3_s(g: &[f32], b: &[u8], out: &mut [f32]) {
 
 /// fp16 d; 32 grid bytes; 8 u16: four 3-bit high index parts, a 3-bit scale, delta's sign;
 /// w = d * (2 s + 1) * (grid ± 0.125).
+#[inline(always)]
 fn iq1_s(g: &[f32], b: &[u8], out: &mut [f32]) {
     let d = f16_at(b, 0);
     for (ib, o32) in out.chunks_exact_mut(32).enumerate() {
@@ -244,6 +258,7 @@ fn iq1_s(g: &[f32], b: &[u8], out: &mut [f32]) {
 
 /// 32 grid bytes; 16 bytes of two nibbles (3 high index bits, delta's sign); 4 u16 of four
 /// 3-bit scales (one a 16 weights) whose top nibbles together are the fp16 d.
+#[inline(always)]
 fn iq1_m(g: &[f32], b: &[u8], out: &mut [f32]) {
     let sc: [u32; 4] = std::array::from_fn(|k| u16_at(b, 48 + 2 * k));
     let bits = (sc[0] >> 12) | ((sc[1] >> 8) & 0xF0) | ((sc[2] >> 4) & 0xF00) | (sc[3] & 0xF000);

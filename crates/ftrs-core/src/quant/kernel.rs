@@ -53,6 +53,14 @@ pub fn decode_span(t: QType, bytes: &[u8], out: &mut [f32]) {
                 *o = bf16::from_le_bytes([b[0], b[1]]).to_f32();
             }
         }
+        _ if super::iq::grid_type(t) => {
+            for (o, b) in out
+                .chunks_exact_mut(256)
+                .zip(bytes.chunks_exact(t.block_info().1))
+            {
+                super::iq::decode(t, b, o); // inlined: compiled with the kernel's features
+            }
+        }
         _ => {
             let (be, bb) = t.block_info();
             for (o, b) in out.chunks_exact_mut(be).zip(bytes.chunks_exact(bb)) {
