@@ -8,6 +8,7 @@ contraction, a blank line, a slash.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -100,6 +101,16 @@ def test_deepseek_v3_splits_cjk_runs_and_non_ascii_punctuation_apart() -> None:
         assert [text[a:b] for _, (a, b) in pieces] == want, pre
 
 
+def _with_llama_cpp(llama_cpp: Any, path: Path, text: str) -> tuple[Tokenizer, list[int]]:
+    """ftrs' tokenizer of the GGUF file `path`, and llama.cpp's ids of `text` (its vocabulary
+    alone loaded)."""
+    import gguf
+
+    ours = Tokenizer.from_gguf_fields(gguf_metadata(gguf.GGUFReader(str(path))), str(path))
+    peer = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    return ours, peer.tokenize(text.encode(), add_bos=False, special=False)
+
+
 def test_deepseek_llm_splits_as_llama_cpp_does(smollm_gguf: Path, tmp_path: Path) -> None:
     """The demo's real vocabulary and merges under DeepSeek-LLM's splits: ftrs tokenizes a
     text of many scripts as llama.cpp does (its vocabulary alone loaded): Latin, Greek (with
@@ -118,11 +129,9 @@ def test_deepseek_llm_splits_as_llama_cpp_does(smollm_gguf: Path, tmp_path: Path
         "tokenizer.ggml.token_type": [*fields["tokenizer.ggml.token_type"].contents(), 1, 1, 1, 1],
         "tokenizer.ggml.merges": [*fields["tokenizer.ggml.merges"].contents(),
                                   *(f"{r[:-1]} {r[-1]}" for r in runs)]})
-    ours = Tokenizer.from_gguf_fields(gguf_metadata(gguf.GGUFReader(str(path))), str(path))
-    peer = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     text = ("helloWorld 12345 it's HTTPServer\n\n  x/y\r\n\u1f7d\u03ce \u1fbe \u212aelvin "
             "\u2126 7km！你好，世界。カタカナ 세계 Ⓐ ﬁ ǅ ʔ \U0001e900x ａｂ  ok  \n\t end   ")
-    theirs = peer.tokenize(text.encode(), add_bos=False, special=False)
+    ours, theirs = _with_llama_cpp(llama_cpp, path, text)
     assert ours.encode(text) == theirs
     assert ours.tk.token_to_id("12345") in theirs
     gpt2 = Tokenizer.from_gguf_fields(gguf_metadata(gguf.GGUFReader(str(smollm_gguf))), "s")
@@ -146,11 +155,9 @@ def test_kimi_k2_splits_as_llama_cpp_does(smollm_gguf: Path, tmp_path: Path) -> 
 
     llama_cpp = pytest.importorskip("llama_cpp")
     path = rewrite(smollm_gguf, tmp_path / "kimi.gguf", fields={"tokenizer.ggml.pre": "kimi-k2"})
-    ours = Tokenizer.from_gguf_fields(gguf_metadata(gguf.GGUFReader(str(path))), str(path))
-    peer = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     text = ("helloWorld 12345 it's HTTPServer IT'S Don'T\n\n  x/y\r\n 日本語abcカタカナ 你好World "
             "中文。混合English文字 ÀÉÎõü ne\u0301x 세계 Ⓐ ﬁ ǅ ʔ ａｂ 7km！ \U00020000x  ok  \n\t end   ")
-    theirs = peer.tokenize(text.encode(), add_bos=False, special=False)
+    ours, theirs = _with_llama_cpp(llama_cpp, path, text)
     assert ours.encode(text) == theirs
     o200k = Tokenizer.from_gguf_fields(_meta("gpt-4o") | {
         k: v for k, v in gguf_metadata(gguf.GGUFReader(str(smollm_gguf))).items()
