@@ -14,6 +14,8 @@ the sampler's arithmetic stays finite for any finite fp32 logit:
 - `presence_penalty`, `frequency_penalty` in [-2, 2] (OpenAI's range).
 - `logit_bias`: (token id, bias) pairs, bias in [-100, 100] (OpenAI's range), added to the raw
   logits before anything else; -100 bans a token in practice, +100 all but forces it.
+- `reasoning_budget`: at most so many tokens of reasoning (`ReasoningBudget`); then the
+  engine writes the end of the reasoning block itself (`ftrs.engine.budget`).
 - `structured`: a grammar the output must follow (`StructuredSpec`); the engine masks every
   token the grammar forbids (`ftrs.engine.grammar`). Its compilation is checked by the grammar
   engine, not here: `validate()` checks only the shape.
@@ -33,6 +35,19 @@ GREEDY_TEMPERATURE = 1e-5  # temperatures below this are sampled as argmax
 REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 0.01, 100.0
 LOGIT_BIAS_MAX = 100.0
 STRUCTURED_KINDS = ("json_object", "json_schema", "lark")
+
+
+@dataclass(frozen=True)
+class ReasoningBudget:
+    """At most `tokens` tokens inside the reasoning block, which `open_id` opens (or the prompt,
+    with `opened`) and `close_id` closes; when they are spent the engine writes `end_ids` (the
+    block's end, `close_id` among them) token by token instead of sampling."""
+
+    tokens: int
+    open_id: int
+    close_id: int
+    end_ids: tuple[int, ...]
+    opened: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,6 +90,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return with each token; None = off
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]); ids < vocab
     structured: StructuredSpec | None = None
+    reasoning_budget: ReasoningBudget | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -123,6 +139,11 @@ class SamplingParams:
             raise bad("stop_token_ids", f"every id must be in [0, {vocab_size})")
         self._validate_logit_bias(vocab_size, bad)
         self._validate_structured(bad)
+        b = self.reasoning_budget
+        if b is not None and (not isinstance(b.tokens, int) or b.tokens < 0
+                              or b.close_id not in b.end_ids):
+            raise bad("thinking_token_budget", "must be an integer >= 0 with an end that closes "
+                      f"the reasoning, got {b!r}")
         return self
 
     def _validate_logit_bias(self, vocab_size: int | None,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ftrs.config import EngineConfig
-from ftrs.engine import probes
+from ftrs.engine import budget, probes
 from ftrs.engine.batch import build_batch
 from ftrs.engine.grammar import GrammarCache, MaskFiller, advance
 from ftrs.engine.protocol import GenerateRequest, StepStats, TokenEvent
@@ -224,6 +224,7 @@ class EngineCore:
             failed = self.fail_requests([seq.request_id], wire)
             return failed[0] if failed else TokenEvent(seq.request_id, [], "error", error=wire)
         seq.tokens.append(tok)
+        budget.after_token(seq, tok)
         p = seq.params
         reason = None
         matcher = self._matchers.get(seq.request_id)

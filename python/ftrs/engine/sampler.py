@@ -7,7 +7,8 @@ row alone, so a seed gives the same tokens whether the request runs alone or in 
 Temperature 0 is argmax.
 
 Constraints come first, on the logits' device: `logit_bias` is added to the raw logits, then
-the grammar's mask (`ftrs.engine.grammar`) sets every forbidden token to -inf. Everything after
+the grammar's mask (`ftrs.engine.grammar`) sets every forbidden token to -inf, then a row whose
+reasoning budget is spent keeps only the token it must write (`ftrs.engine.budget`). Everything after
 (penalties, the draw, greedy argmax) sees only allowed tokens. Reported logprobs are those of the
 model's distribution after bias and mask, before penalties and temperature: the sampled token
 always has a finite logprob, and the top alternatives are only tokens that could have been drawn
@@ -40,6 +41,7 @@ from typing import NamedTuple
 
 import torch
 
+from ftrs.engine.budget import forced_token
 from ftrs.engine.protocol import TokenLogprob
 from ftrs.scheduler.sequence import Sequence
 
@@ -92,7 +94,8 @@ def constrain(logits: torch.Tensor, seqs: list[Sequence], allowed: torch.Tensor 
     """`logits` with each row's `logit_bias` added and the grammar masks applied (a copy when
     anything changes; the input is never written)."""
     biased = [i for i, s in enumerate(seqs) if s.params.logit_bias]
-    if not biased and allowed is None:
+    forced = [(i, t) for i, s in enumerate(seqs) if (t := forced_token(s)) is not None]
+    if not biased and allowed is None and not forced:
         return logits
     x = logits.clone()
     if biased:
@@ -105,6 +108,10 @@ def constrain(logits: torch.Tensor, seqs: list[Sequence], allowed: torch.Tensor 
     if allowed is not None and len(allowed_rows):
         idx = torch.tensor(list(allowed_rows), dtype=torch.long, device=x.device)
         x[idx] = x[idx].masked_fill(~allowed, -float("inf"))
+    if forced:  # a spent reasoning budget: the block's end is written, not drawn
+        rows_f = torch.tensor([i for i, _ in forced], device=x.device)
+        x[rows_f] = -float("inf")
+        x[rows_f, torch.tensor([t for _, t in forced], device=x.device)] = 0.0
     return x
 
 

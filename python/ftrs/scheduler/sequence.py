@@ -46,6 +46,11 @@ class Sequence:
     prompt_logits: bool = False
     #: slot of the linear attention state (`kvcache.state`) while running; None otherwise
     state_slot: int | None = None
+    #: with a reasoning budget (`ftrs.engine.budget`): reasoning tokens so far (-1: not inside
+    #: the block), whether the block has closed, and the tokens to write instead of sampling
+    reasoning_used: int = -1
+    reasoning_closed: bool = False
+    forced: list[int] = field(default_factory=list)
 
     @property
     def num_output(self) -> int:

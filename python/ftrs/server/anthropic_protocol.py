@@ -91,10 +91,11 @@ class MessagesToolChoice(_Model):
 
 
 class ThinkingConfig(_Model):
-    """`disabled`, or a way to think (`enabled`, `adaptive`, ...); a budget is not enforced."""
+    """`disabled`, or a way to think (`enabled`, `adaptive`, ...); `budget_tokens` caps the
+    reasoning (the chat request's `thinking_token_budget`)."""
 
     type: Text
-    budget_tokens: int | None = Field(default=None, ge=1)  # checked, not enforced
+    budget_tokens: int | None = Field(default=None, ge=1)
 
 
 class OutputFormat(_Model):
@@ -298,6 +299,8 @@ def to_chat(req: CountTokensRequest) -> Translation:
         body["continue_final_message"] = True  # a prefill: the answer continues it
     if req.thinking is not None:
         body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
+        if req.thinking.type != "disabled" and req.thinking.budget_tokens is not None:
+            body["thinking_token_budget"] = req.thinking.budget_tokens
     if isinstance(req, MessagesRequest):
         if req.temperature is not None and not 0.0 <= req.temperature <= 1.0:
             raise _bad("temperature", f"must be in [0, 1], got {req.temperature}")

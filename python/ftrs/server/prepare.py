@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ftrs.errors import ContextLengthExceeded, FtrsError, InvalidRequest
-from ftrs.sampling import SEED_MAX, SamplingParams, StructuredSpec
+from ftrs.sampling import SEED_MAX, ReasoningBudget, SamplingParams, StructuredSpec
 from ftrs.server.errors import ModelNotFound
 from ftrs.server.protocol import (
     ChatCompletionRequest,
@@ -22,7 +22,13 @@ from ftrs.server.protocol import (
     MessageToolCall,
     _SamplingFields,
 )
-from ftrs.server.reasoning import REASONING_PARSERS, choose_reasoning_parser, opens_reasoning
+from ftrs.server.reasoning import (
+    CLOSE,
+    OPEN,
+    REASONING_PARSERS,
+    choose_reasoning_parser,
+    opens_reasoning,
+)
 from ftrs.server.toolcalls import TOOL_PARSERS, choose_tool_parser
 
 
@@ -406,9 +412,30 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, options: Limits) ->
         _check_grammar(structured, tokenizer)
     # A grammar governs the whole output: none of it is reasoning, unless it leads with some.
     reasoning = setup.reasoning_parser if structured is None or structured.lead else None
+    opened = bool(reasoning) and opens_reasoning(text)
+    budget = _reasoning_budget(req.thinking_token_budget, reasoning, tokenizer, opened)
+    if budget is not None:
+        params = replace(params, reasoning_budget=budget)
     return Plan(ids, _choices(req, params), tools=setup.tools, tool_parser=setup.tool_parser,
                 parallel_tool_calls=setup.parallel, reasoning_parser=reasoning,
-                starts_in_reasoning=True if reasoning and opens_reasoning(text) else None)
+                starts_in_reasoning=True if opened else None)
+
+
+def _reasoning_budget(tokens: int | None, parser: str | None, tokenizer: Any,
+                      opened: bool) -> ReasoningBudget | None:
+    """`thinking_token_budget` as the engine enforces it: for the `<think>` parsers, when both
+    tags are single tokens of the vocabulary; None otherwise (nothing to enforce it on: a model
+    without reasoning, or gpt-oss's harmony channels, whose length `reasoning_effort` sets)."""
+    tk = getattr(tokenizer, "tk", None)
+    if tokens is None or parser not in ("qwen3", "deepseek_r1") or tk is None:
+        return None
+    open_id, close_id = tk.token_to_id(OPEN), tk.token_to_id(CLOSE)
+    if open_id is None or close_id is None:
+        return None
+    end = tuple(tokenizer.encode(f"\n{CLOSE}\n\n"))  # as the templates close the block
+    if close_id not in end:
+        return None
+    return ReasoningBudget(tokens, open_id, close_id, end, opened)
 
 
 __all__ = ["ChatSetup", "Limits", "Plan", "chat_setup", "check_model", "choice_seed", "prepare_chat",

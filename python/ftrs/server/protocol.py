@@ -187,6 +187,8 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # extension: extra template variables
     # the template's `reasoning_effort` (gpt-oss reads it) unless chat_template_kwargs sets it
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    # extension (vLLM's name): at most so many reasoning tokens, then the block is closed
+    thinking_token_budget: int | None = Field(default=None, ge=0)
     # extension: the last message is an assistant turn to continue (a prefill), not a finished one
     continue_final_message: bool | None = None
     # Declared so they are refused by name (serving.py) rather than silently ignored.
