@@ -78,7 +78,7 @@ def test_missing_tensor(tiny_models: dict[str, Path], tmp_path: Path) -> None:
 def test_gguf_with_unsupported_quantization(tmp_path: Path) -> None:
     import gguf
 
-    path = tmp_path / "iq4.gguf"
+    path = tmp_path / "tq2.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1)
     w.add_context_length(64)
@@ -91,16 +91,16 @@ def test_gguf_with_unsupported_quantization(tmp_path: Path) -> None:
     w.add_token_list([chr(ord("a") + i) for i in range(16)])
     w.add_token_types([1] * 16)
     w.add_token_merges([])
-    rows, cols = 16, 256  # IQ2_XXS packs 256 weights into 66 bytes
+    rows, cols = 16, 256  # TQ2_0 (ternary) packs 256 weights into 66 bytes
     raw = np.zeros((rows, cols // 256 * 66), dtype=np.uint8)
     w.add_tensor("token_embd.weight", raw,
-                 raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
+                 raw_dtype=gguf.GGMLQuantizationType.TQ2_0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     with pytest.raises(ModelLoadError,
-                       match=r"tensor token_embd\.weight uses unsupported quantization IQ2_XXS") as e:
+                       match=r"tensor token_embd\.weight uses unsupported quantization TQ2_0") as e:
         _load(path)
     assert e.value.path == str(path)
 
