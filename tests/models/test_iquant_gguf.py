@@ -23,6 +23,9 @@ from quant_models import LOW_IQ_CONFIG, LOW_IQ_TYPES, build, strategy_logits_equ
 transformers = pytest.importorskip("transformers")
 IDS = [3, 17, 250, 41, 99, 500, 7, 8, 311, 42, 42, 42, 130, 64, 255, 1, 300, 12, 77, 5]
 TOL = 1e-4
+#: The integer kernels' activation rounding through three layers: measured 2.5e-4 on logits
+#: up to 6.1 (AVX-512 host, 2026-12-07), bound at 4x that
+KERNEL_TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +69,9 @@ def test_experts_stay_the_files_blocks(iq_model: tuple[Path, Path]) -> None:
 
 
 def test_kernel_path_agrees_with_the_reference_path(iq_model: tuple[Path, Path]) -> None:
-    """The Rust kernels decode the same blocks (bit for bit: tests/quant/test_kernels.py) and
-    sum in another order: the same logits within fp32 rounding, the same greedy tokens."""
+    """The Rust kernels hold the same weights (bit for bit: tests/quant/test_kernels.py) and
+    meet the activations as 15-bit integers per 32-block (AVX2; the portable kernel in fp32):
+    the same logits within that rounding, the same greedy tokens."""
     llm = LLM(str(iq_model[0]), kv_tokens=1024, dtype="float32")
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     with use_kernels(False):
@@ -77,7 +81,7 @@ def test_kernel_path_agrees_with_the_reference_path(iq_model: tuple[Path, Path])
         ours = llm.logits(IDS)
         kern = llm.generate([IDS], params)[0].token_ids
     llm.close()
-    assert (ours - ref_logits).abs().max().item() <= TOL
+    assert (ours - ref_logits).abs().max().item() <= KERNEL_TOL
     assert kern == ref
 
 

@@ -23,6 +23,13 @@ const IQ1_DELTA: f32 = 0.125;
 /// The installed grids, by type (entries x width values, row-major).
 static GRIDS: [OnceLock<Box<[f32]>>; 7] = [const { OnceLock::new() }; 7];
 
+/// The 8-wide grids as rows of 8 signed bytes (IQ1's values times 8, so that the delta
+/// `±0.125` is `±1` in the same unit), zero-padded to 2048 rows, for the integer kernels:
+/// an index masked to 11 bits needs no bounds check.
+static ROWS8: [OnceLock<Box<[u64; 2048]>>; 7] = [const { OnceLock::new() }; 7];
+/// The 4-wide grids (IQ3) as rows of 4 bytes, zero-padded to 512 rows.
+static ROWS4: [OnceLock<Box<[u32; 512]>>; 7] = [const { OnceLock::new() }; 7];
+
 /// `(slot, entries, width)` of an i-quant type's grid; None for every other type.
 fn grid_shape(t: QType) -> Option<(usize, usize, usize)> {
     Some(match t {
@@ -49,6 +56,20 @@ pub fn set_grid(t: QType, values: &[f32]) -> Result<()> {
             values.len()
         )));
     }
+    let unit = if matches!(t, QType::Iq1S | QType::Iq1M) {
+        8.0
+    } else {
+        1.0
+    };
+    if let Some(v) = values
+        .iter()
+        .find(|v| v.fract() != 0.0 || !(-128.0..=127.0).contains(&(*v * unit)))
+    {
+        return Err(CoreError::Config(format!(
+            "{} grid: value {v} is not an integer of the format's range",
+            t.name()
+        )));
+    }
     let held = GRIDS[slot].get_or_init(|| values.into());
     if **held != *values {
         return Err(CoreError::Config(format!(
@@ -56,8 +77,60 @@ pub fn set_grid(t: QType, values: &[f32]) -> Result<()> {
             t.name()
         )));
     }
+    let byte = |v: &f32| (*v * unit) as i8 as u8;
+    if width == 8 {
+        ROWS8[slot].get_or_init(|| {
+            let mut rows = Box::new([0u64; 2048]);
+            for (r, v) in rows.iter_mut().zip(held.chunks_exact(8)) {
+                *r = u64::from_le_bytes(std::array::from_fn(|j| byte(&v[j])));
+            }
+            rows
+        });
+    } else {
+        ROWS4[slot].get_or_init(|| {
+            let mut rows = Box::new([0u32; 512]);
+            for (r, v) in rows.iter_mut().zip(held.chunks_exact(4)) {
+                *r = u32::from_le_bytes(std::array::from_fn(|j| byte(&v[j])));
+            }
+            rows
+        });
+    }
     Ok(())
 }
+
+/// The 8-wide grid of `t` as byte rows (see [`ROWS8`]).
+pub(crate) fn rows8(t: QType) -> &'static [u64; 2048] {
+    let (slot, _, _) = grid_shape(t).expect("an 8-wide i-quant type");
+    ROWS8[slot]
+        .get()
+        .expect("QType::parse refuses an i-quant whose grid is not installed")
+}
+
+/// The 4-wide grid of `t` as byte rows (see [`ROWS4`]).
+pub(crate) fn rows4(t: QType) -> &'static [u32; 512] {
+    let (slot, _, _) = grid_shape(t).expect("a 4-wide i-quant type");
+    ROWS4[slot]
+        .get()
+        .expect("QType::parse refuses an i-quant whose grid is not installed")
+}
+
+/// Byte `k` of entry `i` is 0xFF (-1) where bit `k` of sign index `i`'s byte (its seven bits
+/// and the parity bit) is set, 1 elsewhere: the second operand of a byte `vpsignb`.
+pub(crate) static SIGNS7_BYTES: [u64; 128] = {
+    let mut t = [0u64; 128];
+    let mut i = 0u32;
+    while i < 128 {
+        let byte = i | ((i.count_ones() & 1) << 7);
+        let mut k = 0;
+        while k < 8 {
+            let b: u64 = if byte >> k & 1 == 1 { 0xFF } else { 1 };
+            t[i as usize] |= b << (8 * k);
+            k += 1;
+        }
+        i += 1;
+    }
+    t
+};
 
 /// Whether `t` is one of the i-quants with a grid.
 pub fn grid_type(t: QType) -> bool {
@@ -305,7 +378,9 @@ pub(crate) mod test_grids {
                     lv[x as usize % lv.len()]
                 })
                 .collect();
-            let _ = GRIDS[slot].set(values.into());
+            if GRIDS[slot].get().is_none() {
+                let _ = set_grid(t, &values); // a racing test thread installs the same values
+            }
         }
     }
 }

@@ -127,6 +127,13 @@ pub(crate) fn has_integer_kernel(t: QType) -> bool {
             | QType::Iq4Nl
             | QType::Iq4Xs
             | QType::Nvfp4
+            | QType::Iq1S
+            | QType::Iq1M
+            | QType::Iq2Xxs
+            | QType::Iq2Xs
+            | QType::Iq2S
+            | QType::Iq3Xxs
+            | QType::Iq3S
     )
 }
 

@@ -193,6 +193,13 @@ fn kernels_match_on_rows_longer_than_a_scale_group() {
         (QType::Q5K, 6 * 256),
         (QType::Q4K, 6 * 256),
         (QType::Q6K, 6 * 256),
+        (QType::Iq1S, 6 * 256),
+        (QType::Iq1M, 6 * 256),
+        (QType::Iq2Xxs, 6 * 256),
+        (QType::Iq2Xs, 6 * 256),
+        (QType::Iq2S, 6 * 256),
+        (QType::Iq3Xxs, 6 * 256),
+        (QType::Iq3S, 6 * 256),
     ] {
         for &isa in &Isa::available() {
             for n in [1, 2, 5, 8, 9] {
@@ -602,5 +609,12 @@ fn an_iquant_grid_is_checked_when_installed() {
     assert!(matches!(e, Err(CoreError::Config(m)) if m.contains("already installed")));
     let e = set_grid(QType::Q4K, &[]);
     assert!(matches!(e, Err(CoreError::Config(m)) if m.contains("Q4_K has no grid")));
+    // the integer kernels hold the grid as bytes: a value that is not one is refused
+    let mut grid = vec![8.0; 256 * 8];
+    grid[5] = 8.5;
+    let e = set_grid(QType::Iq2Xxs, &grid);
+    assert!(matches!(e, Err(CoreError::Config(m)) if m.contains("value 8.5 is not an integer")));
+    let e = set_grid(QType::Iq1S, &[16.0; 2048 * 8]);
+    assert!(matches!(e, Err(CoreError::Config(m)) if m.contains("value 16 is not an integer")));
     assert_eq!(QType::parse("iq1_m").unwrap(), QType::Iq1M);
 }

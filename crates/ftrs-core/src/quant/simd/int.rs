@@ -320,19 +320,19 @@ fn nvfp4<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32
 
 /// Runs kernel `$kern` over the activation rows in groups of up to 8 (the last one smaller).
 macro_rules! dispatch {
-    ($kern:ident $(, $extra:expr)?; $w:expr, $x:expr, $n:expr, $cols:expr, $out:expr) => {{
+    ($kern:ident $(, $extra:expr)*; $w:expr, $x:expr, $n:expr, $cols:expr, $out:expr) => {{
         let mut g0 = 0;
         while g0 < $n {
             let g = ($n - g0).min(MAX_NX);
             match g {
-                1 => group::<1>($kern::<1 $(, $extra)?>, $w, $x, $n, $cols, g0, $out),
-                2 => group::<2>($kern::<2 $(, $extra)?>, $w, $x, $n, $cols, g0, $out),
-                3 => group::<3>($kern::<3 $(, $extra)?>, $w, $x, $n, $cols, g0, $out),
-                4 => group::<4>($kern::<4 $(, $extra)?>, $w, $x, $n, $cols, g0, $out),
-                5 => group::<5>($kern::<5 $(, $extra)?>, $w, $x, $n, $cols, g0, $out),
-                6 => group::<6>($kern::<6 $(, $extra)?>, $w, $x, $n, $cols, g0, $out),
-                7 => group::<7>($kern::<7 $(, $extra)?>, $w, $x, $n, $cols, g0, $out),
-                _ => group::<8>($kern::<8 $(, $extra)?>, $w, $x, $n, $cols, g0, $out),
+                1 => group::<1>($kern::<1 $(, $extra)*>, $w, $x, $n, $cols, g0, $out),
+                2 => group::<2>($kern::<2 $(, $extra)*>, $w, $x, $n, $cols, g0, $out),
+                3 => group::<3>($kern::<3 $(, $extra)*>, $w, $x, $n, $cols, g0, $out),
+                4 => group::<4>($kern::<4 $(, $extra)*>, $w, $x, $n, $cols, g0, $out),
+                5 => group::<5>($kern::<5 $(, $extra)*>, $w, $x, $n, $cols, g0, $out),
+                6 => group::<6>($kern::<6 $(, $extra)*>, $w, $x, $n, $cols, g0, $out),
+                7 => group::<7>($kern::<7 $(, $extra)*>, $w, $x, $n, $cols, g0, $out),
+                _ => group::<8>($kern::<8 $(, $extra)*>, $w, $x, $n, $cols, g0, $out),
             }
             g0 += g;
         }
@@ -345,7 +345,7 @@ fn integer(t: QType) -> bool {
 }
 
 /// The integer kernel of `t` (Q8_0, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_NL,
-/// IQ4_XS, NVFP4) for `n` rows
+/// IQ4_XS, NVFP4, the i-quants IQ1_S to IQ3_S) for `n` rows
 /// of `x`; false (and nothing written) for another type.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32]) -> bool {
@@ -366,6 +366,13 @@ pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32
         }
         QType::Q3K => dispatch!(q3k; w, &x16, n, cols, out),
         QType::Q2K => dispatch!(q2k; w, &x16, n, cols, out),
+        QType::Iq2Xxs => dispatch!(iq, 0, 66; w, &x16, n, cols, out),
+        QType::Iq2Xs => dispatch!(iq, 1, 74; w, &x16, n, cols, out),
+        QType::Iq2S => dispatch!(iq, 2, 82; w, &x16, n, cols, out),
+        QType::Iq3Xxs => dispatch!(iq, 3, 98; w, &x16, n, cols, out),
+        QType::Iq3S => dispatch!(iq, 4, 110; w, &x16, n, cols, out),
+        QType::Iq1S => dispatch!(iq, 5, 50; w, &x16, n, cols, out),
+        QType::Iq1M => dispatch!(iq, 6, 56; w, &x16, n, cols, out),
         QType::Q4K => dispatch!(q4k, false; w, &x16, n, cols, out),
         QType::Q5K => dispatch!(q4k, true; w, &x16, n, cols, out),
         _ => dispatch!(q6k; w, &x16, n, cols, out),
@@ -373,7 +380,9 @@ pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32
     true
 }
 
+mod iquants;
 mod kquants;
 pub(super) mod wide;
 
+use iquants::iq;
 use kquants::{iq4xs, q2k, q3k, q4k, q6k, scales_mins_k4};

@@ -381,16 +381,14 @@ fn q6k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
 }
 
 /// [`super::rows`] with the AVX-512 kernels; false (and nothing written) for a type without
-/// one (IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q5_K, NVFP4: the AVX2 integer kernels run them).
+/// one (the i-quants, Q2_K, Q3_K, Q5_K, NVFP4: the AVX2 integer kernels run them).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32]) -> bool {
-    // IQ4, Q2_K, Q3_K, Q5_K and NVFP4 have no AVX-512 form: the caller runs the AVX2 one
-    if !super::integer(t)
-        || matches!(
-            t,
-            QType::Iq4Nl | QType::Iq4Xs | QType::Q3K | QType::Q2K | QType::Q5K | QType::Nvfp4
-        )
-    {
+    // only these have an AVX-512 form: the caller runs the AVX2 one of the others
+    if !matches!(
+        t,
+        QType::Q8_0 | QType::Q4_1 | QType::Mxfp4 | QType::Q5_1 | QType::Q4K | QType::Q6K
+    ) {
         return false;
     }
     let x16: X16 = quantize(x, n, cols);
