@@ -23,7 +23,14 @@ Times are medians of `--repeats` passes. Printed as one JSON object:
   model gets over its fp32 form) and `of_memcpy` (gbps / memcpy_gbps);
 - with `--reference-path`, also `reference_path_ms` and `kernel_vs_reference_path`: the same
   product through `quant.matmul` with the kernels off (torch dequantizer, then `F.linear`),
-  the path a type without a kernel takes (MXFP4 before it had one).
+  the path a type without a kernel takes (MXFP4 before it had one);
+- with `--llama-cpp` (the `bench` extra installed), per GGUF type and n also `llama_cpp_ms`
+  and `vs_llama_cpp` (llama.cpp's time over ftrs's: > 1 is ftrs faster): llama.cpp's own
+  `ggml_mul_mat` on the same blocks and activations, same threads (`bench/ggml_peer.py`),
+  timed in passes alternating with a second timing of ftrs's kernel (whose median is the
+  `ftrs_ms` beside it: a shared host drifts), and `llama_cpp_rel_diff`, the largest
+  difference of the two outputs over the largest output (both round the activations: ggml
+  to 8 bits, ftrs to 15).
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ import numpy as np
 from ftrs import _core as core
 from ftrs.quant.fixtures import random_blocks
 from ftrs.quant.iquant import IQ_TYPES, install_grids
+from ggml_peer import PEER_TYPES, GgmlMatmul
+from ggml_peer import available as peer_available
 
 install_grids(core)  # the i-quants' tables, as `ftrs.quant` hands them to the kernels
 
@@ -106,6 +115,29 @@ def reference_path_time(qtype: str, copies: list[np.ndarray], x: np.ndarray, row
     xt = torch.from_numpy(x)
     with use_kernels(False):
         return median_time(lambda k: matmul(xt, ws[k % len(ws)]), len(ws), repeats)
+
+
+def llama_cpp(qtype: str, copies: list[np.ndarray], x: np.ndarray, rows: int, cols: int,
+              call: object, args: argparse.Namespace) -> dict[str, float]:
+    """llama.cpp's matmul on the same copies, in passes alternating with ftrs's (`call`)."""
+    threads = args.threads or core.quant_threads()
+    peer = GgmlMatmul(qtype, copies, x, rows, cols, threads, calls=(args.repeats + 1)
+                      * len(copies) + 1)
+    try:
+        peer.run(0)
+        theirs = peer.output(0)
+        ours = np.empty_like(theirs)
+        core.quant_matmul(qtype, copies[0], x, ours, rows, cols, threads)
+        rel = float(np.abs(ours - theirs).max() / max(np.abs(ours).max(), 1e-30))
+        t_ours, t_peer = [], []
+        for _ in range(args.repeats):
+            t_ours.append(median_time(call, len(copies), 1))
+            t_peer.append(median_time(peer.run, len(copies), 1))
+    finally:
+        peer.close()
+    mo, mp = statistics.median(t_ours), statistics.median(t_peer)
+    return {"ftrs_ms": round(mo * 1e3, 4), "llama_cpp_ms": round(mp * 1e3, 4),
+            "vs_llama_cpp": round(mp / mo, 3), "llama_cpp_rel_diff": round(rel, 5)}
 
 
 def memcpy_gbps(nbytes: int, repeats: int) -> float:
@@ -186,6 +218,8 @@ def main() -> None:
     ap.add_argument("--reference-path", action="store_true",
                     help="also time each type through quant.matmul's reference path (the torch "
                          "dequantizer, then F.linear): what a type without a kernel runs")
+    ap.add_argument("--llama-cpp", action="store_true",
+                    help="also time llama.cpp's ggml_mul_mat on the same blocks (bench extra)")
     ap.add_argument("--kernels", default="auto",
                     help=f"--demo: kernel families, comma-separated (here: "
                          f"{','.join(core.quant_kernels())})")
@@ -242,6 +276,9 @@ def main() -> None:
                 "vs_fp32_numpy": round(ref[n] / t, 3),
                 "vs_f32_kernel": round(f32_time[n] / t, 3) if n in f32_time else None,
                 "of_memcpy": round(gbps / memcpy, 3)}
+            if args.llama_cpp and qtype in PEER_TYPES and peer_available():
+                per_type[f"n{n}"].update(  # type: ignore[attr-defined]
+                    llama_cpp(qtype, copies, x, rows, cols, call, args))
             if args.reference_path:
                 tr = reference_path_time(qtype, copies, x, rows, cols, args.repeats)
                 per_type[f"n{n}"]["reference_path_ms"] = round(tr * 1e3, 4)  # type: ignore[index]

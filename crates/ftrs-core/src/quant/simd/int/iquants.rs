@@ -42,8 +42,15 @@ fn rows4(g: &[u32; 512], i: [usize; 8]) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn index_signs(aux: u32) -> __m256i {
-    let s = |l: u32| iq::SIGNS7_BYTES[((aux >> (7 * l)) & 0x7F) as usize] as i64;
-    _mm256_setr_epi64x(s(0), s(1), s(2), s(3))
+    sign_rows([0, 1, 2, 3].map(|l| aux >> (7 * l)))
+}
+
+/// The `vpsignb` operand of four sign indices (the low 7 bits of each of `s`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn sign_rows(s: [u32; 4]) -> __m256i {
+    let r = |l: usize| iq::SIGNS7_BYTES[(s[l] & 0x7F) as usize] as i64;
+    _mm256_setr_epi64x(r(0), r(1), r(2), r(3))
 }
 
 /// The `vpsignb` operand of 32 sign bits (byte `l` of `bits`: the 8 weights `8 l ..`, bit `k`
@@ -135,8 +142,8 @@ fn sub32<const KIND: u8>(b: &[u8], k: usize, g8: &[u64; 2048], g4: &[u32; 512]) 
         1 => {
             // IQ2_XS: 4 u16 (9-bit index, 7-bit sign index), two 4-bit scales in a byte
             let q: [u32; 4] = std::array::from_fn(|l| u16_at(b, 2 + 8 * k + 2 * l));
-            let signs = (q[0] >> 9) | (q[1] >> 9 << 7) | (q[2] >> 9 << 14) | (q[3] >> 9 << 21);
-            let w = _mm256_sign_epi8(rows8(g8, q.map(|v| (v & 511) as usize)), index_signs(signs));
+            let signs = sign_rows(q.map(|v| v >> 9));
+            let w = _mm256_sign_epi8(rows8(g8, q.map(|v| (v & 511) as usize)), signs);
             let sc = b[66 + k];
             let s = |v: u8| 2 * (v & 0x0F) as i16 + 1;
             (scaled16(w, s(sc), s(sc >> 4)), 0.125)
@@ -222,25 +229,28 @@ pub(super) fn iq<const NX: usize, const KIND: u8, const BB: usize>(
     };
     let nb = x[0].d.len(); // 32-blocks per row: 8 per super-block
     for (row, o) in w.chunks_exact(nb / 8 * BB).zip(out.chunks_exact_mut(n)) {
-        let mut chains = [[_mm256_setzero_ps(); NX]; 2];
+        let mut even = [_mm256_setzero_ps(); NX];
+        let mut odd = [_mm256_setzero_ps(); NX];
         for (sb, b) in row.chunks_exact(BB).enumerate() {
             prefetch(b, PREFETCH_AHEAD);
             let b: &[u8; BB] = b.try_into().expect("BB bytes");
             let d = block_d::<KIND>(b);
-            for k in 0..8 {
-                let (wv, f) = sub32::<KIND>(b, k, g8, g4);
-                let dk = d * f;
-                let bi = 8 * sb + k;
-                let acc = &mut chains[k % 2];
-                for i in 0..NX {
-                    // SAFETY: bi is a block of a weight row as long as the activation rows.
-                    let ((u, _), xv) = unsafe { (x[i].unit_sum(bi), xblock(&x[i], bi)) };
-                    acc[i] = _mm256_fmadd_ps(dot32(wv, xv), _mm256_set1_ps(dk * u), acc[i]);
+            for k in (0..8).step_by(2) {
+                // two sub-blocks a step, each to its own chain (kept in registers)
+                for (kk, acc) in [(k, &mut even), (k + 1, &mut odd)] {
+                    let (wv, f) = sub32::<KIND>(b, kk, g8, g4);
+                    let dk = d * f;
+                    let bi = 8 * sb + kk;
+                    for i in 0..NX {
+                        // SAFETY: bi is a block of a weight row as long as the activation rows.
+                        let ((u, _), xv) = unsafe { (x[i].unit_sum(bi), xblock(&x[i], bi)) };
+                        acc[i] = _mm256_fmadd_ps(dot32(wv, xv), _mm256_set1_ps(dk * u), acc[i]);
+                    }
                 }
             }
         }
         for i in 0..NX {
-            o[g0 + i] = hsum(_mm256_add_ps(chains[0][i], chains[1][i]));
+            o[g0 + i] = hsum(_mm256_add_ps(even[i], odd[i]));
         }
     }
 }
