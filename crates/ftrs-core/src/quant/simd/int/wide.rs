@@ -1,10 +1,9 @@
 //! The integer kernels of [`super`] in AVX-512 (F, BW, VL, VNNI): the same [`X16`] activations
 //! and the same exact integer products, 32 or 64 elements per instruction.
 //!
-//! Q8_0 (and Q4_1, MXFP4, Q5_1's odd last block) widen a block's 32 weight quants into one vector of 32
-//! i16 lanes, and `vpdpwssd` sums their pairs of products with the block's 32 activation
-//! integers into 16 i32 lanes (what two `vpmaddwd` and an add do in AVX2). Q5_1, Q4_K and Q6_K
-//! keep 64 quants as unsigned bytes in one vector and meet the activations' two int8 digits
+//! Q5_1's odd last block widens its 32 weight quants into one vector of 32 i16 lanes, and
+//! `vpdpwssd` sums their pairs of products with the block's 32 activation integers into 16 i32
+//! lanes (what two `vpmaddwd` and an add do in AVX2). Q5_1, Q4_K and Q6_K keep 64 quants as unsigned bytes in one vector and meet the activations' two int8 digits
 //! (`vpdpbusd`, four products per lane, high digit then low): fewer unpacking ops per quant,
 //! the same integers. The lanes turn fp32 once per block or sub-block and meet the scale in a
 //! fused multiply-add, so every kernel here differs from its AVX2 twin only in the order of
@@ -12,11 +11,11 @@
 
 use std::arch::x86_64::*;
 
-use super::super::super::blocks::{e8m0_half, QType};
+use super::super::super::blocks::QType;
 use super::super::super::kernel::MAX_NX;
 use super::{
-    e2m1_nibbles, f16, f16x2, group, hsum, ld16, ld32, ld8, prefetch, quantize, scales_mins_k4,
-    XRow, PREFETCH_AHEAD, X16,
+    f16, f16x2, group, hsum, ld16, ld32, ld8, prefetch, quantize, scales_mins_k4, XRow,
+    PREFETCH_AHEAD, X16,
 };
 
 /// The 32 i16 of 32-block `k` of an activation row.
@@ -59,80 +58,27 @@ unsafe fn dot_digits(z: __m512i, x: &XRow<'_>, k: usize) -> __m512i {
     _mm512_dpbusd_epi32(_mm512_slli_epi32::<8>(high), z, xl)
 }
 
-/// [`super::q32_block`] with one 32-lane vector per block.
-macro_rules! q32_block {
+/// One Q5_1 block (`$b`, block `$bi` of the row) against each activation row as one 32-lane
+/// vector of i16 products (`vpdpwssd`): the odd last block of [`q51`]'s rows. Its min times
+/// the block sum goes to `$mins[i]`.
+macro_rules! q51_block {
     ($b:expr, $x:expr, $bi:expr, $acc:expr, $mins:expr) => {{
         let (b, bi): (&[u8], usize) = ($b, $bi);
-        let (d, m) = match KIND {
-            0 => (f16(b), 0.0),
-            3 => (e8m0_half(b[0]), 0.0),
-            _ => f16x2(b),
-        };
-        let wv = if KIND == 0 {
-            _mm512_cvtepi8_epi16(ld32(&b[2..]))
-        } else if KIND == 3 {
-            let (lo, hi) = e2m1_nibbles(ld16(&b[1..]));
-            _mm512_cvtepi8_epi16(_mm256_set_m128i(hi, lo))
-        } else {
-            // lanes 0-15: the low nibbles (elements 0-15), 16-31: the high ones (16-31)
-            let v = _mm256_cvtepu8_epi16(ld16(&b[if KIND == 1 { 4 } else { 8 }..]));
-            let lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
-            let w = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), _mm256_srli_epi16(v, 4));
-            if KIND == 2 {
-                // bit j of qh is bit 4 of element j: 16 added to the lanes it marks
-                let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
-                _mm512_mask_add_epi16(w, qh, w, _mm512_set1_epi16(16))
-            } else {
-                w
-            }
-        };
+        let (d, m) = f16x2(b);
+        // lanes 0-15: the low nibbles (elements 0-15), 16-31: the high ones (16-31)
+        let v = _mm256_cvtepu8_epi16(ld16(&b[8..]));
+        let lo = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
+        let w = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), _mm256_srli_epi16(v, 4));
+        // bit j of qh is bit 4 of element j: 16 added to the lanes it marks
+        let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+        let wv = _mm512_mask_add_epi16(w, qh, w, _mm512_set1_epi16(16));
         for i in 0..NX {
-            // SAFETY: bi is a block of a weight row as long as the activation rows (q32).
+            // SAFETY: bi is a block of a weight row as long as the activation rows (q51).
             let ((u, sum), xv) = unsafe { ($x[i].unit_sum(bi), xblock(&$x[i], bi)) };
             $acc[i] = _mm512_fmadd_ps(dot(wv, xv), _mm512_set1_ps(d * u), $acc[i]);
-            if KIND == 1 || KIND == 2 {
-                $mins[i] = m.mul_add(sum, $mins[i]);
-            }
+            $mins[i] = m.mul_add(sum, $mins[i]);
         }
     }};
-}
-
-/// [`super::q32`]: Q8_0 (`KIND` 0), Q4_1 (1), Q5_1 (2), MXFP4 (3); even and odd blocks in two
-/// chains.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-fn q32<const NX: usize, const KIND: u8>(
-    w: &[u8],
-    x: &[XRow<'_>; NX],
-    n: usize,
-    out: &mut [f32],
-    g0: usize,
-) {
-    let bb = match KIND {
-        0 => 34,
-        1 => 20,
-        2 => 24,
-        _ => 17,
-    };
-    let nb = x[0].d.len();
-    for (row, o) in w.chunks_exact(nb * bb).zip(out.chunks_exact_mut(n)) {
-        let mut even = [_mm512_setzero_ps(); NX];
-        let mut odd = [_mm512_setzero_ps(); NX];
-        let (mut mins_even, mut mins_odd) = ([0f32; NX], [0f32; NX]);
-        let mut pairs = row.chunks_exact(2 * bb);
-        for (k, b2) in pairs.by_ref().enumerate() {
-            prefetch(b2, PREFETCH_AHEAD);
-            q32_block!(&b2[..bb], x, 2 * k, even, mins_even);
-            q32_block!(&b2[bb..], x, 2 * k + 1, odd, mins_odd);
-        }
-        let last = pairs.remainder();
-        if !last.is_empty() {
-            q32_block!(last, x, nb - 1, even, mins_even);
-        }
-        for i in 0..NX {
-            o[g0 + i] =
-                _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i])) + (mins_even[i] + mins_odd[i]);
-        }
-    }
 }
 
 /// Q5_1 two blocks at a time, the activations as two int8 digits (`vpdpbusd`).
@@ -147,12 +93,11 @@ fn q32<const NX: usize, const KIND: u8>(
 /// products on top (`256 hi + lo` is the same integer as [`X16`]'s value), so lanes 0-7 hold
 /// block 2p's partial dots and 8-15 block 2p + 1's. The blocks' fp16 `d` and `m` of up to 16
 /// blocks come in one gather, meet the activation units in one multiply, and a permute hands
-/// each lane its block's scale: per block about half the instructions of [`q32`]'s one-block
-/// step, which spends most of them on its scalar scale. Same integers, so the two differ only
-/// in the order of the fp32 sums. An odd last block takes [`q32`]'s step.
+/// each lane its block's scale: per block about half the instructions of a one-block step
+/// (which spends most of them on its scalar scale). Same integers as the AVX2 kernel, so the
+/// two differ only in the order of the fp32 sums. An odd last block takes [`q51_block`]'s step.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 fn q51<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32], g0: usize) {
-    const KIND: u8 = 2; // q32_block!'s Q5_1, for an odd last block
     const BB: usize = 24;
     let nb = x[0].d.len();
     let m4 = _mm512_set1_epi8(0x0F);
@@ -238,7 +183,7 @@ fn q51<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
             k += 2 * pairs;
         }
         if k < nb {
-            q32_block!(&row[k * BB..], x, k, odd, odd_mins);
+            q51_block!(&row[k * BB..], x, k, odd, odd_mins);
         }
         for i in 0..NX {
             o[g0 + i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], odd[i]))
@@ -381,31 +326,22 @@ fn q6k<const NX: usize>(w: &[u8], x: &[XRow<'_>; NX], n: usize, out: &mut [f32],
 }
 
 /// [`super::rows`] with the AVX-512 kernels; false (and nothing written) for a type without
-/// one (the i-quants, Q2_K, Q3_K, Q5_K, NVFP4: the AVX2 integer kernels run them).
+/// one (the AVX2 integer kernels run them). The byte kernels (`vpdpbusd`: Q5_1, Q4_K, Q6_K) are
+/// the ones kept: Q8_0, Q4_1 and MXFP4 as 32 i16 lanes and `vpdpwssd` were the AVX2 products in
+/// wider vectors, and measured slower than AVX2 on a Zen 4 host (one thread, streamed from
+/// DRAM; AVX2 time / AVX-512 time, n = 1 / 8: Q8_0 0.91 / 0.76 on the 49152x576 LM head,
+/// 0.89 / 0.85 at 576x1536; MXFP4 0.98 / 0.96 at 2880x2880; Q4_1 0.90 / 1.15 at 576x1536).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub fn rows(t: QType, w: &[u8], x: &[f32], n: usize, cols: usize, out: &mut [f32]) -> bool {
-    // only these have an AVX-512 form: the caller runs the AVX2 one of the others
-    if !matches!(
-        t,
-        QType::Q8_0 | QType::Q4_1 | QType::Mxfp4 | QType::Q5_1 | QType::Q4K | QType::Q6K
-    ) {
+    if !matches!(t, QType::Q5_1 | QType::Q4K | QType::Q6K) {
         return false;
     }
-    let x16: X16 = quantize(x, n, cols);
+    let x16: X16 = quantize(x, n, cols).with_digits();
     match t {
-        QType::Q8_0 => dispatch!(q32, 0; w, &x16, n, cols, out),
-        QType::Q4_1 => dispatch!(q32, 1; w, &x16, n, cols, out),
-        QType::Mxfp4 => dispatch!(q32, 3; w, &x16, n, cols, out),
-        QType::Q5_1 => {
-            let x16 = x16.with_digits();
-            dispatch!(q51; w, &x16, n, cols, out)
-        }
-        QType::Q4K => {
-            let x16 = x16.with_digits();
-            dispatch!(q4k; w, &x16, n, cols, out)
-        }
+        QType::Q5_1 => dispatch!(q51; w, &x16, n, cols, out),
+        QType::Q4K => dispatch!(q4k; w, &x16, n, cols, out),
         _ => {
-            let x16 = x16.with_digits().with_sums4();
+            let x16 = x16.with_sums4();
             dispatch!(q6k; w, &x16, n, cols, out)
         }
     }
