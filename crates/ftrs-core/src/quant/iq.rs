@@ -98,17 +98,16 @@ pub fn set_grid(t: QType, values: &[f32]) -> Result<()> {
     Ok(())
 }
 
-/// The 8-wide grid of `t` as byte rows (see [`ROWS8`]).
-pub(crate) fn rows8(t: QType) -> &'static [u64; 2048] {
-    let (slot, _, _) = grid_shape(t).expect("an 8-wide i-quant type");
+/// The 8-wide grid in `slot` (0 IQ2_XXS, 1 IQ2_XS, 2 IQ2_S, 5 IQ1_S, 6 IQ1_M: [`grid_shape`]'s
+/// order, the integer kernels' `KIND`) as byte rows (see [`ROWS8`]).
+pub(crate) fn rows8(slot: usize) -> &'static [u64; 2048] {
     ROWS8[slot]
         .get()
         .expect("QType::parse refuses an i-quant whose grid is not installed")
 }
 
-/// The 4-wide grid of `t` as byte rows (see [`ROWS4`]).
-pub(crate) fn rows4(t: QType) -> &'static [u32; 512] {
-    let (slot, _, _) = grid_shape(t).expect("a 4-wide i-quant type");
+/// The 4-wide grid in `slot` (3 IQ3_XXS, 4 IQ3_S) as byte rows (see [`ROWS4`]).
+pub(crate) fn rows4(slot: usize) -> &'static [u32; 512] {
     ROWS4[slot]
         .get()
         .expect("QType::parse refuses an i-quant whose grid is not installed")

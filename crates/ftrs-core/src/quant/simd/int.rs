@@ -141,23 +141,37 @@ unsafe fn xblock(x: &XRow<'_>, k: usize) -> (__m256i, __m256i) {
 /// `out[r * n + g0 + i]`.
 type GroupFn<const NX: usize> = fn(&[u8], &[XRow<'_>; NX], usize, &mut [f32], usize);
 
+/// 0xFF in byte `j` where byte `pick[j]` of `v` has a bit of `bits[j]` set (`bits` one bit a
+/// byte), else 0: a shuffle of the broadcast `v`, an AND and a compare, no scalar work.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn bit_mask(v: u32, pick: __m256i, bits: __m256i) -> __m256i {
+    let spread = _mm256_shuffle_epi8(_mm256_set1_epi32(v as i32), pick);
+    _mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits)
+}
+
+/// [`bit_mask`] of bit `j % 8` of byte `j / 8`: one bit of `v` per byte, in order.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) fn bits32(v: u32) -> __m256i {
+    let pick = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, // from the low lane's copy
+        2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, // from the high lane's copy
+    );
+    bit_mask(
+        v,
+        pick,
+        _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64),
+    ) // byte k: 1 << k
+}
+
 /// The 32 fifth bits `qh` of a Q5_1 block as i16 lanes of 16 or 0, lane j of the first
-/// vector for element j and of the second for element 16 + j. In bytes first: a shuffle puts
-/// byte j / 8 of `qh` in byte j, one AND per byte keeps bit j % 8, a compare turns it into 0xFF
-/// or 0; then 16 or 0, widened. (A broadcast-and-compare per 16 lanes took four more ops.)
+/// vector for element j and of the second for element 16 + j: [`bits32`]'s 0xFF or 0 per
+/// byte, then 16 or 0, widened. (A broadcast-and-compare per 16 lanes took four more ops.)
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn fifth_bits(qh: u32) -> (__m256i, __m256i) {
-    let spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32(qh as i32),
-        _mm256_setr_epi8(
-            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, // from the low lane's copy
-            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, // from the high lane's copy
-        ),
-    );
-    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64); // byte k: 1 << k
-    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-    let b = _mm256_and_si256(set, _mm256_set1_epi8(16));
+    let b = _mm256_and_si256(bits32(qh), _mm256_set1_epi8(16));
     (
         _mm256_cvtepu8_epi16(_mm256_castsi256_si128(b)),
         _mm256_cvtepu8_epi16(_mm256_extracti128_si256(b, 1)),

@@ -16,10 +16,9 @@
 
 use std::arch::x86_64::*;
 
-use super::super::super::blocks::QType;
 use super::super::super::iq;
 use super::act::XRow;
-use super::{dot32, f16, hsum, prefetch, widen_i8, xblock, PREFETCH_AHEAD};
+use super::{bit_mask, bits32, dot32, f16, hsum, prefetch, widen_i8, xblock, PREFETCH_AHEAD};
 
 /// Four 8-byte grid rows as the 32 bytes of a sub-block, row `i[0]` first.
 #[inline]
@@ -54,42 +53,28 @@ fn sign_rows(s: [u32; 4]) -> __m256i {
 }
 
 /// The `vpsignb` operand of 32 sign bits (byte `l` of `bits`: the 8 weights `8 l ..`, bit `k`
-/// for weight `8 l + k`): a shuffle puts byte `j / 8` in byte `j`, one AND keeps bit `j % 8`, a
-/// compare makes it 0xFF or 0, an OR with 1 makes that -1 or 1.
+/// for weight `8 l + k`): [`bits32`]'s 0xFF or 0 per byte, OR 1: -1 or 1.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn byte_signs(bits: u32) -> __m256i {
-    let spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32(bits as i32),
-        _mm256_setr_epi8(
-            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, // from the low lane's copy
-            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3, // from the high lane's copy
-        ),
-    );
-    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64); // byte k: 1 << k
-    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-    _mm256_or_si256(set, _mm256_set1_epi8(1))
+    _mm256_or_si256(bits32(bits), _mm256_set1_epi8(1))
 }
 
 /// IQ1_M's deltas of 32 weights, -1 or 1 per byte by bit 3 of nibble `j / 8` of `nib` (byte
-/// `j / 16` of it, bit 3 or 7), [`byte_signs`]' shuffle and compare without scalar work.
+/// `j / 16` of it, bit 3 or 7), from [`bit_mask`] without scalar work.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn nibble_signs(nib: u32) -> __m256i {
-    let spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32(nib as i32),
-        _mm256_setr_epi8(
-            0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, // nibbles 0, 1: byte 0
-            1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, // nibbles 2, 3: byte 1
-        ),
+    let pick = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, // nibbles 0, 1: byte 0
+        1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, // nibbles 2, 3: byte 1
     );
     let (lo, hi) = (
         0x0808_0808_0808_0808_u64 as i64,
         0x8080_8080_8080_8080_u64 as i64,
     );
-    let bit = _mm256_setr_epi64x(lo, hi, lo, hi); // bit 3 of the low nibble, then the high
-    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-    _mm256_or_si256(set, _mm256_set1_epi8(1))
+    let bits = _mm256_setr_epi64x(lo, hi, lo, hi); // bit 3 of the low nibble, then the high
+    _mm256_or_si256(bit_mask(nib, pick, bits), _mm256_set1_epi8(1))
 }
 
 /// 32 signed weight bytes widened to i16, the first 16 times `s0` and the last 16 times `s1`.
@@ -200,8 +185,9 @@ fn sub32<const KIND: u8>(b: &[u8], k: usize, g8: &[u64; 2048], g4: &[u32; 512]) 
 /// A sub-block's weights (two i16 vectors) and the factor of `d` that scales them.
 type W32 = ((__m256i, __m256i), f32);
 
-/// The i-quant `KIND` (0 IQ2_XXS, 1 IQ2_XS, 2 IQ2_S, 3 IQ3_XXS, 4 IQ3_S, 5 IQ1_S, 6 IQ1_M;
-/// `BB` bytes a 256-weight block) against int activations; even and odd sub-blocks go to two
+/// The i-quant `KIND` (its grid's slot in `iq`, whose test grids differ by slot, so a kernel
+/// reading another type's grid fails the kernel tests: 0 IQ2_XXS, 1 IQ2_XS, 2 IQ2_S, 3 IQ3_XXS,
+/// 4 IQ3_S, 5 IQ1_S, 6 IQ1_M; `BB` bytes a 256-weight block) against int activations; even and odd sub-blocks go to two
 /// accumulator chains.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) fn iq<const NX: usize, const KIND: u8, const BB: usize>(
@@ -211,21 +197,12 @@ pub(super) fn iq<const NX: usize, const KIND: u8, const BB: usize>(
     out: &mut [f32],
     g0: usize,
 ) {
-    let t = [
-        QType::Iq2Xxs,
-        QType::Iq2Xs,
-        QType::Iq2S,
-        QType::Iq3Xxs,
-        QType::Iq3S,
-        QType::Iq1S,
-        QType::Iq1M,
-    ][KIND as usize];
     static NO_ROWS8: [u64; 2048] = [0; 2048];
     static NO_ROWS4: [u32; 512] = [0; 512];
     let (g8, g4) = if matches!(KIND, 3 | 4) {
-        (&NO_ROWS8, iq::rows4(t))
+        (&NO_ROWS8, iq::rows4(KIND as usize))
     } else {
-        (iq::rows8(t), &NO_ROWS4)
+        (iq::rows8(KIND as usize), &NO_ROWS4)
     };
     let nb = x[0].d.len(); // 32-blocks per row: 8 per super-block
     for (row, o) in w.chunks_exact(nb / 8 * BB).zip(out.chunks_exact_mut(n)) {
