@@ -12,7 +12,7 @@ sum |x| |w|` for each. A wrong block layout moves an output by O(|x| |w|) per el
 
 from __future__ import annotations
 
-import sys
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +25,12 @@ from ftrs.quant import QuantTensor, dequantize  # noqa: E402
 from ftrs.quant.fixtures import random_blocks  # noqa: E402
 from ftrs.quant.iquant import IQ_TYPES, install_grids  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import ggml_peer  # noqa: E402
+# loaded from its file: bench/ on sys.path would shadow packages (its kernels.py, transformers')
+_spec = importlib.util.spec_from_file_location(
+    "ggml_peer", Path(__file__).resolve().parents[2] / "bench" / "ggml_peer.py")
+assert _spec is not None and _spec.loader is not None
+ggml_peer = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ggml_peer)
 
 install_grids(core)
 
