@@ -134,6 +134,55 @@ def test_the_server_monitor_watches_the_engines_gpu(monkeypatch: pytest.MonkeyPa
     assert cuda_bdf(cpu) is None and cuda_bdf(object()) is None
 
 
+def test_the_server_monitor_asks_a_fresh_process_about_the_engines_gpu(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """DESIGN's fourth evidence of a lost device: a fresh process that cannot use the engine's
+    GPU. The supervisor hands the monitor a child probe of that device (cuda:2 here); a CUDA
+    error that the child then cannot reproduce past is a DeviceLost with the child's evidence."""
+    import types
+
+    import torch
+
+    from ftrs.health import child
+    from ftrs.health.monitor import DeviceMonitor, MonitorConfig
+    from ftrs.health.result import Status
+    from ftrs.server.supervision import CHILD_PROBE_TIMEOUT_S, cuda_child_probe
+
+    asked: list[tuple[str, float]] = []
+
+    def fake_probe(device: str, *, timeout_s: float) -> child.ChildResult:
+        asked.append((device, timeout_s))
+        return child.ChildResult(probe="child", status=Status.LOST, outcome="timeout",
+                                 reason=f"a fresh process could not use {device}",
+                                 evidence={"child": "timeout"})
+
+    monkeypatch.setattr(child, "probe_child", fake_probe)
+    assert cuda_child_probe(types.SimpleNamespace(device=torch.device("cpu"))) is None
+    assert cuda_child_probe(object()) is None
+    probe = cuda_child_probe(types.SimpleNamespace(device=torch.device("cuda", 2)))
+    assert probe is not None
+    monitor = DeviceMonitor(MonitorConfig(bdf=None, sysfs_root=str(tmp_path)), child_probe=probe)
+    verdict = monitor.diagnose(RuntimeError("CUDA error: unspecified launch failure"))
+    assert asked == [("cuda:2", CHILD_PROBE_TIMEOUT_S)]
+    assert isinstance(verdict, DeviceLost), verdict
+    assert verdict.evidence["child_probe"]["outcome"] == "timeout"
+    # and the supervisor wires it (its GPU's PCI address unknown here: only the child speaks)
+    from ftrs.config import EngineConfig
+    from ftrs.server import supervision
+
+    monkeypatch.setenv("FTRS_HOME", str(tmp_path))
+    monkeypatch.setattr(supervision, "cuda_bdf", lambda engine: None)
+    engine = _Idle()
+    engine.device = torch.device("cuda", 2)  # type: ignore[attr-defined]
+    sup = supervision.EngineSupervisor(EngineConfig.from_kwargs(model="x"), engine)
+    try:
+        asked.clear()
+        verdict = sup.monitor.diagnose(RuntimeError("CUDA error: unspecified launch failure"))
+    finally:
+        sup.close()
+    assert asked == [("cuda:2", CHILD_PROBE_TIMEOUT_S)] and isinstance(verdict, DeviceLost)
+
+
 class _Idle:
     """An engine whose steps do nothing (no copy engine: the drill raises the class)."""
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import linecache
 import logging
 import tempfile
@@ -46,7 +47,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ftrs.config import EngineConfig, ftrs_home
 from ftrs.engine.faults import FAKE_BDF, StepFaults, make_fake_sysfs, parse_fault_spec
@@ -54,6 +55,9 @@ from ftrs.engine.protocol import StepStats, TokenEvent
 from ftrs.errors import DeviceError, DeviceOutOfMemory, EngineHang, EngineRestarted, FtrsError
 from ftrs.guard.live import LiveGuard
 from ftrs.server.errors import EngineUnavailable
+
+if TYPE_CHECKING:
+    from ftrs.health.result import ProbeResult
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +108,7 @@ class EngineSupervisor:
                                     relax_after_s=config.guard_relax_after)
         self.monitor = DeviceMonitor(mcfg, on_fault=self._monitor_fault,
                                      on_sample=self.live_guard.on_sample,
+                                     child_probe=cuda_child_probe(engine),
                                      has_pending_work=lambda: self._in_step,
                                      last_step_finished_at=lambda: self._last_step_end)
         self.monitor.start()
@@ -256,6 +261,28 @@ def cuda_bdf(engine: Any) -> str | None:
     except Exception as exc:  # never fatal: supervision degrades to the watchdog
         logger.warning("cannot tell the GPU's PCI address (%s): only the watchdog runs", exc)
         return None
+
+
+#: How long the child probe may take to use the device (import torch, create a context, one
+#: kernel) before its silence counts as the device's: seconds of a failing step's requests.
+CHILD_PROBE_TIMEOUT_S = 30.0
+
+
+def cuda_child_probe(engine: Any) -> Callable[[], ProbeResult] | None:
+    """The fourth evidence of a lost device (DESIGN.md): a fresh process that cannot use the
+    engine's CUDA device. The monitor runs it only while classifying an error or a hang that no
+    other probe explains; None when the engine runs elsewhere."""
+    device: Any = getattr(engine, "device", None)
+    if getattr(device, "type", None) != "cuda":
+        return None
+    from ftrs.health.child import probe_child
+
+    index = device.index
+    if index is None:
+        import torch
+
+        index = torch.cuda.current_device()
+    return functools.partial(probe_child, f"cuda:{index}", timeout_s=CHILD_PROBE_TIMEOUT_S)
 
 
 def _device_related(exc: BaseException) -> bool:
