@@ -53,6 +53,7 @@ from ftrs.config import EngineConfig, ftrs_home
 from ftrs.engine.faults import FAKE_BDF, StepFaults, make_fake_sysfs, parse_fault_spec
 from ftrs.engine.protocol import StepStats, TokenEvent
 from ftrs.errors import DeviceError, DeviceOutOfMemory, EngineHang, EngineRestarted, FtrsError
+from ftrs.guard.link import cuda_pci_address
 from ftrs.guard.live import LiveGuard
 from ftrs.server.errors import EngineUnavailable
 
@@ -246,21 +247,33 @@ class EngineSupervisor:
         self.monitor.stop(1.0)
 
 
-def cuda_bdf(engine: Any) -> str | None:
-    """The PCI address of the engine's CUDA device, for the monitor to watch; None when the
-    engine runs elsewhere or the address cannot be told (then only the watchdog runs)."""
+def _engine_cuda_index(engine: Any) -> int | None:
+    """The CUDA index of the engine's device (its current one for a bare `cuda`); None when
+    the engine runs elsewhere or CUDA cannot say."""
     device: Any = getattr(engine, "device", None)
     if getattr(device, "type", None) != "cuda":
         return None
+    if device.index is not None:
+        return int(device.index)
     try:
         import torch
 
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        p: Any = torch.cuda.get_device_properties(index)  # the stubs lack the pci_* fields
-        return f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+        return int(torch.cuda.current_device())
     except Exception as exc:  # never fatal: supervision degrades to the watchdog
-        logger.warning("cannot tell the GPU's PCI address (%s): only the watchdog runs", exc)
+        logger.warning("cannot tell the engine's CUDA device (%s)", exc)
         return None
+
+
+def cuda_bdf(engine: Any) -> str | None:
+    """The PCI address of the engine's CUDA device, for the monitor to watch; None when the
+    engine runs elsewhere or the address cannot be told (then only the watchdog runs)."""
+    index = _engine_cuda_index(engine)
+    if index is None:
+        return None
+    bdf = cuda_pci_address(index)
+    if bdf is None:
+        logger.warning("cannot tell the PCI address of cuda:%d: only the watchdog runs", index)
+    return bdf
 
 
 #: How long the child probe may take to use the device (import torch, create a context, one
@@ -272,16 +285,11 @@ def cuda_child_probe(engine: Any) -> Callable[[], ProbeResult] | None:
     """The fourth evidence of a lost device (DESIGN.md): a fresh process that cannot use the
     engine's CUDA device. The monitor runs it only while classifying an error or a hang that no
     other probe explains; None when the engine runs elsewhere."""
-    device: Any = getattr(engine, "device", None)
-    if getattr(device, "type", None) != "cuda":
+    index = _engine_cuda_index(engine)
+    if index is None:
         return None
     from ftrs.health.child import probe_child
 
-    index = device.index
-    if index is None:
-        import torch
-
-        index = torch.cuda.current_device()
     return functools.partial(probe_child, f"cuda:{index}", timeout_s=CHILD_PROBE_TIMEOUT_S)
 
 
