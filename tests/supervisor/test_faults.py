@@ -146,7 +146,7 @@ def test_the_server_monitor_asks_a_fresh_process_about_the_engines_gpu(
     from ftrs.health import child
     from ftrs.health.monitor import DeviceMonitor, MonitorConfig
     from ftrs.health.result import Status
-    from ftrs.server.supervision import CHILD_PROBE_TIMEOUT_S, cuda_child_probe
+    from ftrs.server.device_probes import CHILD_PROBE_TIMEOUT_S, cuda_child_probe
 
     asked: list[tuple[str, float]] = []
 
