@@ -105,7 +105,15 @@ def spy_kernel_types(monkeypatch: Any) -> list[str]:
         seen.append(w.qtype)
         return kernel_matmul(x, w)
 
+    core = quant_matmul._core_module()
+    kernel_matmuls = core.quant_matmuls
+
+    def spy_many(x: Any, calls: list[tuple[Any, ...]], cols: int) -> None:  # q, k, v in one
+        seen.extend(c[0] for c in calls)
+        kernel_matmuls(x, calls, cols)
+
     monkeypatch.setattr(quant_matmul, "_kernel_matmul", spy)
+    monkeypatch.setattr(core, "quant_matmuls", spy_many)
     return seen
 
 

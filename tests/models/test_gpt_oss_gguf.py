@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import shutil
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -129,7 +130,15 @@ def test_mxfp4_kernel_path_greedy_agrees_with_reference(mxfp4: tuple[Path, Path]
         seen.add(w.qtype)
         return kernel_matmul(x, w)
 
+    core = quant_matmul._core_module()
+    kernel_matmuls = core.quant_matmuls
+
+    def spy_many(x: Any, calls: list[tuple[Any, ...]], cols: int) -> None:  # q, k, v in one
+        seen.update(c[0] for c in calls)
+        kernel_matmuls(x, calls, cols)
+
     monkeypatch.setattr(quant_matmul, "_kernel_matmul", spy)
+    monkeypatch.setattr(core, "quant_matmuls", spy_many)
     llm = LLM(str(mxfp4[0]), kv_tokens=1024, dtype="float32")
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     with use_kernels(False):

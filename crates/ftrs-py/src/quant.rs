@@ -1,4 +1,4 @@
-//! The quantized CPU kernels of `ftrs_core::quant` for Python: `quant_matmul`,
+//! The quantized CPU kernels of `ftrs_core::quant` for Python: `quant_matmul`, `quant_matmuls`,
 //! `quant_fp8_matmul`, `quant_expert_ffn`, `quant_experts_ffn` (a MoE layer's routed experts), `quant_dequantize`, `quant_block_info` and the thread setting.
 //!
 //! Buffers are borrowed, never copied: the weight is any C-contiguous buffer (read as bytes),
@@ -70,6 +70,68 @@ where
     })
     .py()?;
     drop((wb, xb, ob));
+    Ok(())
+}
+
+/// Several matmuls of one `x` in one GIL-free call: `out_j = x @ W_j.T` for each `(qtype,
+/// weight, out, rows)` of `calls`, every `W_j` `rows x cols` (a layer's q, k and v: one call
+/// where three cost three crossings of the binding). Each out is writable and disjoint from x,
+/// every weight and the other outs.
+#[pyfunction]
+#[pyo3(signature = (x, calls, cols, threads = 0, kernel = "auto"))]
+pub fn quant_matmuls(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    calls: Vec<(String, Bound<'_, PyAny>, Bound<'_, PyAny>, usize)>,
+    cols: usize,
+    threads: usize,
+    kernel: &str,
+) -> PyResult<()> {
+    let isa = Isa::parse(kernel).py()?;
+    let xb = buffer::<f32>(x, "x", "float32", false)?;
+    let mut held = Vec::with_capacity(calls.len());
+    for (qtype, weight, out, rows) in &calls {
+        let t = QType::parse(qtype).py()?;
+        let wb = weight_bytes(py, weight)?;
+        let ob = buffer::<f32>(out, "out", "float32", true)?;
+        held.push((t, wb, ob, *rows));
+    }
+    let xs = span(&xb);
+    let mut inputs = vec![(xs.0, xs.1, "x")];
+    inputs.extend(held.iter().map(|(_, wb, _, _)| {
+        let w = span(wb);
+        (w.0, w.1, "a weight")
+    }));
+    let spans: Vec<_> = held
+        .iter()
+        .map(|(t, wb, ob, rows)| (*t, span(wb), span(ob), *rows))
+        .collect();
+    for (j, (_, _, o, _)) in spans.iter().enumerate() {
+        check_disjoint(*o, &inputs)?;
+        let others: Vec<_> = (spans.iter().enumerate())
+            .filter(|&(k, _)| k != j)
+            .map(|(_, s)| (s.2 .0, s.2 .1, "another out"))
+            .collect();
+        check_disjoint(*o, &others)?;
+    }
+    py.detach(|| {
+        #[allow(unsafe_code)]
+        // SAFETY: as in quant_matmul: x, the weights and the outs stay exported until this
+        // function returns (xb, held); each out is writable, f32-aligned and disjoint from x,
+        // every weight and every other out, so the `&mut` slices alias nothing.
+        let (xs, mut jobs) = unsafe {
+            let jobs: Vec<quant::MatmulJob<'_>> = spans
+                .iter()
+                .map(|&(t, w, o, rows)| {
+                    (t, slice::<u8>(w.0, w.1), slice_mut::<f32>(o.0, o.1), rows)
+                })
+                .collect();
+            (slice::<f32>(xs.0, xs.1), jobs)
+        };
+        quant::matmuls(xs, &mut jobs, cols, threads, isa)
+    })
+    .py()?;
+    drop((xb, held));
     Ok(())
 }
 
@@ -484,6 +546,7 @@ pub fn quant_kernels() -> Vec<&'static str> {
 /// Adds this module's functions to `ftrs._core`.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_matmuls, m)?)?;
     m.add_function(wrap_pyfunction!(quant_fp8_matmul, m)?)?;
     m.add_function(wrap_pyfunction!(quant_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(quant_expert_ffn, m)?)?;

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import numpy as np
 import torch
 
 from ftrs.kernels.norm import rms_norm_ref, rotary_ref_
@@ -37,31 +38,42 @@ def available() -> bool:
     return hasattr(_core(), "ops_rms_norm")
 
 
-def _plain(*ts: torch.Tensor) -> bool:
-    return all(t.dtype == F32 and t.device.type == "cpu" and t.is_contiguous() for t in ts)
+# These wrappers sit on a decode step's hot path (about five calls per layer): their checks are
+# attribute reads (`dtype is`, `is_cpu`: a `device` object costs more than the Rust op it
+# guards), and outputs are numpy arrays viewed as tensors (`torch.from_numpy`), one conversion
+# where `torch.empty` then `.numpy()` made two.
+def _plain(t: torch.Tensor) -> bool:
+    return t.dtype is F32 and t.is_cpu and t.is_contiguous()
+
+
+def _out_like(a: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+    """A new array shaped like `a` and the tensor over its memory."""
+    out = np.empty_like(a)
+    return out, torch.from_numpy(out)
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`rms_norm_ref`'s contract: (normed, residual + x) with a residual, (normed, None) without."""
-    if not (_plain(x, weight) and (residual is None or (_plain(residual)
-                                                         and residual.shape == x.shape))):
+    if not (_plain(x) and _plain(weight) and (residual is None or (
+            _plain(residual) and residual.shape == x.shape))):
         return rms_norm_ref(x, weight, eps, residual)
-    out = torch.empty_like(x)
+    xa = x.numpy()
+    out, out_t = _out_like(xa)
     if residual is None:
-        _core().ops_rms_norm(x.numpy(), weight.numpy(), eps, out.numpy())
-        return out, None
-    total = torch.empty_like(x)
-    _core().ops_rms_norm(x.numpy(), weight.numpy(), eps, out.numpy(), residual.numpy(),
-                         total.numpy())
-    return out, total
+        _core().ops_rms_norm(xa, weight.numpy(), eps, out)
+        return out_t, None
+    total, total_t = _out_like(xa)
+    _core().ops_rms_norm(xa, weight.numpy(), eps, out, residual.numpy(), total)
+    return out_t, total_t
 
 
 def rotary_cpu_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 positions: torch.Tensor) -> None:
     """`rotary_ref_`'s contract: q (tokens, heads, d) and k (tokens, kv_heads, d) rotated in place."""
-    if not (_plain(q, k, cos, sin) and positions.dtype == torch.int64
+    if not (_plain(q) and _plain(k) and _plain(cos) and _plain(sin)
+            and positions.dtype is torch.int64
             and positions.is_contiguous() and cos.shape[-1] == q.shape[-1]):
         rotary_ref_(q, k, cos, sin, positions)
         return
@@ -75,13 +87,13 @@ def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """One query per row over the cache slots `gather` (rows, keys), `mask` (rows, 1, 1, keys)
     True where a key is real (None: all are); q (rows, heads, d), caches (slots, kv_heads, d).
     None when the inputs are not plain fp32 CPU tensors: the caller takes the torch path."""
-    if not (_plain(q, k_cache, v_cache) and gather.dtype == torch.int64
+    if not (_plain(q) and _plain(k_cache) and _plain(v_cache) and gather.dtype is torch.int64
             and gather.is_contiguous() and (mask is None or mask.is_contiguous())):
         return None
-    out = torch.empty_like(q)
+    qa = q.numpy()
+    out, out_t = _out_like(qa)
     valid = None if mask is None else mask.view(torch.uint8).numpy()
-    _core().ops_decode_attention(q.numpy(), k_cache.numpy(), v_cache.numpy(), gather.numpy(),
-                                 valid, scale, out.numpy(), q.shape[1], k_cache.shape[1],
-                                 q.shape[2])
-    return out
+    _core().ops_decode_attention(qa, k_cache.numpy(), v_cache.numpy(), gather.numpy(),
+                                 valid, scale, out, q.shape[1], k_cache.shape[1], q.shape[2])
+    return out_t
 

@@ -12,11 +12,18 @@ from __future__ import annotations
 
 import torch
 
-from ftrs.quant.matmul import Weight, embedding, matmul
+from ftrs.quant.matmul import Weight, embedding, matmul, matmuls
 
-__all__ = ["Weight", "embedding", "linear"]
+__all__ = ["Weight", "embedding", "linear", "linears"]
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`x`: (..., in); `w`: (out, in). Returns (..., out) in x's dtype."""
     return matmul(x, w, bias)
+
+
+def linears(x: torch.Tensor, ws: tuple[Weight, ...], biases: tuple[torch.Tensor | None, ...]
+            ) -> list[torch.Tensor]:
+    """`[linear(x, w, b) ...]` for several weights of one input (a layer's q, k and v), in one
+    kernel call when they are CPU quantized weights."""
+    return matmuls(x, ws, biases)

@@ -43,7 +43,7 @@ from ftrs.kernels import Kernels, select_kernels
 from ftrs.kvcache.state import StateCache
 from ftrs.layers.attention import AttnMetadata, paged_attention
 from ftrs.layers.deltanet import gated_deltanet
-from ftrs.layers.linear import embedding, linear
+from ftrs.layers.linear import embedding, linear, linears
 from ftrs.layers.moe import Router, route_by
 from ftrs.layers.norm import rms_norm
 from ftrs.layers.rotary import Rotary, rotate
@@ -153,13 +153,14 @@ class Decoder:
                    kv: KVCache) -> torch.Tensor:
         s, w, p = self.spec, self.w, f"{layer}."
         t = x.shape[0]
-        q = linear(x, w[p + "q"], w.get(p + "q_bias"))
+        q, k, v = linears(x, (w[p + "q"], w[p + "k"], w[p + "v"]),
+                          (w.get(p + "q_bias"), w.get(p + "k_bias"), w.get(p + "v_bias")))
         gate = None
         if s.attn_output_gate:  # per head: [query | gate of the output]
             q, gate = q.view(t, s.num_heads, 2 * s.head_dim).split(s.head_dim, dim=-1)
         q = q.view(t, s.num_heads, s.head_dim)
-        k = linear(x, w[p + "k"], w.get(p + "k_bias")).view(t, s.num_kv_heads, s.head_dim)
-        v = linear(x, w[p + "v"], w.get(p + "v_bias")).view(t, s.num_kv_heads, s.head_dim)
+        k = k.view(t, s.num_kv_heads, s.head_dim)
+        v = v.view(t, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q = self.norm(q, w[p + "q_norm"], s.rms_norm_eps)[0]
             k = self.norm(k, w[p + "k_norm"], s.rms_norm_eps)[0]

@@ -129,6 +129,11 @@ class QuantTensor:
         return self.data.device
 
     @functools.cached_property
+    def is_cpu(self) -> bool:
+        """Whether the bytes are in host memory (read once: a decode step asks per matmul)."""
+        return bool(self.data.is_cpu)
+
+    @functools.cached_property
     def host_array(self) -> np.ndarray:
         """The bytes as a numpy view (CPU only), made once: what the Rust kernels read."""
         return self.data.numpy()

@@ -30,6 +30,7 @@ import functools
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any, NamedTuple, Union
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -87,20 +88,26 @@ def use_kernels(enabled: bool) -> Iterator[None]:
         _state["kernels"] = old
 
 
+def _fp32_array(x: torch.Tensor) -> np.ndarray:
+    """`x` as a contiguous fp32 numpy array, copied only when it has to be."""
+    fp32 = x.dtype is torch.float32
+    return (x if fp32 and x.is_contiguous() else x.to(torch.float32).contiguous()).numpy()
+
+
 def _kernel_matmul(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     # The hot path of a quantized decode (ten calls per layer): no copy or cast that is not
-    # needed, the weight's numpy view made once (`QuantTensor.host_array`).
+    # needed, the weight's numpy view made once (`QuantTensor.host_array`), the output a numpy
+    # array viewed as a tensor (one conversion, where `torch.empty` and `.numpy()` made two).
     rows, cols = w.shape
-    fp32 = x.dtype == torch.float32
-    x32 = x if fp32 and x.is_contiguous() else x.to(torch.float32).contiguous()
-    out = torch.empty((*x.shape[:-1], rows), dtype=torch.float32)
+    xa = _fp32_array(x)
+    out = np.empty((*xa.shape[:-1], rows), dtype=np.float32)
     if w.qtype == FP8_BLOCK:
         assert w.fp8_block is not None  # QuantTensor checks it
-        _core_module().quant_fp8_matmul(w.host_array, x32.numpy(), out.numpy(), rows, cols,
-                                        w.fp8_block)
+        _core_module().quant_fp8_matmul(w.host_array, xa, out, rows, cols, w.fp8_block)
     else:
-        _quant_matmul()(w.qtype, w.host_array, x32.numpy(), out.numpy(), rows, cols)
-    return out if fp32 else out.to(x.dtype)
+        _quant_matmul()(w.qtype, w.host_array, xa, out, rows, cols)
+    y = torch.from_numpy(out)
+    return y if x.dtype is torch.float32 else y.to(x.dtype)
 
 
 @functools.cache
@@ -237,8 +244,27 @@ def matmul(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return F.linear(x, w, bias)
     if w.shape[1] != x.shape[-1]:
         raise ValueError(f"matmul: x has {x.shape[-1]} columns, weight is {list(w.shape)}")
-    if (w.device.type == "cpu" and _state["kernels"] and w.qtype in kernel_types()
-            and x.numel() > 0):
+    if w.is_cpu and _state["kernels"] and w.qtype in kernel_types() and x.numel() > 0:
         y = _kernel_matmul(x, w)
         return y if bias is None else y + bias
     return F.linear(x, dequantize(w, x.dtype), bias)
+
+
+def matmuls(x: torch.Tensor, ws: Sequence[Weight],
+            biases: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+    """`[matmul(x, w, b) for w, b in zip(ws, biases)]`, the same values; when every `w` is a CPU
+    block-type `QuantTensor` (a quantized layer's q, k and v), one kernel call computes them
+    all: the binding is crossed once instead of once per weight."""
+    types = block_kernel_types() if _state["kernels"] else frozenset()
+    if not (x.numel() > 0 and len(ws) > 1 and all(
+            isinstance(w, QuantTensor) and w.is_cpu and w.qtype in types
+            and w.shape[1] == x.shape[-1] for w in ws)):
+        return [matmul(x, w, b) for w, b in zip(ws, biases, strict=True)]
+    xa = _fp32_array(x)
+    outs = [np.empty((*xa.shape[:-1], w.shape[0]), dtype=np.float32) for w in ws]
+    _core_module().quant_matmuls(xa, [(w.qtype, w.host_array, o, w.shape[0])  # type: ignore[union-attr]
+                                      for w, o in zip(ws, outs, strict=True)], xa.shape[-1])
+    ys = [torch.from_numpy(o) for o in outs]
+    if x.dtype is not torch.float32:
+        ys = [y.to(x.dtype) for y in ys]
+    return [y if b is None else y + b for y, b in zip(ys, biases, strict=True)]

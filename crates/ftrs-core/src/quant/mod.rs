@@ -240,6 +240,29 @@ pub fn matmul(
     Ok(())
 }
 
+/// One weight of [`matmuls`]: its type, bytes, output (`n x rows`) and row count.
+pub type MatmulJob<'a> = (QType, &'a [u8], &'a mut [f32], usize);
+
+/// Several matmuls of the one `x` (a layer's q, k and v projections): `out = x @ W.T` for each
+/// job, as [`matmul`] computes it, in one call. Every job's sizes are checked before any is
+/// run, so a mismatch is a `Config` error and no `out` is written.
+pub fn matmuls(
+    x: &[f32],
+    jobs: &mut [MatmulJob<'_>],
+    cols: usize,
+    threads: usize,
+    isa: Isa,
+) -> Result<()> {
+    for (t, w, o, rows) in jobs.iter() {
+        check_weight(*t, w, *rows, cols)?;
+        check_x_out(x, o, *rows, cols)?;
+    }
+    for (t, w, o, rows) in jobs.iter_mut() {
+        matmul(*t, w, x, o, *rows, cols, threads, isa)?;
+    }
+    Ok(())
+}
+
 /// Checks `x` (n x cols, n >= 1) and `out` (n x rows) of a matmul; returns n.
 fn check_x_out(x: &[f32], out: &[f32], rows: usize, cols: usize) -> Result<usize> {
     if x.is_empty() || !x.len().is_multiple_of(cols) {
