@@ -45,7 +45,7 @@ pub use cache::{simulate, Key, Policy, SlotCache};
 pub use clock::{Clock, RealClock, TokenBucket, VirtualClock};
 pub use error::{CoreError, DeviceFault, Result};
 pub use layout::ExpertLayout;
-pub use pool::{ExpertPool, FillEntry, PoolDtype};
+pub use pool::{ExpertPool, FillEntry, PoolDtype, RawFillEntry};
 pub use raw::{Destination, MemKind};
 pub use recorder::{FlightRecorder, StepKind, StepRecord};
 pub use transfer::{EngineConfig, Stats, TransferEngine};

@@ -6,7 +6,8 @@
 //! every distinct file is memory-mapped once and its header parsed once; the region is split
 //! into one disjoint `&mut [u8]` per entry; then `threads` scoped threads take entries from a
 //! shared atomic index and convert F32/F16/BF16 on disk to the pool dtype straight into their
-//! part. Entries are validated up front (range, duplicates), and each failure names the file
+//! part. [`ExpertPool::fill_from_file`] copies byte ranges of one file as they are (a GGUF's
+//! quantized experts) the same way. Entries are validated up front (range, duplicates), and each failure names the file
 //! and tensor; when several fail, the first entry's error is returned. Once a transfer engine
 //! holds the pool (behind an `Arc`) it is read-only: only `&self` methods remain.
 
@@ -75,6 +76,19 @@ pub struct FillEntry {
     pub path: String,
     /// Tensor name inside the file.
     pub tensor: String,
+    /// Destination layer.
+    pub layer: usize,
+    /// Destination expert.
+    pub expert: usize,
+    /// Destination tensor index in the layout.
+    pub tensor_index: usize,
+}
+
+/// One expert tensor to copy as it is from a file: its layout tensor's bytes at `offset`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RawFillEntry {
+    /// Byte offset of the tensor's data in the file.
+    pub offset: usize,
     /// Destination layer.
     pub layer: usize,
     /// Destination expert.
@@ -185,18 +199,7 @@ impl ExpertPool {
         entries: &[FillEntry],
         threads: usize,
     ) -> Result<usize> {
-        let mut seen = HashMap::new();
-        let mut spans = Vec::with_capacity(entries.len());
-        for (i, e) in entries.iter().enumerate() {
-            let off = self.layout.offset(e.layer, e.expert, e.tensor_index)?;
-            if let Some(j) = seen.insert((e.layer, e.expert, e.tensor_index), i) {
-                return Err(CoreError::Config(format!(
-                    "entries {j} and {i} both fill (layer {}, expert {}, tensor {})",
-                    e.layer, e.expert, e.tensor_index
-                )));
-            }
-            spans.push((off, self.layout.tensor_bytes(e.layer, e.tensor_index)?, i));
-        }
+        let spans = self.spans(entries.iter().map(|e| (e.layer, e.expert, e.tensor_index)))?;
         let mut file_index: HashMap<&str, usize> = HashMap::new();
         let mut maps = Vec::new();
         for e in entries {
@@ -213,38 +216,110 @@ impl ExpertPool {
             })?;
             parsed.push(st);
         }
-
         let (layout, dtype) = (&self.layout, self.dtype);
         let parts = split_disjoint(self.region.as_mut_slice(), spans)?;
-        let next = AtomicUsize::new(0);
-        let written = AtomicUsize::new(0);
-        let errors: Mutex<Vec<(usize, CoreError)>> = Mutex::new(Vec::new());
-        let workers = effective_threads(threads).min(entries.len()).max(1);
-        std::thread::scope(|s| {
-            for _ in 0..workers {
-                s.spawn(|| loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(e) = entries.get(i) else { break };
-                    let st = &parsed[file_index[e.path.as_str()]];
-                    let mut part = parts[i].lock().unwrap_or_else(|p| p.into_inner());
-                    match fill_one(layout, dtype, st, e, &mut part) {
-                        Ok(n) => {
-                            written.fetch_add(n, Ordering::Relaxed);
-                        }
-                        Err(err) => errors
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .push((i, err)),
-                    }
+        run_parallel(entries.len(), threads, |i| {
+            let e = &entries[i];
+            let st = &parsed[file_index[e.path.as_str()]];
+            let mut part = parts[i].lock().unwrap_or_else(|p| p.into_inner());
+            fill_one(layout, dtype, st, e, &mut part)
+        })
+    }
+
+    /// Copies `entries` from the file at `path` as they are (a GGUF's quantized experts: the
+    /// pool holds the file's encoding), with `threads` threads (0 = all cores); an entry's
+    /// length is its layout tensor's bytes. Every entry is checked against the file's length
+    /// before anything is copied. Returns the number of bytes written.
+    pub fn fill_from_file(
+        &mut self,
+        path: &str,
+        entries: &[RawFillEntry],
+        threads: usize,
+    ) -> Result<usize> {
+        let spans = self.spans(entries.iter().map(|e| (e.layer, e.expert, e.tensor_index)))?;
+        let map = map_file(path)?;
+        for (e, &(_, len, _)) in entries.iter().zip(&spans) {
+            if e.offset.checked_add(len).is_none_or(|end| end > map.len()) {
+                return Err(CoreError::ModelLoad {
+                    path: path.to_string(),
+                    problem: format!(
+                        "expert tensor (layer {}, expert {}, tensor {}): {len} bytes at offset {} \
+                         run past the end of the file ({} bytes)",
+                        e.layer,
+                        e.expert,
+                        e.tensor_index,
+                        e.offset,
+                        map.len()
+                    ),
                 });
             }
-        });
-        let mut errors = errors.into_inner().unwrap_or_else(|p| p.into_inner());
-        errors.sort_by_key(|(i, _)| *i);
-        match errors.into_iter().next() {
-            Some((_, e)) => Err(e),
-            None => Ok(written.into_inner()),
         }
+        let parts = split_disjoint(self.region.as_mut_slice(), spans)?;
+        run_parallel(entries.len(), threads, |i| {
+            let mut part = parts[i].lock().unwrap_or_else(|p| p.into_inner());
+            let (at, len) = (entries[i].offset, part.len());
+            part.copy_from_slice(&map[at..at + len]);
+            Ok(len)
+        })
+    }
+
+    /// The `(pool offset, bytes, entry)` of each `(layer, expert, tensor)` destination, in
+    /// entry order; a destination out of the layout or named twice is a `Config` error.
+    fn spans(
+        &self,
+        dests: impl Iterator<Item = (usize, usize, usize)>,
+    ) -> Result<Vec<(usize, usize, usize)>> {
+        let mut seen = HashMap::new();
+        let mut spans = Vec::new();
+        for (i, (layer, expert, tensor)) in dests.enumerate() {
+            let off = self.layout.offset(layer, expert, tensor)?;
+            if let Some(j) = seen.insert((layer, expert, tensor), i) {
+                return Err(CoreError::Config(format!(
+                    "entries {j} and {i} both fill (layer {layer}, expert {expert}, tensor \
+                     {tensor})"
+                )));
+            }
+            spans.push((off, self.layout.tensor_bytes(layer, tensor)?, i));
+        }
+        Ok(spans)
+    }
+}
+
+/// Runs `fill(i)` for every entry `i < n` on `threads` scoped threads (0 = all cores) taking
+/// entries from one atomic index; returns the bytes written, or the first entry's error when
+/// several fail.
+fn run_parallel<F>(n: usize, threads: usize, fill: F) -> Result<usize>
+where
+    F: Fn(usize) -> Result<usize> + Sync,
+{
+    let next = AtomicUsize::new(0);
+    let written = AtomicUsize::new(0);
+    let errors: Mutex<Vec<(usize, CoreError)>> = Mutex::new(Vec::new());
+    let workers = effective_threads(threads).min(n).max(1);
+    std::thread::scope(|s| {
+        for _ in 0..workers {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n {
+                    break;
+                }
+                match fill(i) {
+                    Ok(k) => {
+                        written.fetch_add(k, Ordering::Relaxed);
+                    }
+                    Err(err) => errors
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push((i, err)),
+                }
+            });
+        }
+    });
+    let mut errors = errors.into_inner().unwrap_or_else(|p| p.into_inner());
+    errors.sort_by_key(|(i, _)| *i);
+    match errors.into_iter().next() {
+        Some((_, e)) => Err(e),
+        None => Ok(written.into_inner()),
     }
 }
 

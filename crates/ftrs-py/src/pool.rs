@@ -17,7 +17,7 @@
 use std::ffi::c_int;
 use std::sync::{Arc, Mutex};
 
-use ftrs_core::{CoreError, ExpertLayout, ExpertPool, FillEntry, PoolDtype};
+use ftrs_core::{CoreError, ExpertLayout, ExpertPool, FillEntry, PoolDtype, RawFillEntry};
 use pyo3::buffer::PyBuffer;
 use pyo3::ffi;
 use pyo3::prelude::*;
@@ -262,6 +262,30 @@ impl PyExpertPool {
             })
             .collect();
         py.detach(|| self.with_mut(|pool| pool.fill_from_safetensors(&entries, threads)))
+    }
+
+    /// Copies (file offset, layer, expert, tensor index) entries of the file at `path` as they
+    /// are, each its layout tensor's bytes, on `threads` threads (0 = all cores), the GIL
+    /// released; returns bytes written. `ModelLoadError` for a range past the file's end,
+    /// `ConfigError` while a `TransferEngine` holds the pool.
+    #[pyo3(signature = (path, entries, threads = 0))]
+    fn fill_from_file(
+        &self,
+        py: Python<'_>,
+        path: String,
+        entries: Vec<(usize, usize, usize, usize)>,
+        threads: usize,
+    ) -> PyResult<usize> {
+        let entries: Vec<RawFillEntry> = entries
+            .into_iter()
+            .map(|(offset, layer, expert, tensor_index)| RawFillEntry {
+                offset,
+                layer,
+                expert,
+                tensor_index,
+            })
+            .collect();
+        py.detach(|| self.with_mut(|pool| pool.fill_from_file(&path, &entries, threads)))
     }
 
     /// Page-locks the pool through the CUDA driver, in the context of CUDA device `device`
