@@ -17,6 +17,7 @@ sized for the largest block (`expert_bytes`); a transfer moves only its own laye
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -102,6 +103,17 @@ class HostExperts:
             raise ValueError(f"expert tensor ({layer}, {expert}, {t}) is {want} bytes, "
                              f"got {raw.size}")
         self.pool.write(self.layer_index[layer], expert, t, raw)
+
+    def fill_from_file(self, path: Path, entries: list[tuple[int, int, int, int, int]]) -> None:
+        """Copies `(file offset, bytes, model layer, expert, t)` ranges of the file at `path` as
+        they are (tensors already in the layer's format), in parallel, the GIL released. Only
+        before the pool is handed to an engine."""
+        for _, n, layer, expert, t in entries:
+            if n != self.exact_bytes(layer, t):
+                raise ValueError(f"expert tensor ({layer}, {expert}, {t}) is "
+                                 f"{self.exact_bytes(layer, t)} bytes, got {n}")
+        self.pool.fill_from_file(str(path), [(off, self.layer_index[layer], expert, t)
+                                             for off, _, layer, expert, t in entries])
 
     def host_bytes(self) -> torch.Tensor:
         """The whole pool as a uint8 tensor, without a copy. Valid while `self` lives.

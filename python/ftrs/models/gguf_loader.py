@@ -57,6 +57,7 @@ from ftrs.models.gguf_deepseek import (
     glm4moe_config,
     minimax_m2_config,
 )
+from ftrs.models.gguf_file import GGUFFile, read_gguf_file
 from ftrs.models.names import DOWN, GATE, UP
 from ftrs.models.tokenizer import Tokenizer
 from ftrs.quant.formats import GGUF_FORMATS, TAIL_BYTES, QuantTensor, tensor_bytes
@@ -132,20 +133,32 @@ class GGUFCheckpoint:
     #: layer -> {GATE|UP|DOWN: (E, rows, cols)}, and gpt-oss's biases {3|4|5: (E, rows)}
     experts: dict[int, dict[int, GGUFTensor]]
     permuted: dict[str, int]  # HF name -> heads: rows llama.cpp permuted (undo with `unpermute`)
+    base_address: int = 0  # the mapped file's byte 0 (`GGUFFile.base_address`)
+    file_size: int = 0
+
+    def file_offset(self, view: np.ndarray) -> int | None:
+        """The file offset of a C-contiguous view of the mapped file (a tensor's data, one
+        expert of it); None for anything else."""
+        at = int(view.ctypes.data) - self.base_address
+        if not (self.base_address and view.flags.c_contiguous
+                and 0 <= at <= self.file_size - view.nbytes):
+            return None
+        return at
 
 
-def _reader(path: Path) -> Any:
-    import gguf
-
+def _reader(path: Path) -> GGUFFile:
     if not path.is_file():
         raise ModelLoadError(str(path), "GGUF file not found")
     try:
-        return gguf.GGUFReader(str(path))
+        return read_gguf_file(path)
     except Exception as e:  # a truncated file fails here: its tensors run past the end
         raise ModelLoadError(str(path), f"cannot read GGUF (truncated or corrupt?): {e}") from e
 
 
 def gguf_metadata(reader: Any) -> dict[str, Any]:
+    """Key -> value of a `GGUFFile` or a `gguf.GGUFReader` (fields it cannot render left out)."""
+    if isinstance(reader, GGUFFile):
+        return reader.metadata
     out: dict[str, Any] = {}
     for key, field in reader.fields.items():
         try:
@@ -277,7 +290,7 @@ def _hf_name(name: str, arch: str) -> str | tuple[int, int] | None:
 def open_gguf(path: Path) -> GGUFCheckpoint:
     """Read and validate a GGUF file without copying any tensor."""
     reader = _reader(path)
-    meta = gguf_metadata(reader)
+    meta = reader.metadata
     src = str(path)
     names = {t.name for t in reader.tensors}
     cfg = gguf_config(meta, names, src)
@@ -355,7 +368,8 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
             p = f"model.layers.{layer}.self_attn."
             permuted[p + "q_proj.weight"] = cfg["num_attention_heads"]
             permuted[p + "k_proj.weight"] = cfg["num_key_value_heads"]
-    return GGUFCheckpoint(path, cfg, tokenizer, dense, experts, permuted)
+    return GGUFCheckpoint(path, cfg, tokenizer, dense, experts, permuted, reader.base_address,
+                          path.stat().st_size)
 
 
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:

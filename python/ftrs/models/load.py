@@ -115,16 +115,23 @@ def _gguf_experts(ck: GGUFCheckpoint, spec: ArchSpec, dtype: torch.dtype,
         return None
     experts = HostExperts(spec, dtype, formats)
     log.info("filling the expert pool: %.1f MiB", experts.pool.nbytes / 2**20)
+    ranges = []  # experts kept in the file's encoding: copied from the file by Rust threads
     for layer in spec.moe_layers:
         for t, gt in ck.experts[layer].items():
             for e in range(spec.num_experts):
                 if formats[layer][t].qtype is None:
                     one = GGUFTensor(gt.name, gt.qtype, gt.shape[1:],
                                      np.array(gt.data[e], copy=True))
-                    data = one.to_float().to(dtype).contiguous().view(torch.uint8).numpy()
+                    experts.write(layer, e, t,
+                                  one.to_float().to(dtype).contiguous().view(torch.uint8).numpy())
+                    continue
+                at = ck.file_offset(gt.data[e])
+                if at is None:  # not one run of the file's bytes
+                    experts.write(layer, e, t, np.ascontiguousarray(gt.data[e]).reshape(-1))
                 else:
-                    data = np.ascontiguousarray(gt.data[e]).reshape(-1)
-                experts.write(layer, e, t, data)
+                    ranges.append((at, int(gt.data[e].nbytes), layer, e, t))
+    if ranges:
+        experts.fill_from_file(ck.path, ranges)
     return experts
 
 

@@ -1,0 +1,219 @@
+"""A GGUF file's header in one pass: its metadata as Python values and its tensors as numpy
+views of the mapped file, what `gguf.GGUFReader` gives, without its cost.
+
+`gguf.GGUFReader` makes a numpy view per value of every metadata array: about 40 µs each,
+so the demo's 49,152-token vocabulary and its merges take 4 s to open, and a 150k-token
+vocabulary three times that, on every start and again for the link guard's fetch model. Here
+the header is read with `struct` over one `mmap` (strings sliced and decoded, numeric arrays one
+`numpy.frombuffer` each); the values are what `ReaderField.contents()` returns, the tensors'
+arrays what `ReaderTensor.data` is (dtype, shape, bytes), and the `gguf` package's tables say
+each type's block size (`tests/models/test_gguf_file.py` holds the two readers equal on every
+fixture). A file this reader does not take (the other byte order, arrays of arrays) is read by
+`gguf.GGUFReader` and converted, so every file `gguf` reads opens here too.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+MAGIC = b"GGUF"
+VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+STRING, ARRAY, BOOL = 8, 9, 7
+# GGUFValueType -> (struct format, numpy dtype) of the fixed-size scalar types
+SCALARS: dict[int, tuple[str, Any]] = {
+    0: ("<B", np.uint8), 1: ("<b", np.int8), 2: ("<H", np.uint16), 3: ("<h", np.int16),
+    4: ("<I", np.uint32), 5: ("<i", np.int32), 6: ("<f", np.float32), 7: ("<?", np.bool_),
+    10: ("<Q", np.uint64), 11: ("<q", np.int64), 12: ("<d", np.float64),
+}
+# ggml types whose arrays `gguf` gives as elements (the rest: bytes, last dim in bytes)
+ELEMENT_TYPES: dict[str, Any] = {"F16": np.float16, "F32": np.float32, "F64": np.float64,
+                                 "I8": np.int8, "I16": np.int16, "I32": np.int32,
+                                 "I64": np.int64}
+
+
+class Unsupported(Exception):
+    """A valid file this reader leaves to `gguf.GGUFReader`."""
+
+
+class TensorInfo(NamedTuple):
+    """`gguf.ReaderTensor`'s fields that the loader reads."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: np.ndarray  # uint64 dims, innermost first (the file's order)
+    n_elements: int
+    n_bytes: int
+    data_offset: int
+    data: np.ndarray  # a view of the mapped file
+
+
+@dataclass
+class GGUFFile:
+    """The header of `path`: `metadata` (key -> value, `GGUF.version`, `GGUF.tensor_count` and
+    `GGUF.kv_count` included, as `gguf` lists them) and `tensors` in file order."""
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: list[TensorInfo]
+    data_offset: int
+    base_address: int  # where byte 0 of the file is mapped: a view's file offset is its
+    # address minus this one
+
+
+class _Cursor:
+    def __init__(self, buf: memoryview) -> None:
+        self.buf, self.at = buf, 0
+
+    def take(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        if self.at + size > len(self.buf):
+            raise ValueError(f"header runs past the end of the file at byte {self.at}")
+        (v,) = struct.unpack_from(fmt, self.buf, self.at)
+        self.at += size
+        return v
+
+    def raw_string(self) -> bytes:
+        n = self.take("<Q")
+        if self.at + n > len(self.buf):
+            raise ValueError(f"a string of {n} bytes runs past the end of the file")
+        s = bytes(self.buf[self.at:self.at + n])
+        self.at += n
+        return s
+
+    def string(self) -> str:
+        return self.raw_string().decode("utf-8")
+
+    def array(self) -> Any:
+        """An array value; a string array's element that is not UTF-8 fails the field (as
+        `contents()` fails), reported by the caller."""
+        itype, n = self.take("<I"), self.take("<Q")
+        if itype == STRING:
+            return [self.raw_string() for _ in range(n)]
+        if itype == ARRAY:
+            raise Unsupported("an array of arrays")
+        if itype not in SCALARS:
+            raise ValueError(f"unknown array element type {itype}")
+        fmt, dtype = SCALARS[itype]
+        size = struct.calcsize(fmt) * n
+        if self.at + size > len(self.buf):
+            raise ValueError(f"an array of {n} values runs past the end of the file")
+        values = np.frombuffer(self.buf, dtype=np.dtype(dtype).newbyteorder("<"), count=n,
+                               offset=self.at).tolist()
+        self.at += size
+        return values
+
+    def value(self, vtype: int) -> Any:
+        if vtype == STRING:
+            return self.raw_string()
+        if vtype == ARRAY:
+            return self.array()
+        if vtype not in SCALARS:
+            raise ValueError(f"unknown metadata value type {vtype}")
+        return self.take(SCALARS[vtype][0])
+
+
+def _text(v: Any) -> Any:
+    """Strings as `contents()` gives them: decoded (strict UTF-8)."""
+    if isinstance(v, bytes):
+        return v.decode("utf-8")
+    if isinstance(v, list) and v and isinstance(v[0], bytes):
+        return [s.decode("utf-8") for s in v]
+    return v
+
+
+def read_gguf_file(path: Path) -> GGUFFile:
+    """The header of `path`; ValueError for a file that is not GGUF or is cut short."""
+    try:
+        return _read(path)
+    except Unsupported:
+        return _from_gguf_reader(path)
+
+
+def _read(path: Path) -> GGUFFile:
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        if size < 24:
+            raise ValueError(f"{size} bytes: too short for a GGUF header")
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    cur = _Cursor(memoryview(mm))
+    if bytes(cur.buf[:4]) != MAGIC:
+        raise ValueError("GGUF magic invalid")
+    cur.at = 4
+    version = cur.take("<I")
+    if version & 0xFFFF == 0:
+        raise Unsupported("the other byte order")
+    if version not in VERSIONS:
+        raise ValueError(f"GGUF version {version} is not supported (2, 3)")
+    n_tensors, n_kv = cur.take("<Q"), cur.take("<Q")
+    meta: dict[str, Any] = {"GGUF.version": version, "GGUF.tensor_count": n_tensors,
+                            "GGUF.kv_count": n_kv}
+    alignment = DEFAULT_ALIGNMENT
+    for _ in range(n_kv):
+        key = cur.string()
+        if key in meta:
+            raise KeyError(f"Duplicate {key} already in list")
+        vtype = cur.take("<I")
+        value = cur.value(vtype)
+        if key == "general.alignment":
+            if vtype != 4 or value == 0 or value & (value - 1):
+                raise ValueError("general.alignment must be a power of two as a uint32")
+            alignment = value
+        try:
+            meta[key] = _text(value)
+        except UnicodeDecodeError:  # a field `contents()` cannot render: left out, as gguf's
+            continue
+    infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        dims = [cur.take("<Q") for _ in range(cur.take("<I"))]
+        infos.append((name, dims, cur.take("<I"), cur.take("<Q")))
+    data_offset = -(-cur.at // alignment) * alignment
+    tensors, seen = [], set()
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    for name, dims, raw_type, offset in infos:
+        if name in seen:
+            raise ValueError(f"Found duplicated tensor with name {name}")
+        seen.add(name)
+        qtype = GGMLQuantizationType(raw_type)
+        n_elems = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        n_bytes = n_elems * type_size // block
+        start = data_offset + offset
+        if start + n_bytes > size:
+            raise ValueError(f"tensor {name} ([{start}, +{n_bytes})) runs past the end of the "
+                             f"file ({size} bytes)")
+        np_dims = tuple(reversed(dims))
+        dtype = ELEMENT_TYPES.get(qtype.name)
+        if dtype is None:
+            data = arr[start:start + n_bytes].reshape(quant_shape_to_byte_shape(np_dims, qtype))
+        else:
+            data = arr[start:start + n_bytes].view(dtype).reshape(np_dims)
+        tensors.append(TensorInfo(name, qtype, np.array(dims, dtype=np.uint64), n_elems, n_bytes,
+                                  start, data))
+    return GGUFFile(path, meta, tensors, data_offset, int(arr.ctypes.data))
+
+
+def _from_gguf_reader(path: Path) -> GGUFFile:
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        try:
+            meta[key] = field.contents()
+        except Exception:  # a field type the package cannot render: not one we use
+            continue
+    tensors = [TensorInfo(t.name, t.tensor_type, t.shape, t.n_elements, t.n_bytes,
+                          t.data_offset, t.data) for t in reader.tensors]
+    return GGUFFile(path, meta, tensors, int(reader.data_offset),
+                    int(reader.data.ctypes.data))
