@@ -84,8 +84,8 @@ def expert_fill(path: Path, rounds: int) -> dict[str, float]:
                             experts.write(layer, e, ti, np.ascontiguousarray(gt.data[e]).reshape(-1))
                         else:
                             at = ck.file_offset(gt.data[e])
-                            assert at is not None
-                            ranges.append((at, int(gt.data[e].nbytes), layer, e, ti))
+                            assert at is not None and at[0] == ck.path
+                            ranges.append((at[1], int(gt.data[e].nbytes), layer, e, ti))
             if ranges:
                 experts.fill_from_file(ck.path, ranges)
             runs[how].append(time.perf_counter() - t)

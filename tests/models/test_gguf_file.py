@@ -1,7 +1,10 @@
 """`read_gguf_file` against `gguf.GGUFReader`, the oracle: the same metadata values
 (`contents()`), the same tensors (type, dims, offset, array dtype, shape and bytes), on the real
 SmolLM2 GGUF and on files written by `gguf.GGUFWriter` with every value type; the files it
-leaves to the oracle (the other byte order, arrays of arrays) still open; bad files fail."""
+leaves to the oracle (the other byte order, arrays of arrays) still open; bad files fail.
+Quantized experts land in the pool as the file holds them (`fill_from_file`), and a split GGUF
+opens from any of its shards as the unsplit file (same tensors, same logits bit for bit); a
+missing, misnamed or misnumbered shard is a `ModelLoadError` naming it."""
 
 from __future__ import annotations
 
@@ -125,33 +128,29 @@ def test_not_a_gguf_is_a_model_load_error(tmp_path: Path) -> None:
         _reader(path)
 
 
-@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused-gate-up"])
-def test_quantized_experts_are_copied_from_the_file_byte_for_byte(
-        tmp_path: Path, fuse: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch
+def write_moe(path: Path, **kw: Any) -> None:
+    """The tiny qwen3_moe of `quant_models` with every block type of a Q4_K_M-like mix."""
+    from ftrs.models.gguf_write import write_gguf
+    from ftrs.models.tiny import tiny_tensors, tiny_tokenizer
     from quant_models import QWEN3MOE_TYPES, _mixed, quant_config
 
-    from ftrs.models.experts import HostExperts
-    from ftrs.models.gguf_write import write_gguf
-    from ftrs.models.load import load_model
-    from ftrs.models.tiny import tiny_tensors, tiny_tokenizer
-
     cfg = quant_config("qwen3_moe")
-    path = tmp_path / "moe.gguf"
     write_gguf(path, cfg, tiny_tensors(cfg, 1), _mixed(QWEN3MOE_TYPES, 1), tiny_tokenizer(512),
-               dequantized=False, fuse_gate_up=fuse)
+               dequantized=False, **kw)
 
-    def refuse(*_: Any) -> None:
-        raise AssertionError("a quantized expert went through the per-tensor write")
 
-    monkeypatch.setattr(HostExperts, "write", refuse)  # every one comes from fill_from_file
+def pool_matches_file(path: Path, files: list[Path], fuse: bool = False) -> None:
+    """Every expert tensor in the pool equals its bytes in `files` (gguf's reader)."""
+    import torch
+
+    from ftrs.models.load import load_model
+
     m = load_model(str(path), torch.device("cpu"), torch.float32, progress=False)
     assert m.experts is not None
     views = m.experts.views(m.experts.host_bytes())
-    file = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(str(path)).tensors}
+    file = {t.name: np.asarray(t.data) for f in files for t in gguf.GGUFReader(str(f)).tensors}
     for layer in m.spec.moe_layers:
         for e in range(m.spec.num_experts):
-            gate, up, down = views[layer][e]
             if fuse:
                 rows = file[f"blk.{layer}.ffn_gate_up_exps.weight"][e]
                 half = rows.shape[0] // 2
@@ -159,5 +158,76 @@ def test_quantized_experts_are_copied_from_the_file_byte_for_byte(
             else:
                 want = [file[f"blk.{layer}.ffn_{n}_exps.weight"][e] for n in ("gate", "up")]
             want.append(file[f"blk.{layer}.ffn_down_exps.weight"][e])
-            for got, w in zip((gate, up, down), want, strict=True):
+            for got, w in zip(views[layer][e], want, strict=True):
                 assert np.array_equal(got.data.numpy(), w.reshape(-1)), (layer, e)
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["separate", "fused-gate-up"])
+def test_quantized_experts_are_copied_from_the_file_byte_for_byte(
+        tmp_path: Path, fuse: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ftrs.models.experts import HostExperts
+
+    path = tmp_path / "moe.gguf"
+    write_moe(path, fuse_gate_up=fuse)
+
+    def refuse(*_: Any) -> None:
+        raise AssertionError("a quantized expert went through the per-tensor write")
+
+    monkeypatch.setattr(HostExperts, "write", refuse)  # every one comes from fill_from_file
+    pool_matches_file(path, [path], fuse)
+
+
+def test_a_split_gguf_opens_from_any_shard_as_the_whole_file(tmp_path: Path) -> None:
+    import torch
+
+    from ftrs.llm import LLM
+
+    whole = tmp_path / "whole" / "moe.gguf"
+    whole.parent.mkdir()
+    write_moe(whole)
+    split_dir = tmp_path / "split"
+    split_dir.mkdir()
+    write_moe(split_dir / "moe.gguf", split_max_tensors=9)
+    shards = sorted(split_dir.glob("moe-*-of-*.gguf"))
+    assert len(shards) >= 3 and not (split_dir / "moe.gguf").exists()
+    assert [s.name for s in shards][:2] == [f"moe-0000{i}-of-{len(shards):05d}.gguf"
+                                            for i in (1, 2)]
+    one = read_gguf_file(whole)
+    for start in (shards[0], shards[-1]):  # any shard names the set
+        got = _reader(start)
+        assert got.path == shards[0] and len(got.shards) == len(shards)
+        assert [t.name for t in got.tensors] == [t.name for t in one.tensors]
+        for a, b in zip(got.tensors, one.tensors, strict=True):
+            assert a.data.tobytes() == b.data.tobytes() and a.tensor_type == b.tensor_type
+        keys = {k for k in got.metadata if not k.startswith(("split.", "GGUF."))}
+        assert keys == {k for k in one.metadata if not k.startswith("GGUF.")}
+    pool_matches_file(shards[1], shards)
+    ids = list(range(3, 40))
+    logits = []
+    for path in (whole, shards[0]):
+        llm = LLM(str(path), kv_tokens=256, dtype="float32", device="cpu")
+        try:
+            logits.append(llm.logits(ids))
+        finally:
+            llm.close()
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_a_broken_split_set_is_a_model_load_error_naming_the_shard(tmp_path: Path) -> None:
+    write_moe(tmp_path / "moe.gguf", split_max_tensors=9)
+    shards = sorted(tmp_path.glob("moe-*-of-*.gguf"))
+    n = len(shards)
+    gone = shards[1].rename(tmp_path / "elsewhere.gguf")
+    with pytest.raises(ModelLoadError, match=f"moe-00002-of-{n:05d}.gguf not found"):
+        _reader(shards[0])
+    gone.rename(shards[1])
+    renamed = tmp_path / "model.gguf"  # a shard whose name no longer says the set
+    shards[0].rename(renamed)
+    with pytest.raises(ModelLoadError, match="cannot be found"):
+        _reader(renamed)
+    renamed.rename(shards[0])
+    shards[2].rename(tmp_path / "x.gguf")  # two shards swapped: their split.no says so
+    shards[1].rename(shards[2])
+    (tmp_path / "x.gguf").rename(shards[1])
+    with pytest.raises(ModelLoadError, match="says it is shard 2 of"):
+        _reader(shards[0])

@@ -10,11 +10,16 @@ arrays what `ReaderTensor.data` is (dtype, shape, bytes), and the `gguf` package
 each type's block size (`tests/models/test_gguf_file.py` holds the two readers equal on every
 fixture). A file this reader does not take (the other byte order, arrays of arrays) is read by
 `gguf.GGUFReader` and converted, so every file `gguf` reads opens here too.
+
+`read_gguf_set` opens a split GGUF (llama.cpp's `gguf-split` output, how files past 50 GB are
+published) from any of its shards: the first shard's metadata, every shard's tensors, each
+shard's mapping (`Mapped`) so the expert pool is filled from each file by its offsets.
 """
 
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,17 +59,86 @@ class TensorInfo(NamedTuple):
     data: np.ndarray  # a view of the mapped file
 
 
+class Mapped(NamedTuple):
+    """A mapped file: a view's file offset is its address minus `base_address`."""
+
+    path: Path
+    base_address: int
+    size: int
+
+
 @dataclass
 class GGUFFile:
     """The header of `path`: `metadata` (key -> value, `GGUF.version`, `GGUF.tensor_count` and
-    `GGUF.kv_count` included, as `gguf` lists them) and `tensors` in file order."""
+    `GGUF.kv_count` included, as `gguf` lists them) and `tensors` in file order; of a split
+    file (`read_gguf_set`), the first shard's metadata and every shard's tensors, in shard order."""
 
     path: Path
     metadata: dict[str, Any]
     tensors: list[TensorInfo]
     data_offset: int
-    base_address: int  # where byte 0 of the file is mapped: a view's file offset is its
-    # address minus this one
+    shards: list[Mapped]  # the files the tensors' arrays are views of
+
+    def file_offset(self, view: np.ndarray) -> tuple[Path, int] | None:
+        """(file, offset) of a C-contiguous view of one of the mapped files (a tensor's data,
+        one expert of it); None for anything else."""
+        return file_offset(self.shards, view)
+
+
+def file_offset(shards: list[Mapped], view: np.ndarray) -> tuple[Path, int] | None:
+    """`GGUFFile.file_offset` over `shards`."""
+    if not view.flags.c_contiguous:
+        return None
+    address = int(view.ctypes.data)
+    for m in shards:
+        at = address - m.base_address
+        if 0 <= at <= m.size - view.nbytes:
+            return m.path, at
+    return None
+
+
+class ShardError(ValueError):
+    """A split GGUF whose shards do not make one set (missing, misnamed, out of order)."""
+
+
+SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def read_gguf_set(path: Path) -> GGUFFile:
+    """`path`, or the whole set when it is one shard of a split GGUF (llama.cpp's `gguf-split`
+    and `gguf.GGUFWriter` write `<name>-00001-of-0000N.gguf`, ..., the model's metadata in the
+    first, `split.no` / `split.count` in each): any shard's path opens the set. ValueError for
+    a bad file, `ShardError` for a bad set."""
+    one = read_gguf_file(path)
+    count = int(one.metadata.get("split.count") or 0)
+    if count <= 1:
+        return one
+    m = SHARD_NAME.match(path.name)
+    if m is None or int(m["count"]) != count:
+        raise ShardError(f"{path.name} is shard {one.metadata.get('split.no', '?')} of a "
+                         f"{count}-file split GGUF, but its name is not "
+                         f"<name>-NNNNN-of-{count:05d}.gguf, so the others cannot be found")
+    paths = [path.with_name(f"{m['stem']}-{i + 1:05d}-of-{count:05d}.gguf") for i in range(count)]
+    missing = [p.name for p in paths if not p.is_file()]
+    if missing:
+        raise ShardError(f"split GGUF of {count} files: {', '.join(missing)} not found beside "
+                         f"{path.name}")
+    files = [one if p == path else read_gguf_file(p) for p in paths]
+    names: set[str] = set()
+    for i, f in enumerate(files):
+        no, n = f.metadata.get("split.no"), f.metadata.get("split.count")
+        if (no, n) != (i, count):
+            raise ShardError(f"{paths[i].name} says it is shard {no} of {n}, expected {i} of "
+                             f"{count}")
+        dup = names & {t.name for t in f.tensors}
+        if dup:
+            raise ShardError(f"tensor {sorted(dup)[0]} is in more than one shard")
+        names |= {t.name for t in f.tensors}
+    want = files[0].metadata.get("split.tensors.count")
+    if want is not None and want != len(names):
+        raise ShardError(f"the shards hold {len(names)} tensors, the first says {want}")
+    return GGUFFile(paths[0], files[0].metadata, [t for f in files for t in f.tensors],
+                    files[0].data_offset, [s for f in files for s in f.shards])
 
 
 class _Cursor:
@@ -200,7 +274,7 @@ def _read(path: Path) -> GGUFFile:
             data = arr[start:start + n_bytes].view(dtype).reshape(np_dims)
         tensors.append(TensorInfo(name, qtype, np.array(dims, dtype=np.uint64), n_elems, n_bytes,
                                   start, data))
-    return GGUFFile(path, meta, tensors, data_offset, int(arr.ctypes.data))
+    return GGUFFile(path, meta, tensors, data_offset, [Mapped(path, int(arr.ctypes.data), size)])
 
 
 def _from_gguf_reader(path: Path) -> GGUFFile:
@@ -216,4 +290,4 @@ def _from_gguf_reader(path: Path) -> GGUFFile:
     tensors = [TensorInfo(t.name, t.tensor_type, t.shape, t.n_elements, t.n_bytes,
                           t.data_offset, t.data) for t in reader.tensors]
     return GGUFFile(path, meta, tensors, int(reader.data_offset),
-                    int(reader.data.ctypes.data))
+                    [Mapped(path, int(reader.data.ctypes.data), int(reader.data.nbytes))])

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,7 @@ from ftrs.models.gguf_deepseek import (
     glm4moe_config,
     minimax_m2_config,
 )
-from ftrs.models.gguf_file import GGUFFile, read_gguf_file
+from ftrs.models.gguf_file import GGUFFile, Mapped, ShardError, file_offset, read_gguf_set
 from ftrs.models.names import DOWN, GATE, UP
 from ftrs.models.tokenizer import Tokenizer
 from ftrs.quant.formats import GGUF_FORMATS, TAIL_BYTES, QuantTensor, tensor_bytes
@@ -133,24 +133,21 @@ class GGUFCheckpoint:
     #: layer -> {GATE|UP|DOWN: (E, rows, cols)}, and gpt-oss's biases {3|4|5: (E, rows)}
     experts: dict[int, dict[int, GGUFTensor]]
     permuted: dict[str, int]  # HF name -> heads: rows llama.cpp permuted (undo with `unpermute`)
-    base_address: int = 0  # the mapped file's byte 0 (`GGUFFile.base_address`)
-    file_size: int = 0
+    shards: list[Mapped] = field(default_factory=list)  # the mapped file(s), a split one's all
 
-    def file_offset(self, view: np.ndarray) -> int | None:
-        """The file offset of a C-contiguous view of the mapped file (a tensor's data, one
-        expert of it); None for anything else."""
-        at = int(view.ctypes.data) - self.base_address
-        if not (self.base_address and view.flags.c_contiguous
-                and 0 <= at <= self.file_size - view.nbytes):
-            return None
-        return at
+    def file_offset(self, view: np.ndarray) -> tuple[Path, int] | None:
+        """(file, offset) of a C-contiguous view of a mapped file (one expert of a tensor);
+        None for anything else."""
+        return file_offset(self.shards, view)
 
 
 def _reader(path: Path) -> GGUFFile:
     if not path.is_file():
         raise ModelLoadError(str(path), "GGUF file not found")
     try:
-        return read_gguf_file(path)
+        return read_gguf_set(path)
+    except ShardError as e:
+        raise ModelLoadError(str(path), str(e)) from e
     except Exception as e:  # a truncated file fails here: its tensors run past the end
         raise ModelLoadError(str(path), f"cannot read GGUF (truncated or corrupt?): {e}") from e
 
@@ -160,9 +157,9 @@ def gguf_metadata(reader: Any) -> dict[str, Any]:
     if isinstance(reader, GGUFFile):
         return reader.metadata
     out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
+    for key, value in reader.fields.items():
         try:
-            out[key] = field.contents()
+            out[key] = value.contents()
         except Exception:  # a field type the package cannot render: not one we use
             continue
     return out
@@ -368,8 +365,7 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
             p = f"model.layers.{layer}.self_attn."
             permuted[p + "q_proj.weight"] = cfg["num_attention_heads"]
             permuted[p + "k_proj.weight"] = cfg["num_key_value_heads"]
-    return GGUFCheckpoint(path, cfg, tokenizer, dense, experts, permuted, reader.base_address,
-                          path.stat().st_size)
+    return GGUFCheckpoint(path, cfg, tokenizer, dense, experts, permuted, reader.shards)
 
 
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:

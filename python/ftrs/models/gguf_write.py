@@ -228,10 +228,13 @@ def _metadata(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
 def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor],
                quantize: Quantizer, tokenizer: Tokenizer | None = None,
                tokenizer_fields: dict[str, Any] | None = None,
-               dequantized: bool = True, fuse_gate_up: bool = False) -> dict[str, torch.Tensor]:
+               dequantized: bool = True, fuse_gate_up: bool = False,
+               split_max_tensors: int = 0) -> dict[str, torch.Tensor]:
     """Write `tensors` (HF names, fp32) as a GGUF file; returns them as the file holds them
     (with `dequantized`; otherwise an empty dict). `fuse_gate_up`: the routed experts' gate and
-    up in one `ffn_gate_up_exps` (gate rows first), as the converter's `--fuse-gate-up-exps`."""
+    up in one `ffn_gate_up_exps` (gate rows first), as the converter's `--fuse-gate-up-exps`.
+    `split_max_tensors`: a split GGUF of at most that many tensors a shard, named as
+    `gguf-split` names them (`<stem>-00001-of-0000N.gguf`, ...; `path` itself is not written)."""
     import gguf
 
     from ftrs.models.gguf_loader import GGUFTensor, unpermute_rows
@@ -275,7 +278,7 @@ def write_gguf(path: Path, cfg: dict[str, Any], tensors: dict[str, torch.Tensor]
             arr = permute_rows(arr, heads[rest[10]])
         plain[f"blk.{layer}.{_LAYER[rest]}.weight"] = (name, arr)
 
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     meta = _metadata(cfg, arch)
     if arch in _CONVERTED:
         meta |= {f"{arch}.{k}": v for k, v in _CONVERTED[arch](cfg).items()}

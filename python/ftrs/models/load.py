@@ -115,7 +115,8 @@ def _gguf_experts(ck: GGUFCheckpoint, spec: ArchSpec, dtype: torch.dtype,
         return None
     experts = HostExperts(spec, dtype, formats)
     log.info("filling the expert pool: %.1f MiB", experts.pool.nbytes / 2**20)
-    ranges = []  # experts kept in the file's encoding: copied from the file by Rust threads
+    ranges: dict[Path, list[tuple[int, int, int, int, int]]] = {}  # by file (a split one's
+    # shards): experts kept in the file's encoding, copied from it by Rust threads
     for layer in spec.moe_layers:
         for t, gt in ck.experts[layer].items():
             for e in range(spec.num_experts):
@@ -129,9 +130,10 @@ def _gguf_experts(ck: GGUFCheckpoint, spec: ArchSpec, dtype: torch.dtype,
                 if at is None:  # not one run of the file's bytes
                     experts.write(layer, e, t, np.ascontiguousarray(gt.data[e]).reshape(-1))
                 else:
-                    ranges.append((at, int(gt.data[e].nbytes), layer, e, t))
-    if ranges:
-        experts.fill_from_file(ck.path, ranges)
+                    ranges.setdefault(at[0], []).append((at[1], int(gt.data[e].nbytes), layer,
+                                                         e, t))
+    for path, part in ranges.items():
+        experts.fill_from_file(path, part)
     return experts
 
 
