@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from ftrs.errors import ModelLoadError
 from ftrs.models.arch import ArchSpec, arch_from_config, load_arch
@@ -81,8 +82,9 @@ def _gguf_dense(ck: GGUFCheckpoint, spec: ArchSpec, dtype: torch.dtype,
 
 
 def _gguf_experts(ck: GGUFCheckpoint, spec: ArchSpec, dtype: torch.dtype,
-                  check_only: bool = False) -> HostExperts | None:
-    """The expert pool filled from the file; with `check_only`, validate and return None."""
+                  check_only: bool = False, progress: bool = False) -> HostExperts | None:
+    """The expert pool filled from the file; with `check_only`, validate and return None.
+    `progress`: a bar of the bytes filled (one fill call per layer and file)."""
     src = str(ck.path)
     if not spec.is_moe:
         if ck.experts:
@@ -115,8 +117,8 @@ def _gguf_experts(ck: GGUFCheckpoint, spec: ArchSpec, dtype: torch.dtype,
         return None
     experts = HostExperts(spec, dtype, formats)
     log.info("filling the expert pool: %.1f MiB", experts.pool.nbytes / 2**20)
-    ranges: dict[Path, list[tuple[int, int, int, int, int]]] = {}  # by file (a split one's
-    # shards): experts kept in the file's encoding, copied from it by Rust threads
+    # by (file, layer): experts kept in the file's encoding, copied from it by Rust threads
+    ranges: dict[tuple[Path, int], list[tuple[int, int, int, int, int]]] = {}
     for layer in spec.moe_layers:
         for t, gt in ck.experts[layer].items():
             for e in range(spec.num_experts):
@@ -130,19 +132,24 @@ def _gguf_experts(ck: GGUFCheckpoint, spec: ArchSpec, dtype: torch.dtype,
                 if at is None:  # not one run of the file's bytes
                     experts.write(layer, e, t, np.ascontiguousarray(gt.data[e]).reshape(-1))
                 else:
-                    ranges.setdefault(at[0], []).append((at[1], int(gt.data[e].nbytes), layer,
-                                                         e, t))
-    for path, part in ranges.items():
-        experts.fill_from_file(path, part)
+                    ranges.setdefault((at[0], layer), []).append(
+                        (at[1], int(gt.data[e].nbytes), layer, e, t))
+    total = sum(r[1] for part in ranges.values() for r in part)
+    with tqdm(total=total, desc="filling the expert pool", unit="B", unit_scale=True,
+              disable=not progress, leave=False) as bar:
+        for (path, _), part in ranges.items():
+            experts.fill_from_file(path, part)
+            bar.update(sum(r[1] for r in part))
     return experts
 
 
-def _load_gguf(model: str, path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _load_gguf(model: str, path: Path, dtype: torch.dtype, device: torch.device,
+               progress: bool) -> LoadedModel:
     ck = open_gguf(path)
     spec = arch_from_config(ck.config, str(path))
     experts = _gguf_experts(ck, spec, dtype, check_only=True)
     dense = _gguf_dense(ck, spec, dtype, device)
-    experts = _gguf_experts(ck, spec, dtype)
+    experts = _gguf_experts(ck, spec, dtype, progress=progress)
     return LoadedModel(model, path, spec, dense, experts, ck.tokenizer)
 
 
@@ -152,7 +159,7 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype,
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(str(path), "a model is a checkpoint directory or a .gguf file")
-        return _load_gguf(model, path, dtype, device)
+        return _load_gguf(model, path, dtype, device, progress)
     if not path.is_dir():
         raise ModelLoadError(str(path), "not a directory")
     spec = load_arch(path)
