@@ -281,13 +281,20 @@ def _from_gguf_reader(path: Path) -> GGUFFile:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
+    meta = reader_metadata(reader)
+    tensors = [TensorInfo(t.name, t.tensor_type, t.shape, t.n_elements, t.n_bytes,
+                          t.data_offset, t.data) for t in reader.tensors]
+    return GGUFFile(path, meta, tensors, int(reader.data_offset),
+                    [Mapped(path, int(reader.data.ctypes.data), int(reader.data.nbytes))])
+
+
+def reader_metadata(reader: Any) -> dict[str, Any]:
+    """Key -> value of a `gguf.GGUFReader`'s fields, as `contents()` renders them (a field it
+    cannot render left out)."""
     meta: dict[str, Any] = {}
     for key, field in reader.fields.items():
         try:
             meta[key] = field.contents()
         except Exception:  # a field type the package cannot render: not one we use
             continue
-    tensors = [TensorInfo(t.name, t.tensor_type, t.shape, t.n_elements, t.n_bytes,
-                          t.data_offset, t.data) for t in reader.tensors]
-    return GGUFFile(path, meta, tensors, int(reader.data_offset),
-                    [Mapped(path, int(reader.data.ctypes.data), int(reader.data.nbytes))])
+    return meta

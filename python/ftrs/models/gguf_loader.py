@@ -57,7 +57,14 @@ from ftrs.models.gguf_deepseek import (
     glm4moe_config,
     minimax_m2_config,
 )
-from ftrs.models.gguf_file import GGUFFile, Mapped, ShardError, file_offset, read_gguf_set
+from ftrs.models.gguf_file import (
+    GGUFFile,
+    Mapped,
+    ShardError,
+    file_offset,
+    read_gguf_set,
+    reader_metadata,
+)
 from ftrs.models.names import DOWN, GATE, UP
 from ftrs.models.tokenizer import Tokenizer
 from ftrs.quant.formats import GGUF_FORMATS, TAIL_BYTES, QuantTensor, tensor_bytes
@@ -154,15 +161,7 @@ def _reader(path: Path) -> GGUFFile:
 
 def gguf_metadata(reader: Any) -> dict[str, Any]:
     """Key -> value of a `GGUFFile` or a `gguf.GGUFReader` (fields it cannot render left out)."""
-    if isinstance(reader, GGUFFile):
-        return reader.metadata
-    out: dict[str, Any] = {}
-    for key, value in reader.fields.items():
-        try:
-            out[key] = value.contents()
-        except Exception:  # a field type the package cannot render: not one we use
-            continue
-    return out
+    return reader.metadata if isinstance(reader, GGUFFile) else reader_metadata(reader)
 
 
 def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> dict[str, Any]:
