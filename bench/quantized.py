@@ -27,6 +27,11 @@ activations, greedy, EOS ignored.
   timed in every round right after ftrs's batch-1 runs (median over the rounds), and
   `ftrs_vs_llama_cpp`: ftrs's Q4_K_M batch-1 figure over llama.cpp's in the same round, median
   over the rounds.
+- `prefill` (`--prefill-tokens N`, default 512; 0: none): the Q4_K_M file's prompt throughput,
+  N tokens of the repository's own text from an empty context (each round a first token the
+  prefix cache has not seen), the summed durations of the steps carrying them; and
+  llama.cpp's on the same tokens (`Llama.eval` after `reset`), right after it in every round;
+  `ftrs_vs_llama_cpp` paired by round, median.
 - `pcie_mb_per_token`: offload decode with `--cache-rate` of the experts as slots, lru,
   prefetch on, over the simulated link `simulated:--link` (GB/s): bytes the transfer engine
   moved (`bytes_h2d`, prefetches included) during the decode steps, per decode token; one
@@ -39,6 +44,7 @@ activations, greedy, EOS ignored.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import struct
@@ -87,6 +93,17 @@ def decode_tok_s(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
     return common.decode_summary(common.run_steps(llm, prompts, tokens))["tok_per_s"]
 
 
+_FIRST = itertools.count(101)  # first tokens no earlier prompt of the bench started with
+
+
+def prefill_tok_s(llm: LLM, ids: list[int]) -> float:
+    """Prompt tokens a second of `ids` in one step from an empty context (a first token the
+    prefix cache has not seen, each call), summed over the steps that carry prefill tokens."""
+    prompt = [next(_FIRST), *ids[1:]]
+    steps = [s for s in common.run_steps(llm, [prompt], 1) if s.kind in ("prefill", "mixed")]
+    return len(ids) / sum(s.duration_s for s in steps)
+
+
 def link_bytes(path: Path, tokens: int, rate: float, link: float) -> dict[str, Any]:
     llm = LLM(str(path), device="cpu", dtype="float32", moe_strategy="offload",
               moe_cache_rate=rate, copy_backend=f"simulated:{link:g}", kv_tokens=1024)
@@ -120,12 +137,23 @@ class LlamaCpp:
         self.llm(prompt, max_tokens=2)  # warm-up
         self.made = 0
 
+    def prefill_tok_s(self, ids: list[int]) -> float:
+        """Prompt tokens a second of one prompt evaluated from an empty context."""
+        self.llm.reset()
+        t = time.perf_counter()
+        self.llm.eval(ids)
+        return len(ids) / (time.perf_counter() - t)
+
     def decode_tok_s(self, tokens: int) -> float:
-        """Decode-only estimate: a full run minus a prefill-plus-one-token run."""
+        """Decode-only estimate: a full run minus a prefill-plus-one-token run, both after an
+        untimed one, so both find the prompt in llama.cpp's context as the other left it (a
+        prefill measurement in between leaves another prompt there)."""
+        self.llm(self.prompt, max_tokens=1)
         t0 = time.perf_counter()
         self.llm(self.prompt, max_tokens=1)
         t1 = time.perf_counter()
-        out = self.llm(self.prompt, max_tokens=tokens)  # not streamed: one response
+        # EOS ruled out, as ftrs ignores it: both engines make `tokens` tokens
+        out = self.llm(self.prompt, max_tokens=tokens, logit_bias={self.llm.token_eos(): -1e9})
         t2 = time.perf_counter()
         assert isinstance(out, dict)
         self.made = out["usage"]["completion_tokens"]
@@ -140,6 +168,8 @@ def main() -> None:
     ap.add_argument("--link", type=float, default=2.0, help="simulated link, GB/s")
     ap.add_argument("--cache-rate", type=float, default=0.5)
     ap.add_argument("--link-tokens", type=int, default=8)
+    ap.add_argument("--prefill-tokens", type=int, default=512,
+                    help="prompt tokens of the prefill comparison (0: none)")
     ap.add_argument("--threads", type=int, default=1,
                     help="threads of torch, of the quantized kernels and of llama.cpp")
     ap.add_argument("--quant-torch-threads", type=int, default=None,
@@ -178,6 +208,9 @@ def main() -> None:
     except ImportError:
         peer = None
     peer_runs: list[float] = []
+    prefill_runs: list[float] = []
+    peer_prefill: list[float] = []
+    long_prompt = common.corpus_ids(llms["Q4_K_M"], args.prefill_tokens)[:args.prefill_tokens]
     runs: dict[tuple[str, int], list[float]] = {(f, b): [] for f in FORMATS for b in batches}
     for r in range(args.rounds):
         for b in batches:
@@ -188,6 +221,13 @@ def main() -> None:
             if b == 1 and peer is not None:
                 peer_runs.append(peer.decode_tok_s(args.tokens))
                 note(f"round {r + 1}, batch 1, llama.cpp: {peer_runs[-1]:.2f} tok/s")
+        if args.prefill_tokens:  # the Q4_K_M file's prompt throughput, then llama.cpp's
+            torch.set_num_threads(torch_threads["Q4_K_M"])
+            prefill_runs.append(prefill_tok_s(llms["Q4_K_M"], long_prompt))
+            note(f"round {r + 1}, prefill {len(long_prompt)}, Q4_K_M: {prefill_runs[-1]:.1f} tok/s")
+            if peer is not None:
+                peer_prefill.append(peer.prefill_tok_s(long_prompt))
+                note(f"round {r + 1}, prefill, llama.cpp: {peer_prefill[-1]:.1f} tok/s")
     for f, llm in llms.items():
         for b in batches:
             rows[f][f"decode_b{b}_tok_per_s"] = round(statistics.median(runs[f, b]), 3)
@@ -215,6 +255,16 @@ def main() -> None:
                                "llama_cpp_tokens": peer.made}
         report["ftrs_vs_llama_cpp"] = round(statistics.median(  # paired by round, like `ratios`
             q / p for q, p in zip(runs["Q4_K_M", 1], peer_runs)), 3)
+    if prefill_runs:
+        report["prefill"] = {"prompt_tokens": len(long_prompt),
+                             "Q4_K_M_tok_per_s": round(statistics.median(prefill_runs), 1),
+                             "Q4_K_M_runs": [round(x, 1) for x in prefill_runs]}
+        if peer_prefill:
+            report["prefill"] |= {
+                "llama_cpp_tok_per_s": round(statistics.median(peer_prefill), 1),
+                "llama_cpp_runs": [round(x, 1) for x in peer_prefill],
+                "ftrs_vs_llama_cpp": round(statistics.median(
+                    q / p for q, p in zip(prefill_runs, peer_prefill)), 3)}
     report["wall_s"] = round(time.perf_counter() - t_start, 1)
     print(json.dumps(report, indent=1))
 
