@@ -168,10 +168,11 @@ def load_model(model: str, device: torch.device, dtype: torch.dtype,
     tok: Tokenizer | None = None
     if (path / "tokenizer.json").is_file():
         tok = Tokenizer.from_dir(path)
-    elif (path / "tiktoken.model").is_file():  # Kimi-K2's, Moonlight's (remote code)
-        log.warning("%s ships a tiktoken tokenizer (tiktoken.model), which ftrs does not read: "
-                    "only token-id prompts will work; its GGUF file carries the tokenizer as "
-                    "BPE (tokenizer.ggml.pre kimi-k2), which ftrs reads", path)
+    elif (path / "tiktoken.model").is_file():  # Kimi-K2's, Moonlight's
+        try:
+            tok = Tokenizer.from_dir(path)
+        except ModelLoadError as e:  # a split pattern ftrs does not know: the model still serves
+            log.warning("%s; only token-id prompts will work", e)
     else:
         log.warning("%s has no tokenizer.json: only token-id prompts will work", path)
     return LoadedModel(model, path, spec, dense, experts, tok)

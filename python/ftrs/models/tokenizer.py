@@ -95,6 +95,14 @@ _PRE_SPLIT: dict[str, str | tuple[str, ...]] = {
 _GPT2_PRE = (None, "default", "gpt-2", "gpt2")  # ByteLevel's own split
 
 
+def split_pattern_named(pre: str) -> str:
+    """The one split pattern of a `tokenizer.ggml.pre` name (KeyError: none, or several)."""
+    pattern = _PRE_SPLIT[pre]
+    if not isinstance(pattern, str):
+        raise KeyError(pre)
+    return pattern
+
+
 def gguf_pre_tokenizer(pre: str | None, source: str) -> Any:
     """The `tokenizers` pre-tokenizer of a GGUF file's `tokenizer.ggml.pre`."""
     # the byte-level step splits with GPT-2's pattern itself unless a split pattern came first
@@ -356,17 +364,24 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> Tokenizer:
+        """From `tokenizer.json`, or else a `tiktoken.model` (`models/tiktoken_bpe.py`), and
+        `tokenizer_config.json`."""
         tj = model_dir / "tokenizer.json"
-        if not tj.is_file():
-            raise ModelLoadError(str(tj), "tokenizer.json not found")
-        try:
-            tk = HFTokenizer.from_file(str(tj))
-        except Exception as e:
-            raise ModelLoadError(str(tj), f"cannot parse tokenizer: {e}") from e
         conf: dict[str, Any] = {}
         tc = model_dir / "tokenizer_config.json"
         if tc.is_file():
             conf = json.loads(tc.read_text())
+        if not tj.is_file() and (model_dir / "tiktoken.model").is_file():
+            from ftrs.models.tiktoken_bpe import tiktoken_tokenizer
+
+            tk = tiktoken_tokenizer(model_dir, conf)
+        elif not tj.is_file():
+            raise ModelLoadError(str(tj), "tokenizer.json not found")
+        else:
+            try:
+                tk = HFTokenizer.from_file(str(tj))
+            except Exception as e:
+                raise ModelLoadError(str(tj), f"cannot parse tokenizer: {e}") from e
 
         def tok(v: Any) -> str | None:
             return v.get("content") if isinstance(v, dict) else v
