@@ -86,7 +86,9 @@ def oracle(ranks: dict[bytes, int]) -> Any:
 @pytest.mark.parametrize("module", ["tokenization_kimi", "tokenization_moonshot"])
 def test_encodes_and_decodes_as_tiktoken(tmp_path: Path, ranks: dict[bytes, int],
                                          module: str) -> None:
-    tok = Tokenizer.from_dir(write_dir(tmp_path / "m", ranks, module))
+    model_dir = write_dir(tmp_path / "m", ranks, module)
+    (model_dir / "config.json").write_text(json.dumps({"vocab_size": len(ranks) + 12}))
+    tok = Tokenizer.from_dir(model_dir)
     enc = oracle(ranks)
     merged = 0
     long = [(ROOT / "README.md").read_text(), (ROOT / "python/ftrs/models/tokenizer.py").read_text()]
@@ -101,6 +103,8 @@ def test_encodes_and_decodes_as_tiktoken(tmp_path: Path, ranks: dict[bytes, int]
     assert tok.bos_token_id == n and tok.eos_token == "[EOS]" and n + 1 in tok.eos_token_ids
     # the gap, named by its id as the remote code names it
     assert tok.encode(f"<|reserved_token_{n + 4}|>") == [n + 4]
+    assert tok.encode(f"<|reserved_token_{n + 11}|>") == [n + 11]  # up to config's vocab_size
+    assert tok.tk.get_vocab_size() == n + 12
     assert tok.decode(tok.encode("[BOS]hi[EOS]")) == "hi"  # specials skipped when decoding
     rendered = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert rendered == "<|im_user|>hi<|im_end|>"  # tokenizer_config.json's template
@@ -126,3 +130,21 @@ def test_an_unknown_tokenizer_class_and_bad_files_are_refused(tmp_path: Path,
     (bad / "tiktoken.model").write_text("not base64!! 0\n")
     with pytest.raises(ModelLoadError, match="line 1"):
         Tokenizer.from_dir(bad)
+
+
+def test_a_checkpoint_reads_its_tiktoken_model_or_warns_and_serves_token_ids(
+        tmp_path: Path, ranks: dict[bytes, int], caplog: pytest.LogCaptureFixture) -> None:
+    import torch
+
+    from ftrs.models.load import load_model
+    from ftrs.models.tiny import make_tiny
+
+    d = make_tiny("llama", tmp_path / "llama", seed=1)
+    (d / "tokenizer.json").unlink()
+    write_dir(d, ranks)
+    m = load_model(str(d), torch.device("cpu"), torch.float32, progress=False)
+    assert m.tokenizer is not None and m.tokenizer.encode("Hello") == oracle(ranks).encode("Hello")
+    write_dir(d, ranks, "tokenization_other")
+    with caplog.at_level("WARNING"):
+        m = load_model(str(d), torch.device("cpu"), torch.float32, progress=False)
+    assert m.tokenizer is None and "only token-id prompts will work" in caplog.text

@@ -9,13 +9,15 @@ whole, as tiktoken does first. The split pattern is not in the file (the checkpo
 code holds it): it is taken from the tokenizer class its `tokenizer_config.json` maps to,
 Moonshot's (`tokenization_kimi`, `tokenization_moonshot`) and no other. Special tokens follow
 the ranks: `added_tokens_decoder`'s entries at their ids, an id between them that no entry
-names `<|reserved_token_{id}|>`, as the remote code fills them. `tiktoken` itself is the
+names, and one past them up to `config.json`'s `vocab_size`, `<|reserved_token_{id}|>`, as
+the remote code fills them. `tiktoken` itself is the
 oracle in `tests/models/test_tiktoken_tokenizer.py`.
 """
 
 from __future__ import annotations
 
 import base64
+import json
 from pathlib import Path
 from typing import Any
 
@@ -108,7 +110,10 @@ def tiktoken_tokenizer(model_dir: Path, conf: dict[str, Any]) -> HFTokenizer:
     if added and min(added) < len(ranks):
         raise ModelLoadError(str(path), f"added token id {min(added)} is inside the ranks "
                              f"(0 .. {len(ranks) - 1})")
-    ids = range(len(ranks), max(added) + 1) if added else range(0)
+    # up to the model's vocabulary (config.json), as the remote code reserves them all
+    cfg = model_dir / "config.json"
+    vocab_size = int(json.loads(cfg.read_text()).get("vocab_size") or 0) if cfg.is_file() else 0
+    ids = range(len(ranks), max(vocab_size, max(added, default=-1) + 1))
     tk.add_special_tokens([AddedToken(added.get(i) or f"<|reserved_token_{i}|>", special=True,
                                       normalized=False) for i in ids])
     for i in ids:  # the tokenizers library numbers them in order after the vocabulary
