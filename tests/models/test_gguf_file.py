@@ -202,6 +202,9 @@ def test_a_split_gguf_opens_from_any_shard_as_the_whole_file(tmp_path: Path) -> 
         keys = {k for k in got.metadata if not k.startswith(("split.", "GGUF."))}
         assert keys == {k for k in one.metadata if not k.startswith("GGUF.")}
     pool_matches_file(shards[1], shards)
+    from ftrs.models.load import resolve_model
+
+    assert resolve_model(str(shards[-1])) == shards[0]  # one name for the model, whichever shard
     ids = list(range(3, 40))
     logits = []
     for path in (whole, shards[0]):

@@ -13,6 +13,7 @@ from tqdm import tqdm
 from ftrs.errors import ModelLoadError
 from ftrs.models.arch import ArchSpec, arch_from_config, load_arch
 from ftrs.models.experts import ExpertFormat, HostExperts, TensorFormat
+from ftrs.models.gguf_file import SHARD_NAME
 from ftrs.models.gguf_loader import GGUFCheckpoint, GGUFTensor, open_gguf, unpermute_rows
 from ftrs.models.names import keeps_quantized, map_hf_name
 from ftrs.models.safetensors_loader import expected_dense_shapes, load_safetensors
@@ -36,7 +37,8 @@ class LoadedModel:
 
 
 def resolve_model(model: str) -> Path:
-    """`demo` -> the demo checkpoint (built on first use); anything else must exist on disk."""
+    """`demo` -> the demo checkpoint (built on first use); anything else must exist on disk
+    (a shard of a split GGUF: its first file, so every shard names the model alike)."""
     if model == "demo":
         from ftrs.models.demo import ensure_demo
 
@@ -44,6 +46,10 @@ def resolve_model(model: str) -> Path:
     path = Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(str(path), "no such file or directory")
+    m = SHARD_NAME.match(path.name) if path.is_file() else None
+    if m is not None:  # a shard of a split GGUF names the set by its first file
+        first = path.with_name(f"{m['stem']}-00001-of-{m['count']}.gguf")
+        return first if first.is_file() else path
     return path
 
 
