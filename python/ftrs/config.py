@@ -41,6 +41,7 @@ class EngineConfig:
     copy_backend: str = "auto"  # auto | host | simulated:GBPS[:LAT_US] | cuda[:N]
     pcie_pacing: float | None = None  # GB/s; None = off
     cpu_expert_threads: int | None = None  # Rust CPU kernels (experts, quantized projections), every strategy; None = physical cores - 1
+    cpu_kernels: str = "auto"  # auto | portable | avx2 | avx512: the Rust CPU kernels' family (ftrs doctor measures which is faster here)
     torch_threads: int | None = None  # torch's CPU threads (process-wide); None = torch's default
     max_prefill_length: int = 8192  # token budget of one step
     max_running_requests: int = 64
@@ -77,6 +78,9 @@ class EngineConfig:
             from ftrs.engine.faults import parse_fault_spec
 
             parse_fault_spec(self.fault_inject)
+        if self.cpu_kernels not in ("auto", "portable", "avx2", "avx512"):
+            raise ConfigError(f"cpu_kernels: expected auto, portable, avx2 or avx512, got "
+                              f"{self.cpu_kernels!r}")
         if self.cpu_expert_threads is not None and self.cpu_expert_threads < 1:
             raise ConfigError(f"cpu_expert_threads: must be >= 1, got {self.cpu_expert_threads}")
         if self.torch_threads is not None and self.torch_threads < 1:

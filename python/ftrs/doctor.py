@@ -7,7 +7,9 @@ those past the loss age window, `--guard-loss-max-age-days`, are marked "expired
 link guard no longer caps for them); the reports of fault drills (`--fault-inject`) are listed
 apart, as drills: they are no device faults and the guard ignores them. Without a GPU it
 says so plainly and still reports the CPU-side figures (host copy bandwidth through the Rust
-host backend, RAM, fetch volumes). `--bundle` also writes a tar.gz (see `guard.bundle`).
+host backend, RAM, fetch volumes). The CPU kernels: the family `auto` runs and, measured, the
+`--cpu-kernels` setting that is fastest here (`quant/host.py`). `--bundle` also writes a tar.gz
+(see `guard.bundle`).
 """
 
 from __future__ import annotations
@@ -162,11 +164,26 @@ def build_report(model: str | None = None, *, sysfs_root: str | Path = "/sys",
         "crash_reports": crash_section(home, now, max_loss_age_days),
         "drill_reports": crash_section(home, now, max_loss_age_days, drills=True),
         "crash_report_max_age_days": max_loss_age_days}
+    report["cpu_kernels"] = cpu_kernels_section(measure)
     if model is not None:
         report["model"] = {"name": model} | model_section(
             model, "cuda" if dev["gpu"] else "cpu", window_s, link, dev, home, requested, now,
             max_loss_age_days)
     return report
+
+
+def cpu_kernels_section(measure: bool) -> dict[str, Any]:
+    """The family `auto` runs, and with `measure` each family's time on this host and the
+    `--cpu-kernels` setting they recommend (`quant/host.py`)."""
+    from ftrs import _core
+
+    out: dict[str, Any] = {"auto": _core.quant_kernel(), "families": _core.quant_kernels()}
+    if measure:
+        from ftrs.quant.host import kernel_timings, recommend_kernels
+
+        out["timings_us"] = kernel_timings()
+        out["recommendation"] = recommend_kernels(out["timings_us"], out["auto"])
+    return out
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -189,6 +206,19 @@ def format_text(r: dict[str, Any]) -> str:
     mem = r["memory"]
     lines.append(f"RAM: {_fmt_bytes(mem['ram_available_bytes'])} available of "
                  f"{_fmt_bytes(mem['ram_total_bytes'])}")
+    ck = r.get("cpu_kernels") or {}
+    if "recommendation" in ck:
+        rec = ck["recommendation"]
+        lines.append(f"CPU kernels: auto runs {ck['auto']}; µs a call, one thread, "
+                     f"2048x2048, batch 1 and 8:")
+        for t, per_batch in ck["timings_us"].items():
+            lines.append(f"  {t}: " + "; ".join(
+                f"{n}: " + ", ".join(f"{f} {us:g}" for f, us in row.items())
+                for n, row in per_batch.items()))
+        totals = ", ".join(f"{f} {us:g} µs" for f, us in rec["totals_us"].items())
+        lines.append(f"  recommended: --cpu-kernels {rec['setting']} (in all: {totals})")
+    elif ck:
+        lines.append(f"CPU kernels: auto runs {ck['auto']} (not measured)")
     if "model" in r:
         m, f = r["model"], r["model"]["fetch"]
         lines += ["", f"model {m['name']}: {f['num_moe_layers']} MoE layers x {f['num_experts']} "

@@ -30,6 +30,13 @@ def test_doctor_without_gpu_says_so_and_reports_cpu_figures(empty_sysfs: Path,
     assert fetch["num_moe_layers"] == 2 and fetch["expert_bytes"] == 3 * 48 * 64 * 4
     assert r["model"]["recommendation"]["strategy"] == "resident"
     assert "prefill ceiling: 8192" in text
+    ck = r["cpu_kernels"]  # each SIMD family timed on every type and batch
+    simd = [f for f in ck["families"] if f != "portable"] or ["portable"]
+    for per_batch in ck["timings_us"].values():
+        assert set(per_batch) == {"n1", "n8"}
+        assert all(set(row) == set(simd) and min(row.values()) > 0 for row in per_batch.values())
+    assert ck["recommendation"]["setting"] in ("auto", *simd)
+    assert f"recommended: --cpu-kernels {ck['recommendation']['setting']}" in text
     json.dumps(r, default=str)
 
 

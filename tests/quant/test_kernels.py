@@ -220,6 +220,34 @@ def test_thread_setting_round_trips() -> None:
         core.quant_set_threads(before)
 
 
+def test_the_auto_family_is_a_process_setting_that_changes_the_kernel_run() -> None:
+    best = core.quant_kernels()[-1]
+    assert core.quant_kernel() == best  # nothing set: the best this CPU runs
+    rng = np.random.default_rng(5)
+    w = make_weights("Q6_K", 64, 512, rng)
+    x = rng.standard_normal((1, 512)).astype(np.float32)
+    by_family = {}
+    for name in core.quant_kernels():
+        by_family[name] = np.empty((1, 64), np.float32)
+        core.quant_matmul("Q6_K", w, x, by_family[name], 64, 512, 1, name)
+    try:
+        for name in core.quant_kernels():
+            core.quant_set_kernel(name)
+            assert core.quant_kernel() == name
+            out = np.empty((1, 64), np.float32)
+            core.quant_matmul("Q6_K", w, x, out, 64, 512, 1)  # kernel="auto"
+            np.testing.assert_array_equal(out, by_family[name])  # that family's bits
+        with pytest.raises(ConfigError, match="unknown kernel"):
+            core.quant_set_kernel("sse9")
+        missing = [k for k in ("avx2", "avx512") if k not in core.quant_kernels()]
+        for name in missing:  # a family this CPU lacks is refused, the setting kept
+            with pytest.raises(ConfigError, match="lacks"):
+                core.quant_set_kernel(name)
+    finally:
+        core.quant_set_kernel("auto")
+    assert core.quant_kernel() == best
+
+
 def _quant_worker_ticks() -> dict[str, int]:
     """utime + stime (clock ticks) of this process's kernel worker threads, by thread id."""
     ticks = {}

@@ -531,10 +531,24 @@ pub fn quant_rounds_activations(qtype: &str, kernel: &str) -> PyResult<bool> {
     ))
 }
 
-/// The kernel family `kernel="auto"` picks on this CPU: `"avx512"`, `"avx2"` or `"portable"`.
+/// The kernel family `kernel="auto"` picks in this process: `"avx512"`, `"avx2"` or
+/// `"portable"` (the best this CPU runs, unless `quant_set_kernel` chose another).
 #[pyfunction]
 pub fn quant_kernel() -> &'static str {
-    Isa::detect().name()
+    Isa::auto().name()
+}
+
+/// Makes `kernel="auto"` mean `name` in this process (`"auto"`: the best this CPU runs again);
+/// a family this CPU lacks is a `ConfigError`.
+#[pyfunction]
+pub fn quant_set_kernel(name: &str) -> PyResult<()> {
+    let isa = if name == "auto" {
+        None
+    } else {
+        Some(Isa::parse(name).py()?)
+    };
+    Isa::set_auto(isa);
+    Ok(())
 }
 
 /// Every kernel family this CPU runs, plainest first (`"portable"` always).
@@ -557,6 +571,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_threads, m)?)?;
     m.add_function(wrap_pyfunction!(quant_set_threads, m)?)?;
     m.add_function(wrap_pyfunction!(quant_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_set_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(quant_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(quant_rounds_activations, m)?)?;
     Ok(())

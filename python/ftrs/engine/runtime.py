@@ -58,10 +58,12 @@ class Runtime:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.device = resolve_device(config.device)
         self.use_device()
-        if config.cpu_expert_threads is not None:  # the Rust CPU kernels, whatever the strategy
-            from ftrs import _core
+        from ftrs import _core
 
+        if config.cpu_expert_threads is not None:  # the Rust CPU kernels, whatever the strategy
             _core.quant_set_threads(config.cpu_expert_threads)
+        # their family (process-wide, as the threads): a family this CPU lacks is a ConfigError
+        _core.quant_set_kernel(config.cpu_kernels)
         self.dtype = resolve_dtype(config.dtype, self.device)
         # before the model loads, so `--kernels triton` where it cannot run fails at once;
         # `kernels.name` ("triton" | "cpu" | "torch") says which side runs

@@ -31,6 +31,9 @@ pub use blocks::QType;
 
 use crate::error::{CoreError, Result};
 
+/// [`Isa::set_auto`]'s choice: 0 none (detect), 1 portable, 2 AVX2, 3 AVX-512.
+static AUTO: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
 /// Which kernel family runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Isa {
@@ -58,11 +61,34 @@ impl Isa {
         })
     }
 
+    /// The family `"auto"` runs in this process: the one [`Isa::set_auto`] chose (a host whose
+    /// measurement says another family is faster, `ftrs doctor`), else [`Isa::detect`]'s.
+    pub fn auto() -> Isa {
+        match AUTO.load(std::sync::atomic::Ordering::Relaxed) {
+            1 => Isa::Portable,
+            2 => Isa::Avx2,
+            3 => Isa::Avx512,
+            _ => Isa::detect(),
+        }
+    }
+
+    /// Makes `"auto"` mean `isa` in this process (None: [`Isa::detect`]'s again). Process-wide,
+    /// as the kernels' thread count is; a call already running keeps its family.
+    pub fn set_auto(isa: Option<Isa>) {
+        let code = match isa {
+            None => 0,
+            Some(Isa::Portable) => 1,
+            Some(Isa::Avx2) => 2,
+            Some(Isa::Avx512) => 3,
+        };
+        AUTO.store(code, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Parses `"auto"`, `"portable"`, `"avx2"` or `"avx512"`; a family this CPU lacks is a
     /// `Config` error.
     pub fn parse(name: &str) -> Result<Isa> {
         match name {
-            "auto" => Ok(Isa::detect()),
+            "auto" => Ok(Isa::auto()),
             "portable" => Ok(Isa::Portable),
             "avx2" if simd::avx2_available() => Ok(Isa::Avx2),
             "avx2" => Err(CoreError::Config(
