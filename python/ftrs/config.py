@@ -47,6 +47,7 @@ class EngineConfig:
     max_running_requests: int = 64
     page_size: int = 16
     kv_tokens: int | None = None  # KV pool capacity in tokens; None = from memory budget
+    kv_cache_dtype: str = "auto"  # auto (the compute dtype) | int8: rows in int8, one fp32 scale per token and kv head (kvcache/quant.py)
     max_model_len: int | None = None
     seed: int = 0
     hang_timeout: float = 120.0  # s: work pending and no step finished -> EngineHang
@@ -99,6 +100,8 @@ class EngineConfig:
             raise ConfigError("max_prefill_length: must be >= 1")
         if self.max_running_requests < 1:
             raise ConfigError("max_running_requests: must be >= 1")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ConfigError(f"kv_cache_dtype: expected auto or int8, got {self.kv_cache_dtype!r}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"page_size: must be a power of two, got {self.page_size}")
 

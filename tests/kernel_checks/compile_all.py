@@ -45,11 +45,14 @@ def variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
                     {"*": f"*{dt}", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "pos_ptr": "*i64"},
                     {"HALF": 64, "BLOCK": 64, "BLOCK_H": 16}))
         prec = "ieee" if dt == "fp32" else "tf32"
-        out.append((f"paged_attention {dt}", attention._paged_attn_kernel,
-                    {"*": f"*{dt}", "table_ptr": "*i32", "q_start_ptr": "*i32",
-                     "q_len_ptr": "*i32", "ctx_len_ptr": "*i32"},
-                    {"PAGE": 16, "GP": 4, "BLOCK_Q": 4, "BLOCK_N": 32, "BLOCK_D": 64,
-                     "UPCAST": False, "PREC": prec}))
+        for int8 in (False, True):  # a plain cache; an int8 one with its fp32 scales
+            kv = {"k_ptr": "*i8", "v_ptr": "*i8", "ks_ptr": "*fp32", "vs_ptr": "*fp32"}
+            out.append((f"paged_attention{' int8-KV' if int8 else ''} {dt}",
+                        attention._paged_attn_kernel,
+                        {"*": f"*{dt}", "table_ptr": "*i32", "q_start_ptr": "*i32",
+                         "q_len_ptr": "*i32", "ctx_len_ptr": "*i32", **(kv if int8 else {})},
+                        {"PAGE": 16, "GP": 4, "BLOCK_Q": 4, "BLOCK_N": 32, "BLOCK_D": 64,
+                         "UPCAST": False, "PREC": prec, "INT8": int8}))
     weights = {"none": ("*bf16", "*bf16"), "Q8_0": ("*i8", "*fp16"), "FP8_BLOCK": ("*u8", "*fp32"),
                "Q4_K": ("*u8", "*fp16"), "Q5_1": ("*u8", "*fp16"), "Q6_K": ("*u8", "*fp16"),
                "MXFP4": ("*u8", "*u8"), "IQ4_NL": ("*u8", "*fp16"), "IQ4_XS": ("*u8", "*fp16"),

@@ -126,3 +126,25 @@ def test_empty_batch(device: str) -> None:
     q = torch.zeros(0, HEADS, D, device=device)
     kc = torch.zeros(PAGE, KV_HEADS, D, device=device)
     assert paged_attention_triton(q, kc, kc, meta, 1.0).shape == (0, HEADS, D)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_cache(device: str, dtype: torch.dtype) -> None:
+    """An int8 cache (`--kv-cache-dtype int8`): each row scaled in the kernel = the reference
+    over a plain cache holding `q * s` in the compute dtype, written here by hand."""
+    from ftrs.kvcache.quant import quantize_rows
+
+    meta, _ = _batch(MIXED, seed=3)
+    q, kc, vc = _tensors(sum(s[0] for s in MIXED), dtype, seed=4)
+    (kq, ks), (vq, vs) = quantize_rows(kc), quantize_rows(vc)
+    k_vals = (kq.float() * ks[..., None]).to(dtype)
+    v_vals = (vq.float() * vs[..., None]).to(dtype)
+    want = paged_attention_ref(q, k_vals, v_vals, meta, D**-0.5)
+    got = paged_attention_triton(q.to(device), kq.to(device), vq.to(device), _on(meta, device),
+                                 D**-0.5, k_scale=ks.to(device), v_scale=vs.to(device))
+    _close(got, want, dtype)
+    ref = paged_attention_ref(q, kq, vq, meta, D**-0.5, k_scale=ks, v_scale=vs)
+    _close(ref, want, dtype)
+    with pytest.raises(ValueError, match="int8"):
+        paged_attention_triton(q.to(device), kq.to(device), vq.to(device), _on(meta, device),
+                               D**-0.5, k_scale=ks.to(device))

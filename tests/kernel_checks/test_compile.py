@@ -25,6 +25,7 @@ def _compile(*args: str) -> str:
 def test_the_bf16_kernels_compile_for_sm90() -> None:
     out = _compile("--quick", "90")
     assert out.count(": ok") >= 5
+    assert "sm_90 paged_attention int8-KV bf16: ok" in out
 
 
 @pytest.mark.slow

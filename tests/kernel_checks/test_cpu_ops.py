@@ -16,7 +16,9 @@ import torch
 from ftrs.errors import ConfigError
 from ftrs.kernels import cpu
 from ftrs.kernels.norm import rms_norm_ref, rotary_ref_
-from ftrs.layers.attention import _gather, decode_attention
+from ftrs.kvcache.quant import gather as kv_gather
+from ftrs.kvcache.quant import quantize_rows
+from ftrs.layers.attention import decode_attention
 from ftrs.layers.rotary import Rotary, rotate
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="ftrs._core built without the CPU ops")
@@ -73,10 +75,16 @@ def test_rotary_hands_views_to_the_reference() -> None:
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
 @pytest.mark.parametrize("padded", [True, False])
-def test_decode_attention_matches_the_torch_path(padded: bool) -> None:
+def test_decode_attention_matches_the_torch_path(padded: bool, int8: bool) -> None:
+    """fp32 caches, and int8 ones (`--kv-cache-dtype int8`) against the torch path over the
+    same rows (`kvcache.quant.gather` widens and scales them)."""
     slots, kv_heads, d, rows, keys = 50, 3, 64, 4, 12
     k_cache, v_cache = _rand(slots, kv_heads, d, seed=12), _rand(slots, kv_heads, d, seed=13)
+    k_scale = v_scale = None
+    if int8:
+        (k_cache, k_scale), (v_cache, v_scale) = quantize_rows(k_cache), quantize_rows(v_cache)
     q = _rand(rows, 9, d, seed=14)
     gather = torch.randint(0, slots, (rows, keys), generator=torch.Generator().manual_seed(15))
     mask = None
@@ -85,8 +93,10 @@ def test_decode_attention_matches_the_torch_path(padded: bool) -> None:
         real = torch.arange(keys)[None, :] < lens[:, None]
         gather = gather.masked_fill(~real, 0)
         mask = real.view(rows, 1, 1, keys)
-    got = cpu.decode_attention_cpu(q, k_cache, v_cache, gather, mask, 0.125)
-    ref = decode_attention(q, _gather(k_cache, gather), _gather(v_cache, gather), mask, 0.125)
+    got = cpu.decode_attention_cpu(q, k_cache, v_cache, gather, mask, 0.125, k_scale=k_scale,
+                                   v_scale=v_scale)
+    ref = decode_attention(q, kv_gather(k_cache, k_scale, gather, q.dtype),
+                           kv_gather(v_cache, v_scale, gather, q.dtype), mask, 0.125)
     assert got is not None
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 
@@ -98,5 +108,12 @@ def test_decode_attention_declines_what_it_does_not_cover() -> None:
     assert cpu.decode_attention_cpu(q.bfloat16(), cache.bfloat16(), cache.bfloat16(), gather,
                                     None, 1.0) is None
     assert cpu.decode_attention_cpu(q, cache, cache, gather.int(), None, 1.0) is None
+    codes, scales = quantize_rows(cache)
+    assert cpu.decode_attention_cpu(q, codes, codes, gather, None, 1.0,
+                                    k_scale=scales.double(), v_scale=scales.double()) is None
+    with pytest.raises(ConfigError, match="k_scale"):  # the binding: scales in pairs
+        cpu._core().ops_decode_attention(q.numpy(), codes.numpy(), codes.numpy(), gather.numpy(),
+                                         None, 1.0, torch.empty_like(q).numpy(), 2, 1, 16,
+                                         k_scale=scales.numpy())
     with pytest.raises(ConfigError, match="slot 8 outside"):
         cpu.decode_attention_cpu(q, cache, cache, torch.tensor([[0, 8, 1]]), None, 1.0)

@@ -11,7 +11,9 @@
 //! - [`rotary`]: `x * cos + rotate_half(x) * sin`, each product and the sum rounded to fp32,
 //!   no fused multiply-add: bit for bit the reference.
 //! - [`decode_attention`]: dot products, softmax and the weighted sum in fp32 (f64 for the
-//!   softmax's normaliser), in a different order from a BLAS matmul: ~1e-6 relative.
+//!   softmax's normaliser), in a different order from a BLAS matmul: ~1e-6 relative. Over an
+//!   int8 cache ([`decode_attention_rows`]) each row is widened to fp32 once per unit, its dot
+//!   products times its key scale, its weights times its value scale.
 //!
 //! Work is cut by rows (norm) or by (query row, head) pairs (attention) over the quantized
 //! kernels' worker pool ([`crate::quant::threads`]), only when there is enough of it.
@@ -172,6 +174,74 @@ pub struct AttnShape {
     pub keys: usize,
 }
 
+/// A KV cache as decode attention reads it, `num_slots x kv_heads x head_dim` each: fp32 rows,
+/// or int8 rows with one fp32 scale per slot and kv head (`num_slots x kv_heads`), a row's
+/// values `q * scale` (`ftrs.kvcache.quant`).
+#[derive(Debug, Clone, Copy)]
+pub enum KvRows<'a> {
+    /// fp32 keys and values
+    F32 {
+        /// keys
+        k: &'a [f32],
+        /// values
+        v: &'a [f32],
+    },
+    /// int8 keys and values and their scales
+    Int8 {
+        /// keys
+        k: &'a [i8],
+        /// values
+        v: &'a [i8],
+        /// one scale per key row
+        k_scale: &'a [f32],
+        /// one scale per value row
+        v_scale: &'a [f32],
+    },
+}
+
+impl KvRows<'_> {
+    /// Slots of the cache, or None when its parts do not fit `per_slot` values a slot and
+    /// `kv_heads` rows a slot.
+    fn slots(&self, per_slot: usize, kv_heads: usize) -> Option<usize> {
+        let (k, v, scales) = match *self {
+            KvRows::F32 { k, v } => (k.len(), v.len(), None),
+            KvRows::Int8 {
+                k,
+                v,
+                k_scale,
+                v_scale,
+            } => (k.len(), v.len(), Some((k_scale.len(), v_scale.len()))),
+        };
+        let n = k / per_slot;
+        let fits = k == v
+            && k.is_multiple_of(per_slot)
+            && scales.is_none_or(|(a, b)| a == b && a == n * kv_heads);
+        fits.then_some(n)
+    }
+
+    /// Row `i` (`slot * kv_heads + kv head`) of the keys (`value` false) or the values, `d`
+    /// long, and the factor its products take: fp32 rows as they are (factor 1), int8 rows
+    /// widened into `buf` (factor: the row's scale).
+    #[inline]
+    fn row<'b>(&'b self, value: bool, i: usize, d: usize, buf: &'b mut [f32]) -> (&'b [f32], f32) {
+        match *self {
+            KvRows::F32 { k, v } => (&(if value { v } else { k })[i * d..(i + 1) * d], 1.0),
+            KvRows::Int8 {
+                k,
+                v,
+                k_scale,
+                v_scale,
+            } => {
+                let (rows, scales) = if value { (v, v_scale) } else { (k, k_scale) };
+                for (o, &x) in buf.iter_mut().zip(&rows[i * d..(i + 1) * d]) {
+                    *o = f32::from(x);
+                }
+                (&buf[..d], scales[i])
+            }
+        }
+    }
+}
+
 /// `out[r, h] = softmax_l(q[r, h] . K[slots[r, l], h / g] * scale) . V[slots[r, l], h / g]`
 /// over the columns `l` where `valid[r, l] != 0` (all of them without `valid`); `g = heads /
 /// kv_heads`. `k_cache`, `v_cache`: `num_slots x kv_heads x head_dim`. A row with no valid
@@ -182,6 +252,27 @@ pub fn decode_attention(
     q: &[f32],
     k_cache: &[f32],
     v_cache: &[f32],
+    slots: &[i64],
+    valid: Option<&[u8]>,
+    scale: f32,
+    out: &mut [f32],
+    threads: usize,
+) -> Result<()> {
+    let cache = KvRows::F32 {
+        k: k_cache,
+        v: v_cache,
+    };
+    decode_attention_rows(shape, q, cache, slots, valid, scale, out, threads)
+}
+
+/// [`decode_attention`] over either kind of cache: an int8 row's dot products are scaled by
+/// its key scale, its values by its value scale (an fp32 cache: the same bits as
+/// [`decode_attention`]).
+#[allow(clippy::too_many_arguments)]
+pub fn decode_attention_rows(
+    shape: AttnShape,
+    q: &[f32],
+    cache: KvRows<'_>,
     slots: &[i64],
     valid: Option<&[u8]>,
     scale: f32,
@@ -203,19 +294,16 @@ pub fn decode_attention(
         || out.len() != q.len()
         || slots.len() != rows * keys
         || valid.is_some_and(|v| v.len() != slots.len())
-        || k_cache.len() != v_cache.len()
-        || !k_cache.len().is_multiple_of(per_slot)
+        || cache.slots(per_slot, kv_heads).is_none()
     {
         return Err(config(format!(
-            "decode_attention: {shape:?} does not fit q {}, out {}, slots {}, caches {} / {}",
+            "decode_attention: {shape:?} does not fit q {}, out {}, slots {} or the cache",
             q.len(),
             out.len(),
             slots.len(),
-            k_cache.len(),
-            v_cache.len()
         )));
     }
-    let num_slots = k_cache.len() / per_slot;
+    let num_slots = cache.slots(per_slot, kv_heads).unwrap_or(0);
     if let Some(bad) = slots
         .iter()
         .find(|&&s| usize::try_from(s).map_or(true, |s| s >= num_slots))
@@ -241,14 +329,15 @@ pub fn decode_attention(
         // scores[j * keys + l]: head h0 + j against key l
         let mut scores = vec![f32::NEG_INFINITY; sub * keys];
         let mut max = vec![f32::NEG_INFINITY; sub];
+        let mut buf = vec![0f32; d]; // an int8 row widened
         for (l, &slot) in row_slots.iter().enumerate() {
             if row_valid.is_some_and(|v| v[l] == 0) {
                 continue;
             }
-            let at = slot as usize * per_slot + kvh * d;
-            let key = &k_cache[at..at + d];
+            let (key, ks) = cache.row(false, slot as usize * kv_heads + kvh, d, &mut buf);
+            let ks = ks * scale; // exactly `scale` for an fp32 row
             for (j, (qv, m)) in qs.chunks_exact(d).zip(max.iter_mut()).enumerate() {
-                let sc = dot_f32(qv, key) * scale;
+                let sc = dot_f32(qv, key) * ks;
                 scores[j * keys + l] = sc;
                 *m = m.max(sc);
             }
@@ -267,14 +356,16 @@ pub fn decode_attention(
             *iv = (1.0 / total) as f32;
         }
         for (l, &slot) in row_slots.iter().enumerate() {
-            let at = slot as usize * per_slot + kvh * d;
-            let value = &v_cache[at..at + d];
+            if row_valid.is_some_and(|v| v[l] == 0) {
+                continue;
+            }
+            let (value, vs) = cache.row(true, slot as usize * kv_heads + kvh, d, &mut buf);
             for (j, oj) in o.chunks_exact_mut(d).enumerate() {
                 let p = scores[j * keys + l];
                 if p == 0.0 || p == f32::NEG_INFINITY {
                     continue;
                 }
-                axpy_f32(p * inv[j], value, oj);
+                axpy_f32(p * inv[j] * vs, value, oj);
             }
         }
     };
@@ -463,6 +554,56 @@ mod tests {
         let mut out = vec![0f32; q.len()];
         let bad = [9i64, 0, 0, 0, 0, 0, 0, 0, 0, 0];
         assert!(decode_attention(shape, &q, &k, &v, &bad, None, 1.0, &mut out, 1).is_err());
+    }
+
+    #[test]
+    fn an_int8_cache_reads_as_its_rows_times_their_scales() {
+        let shape = AttnShape {
+            rows: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 12,
+            keys: 4,
+        };
+        let (n, d) = (6, 12);
+        let codes = |seed: u32| -> Vec<i8> {
+            seq(n * 2 * d, seed)
+                .iter()
+                .map(|x| (x * 127.0).round() as i8)
+                .collect()
+        };
+        let (k, v) = (codes(3), codes(4));
+        let (ks, vs) = (seq(n * 2, 5), seq(n * 2, 9));
+        let widen = |c: &[i8], s: &[f32]| -> Vec<f32> {
+            c.iter()
+                .enumerate()
+                .map(|(i, &x)| f32::from(x) * s[i / d])
+                .collect()
+        };
+        let q = seq(2 * 4 * d, 8);
+        let slots = [5i64, 0, 3, 1, 2, 2, 4, 0];
+        let valid = [1u8, 1, 1, 1, 1, 1, 0, 0];
+        let mut want = vec![0f32; q.len()];
+        let (kf, vf) = (widen(&k, &ks), widen(&v, &vs));
+        decode_attention(shape, &q, &kf, &vf, &slots, Some(&valid), 0.3, &mut want, 1).unwrap();
+        let cache = KvRows::Int8 {
+            k: &k,
+            v: &v,
+            k_scale: &ks,
+            v_scale: &vs,
+        };
+        let mut got = vec![0f32; q.len()];
+        decode_attention_rows(shape, &q, cache, &slots, Some(&valid), 0.3, &mut got, 2).unwrap();
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+        let short = KvRows::Int8 {
+            k: &k,
+            v: &v,
+            k_scale: &ks[1..],
+            v_scale: &vs[1..],
+        };
+        assert!(decode_attention_rows(shape, &q, short, &slots, None, 0.3, &mut got, 1).is_err());
     }
 
     #[test]

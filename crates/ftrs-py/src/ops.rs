@@ -1,14 +1,15 @@
 //! The fp32 decode-step ops of `ftrs_core::ops` for Python: `ops_rms_norm`, `ops_rotary`,
-//! `ops_decode_attention`.
+//! `ops_decode_attention` (over an fp32 or an int8 KV cache).
 //!
 //! As in `quant.rs`: buffers are C-contiguous numpy views of torch tensors, borrowed, never
 //! copied; every output is checked writable and disjoint from every other buffer of the call;
 //! the ops run with the GIL released.
 
-use ftrs_core::ops::{self, AttnShape};
+use ftrs_core::ops::{self, AttnShape, KvRows};
+use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 
-use crate::buffers::{buffer, check_disjoint, slice, slice_mut, span};
+use crate::buffers::{buffer, check_disjoint, config, slice, slice_mut, span};
 use crate::errors::CoreResultExt;
 
 /// `out = rms_norm(x)`, or with `residual`: `residual_out = residual + x`, `out =
@@ -116,10 +117,11 @@ pub fn ops_rotary(
 
 /// Decode attention of `q` (rows x heads x head_dim) over the caches' `slots` (rows x keys,
 /// int64), `valid` (rows x keys, uint8: a bool mask's bytes, nonzero where a key is real);
-/// writes `out` like `q`.
+/// writes `out` like `q`. The caches are float32, or int8 with `k_scale` and `v_scale` (float32,
+/// one per slot and kv head).
 #[pyfunction]
 #[pyo3(signature = (q, k_cache, v_cache, slots, valid, scale, out, heads, kv_heads, head_dim,
-                    threads = 0))]
+                    threads = 0, k_scale = None, v_scale = None))]
 #[allow(clippy::too_many_arguments)]
 pub fn ops_decode_attention(
     py: Python<'_>,
@@ -134,17 +136,42 @@ pub fn ops_decode_attention(
     kv_heads: usize,
     head_dim: usize,
     threads: usize,
+    k_scale: Option<&Bound<'_, PyAny>>,
+    v_scale: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<()> {
+    let int8 = match (k_scale, v_scale) {
+        (Some(a), Some(b)) => Some((
+            buffer::<f32>(a, "k_scale", "float32", false)?,
+            buffer::<f32>(b, "v_scale", "float32", false)?,
+        )),
+        (None, None) => None,
+        _ => {
+            return Err(config(
+                "decode attention: give both k_scale and v_scale, or neither".into(),
+            ))
+        }
+    };
     let qb = buffer::<f32>(q, "q", "float32", false)?;
-    let kb = buffer::<f32>(k_cache, "k_cache", "float32", false)?;
-    let vb = buffer::<f32>(v_cache, "v_cache", "float32", false)?;
+    // the caches' bytes: float32 elements, or int8 ones beside their scales
+    let (kb, vb) = if int8.is_some() {
+        (
+            Caches::I8(buffer::<i8>(k_cache, "k_cache", "int8", false)?),
+            Caches::I8(buffer::<i8>(v_cache, "v_cache", "int8", false)?),
+        )
+    } else {
+        (
+            Caches::F32(buffer::<f32>(k_cache, "k_cache", "float32", false)?),
+            Caches::F32(buffer::<f32>(v_cache, "v_cache", "float32", false)?),
+        )
+    };
     let sb = buffer::<i64>(slots, "slots", "int64", false)?;
     let mb = valid
         .map(|v| buffer::<u8>(v, "valid", "uint8", false))
         .transpose()?;
     let ob = buffer::<f32>(out, "out", "float32", true)?;
-    let (qs, ks, vs, ss, os) = (span(&qb), span(&kb), span(&vb), span(&sb), span(&ob));
+    let (qs, ks, vs, ss, os) = (span(&qb), kb.span(), vb.span(), span(&sb), span(&ob));
     let ms = mb.as_ref().map(span);
+    let scs = int8.as_ref().map(|(a, b)| (span(a), span(b)));
     let mut inputs = vec![
         (qs.0, qs.1, "q"),
         (ks.0, ks.1, "k_cache"),
@@ -153,6 +180,10 @@ pub fn ops_decode_attention(
     ];
     if let Some(m) = ms {
         inputs.push((m.0, m.1, "valid"));
+    }
+    if let Some((a, b)) = scs {
+        inputs.push((a.0, a.1, "k_scale"));
+        inputs.push((b.0, b.1, "v_scale"));
     }
     check_disjoint(os, &inputs)?;
     let rows = (qs.1 / 4).checked_div(heads * head_dim).unwrap_or(0);
@@ -167,22 +198,49 @@ pub fn ops_decode_attention(
     py.detach(|| {
         #[allow(unsafe_code)]
         // SAFETY: as in ops_rms_norm: every buffer stays exported for the call; out is
-        // writable and disjoint from the five read-only buffers.
-        let (q, k, v, s, m, o) = unsafe {
+        // writable and disjoint from the read-only buffers; each span's element type is the
+        // one its buffer was checked for (int8 caches exactly when scales were given).
+        let (q, cache, s, m, o) = unsafe {
+            let cache = match scs {
+                Some((a, b)) => KvRows::Int8 {
+                    k: slice::<i8>(ks.0, ks.1),
+                    v: slice::<i8>(vs.0, vs.1),
+                    k_scale: slice::<f32>(a.0, a.1),
+                    v_scale: slice::<f32>(b.0, b.1),
+                },
+                None => KvRows::F32 {
+                    k: slice::<f32>(ks.0, ks.1),
+                    v: slice::<f32>(vs.0, vs.1),
+                },
+            };
             (
                 slice::<f32>(qs.0, qs.1),
-                slice::<f32>(ks.0, ks.1),
-                slice::<f32>(vs.0, vs.1),
+                cache,
                 slice::<i64>(ss.0, ss.1),
                 ms.map(|m| slice::<u8>(m.0, m.1)),
                 slice_mut::<f32>(os.0, os.1),
             )
         };
-        ops::decode_attention(shape, q, k, v, s, m, scale, o, threads)
+        ops::decode_attention_rows(shape, q, cache, s, m, scale, o, threads)
     })
     .py()?;
-    drop((qb, kb, vb, sb, mb, ob));
+    drop((qb, kb, vb, sb, mb, ob, int8));
     Ok(())
+}
+
+/// A cache's exported buffer, of either element type.
+enum Caches {
+    F32(PyBuffer<f32>),
+    I8(PyBuffer<i8>),
+}
+
+impl Caches {
+    fn span(&self) -> (usize, usize) {
+        match self {
+            Caches::F32(b) => span(b),
+            Caches::I8(b) => span(b),
+        }
+    }
 }
 
 /// Adds this module's functions to `ftrs._core`.

@@ -333,6 +333,17 @@ class EngineCore:
         experts = self.rt.loaded.experts
         return int(experts.pool.nbytes) if experts is not None else 0
 
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache on the compute device: keys, values and, with
+        `--kv-cache-dtype int8`, their scales (MLA's one latent tensor counted once)."""
+        kv = self.rt.kv
+        parts = {id(t): t for t in (kv.k, kv.v, kv.k_scale, kv.v_scale) if t is not None}
+        return sum(t.numel() * t.element_size() for t in parts.values())
+
+    def kv_slots(self) -> int:
+        """Token slots of the KV cache (its pages, and the graphs' scratch page if any)."""
+        return int(self.rt.kv.k.shape[1])
+
     def warm_grammar(self) -> None:
         """Build the grammar engine's view of the tokenizer now (1-2 s for a 50k vocabulary,
         holding the GIL) rather than at the first structured request, which would stall steps."""

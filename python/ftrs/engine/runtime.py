@@ -11,6 +11,7 @@ from ftrs.config import EngineConfig
 from ftrs.engine.graphs import DecodeGraphs, build_graphs, why_off
 from ftrs.errors import ConfigError
 from ftrs.kernels import Kernels, select_kernels
+from ftrs.kvcache import quant as kvquant
 from ftrs.kvcache.state import state_bytes
 from ftrs.layers.moe import Router
 from ftrs.models.decoder import Decoder, KVCache, layer_router
@@ -86,7 +87,7 @@ class Runtime:
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
         self.state_slots = config.max_running_requests  # one per running sequence
-        kv_tokens = config.kv_tokens or self._kv_budget_tokens()
+        kv_tokens = config.kv_tokens or self._kv_budget_tokens(config.kv_cache_dtype)
         self.num_pages = max(1, kv_tokens // config.page_size)
         self.config = config
         self.kernels_name = self.kernels.name  # graphs need the Triton side (and CUDA)
@@ -95,11 +96,12 @@ class Runtime:
         self.has_scratch_page = self.graphs_off is None
         self.kv = KVCache.allocate(
             self.spec, (self.num_pages + self.has_scratch_page) * config.page_size, self.dtype,
-            self.device, state_slots=self.state_slots)
-        log.info("model %s: %s, %d layers, %s on %s, %s kernels; KV cache %d tokens",
+            self.device, state_slots=self.state_slots, kv_cache_dtype=config.kv_cache_dtype)
+        log.info("model %s: %s, %d layers, %s on %s, %s kernels; KV cache %d tokens (%s)",
                  config.model, self.spec.arch, self.spec.num_layers,
                  str(self.dtype).removeprefix("torch."), self.device, self.kernels.name,
-                 self.num_pages * config.page_size)
+                 self.num_pages * config.page_size,
+                 "int8" if config.kv_cache_dtype == "int8" else "compute dtype")
         self.graphs: DecodeGraphs | None = self._capture_graphs()
 
     def _capture_graphs(self) -> DecodeGraphs | None:
@@ -135,11 +137,12 @@ class Runtime:
             out[layer] = router
         return out
 
-    def _kv_budget_tokens(self) -> int:
+    def _kv_budget_tokens(self, kv_cache_dtype: str) -> int:
         s = self.spec
         layers = len(s.kv_layers)  # linear attention layers keep no KV
         tensors = 1 if s.mla is not None else 2  # MLA: one latent row for keys and values
-        per_token = tensors * max(1, layers) * s.num_kv_heads * s.head_dim * self.dtype.itemsize
+        per_token = tensors * max(1, layers) * kvquant.bytes_per_token(
+            s.num_kv_heads, s.head_dim, self.dtype, kv_cache_dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             free -= state_bytes(s, self.state_slots, self.dtype)  # allocated beside the KV

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ftrs.kernels._triton import dot_precision, interpreting, next_pow2, triton_importable
+from ftrs.kvcache import quant as kvquant
 
 
 @dataclass(slots=True)
@@ -65,9 +66,11 @@ def context_slots(meta: PagedMeta, seq: int, end: int) -> torch.Tensor:
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: PagedMeta, scale: float) -> torch.Tensor:
+                        meta: PagedMeta, scale: float, k_scale: torch.Tensor | None = None,
+                        v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Per sequence: gather its context through the block table, SDPA with the causal mask
-    shifted by the cached prefix. `q`: (tokens, heads, d) -> (tokens, heads, d)."""
+    shifted by the cached prefix. `q`: (tokens, heads, d) -> (tokens, heads, d). An int8
+    cache comes with its scales (slots, kv_heads) and is read as `kvcache/quant.py` reads it."""
     out = torch.zeros_like(q)
     gqa = q.shape[1] != k_cache.shape[1]
     for b, (qs, ql, cl) in enumerate(zip(meta.q_start.tolist(), meta.q_len.tolist(),
@@ -76,8 +79,8 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             continue
         slots = context_slots(meta, b, cl)
         qb = q[qs:qs + ql].transpose(0, 1)  # (heads, ql, d)
-        kb = k_cache.index_select(0, slots).transpose(0, 1)  # (kv_heads, cl, d)
-        vb = v_cache.index_select(0, slots).transpose(0, 1)
+        kb = kvquant.gather(k_cache, k_scale, slots, q.dtype).transpose(0, 1)  # (kv_heads, cl, d)
+        vb = kvquant.gather(v_cache, v_scale, slots, q.dtype).transpose(0, 1)
         mask = torch.ones(ql, cl, dtype=torch.bool, device=q.device).tril(cl - ql)
         ob = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale, enable_gqa=gqa)
         out[qs:qs + ql] = ob.transpose(0, 1)
@@ -92,11 +95,11 @@ if triton_importable():
 
     @triton.jit
     def _paged_attn_kernel(q_ptr, k_ptr, v_ptr, o_ptr, table_ptr, q_start_ptr, q_len_ptr,
-                           ctx_len_ptr, scale, group, head_dim, stride_qt, stride_qh,
-                           stride_ks, stride_kh, stride_ot, stride_oh, stride_table,
-                           PAGE: tl.constexpr, GP: tl.constexpr, BLOCK_Q: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-                           PREC: tl.constexpr):
+                           ctx_len_ptr, ks_ptr, vs_ptr, scale, group, head_dim, stride_qt,
+                           stride_qh, stride_ks, stride_kh, stride_ss, stride_ot, stride_oh,
+                           stride_table, PAGE: tl.constexpr, GP: tl.constexpr,
+                           BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                           UPCAST: tl.constexpr, PREC: tl.constexpr, INT8: tl.constexpr):
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
         qb = tl.program_id(2)
@@ -128,7 +131,11 @@ if triton_importable():
             slot = page.to(tl.int64) * PAGE + j % PAGE
             kv_off = slot[:, None] * stride_ks + kvh * stride_kh + d[None, :]
             kv_mask = j_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0.0)
+            k = tl.load(k_ptr + kv_off, mask=kv_mask, other=0)
+            s_off = slot * stride_ss + kvh  # int8: one scale per slot and kv head
+            if INT8:  # scaled in fp32, then the compute dtype (`kvcache/quant.py`)
+                k_s = tl.load(ks_ptr + s_off, mask=j_ok, other=0.0)
+                k = (k.to(tl.float32) * k_s[:, None]).to(DT)
             if UPCAST:
                 s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -140,7 +147,10 @@ if triton_importable():
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=kv_mask, other=0)
+            if INT8:
+                v_s = tl.load(vs_ptr + s_off, mask=j_ok, other=0.0)
+                v = (v.to(tl.float32) * v_s[:, None]).to(DT)
             acc = acc * alpha[:, None]
             if UPCAST:
                 acc = tl.dot(round_to(p, DT).to(tl.float32), v.to(tl.float32), acc,
@@ -154,8 +164,10 @@ if triton_importable():
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: PagedMeta, scale: float) -> torch.Tensor:
-    """The kernel behind `paged_attention_ref`'s signature: one launch for the whole batch."""
+                           meta: PagedMeta, scale: float, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel behind `paged_attention_ref`'s signature: one launch for the whole batch; an
+    int8 cache is read as int8 and each row scaled in registers."""
     _, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     if heads % kv_heads:
@@ -163,6 +175,14 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if q.stride(-1) != 1 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError("paged attention: q and the caches need a unit last stride, "
                          "and both caches the same layout")
+    int8 = k_scale is not None or v_scale is not None
+    if int8 and not (k_scale is not None and v_scale is not None
+                     and k_cache.dtype == v_cache.dtype == torch.int8
+                     and k_scale.stride() == v_scale.stride() and k_scale.stride(-1) == 1
+                     and k_scale.shape == k_cache.shape[:2]):
+        raise ValueError("paged attention: an int8 cache needs int8 keys and values and both "
+                         "scales (slots, kv_heads) in one layout")
+    ks, vs = (k_scale, v_scale) if k_scale is not None and v_scale is not None else (q, q)
     out = torch.zeros_like(q)
     seqs = meta.q_len.numel()
     if seqs == 0 or meta.max_q_len == 0:
@@ -175,8 +195,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     grid = (seqs, kv_heads, triton.cdiv(meta.max_q_len, block_q))
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, out, meta.block_table, meta.q_start, meta.q_len, meta.ctx_len,
-        scale, group, head_dim, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        ks, vs, scale, group, head_dim, q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1), ks.stride(0) if int8 else 0,
         out.stride(0), out.stride(1), meta.block_table.stride(0), PAGE=meta.page_size, GP=gp,
         BLOCK_Q=block_q, BLOCK_N=32, BLOCK_D=max(16, next_pow2(head_dim)), UPCAST=interpreting(),
-        PREC=dot_precision(q.dtype), enable_fp_fusion=False)
+        PREC=dot_precision(q.dtype), INT8=int8, enable_fp_fusion=False)
     return out

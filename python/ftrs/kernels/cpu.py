@@ -46,6 +46,10 @@ def _plain(t: torch.Tensor) -> bool:
     return t.dtype is F32 and t.is_cpu and t.is_contiguous()
 
 
+def _plain_int8(t: torch.Tensor) -> bool:
+    return t.dtype is torch.int8 and t.is_cpu and t.is_contiguous()
+
+
 def _out_like(a: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
     """A new array shaped like `a` and the tensor over its memory."""
     out = np.empty_like(a)
@@ -82,18 +86,29 @@ def rotary_cpu_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.
 
 
 def decode_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         gather: torch.Tensor, mask: torch.Tensor | None, scale: float
-                         ) -> torch.Tensor | None:
+                         gather: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                         k_scale: torch.Tensor | None = None,
+                         v_scale: torch.Tensor | None = None) -> torch.Tensor | None:
     """One query per row over the cache slots `gather` (rows, keys), `mask` (rows, 1, 1, keys)
     True where a key is real (None: all are); q (rows, heads, d), caches (slots, kv_heads, d).
-    None when the inputs are not plain fp32 CPU tensors: the caller takes the torch path."""
-    if not (_plain(q) and _plain(k_cache) and _plain(v_cache) and gather.dtype is torch.int64
-            and gather.is_contiguous() and (mask is None or mask.is_contiguous())):
+    An int8 cache (`kvcache/quant.py`) comes with its scales (slots, kv_heads), fp32. None when
+    the inputs are not plain CPU tensors of those types: the caller takes the torch path."""
+    if k_scale is None and v_scale is None:
+        if not (_plain(k_cache) and _plain(v_cache)):
+            return None
+    elif not (k_scale is not None and v_scale is not None and _plain(k_scale)
+              and _plain(v_scale) and _plain_int8(k_cache) and _plain_int8(v_cache)):
+        return None
+    if not (_plain(q) and gather.dtype is torch.int64 and gather.is_contiguous()
+            and (mask is None or mask.is_contiguous())):
         return None
     qa = q.numpy()
     out, out_t = _out_like(qa)
     valid = None if mask is None else mask.view(torch.uint8).numpy()
+    scales = {} if k_scale is None or v_scale is None else {
+        "k_scale": k_scale.numpy(), "v_scale": v_scale.numpy()}
     _core().ops_decode_attention(qa, k_cache.numpy(), v_cache.numpy(), gather.numpy(),
-                                 valid, scale, out, q.shape[1], k_cache.shape[1], q.shape[2])
+                                 valid, scale, out, q.shape[1], k_cache.shape[1], q.shape[2],
+                                 **scales)
     return out_t
 

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ftrs.kernels import Kernels, select_kernels
+from ftrs.kvcache import quant as kvquant
 from ftrs.kvcache.state import StateCache
 from ftrs.layers.attention import AttnMetadata, paged_attention
 from ftrs.layers.deltanet import gated_deltanet
@@ -56,23 +57,42 @@ from ftrs.quant.matmul import Weight
 @dataclass(slots=True)
 class KVCache:
     """Keys and values of the full attention layers: (attention layers, num_slots, kv_heads,
-    head_dim), the i-th attention layer of the model at index i; and the state of the linear
-    attention layers, when the model has any."""
+    head_dim), the i-th attention layer of the model at index i; with `--kv-cache-dtype int8`
+    int8 rows and their fp32 scales (attention layers, num_slots, kv_heads), else None
+    (`kvcache/quant.py`); and the state of the linear attention layers, when the model has any."""
 
     k: torch.Tensor
     v: torch.Tensor
     state: StateCache | None = None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
 
     @classmethod
     def allocate(cls, spec: ArchSpec, num_slots: int, dtype: torch.dtype,
-                 device: torch.device, state_slots: int = 0) -> KVCache:
+                 device: torch.device, state_slots: int = 0,
+                 kv_cache_dtype: str = "auto") -> KVCache:
         shape = (len(spec.kv_layers), num_slots, spec.num_kv_heads, spec.head_dim)
         state = (StateCache.allocate(spec, state_slots, dtype, device)
                  if spec.has_linear_attention else None)
-        k = torch.zeros(shape, dtype=dtype, device=device)
+        quantized = kv_cache_dtype == "int8"
+        store = torch.int8 if quantized else dtype
+
+        def tensors() -> tuple[torch.Tensor, torch.Tensor | None]:
+            return (torch.zeros(shape, dtype=store, device=device),
+                    torch.zeros(shape[:-1], dtype=torch.float32, device=device)
+                    if quantized else None)
+
+        k, k_scale = tensors()
         # MLA keeps one latent row a token, its keys and its values: one tensor for both
-        v = k if spec.mla is not None else torch.zeros(shape, dtype=dtype, device=device)
-        return cls(k, v, state)
+        v, v_scale = (k, k_scale) if spec.mla is not None else tensors()
+        return cls(k, v, state, k_scale, v_scale)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                     torch.Tensor | None]:
+        """Attention layer `i`'s (keys, values, key scales, value scales)."""
+        ks, vs = self.k_scale, self.v_scale
+        return (self.k[i], self.v[i], None if ks is None else ks[i],
+                None if vs is None else vs[i])
 
 
 @dataclass(slots=True)
@@ -176,14 +196,17 @@ class Decoder:
         i = self.cache_index[layer]
         if self.paged_kernel[layer]:
             assert meta.paged is not None, "the Triton path needs block tables (build_batch paged=True)"
-            k_cache, v_cache = kv.k[i], kv.v[i]
-            k_cache.index_copy_(0, meta.slot_mapping, k)
-            v_cache.index_copy_(0, meta.slot_mapping, v)
-            o = self.kernels.paged_attention(q, k_cache, v_cache, meta.paged, self.scale)
+            k_cache, v_cache, k_scale, v_scale = kv.layer(i)
+            kvquant.write(k_cache, k_scale, meta.slot_mapping, k)
+            kvquant.write(v_cache, v_scale, meta.slot_mapping, v)
+            o = self.kernels.paged_attention(q, k_cache, v_cache, meta.paged, self.scale,
+                                             k_scale=k_scale, v_scale=v_scale)
         else:
-            o = paged_attention(q, k, v, kv.k[i], kv.v[i], meta, self.scale,
+            k_cache, v_cache, k_scale, v_scale = kv.layer(i)
+            o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale,
                                 sinks=w.get(p + "sinks"), window=s.window(layer),
-                                decode=self.kernels.decode_attention)
+                                decode=self.kernels.decode_attention, k_scale=k_scale,
+                                v_scale=v_scale)
         o = o.reshape(t, s.num_heads * s.head_dim)
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(t, s.num_heads * s.head_dim))

@@ -201,7 +201,8 @@ def mla_attention(dec: Decoder, layer: int, x: torch.Tensor, rope: Rope, meta: A
     query = torch.cat((q_lat, q_pe), dim=-1)
     key = torch.cat((c.view(t, 1, m.kv_lora_rank), k_pe), dim=-1)  # (t, 1, cache_dim)
     i = dec.cache_index[layer]
-    o = paged_attention(query, key, key, kv.k[i], kv.v[i], meta, m.softmax_scale,
-                        decode=dec.kernels.decode_attention)
+    latent, _, scale, _ = kv.layer(i)  # keys and values: one tensor
+    o = paged_attention(query, key, key, latent, latent, meta, m.softmax_scale,
+                        decode=dec.kernels.decode_attention, k_scale=scale, v_scale=scale)
     out = torch.einsum("thc,hvc->thv", o[..., :m.kv_lora_rank], w_v)  # (t, H, v)
     return linear(out.reshape(t, heads * m.v_head_dim), w[p + "o"], w.get(p + "o_bias"))
