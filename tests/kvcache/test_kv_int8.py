@@ -62,6 +62,30 @@ def test_write_and_gather() -> None:
     assert torch.equal(kvquant.gather(plain, None, slots, torch.float32), x)
 
 
+def test_the_cpu_write_is_the_torch_rendering_bit_for_bit() -> None:
+    """`write` on CPU fp32 rows goes to one Rust call; it stores what `quantize_rows` computes
+    (codes and scales), halves-to-even and zero rows included, and leaves other slots alone."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 3, 24, generator=g) * torch.logspace(-4, 4, 7).view(7, 1, 1)
+    x[2, 1] = 0.0
+    x[4, 0, :4] = torch.tensor([127.0, 0.5, -0.5, 1.5])  # s = 1: three exact halves
+    slots = torch.tensor([11, 0, 5, 7, 3, 12, 1])
+    cache, scale = torch.full((13, 3, 24), 9, dtype=torch.int8), torch.full((13, 3), 9.0)
+    kvquant.write(cache, scale, slots, x)
+    q, s = kvquant.quantize_rows(x)
+    assert torch.equal(cache[slots], q) and torch.equal(scale[slots], s)
+    assert q[4, 0, :4].tolist() == [127, 0, 0, 2]
+    untouched = torch.ones(13, dtype=torch.bool)
+    untouched[slots] = False
+    assert (cache[untouched] == 9).all() and (scale[untouched] == 9).all()
+    # a strided x (not contiguous) takes the torch path, to the same values
+    wide = torch.zeros(7, 3, 48)
+    wide[..., ::2] = x
+    cache2, scale2 = torch.zeros_like(cache), torch.zeros_like(scale)
+    kvquant.write(cache2, scale2, slots, wide[..., ::2])
+    assert torch.equal(cache2[slots], q) and torch.equal(scale2[slots], s)
+
+
 def _meta() -> AttnMetadata:
     """Two decode rows (contexts 6 and 3) and one prefill chunk of 3 after 2 cached tokens."""
     ctx = [torch.arange(10, 16), torch.tensor([3, 4, 7])]

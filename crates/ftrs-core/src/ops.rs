@@ -10,17 +10,22 @@
 //!   exact as torch rounds them.
 //! - [`rotary`]: `x * cos + rotate_half(x) * sin`, each product and the sum rounded to fp32,
 //!   no fused multiply-add: bit for bit the reference.
+//! - [`kv_write_int8`]: a token's keys or values into an int8 KV cache, bit for bit
+//!   `ftrs.kvcache.quant`'s torch rendering.
 //! - [`decode_attention`]: dot products, softmax and the weighted sum in fp32 (f64 for the
 //!   softmax's normaliser), in a different order from a BLAS matmul: ~1e-6 relative. Over an
 //!   int8 cache ([`decode_attention_rows`]) each row is widened to fp32 once per unit, its dot
-//!   products times its key scale, its weights times its value scale.
+//!   products times its key scale, its weights times its value scale. Four keys at a time
+//!   (`quant::simd::dot4_f32`, `axpy4_f32`), the rows a few keys ahead prefetched: a decode
+//!   query's short dot products otherwise wait on their own FMA chain and on memory.
 //!
 //! Work is cut by rows (norm) or by (query row, head) pairs (attention) over the quantized
 //! kernels' worker pool ([`crate::quant::threads`]), only when there is enough of it.
 
 use crate::error::{CoreError, Result};
-use crate::quant::simd::{axpy_f32, dot_f32};
-use crate::quant::threads;
+
+mod attn;
+pub use attn::{decode_attention, decode_attention_rows, AttnShape, KvRows};
 
 fn config(msg: String) -> CoreError {
     CoreError::Config(msg)
@@ -159,241 +164,63 @@ pub fn rotary(
     Ok(())
 }
 
-/// The shapes of one decode attention call.
-#[derive(Debug, Clone, Copy)]
-pub struct AttnShape {
-    /// query rows (one decode token each)
-    pub rows: usize,
-    /// query heads
-    pub heads: usize,
-    /// key/value heads (`heads` is a multiple: grouped-query attention)
-    pub kv_heads: usize,
-    /// channels per head
-    pub head_dim: usize,
-    /// key columns per row (the longest context; shorter rows are masked)
-    pub keys: usize,
-}
-
-/// A KV cache as decode attention reads it, `num_slots x kv_heads x head_dim` each: fp32 rows,
-/// or int8 rows with one fp32 scale per slot and kv head (`num_slots x kv_heads`), a row's
-/// values `q * scale` (`ftrs.kvcache.quant`).
-#[derive(Debug, Clone, Copy)]
-pub enum KvRows<'a> {
-    /// fp32 keys and values
-    F32 {
-        /// keys
-        k: &'a [f32],
-        /// values
-        v: &'a [f32],
-    },
-    /// int8 keys and values and their scales
-    Int8 {
-        /// keys
-        k: &'a [i8],
-        /// values
-        v: &'a [i8],
-        /// one scale per key row
-        k_scale: &'a [f32],
-        /// one scale per value row
-        v_scale: &'a [f32],
-    },
-}
-
-impl KvRows<'_> {
-    /// Slots of the cache, or None when its parts do not fit `per_slot` values a slot and
-    /// `kv_heads` rows a slot.
-    fn slots(&self, per_slot: usize, kv_heads: usize) -> Option<usize> {
-        let (k, v, scales) = match *self {
-            KvRows::F32 { k, v } => (k.len(), v.len(), None),
-            KvRows::Int8 {
-                k,
-                v,
-                k_scale,
-                v_scale,
-            } => (k.len(), v.len(), Some((k_scale.len(), v_scale.len()))),
-        };
-        let n = k / per_slot;
-        let fits = k == v
-            && k.is_multiple_of(per_slot)
-            && scales.is_none_or(|(a, b)| a == b && a == n * kv_heads);
-        fits.then_some(n)
-    }
-
-    /// Row `i` (`slot * kv_heads + kv head`) of the keys (`value` false) or the values, `d`
-    /// long, and the factor its products take: fp32 rows as they are (factor 1), int8 rows
-    /// widened into `buf` (factor: the row's scale).
-    #[inline]
-    fn row<'b>(&'b self, value: bool, i: usize, d: usize, buf: &'b mut [f32]) -> (&'b [f32], f32) {
-        match *self {
-            KvRows::F32 { k, v } => (&(if value { v } else { k })[i * d..(i + 1) * d], 1.0),
-            KvRows::Int8 {
-                k,
-                v,
-                k_scale,
-                v_scale,
-            } => {
-                let (rows, scales) = if value { (v, v_scale) } else { (k, k_scale) };
-                for (o, &x) in buf.iter_mut().zip(&rows[i * d..(i + 1) * d]) {
-                    *o = f32::from(x);
-                }
-                (&buf[..d], scales[i])
-            }
-        }
-    }
-}
-
-/// `out[r, h] = softmax_l(q[r, h] . K[slots[r, l], h / g] * scale) . V[slots[r, l], h / g]`
-/// over the columns `l` where `valid[r, l] != 0` (all of them without `valid`); `g = heads /
-/// kv_heads`. `k_cache`, `v_cache`: `num_slots x kv_heads x head_dim`. A row with no valid
-/// column gets zeros.
-#[allow(clippy::too_many_arguments)]
-pub fn decode_attention(
-    shape: AttnShape,
-    q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+/// Writes `x` (`tokens x kv_heads x d`) into an int8 KV cache (`num_slots x kv_heads x d`
+/// codes in `cache`, `num_slots x kv_heads` scales in `scales`) at the slots `slots` (one per
+/// token), each row (token, kv head) on its own: `s = max|x| / 127` (fp32), `q =
+/// round-half-even(x / max(s, MIN_POSITIVE))` clamped to +-127, as
+/// `ftrs.kvcache.quant.quantize_rows` computes them in torch, bit for bit.
+pub fn kv_write_int8(
+    x: &[f32],
     slots: &[i64],
-    valid: Option<&[u8]>,
-    scale: f32,
-    out: &mut [f32],
-    threads: usize,
+    kv_heads: usize,
+    cache: &mut [i8],
+    scales: &mut [f32],
 ) -> Result<()> {
-    let cache = KvRows::F32 {
-        k: k_cache,
-        v: v_cache,
-    };
-    decode_attention_rows(shape, q, cache, slots, valid, scale, out, threads)
-}
-
-/// [`decode_attention`] over either kind of cache: an int8 row's dot products are scaled by
-/// its key scale, its values by its value scale (an fp32 cache: the same bits as
-/// [`decode_attention`]).
-#[allow(clippy::too_many_arguments)]
-pub fn decode_attention_rows(
-    shape: AttnShape,
-    q: &[f32],
-    cache: KvRows<'_>,
-    slots: &[i64],
-    valid: Option<&[u8]>,
-    scale: f32,
-    out: &mut [f32],
-    threads: usize,
-) -> Result<()> {
-    let AttnShape {
-        rows,
-        heads,
-        kv_heads,
-        head_dim: d,
-        keys,
-    } = shape;
-    let per_slot = kv_heads * d;
-    if kv_heads == 0
-        || !heads.is_multiple_of(kv_heads)
-        || d == 0
-        || q.len() != rows * heads * d
-        || out.len() != q.len()
-        || slots.len() != rows * keys
-        || valid.is_some_and(|v| v.len() != slots.len())
-        || cache.slots(per_slot, kv_heads).is_none()
+    let n = scales.len();
+    let d = cache.len().checked_div(n).unwrap_or(0);
+    let num_slots = n.checked_div(kv_heads).unwrap_or(0);
+    if d == 0
+        || cache.len() != n * d
+        || n != num_slots * kv_heads
+        || x.len() != slots.len() * kv_heads * d
     {
         return Err(config(format!(
-            "decode_attention: {shape:?} does not fit q {}, out {}, slots {} or the cache",
-            q.len(),
-            out.len(),
+            "kv_write_int8: x {} values, {} slots, {kv_heads} kv heads, cache {} and {} scales do not fit",
+            x.len(),
             slots.len(),
+            cache.len(),
+            n
         )));
     }
-    let num_slots = cache.slots(per_slot, kv_heads).unwrap_or(0);
     if let Some(bad) = slots
         .iter()
-        .find(|&&s| usize::try_from(s).map_or(true, |s| s >= num_slots))
+        .find(|&&r| usize::try_from(r).map_or(true, |r| r >= num_slots))
     {
         return Err(config(format!(
-            "decode_attention: slot {bad} outside the cache of {num_slots}"
+            "kv_write_int8: slot {bad} outside the cache of {num_slots}"
         )));
     }
-    let group = heads / kv_heads;
-    // A task unit is `sub` query heads of one kv head: each key and value is read once for
-    // all of them (16 heads share one latent row in MLA, 2-8 share a kv head in GQA). A
-    // group is cut into parts only to give every thread a unit.
-    let sub = heads_per_unit(group, rows * kv_heads, threads::resolve(threads));
-    let units = rows * heads / sub;
-    // bytes of K and V the units read
-    let tasks = threads::plan(units, units * keys * d * 8, threads);
-    let one = |unit: usize, o: &mut [f32]| {
-        let (r, h0) = (unit * sub / heads, unit * sub % heads);
-        let kvh = h0 / group;
-        let qs = &q[(r * heads + h0) * d..(r * heads + h0 + sub) * d];
-        let row_slots = &slots[r * keys..(r + 1) * keys];
-        let row_valid = valid.map(|v| &v[r * keys..(r + 1) * keys]);
-        // scores[j * keys + l]: head h0 + j against key l
-        let mut scores = vec![f32::NEG_INFINITY; sub * keys];
-        let mut max = vec![f32::NEG_INFINITY; sub];
-        let mut buf = vec![0f32; d]; // an int8 row widened
-        for (l, &slot) in row_slots.iter().enumerate() {
-            if row_valid.is_some_and(|v| v[l] == 0) {
-                continue;
+    for (t, &slot) in slots.iter().enumerate() {
+        for h in 0..kv_heads {
+            let (src, r) = (
+                &x[(t * kv_heads + h) * d..][..d],
+                slot as usize * kv_heads + h,
+            );
+            let s = src.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+            let div = s.max(f32::MIN_POSITIVE);
+            for (o, &v) in cache[r * d..(r + 1) * d].iter_mut().zip(src) {
+                *o = (v / div).round_ties_even().clamp(-127.0, 127.0) as i8;
             }
-            let (key, ks) = cache.row(false, slot as usize * kv_heads + kvh, d, &mut buf);
-            let ks = ks * scale; // exactly `scale` for an fp32 row
-            for (j, (qv, m)) in qs.chunks_exact(d).zip(max.iter_mut()).enumerate() {
-                let sc = dot_f32(qv, key) * ks;
-                scores[j * keys + l] = sc;
-                *m = m.max(sc);
-            }
+            scales[r] = s;
         }
-        o.fill(0.0);
-        let mut inv = vec![0f32; sub];
-        for (j, (&m, iv)) in max.iter().zip(inv.iter_mut()).enumerate() {
-            if m == f32::NEG_INFINITY {
-                continue; // no valid column: this head's output stays zero
-            }
-            let mut total = 0f64;
-            for sc in scores[j * keys..(j + 1) * keys].iter_mut() {
-                *sc = (*sc - m).exp();
-                total += f64::from(*sc);
-            }
-            *iv = (1.0 / total) as f32;
-        }
-        for (l, &slot) in row_slots.iter().enumerate() {
-            if row_valid.is_some_and(|v| v[l] == 0) {
-                continue;
-            }
-            let (value, vs) = cache.row(true, slot as usize * kv_heads + kvh, d, &mut buf);
-            for (j, oj) in o.chunks_exact_mut(d).enumerate() {
-                let p = scores[j * keys + l];
-                if p == 0.0 || p == f32::NEG_INFINITY {
-                    continue;
-                }
-                axpy_f32(p * inv[j] * vs, value, oj);
-            }
-        }
-    };
-    threads::for_chunks(tasks, threads, out, sub * d, |first, chunk| {
-        for (i, o) in chunk.chunks_exact_mut(sub * d).enumerate() {
-            one(first + i, o);
-        }
-    });
-    Ok(())
-}
-
-/// Query heads a decode-attention unit takes: the whole group of a kv head, or the largest
-/// divisor of it that still gives each of `threads` threads a unit when `groups` (rows x kv
-/// heads) are fewer than the threads.
-fn heads_per_unit(group: usize, groups: usize, threads: usize) -> usize {
-    if groups >= threads {
-        return group;
     }
-    let parts = threads.div_ceil(groups.max(1));
-    (1..=group.div_ceil(parts))
-        .rev()
-        .find(|s| group.is_multiple_of(*s))
-        .unwrap_or(1)
+    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::threads;
 
     fn seq(n: usize, seed: u32) -> Vec<f32> {
         let mut s = seed.wrapping_mul(2654435761).wrapping_add(12345);
@@ -403,6 +230,25 @@ mod tests {
                 (s >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
             })
             .collect()
+    }
+
+    #[test]
+    fn kv_write_int8_quantizes_each_row_by_its_largest_value() {
+        // two tokens, two kv heads, three channels, into slots 1 and 0 of a cache of 3
+        let x = [
+            0.0, 0.0, 0.0, 2.54, -1.27, 0.01, 0.5, 1.0, -0.25, 1.0, 1.0, 1.0,
+        ];
+        let (mut cache, mut scales) = (vec![9i8; 3 * 2 * 3], vec![9f32; 3 * 2]);
+        kv_write_int8(&x, &[1, 0], 2, &mut cache, &mut scales).unwrap();
+        assert_eq!(&cache[6..9], &[0, 0, 0]); // a zero row: codes 0, scale 0
+        assert_eq!(scales[2], 0.0);
+        assert_eq!(&cache[9..12], &[127, -64, 0]); // 0.01 / s = 0.5 rounds to even: 0
+        assert_eq!(scales[3], 2.54 / 127.0);
+        assert_eq!(&cache[0..3], &[64, 127, -32]); // 63.5 rounds to even: 64
+        assert_eq!(&cache[3..6], &[127, 127, 127]);
+        assert_eq!(&cache[12..18], &[9; 6]); // slot 2 untouched
+        assert!(kv_write_int8(&x, &[3, 0], 2, &mut cache, &mut scales).is_err());
+        assert!(kv_write_int8(&x[..6], &[0, 1], 2, &mut cache, &mut scales).is_err());
     }
 
     #[test]
@@ -468,150 +314,5 @@ mod tests {
             }
         }
         assert!(rotary(&mut q, &mut k, d, &cos, &sin, &[4, 0]).is_err());
-    }
-
-    /// `decode_attention` against the formula in f64 (1e-5), and the same bits on 1 and 4
-    /// threads (the units differ; each head's sums do not).
-    fn check_decode_attention(shape: AttnShape, slots: &[i64], valid: Option<&[u8]>) {
-        let AttnShape {
-            rows,
-            heads,
-            kv_heads,
-            head_dim: d,
-            keys,
-        } = shape;
-        let slots_n = 1 + *slots.iter().max().unwrap() as usize;
-        let (k, v) = (
-            seq(slots_n * kv_heads * d, 6),
-            seq(slots_n * kv_heads * d, 7),
-        );
-        let q = seq(rows * heads * d, 8);
-        let mut first: Option<Vec<f32>> = None;
-        for threads in [1, 2, 4] {
-            let mut out = vec![1f32; q.len()];
-            decode_attention(shape, &q, &k, &v, slots, valid, 0.25, &mut out, threads).unwrap();
-            for r in 0..rows {
-                for h in 0..heads {
-                    let kvh = h / (heads / kv_heads);
-                    let cols: Vec<usize> = (0..keys)
-                        .filter(|&l| valid.is_none_or(|m| m[r * keys + l] != 0))
-                        .collect();
-                    let at = |l: usize| (slots[r * keys + l] as usize * kv_heads + kvh) * d;
-                    let sc: Vec<f64> = cols
-                        .iter()
-                        .map(|&l| {
-                            (0..d)
-                                .map(|i| {
-                                    f64::from(q[(r * heads + h) * d + i]) * f64::from(k[at(l) + i])
-                                })
-                                .sum::<f64>()
-                                * 0.25
-                        })
-                        .collect();
-                    let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                    let z: f64 = sc.iter().map(|s| (s - m).exp()).sum();
-                    for i in 0..d {
-                        let want: f64 = cols
-                            .iter()
-                            .zip(&sc)
-                            .map(|(&l, s)| (s - m).exp() / z * f64::from(v[at(l) + i]))
-                            .sum();
-                        let got = f64::from(out[(r * heads + h) * d + i]);
-                        assert!((got - want).abs() < 1e-5, "{r} {h} {i}: {got} vs {want}");
-                    }
-                }
-            }
-            match &first {
-                None => first = Some(out),
-                Some(f) => assert!(f.iter().zip(&out).all(|(a, b)| a.to_bits() == b.to_bits())),
-            }
-        }
-    }
-
-    #[test]
-    fn decode_attention_equals_the_softmax_formula_with_masks_and_groups() {
-        let shape = AttnShape {
-            rows: 2,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 16,
-            keys: 5,
-        };
-        let slots = [4i64, 0, 7, 2, 8, 1, 3, 5, 0, 0];
-        check_decode_attention(shape, &slots, Some(&[1u8, 1, 1, 1, 1, 1, 1, 1, 0, 0]));
-        // MLA's shape: one row, six query heads on one kv head (a latent row), cut into parts
-        // of two heads on four threads; 20 channels (not a multiple of 8)
-        let mla = AttnShape {
-            rows: 1,
-            heads: 6,
-            kv_heads: 1,
-            head_dim: 20,
-            keys: 7,
-        };
-        check_decode_attention(mla, &[3, 0, 6, 1, 5, 2, 4], None);
-        let q = seq(2 * 4 * 16, 8);
-        let (k, v) = (seq(9 * 2 * 16, 6), seq(9 * 2 * 16, 7));
-        let mut out = vec![0f32; q.len()];
-        let bad = [9i64, 0, 0, 0, 0, 0, 0, 0, 0, 0];
-        assert!(decode_attention(shape, &q, &k, &v, &bad, None, 1.0, &mut out, 1).is_err());
-    }
-
-    #[test]
-    fn an_int8_cache_reads_as_its_rows_times_their_scales() {
-        let shape = AttnShape {
-            rows: 2,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 12,
-            keys: 4,
-        };
-        let (n, d) = (6, 12);
-        let codes = |seed: u32| -> Vec<i8> {
-            seq(n * 2 * d, seed)
-                .iter()
-                .map(|x| (x * 127.0).round() as i8)
-                .collect()
-        };
-        let (k, v) = (codes(3), codes(4));
-        let (ks, vs) = (seq(n * 2, 5), seq(n * 2, 9));
-        let widen = |c: &[i8], s: &[f32]| -> Vec<f32> {
-            c.iter()
-                .enumerate()
-                .map(|(i, &x)| f32::from(x) * s[i / d])
-                .collect()
-        };
-        let q = seq(2 * 4 * d, 8);
-        let slots = [5i64, 0, 3, 1, 2, 2, 4, 0];
-        let valid = [1u8, 1, 1, 1, 1, 1, 0, 0];
-        let mut want = vec![0f32; q.len()];
-        let (kf, vf) = (widen(&k, &ks), widen(&v, &vs));
-        decode_attention(shape, &q, &kf, &vf, &slots, Some(&valid), 0.3, &mut want, 1).unwrap();
-        let cache = KvRows::Int8 {
-            k: &k,
-            v: &v,
-            k_scale: &ks,
-            v_scale: &vs,
-        };
-        let mut got = vec![0f32; q.len()];
-        decode_attention_rows(shape, &q, cache, &slots, Some(&valid), 0.3, &mut got, 2).unwrap();
-        for (a, b) in got.iter().zip(&want) {
-            assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
-        }
-        let short = KvRows::Int8 {
-            k: &k,
-            v: &v,
-            k_scale: &ks[1..],
-            v_scale: &vs[1..],
-        };
-        assert!(decode_attention_rows(shape, &q, short, &slots, None, 0.3, &mut got, 1).is_err());
-    }
-
-    #[test]
-    fn a_unit_takes_a_whole_group_unless_threads_would_idle() {
-        assert_eq!(heads_per_unit(16, 1, 2), 8); // MLA decode, one row, two threads
-        assert_eq!(heads_per_unit(16, 1, 1), 16);
-        assert_eq!(heads_per_unit(6, 1, 4), 2);
-        assert_eq!(heads_per_unit(7, 1, 2), 1); // a prime group: one head a unit
-        assert_eq!(heads_per_unit(4, 8, 2), 4); // enough (row, kv head) groups already
     }
 }

@@ -1,5 +1,5 @@
 //! The fp32 decode-step ops of `ftrs_core::ops` for Python: `ops_rms_norm`, `ops_rotary`,
-//! `ops_decode_attention` (over an fp32 or an int8 KV cache).
+//! `ops_decode_attention` (over an fp32 or an int8 KV cache), `ops_kv_write_int8`.
 //!
 //! As in `quant.rs`: buffers are C-contiguous numpy views of torch tensors, borrowed, never
 //! copied; every output is checked writable and disjoint from every other buffer of the call;
@@ -112,6 +112,46 @@ pub fn ops_rotary(
     })
     .py()?;
     drop((qb, kb, cb, sb, pb));
+    Ok(())
+}
+
+/// Writes `x` (float32, tokens x kv_heads x head_dim) into an int8 KV cache at `slots` (int64,
+/// one per token): `cache` (int8, slots x kv_heads x head_dim) and `scales` (float32, slots x
+/// kv_heads), both written in place.
+#[pyfunction]
+pub fn ops_kv_write_int8(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    slots: &Bound<'_, PyAny>,
+    kv_heads: usize,
+    cache: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    let xb = buffer::<f32>(x, "x", "float32", false)?;
+    let rb = buffer::<i64>(slots, "slots", "int64", false)?;
+    let cb = buffer::<i8>(cache, "cache", "int8", true)?;
+    let sb = buffer::<f32>(scales, "scales", "float32", true)?;
+    let (xs, rs, cs, ss) = (span(&xb), span(&rb), span(&cb), span(&sb));
+    let inputs = [(xs.0, xs.1, "x"), (rs.0, rs.1, "slots")];
+    check_disjoint(cs, &inputs)?;
+    check_disjoint(ss, &inputs)?;
+    check_disjoint(ss, &[(cs.0, cs.1, "cache")])?;
+    py.detach(|| {
+        #[allow(unsafe_code)]
+        // SAFETY: as in ops_rms_norm: the four buffers stay exported for the call; cache and
+        // scales are writable and disjoint from each other and from x and slots.
+        let (x, r, c, s) = unsafe {
+            (
+                slice::<f32>(xs.0, xs.1),
+                slice::<i64>(rs.0, rs.1),
+                slice_mut::<i8>(cs.0, cs.1),
+                slice_mut::<f32>(ss.0, ss.1),
+            )
+        };
+        ops::kv_write_int8(x, r, kv_heads, c, s)
+    })
+    .py()?;
+    drop((xb, rb, cb, sb));
     Ok(())
 }
 
@@ -248,5 +288,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ops_rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(ops_rotary, m)?)?;
     m.add_function(wrap_pyfunction!(ops_decode_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(ops_kv_write_int8, m)?)?;
     Ok(())
 }

@@ -19,6 +19,8 @@ the compute dtype); `write` and `gather` serve both.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 KV_CACHE_DTYPES = ("auto", "int8")
@@ -46,9 +48,29 @@ def write(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor,
     if scale is None:
         cache.index_copy_(0, slots, x)
         return
+    if _rust_writes(x, slots, cache, scale):
+        _core().ops_kv_write_int8(x.numpy(), slots.numpy(), cache.shape[1], cache.numpy(),
+                                  scale.numpy())
+        return
     q, s = quantize_rows(x)
     cache.index_copy_(0, slots, q)
     scale.index_copy_(0, slots, s)
+
+
+def _rust_writes(x: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor,
+                 scale: torch.Tensor) -> bool:
+    """Whether `write` goes to the Rust op (`ftrs_core::ops::kv_write_int8`, the same values
+    bit for bit in one call where torch takes ten): everything on the CPU, contiguous, fp32
+    rows, int64 slots. A decode step writes every layer's keys and values this way."""
+    return (x.dtype is torch.float32 and slots.dtype is torch.int64 and x.is_cpu
+            and cache.is_cpu and x.is_contiguous() and slots.is_contiguous()
+            and cache.is_contiguous() and scale.is_contiguous())
+
+
+def _core() -> Any:
+    from ftrs import _core as core
+
+    return core
 
 
 def gather(cache: torch.Tensor, scale: torch.Tensor | None, slots: torch.Tensor,

@@ -113,18 +113,8 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     kernel::dot::<false>(a, b)
 }
 
-/// `y[j] += alpha * x[j]` over equal-length rows, in 8-lane fused multiply-adds where the CPU
-/// has AVX2/FMA/F16C (a plain loop otherwise).
-pub fn axpy_f32(alpha: f32, x: &[f32], y: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if avx2_available() {
-        // SAFETY: the CPU has AVX2, FMA and F16C (checked just above).
-        return unsafe { x86::axpy_x86(alpha, x, y) };
-    }
-    for (acc, &v) in y.iter_mut().zip(x) {
-        *acc += alpha * v;
-    }
-}
+mod attn;
+pub use attn::{prefetch, KvElem};
 
 #[cfg(target_arch = "x86_64")]
 use x86::rows_x86;
@@ -489,22 +479,6 @@ mod x86 {
             tail = x.mul_add(y, tail);
         }
         hsum_chains(&acc) + tail
-    }
-
-    /// [`super::axpy_f32`]: 8-lane fused multiply-adds, a scalar tail.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub fn axpy_x86(alpha: f32, x: &[f32], y: &mut [f32]) {
-        let n = x.len().min(y.len());
-        let (x, y) = (&x[..n], &mut y[..n]);
-        let a8 = _mm256_set1_ps(alpha);
-        let mut yc = y.chunks_exact_mut(8);
-        let mut xc = x.chunks_exact(8);
-        for (yo, xv) in (&mut yc).zip(&mut xc) {
-            st8(yo, _mm256_fmadd_ps(a8, ld8(xv), ld8(yo)));
-        }
-        for (acc, &v) in yc.into_remainder().iter_mut().zip(xc.remainder()) {
-            *acc = alpha.mul_add(v, *acc);
-        }
     }
 
     /// Stores 8 floats at `o[..8]`.
