@@ -2,8 +2,9 @@
 what the model predicts, decode speed. One process, one run, both caches side by side.
 
 The model: the demo's Q4_K_M GGUF (`ftrs models demo --quant q4_k_m`, built once if
-missing), `resident` on the CPU, fp32 activations, so the plain cache is fp32 (on a GPU it
-would be the bf16 compute dtype: half these `auto` bytes; the int8 bytes do not change).
+missing), `resident`; on the CPU (default) in fp32 activations, so the plain cache is fp32;
+with `--device cuda` in bf16 (the plain cache bf16) through the Triton kernels, CUDA graphs on
+(scripts/gpu-check.sh runs it so).
 
 - `kv_bytes_per_token`: `EngineCore.kv_cache_bytes()` over the cache's slots (every layer's
   keys and values, int8's scales included); `tokens_per_gib`: what one GiB holds.
@@ -65,6 +66,7 @@ def main() -> None:
     ap.add_argument("--text-tokens", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=256, help="prefill chunk of the prediction run")
     ap.add_argument("--threads", type=int, default=1, help="torch's and the kernels' threads")
+    ap.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     from ftrs import _core
@@ -75,11 +77,13 @@ def main() -> None:
     path = ensure_demo_quant("q4_k_m")
     contexts = [int(c) for c in args.contexts.split(",")]
     kv_tokens = max(contexts) + args.tokens + 64
-    out: dict[str, Any] = {"model": path.name, "device": "cpu", "threads": args.threads}
+    dtype = "float32" if args.device == "cpu" else "bfloat16"
+    out: dict[str, Any] = {"model": path.name, "device": args.device, "dtype": dtype,
+                           "threads": args.threads}
 
     logits, sizes = {}, {}
     for kv in CACHES:  # prediction: one engine at a time, chunked prefill
-        llm = LLM(str(path), device="cpu", dtype="float32", kv_tokens=args.text_tokens + 64,
+        llm = LLM(str(path), device=args.device, dtype=dtype, kv_tokens=args.text_tokens + 64,
                   kv_cache_dtype=kv, max_prefill_length=args.chunk, page_size=16)
         try:
             ids = common.corpus_ids(llm, args.text_tokens)
@@ -94,7 +98,7 @@ def main() -> None:
     out["int8_bytes_vs_auto"] = round(sizes["int8"] / sizes["auto"], 4)
     out["prediction"] = prediction(logits, ids)
 
-    llms = {kv: LLM(str(path), device="cpu", dtype="float32", kv_tokens=kv_tokens,
+    llms = {kv: LLM(str(path), device=args.device, dtype=dtype, kv_tokens=kv_tokens,
                     kv_cache_dtype=kv) for kv in CACHES}
     try:
         prompts = {c: common.corpus_ids(llms["auto"], c) for c in contexts}

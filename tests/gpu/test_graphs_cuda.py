@@ -22,19 +22,21 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def make(path: Path, graphs: bool) -> LLM:
+def make(path: Path, graphs: bool, kv: str = "auto") -> LLM:
     pytest.importorskip("triton")
     return LLM(str(path), device="cuda", dtype="float32", kernels="triton", kv_tokens=2048,
-               max_running_requests=8, cuda_graphs=graphs)
+               max_running_requests=8, cuda_graphs=graphs, kv_cache_dtype=kv)
 
 
-@pytest.mark.parametrize("arch", ["llama", "mixtral"])
-def test_graph_replays_give_the_eager_steps(tiny_models: dict[str, Path], arch: str) -> None:
-    llm = make(tiny_models[arch], graphs=False)
+# llama again over an int8 KV cache: the quantized write and the kernel's scaled loads in a graph
+@pytest.mark.parametrize("arch,kv", [("llama", "auto"), ("mixtral", "auto"), ("llama", "int8")])
+def test_graph_replays_give_the_eager_steps(tiny_models: dict[str, Path], arch: str,
+                                            kv: str) -> None:
+    llm = make(tiny_models[arch], graphs=False, kv=kv)
     assert llm.engine.rt.graphs is None
     eager_tokens, eager_steps = run(llm)
     llm.close()
-    llm = make(tiny_models[arch], graphs=True)
+    llm = make(tiny_models[arch], graphs=True, kv=kv)
     graphs = llm.engine.rt.graphs
     moe = llm.engine.rt.decoder.moe
     if graphs is None and moe is not None:
