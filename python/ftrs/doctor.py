@@ -136,9 +136,26 @@ def model_section(model: str, device: str, window_s: float, link: LinkState,
             else f"{rec['strategy']}: no experts cross the link; no cap",
             "prefill_ceiling_if_offload": offload.to_dict()}
     return {"fetch": fetch.to_dict(), "link_gbps": gbps, "link_gbps_source": source,
-            "prefill_chunks": rows,
+            "kv_cache": kv_section(model, device), "prefill_chunks": rows,
             "decode_bytes_per_token": {str(h): fetch.decode_bytes_per_token(h) for h in HIT_RATES},
             "recommendation": rec}
+
+
+def kv_section(model: str, device: str) -> dict[str, Any]:
+    """What a token and the model's whole context take in the KV cache, in the compute dtype
+    (bf16 on a GPU, fp32 on the CPU) and in int8 (`--kv-cache-dtype int8`)."""
+    import torch
+
+    from ftrs.guard.startup import model_spec
+    from ftrs.kvcache.quant import model_bytes_per_token
+
+    spec = model_spec(model)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    per = {"auto": model_bytes_per_token(spec, dtype, "auto"),
+           "int8": model_bytes_per_token(spec, dtype, "int8")}
+    ctx = spec.max_position_embeddings
+    return {"compute_dtype": str(dtype).removeprefix("torch."), "bytes_per_token": per,
+            "context_tokens": ctx, "context_bytes": {k: v * ctx for k, v in per.items()}}
 
 
 def build_report(model: str | None = None, *, sysfs_root: str | Path = "/sys",
@@ -224,6 +241,12 @@ def format_text(r: dict[str, Any]) -> str:
         lines += ["", f"model {m['name']}: {f['num_moe_layers']} MoE layers x {f['num_experts']} "
                   f"experts, top-{f['top_k']}, {f['expert_bytes'] / 2**20:.2f} MiB per expert "
                   f"({f['dtype']}), {_fmt_bytes(f['total_expert_bytes'])} of experts"]
+        kv = m["kv_cache"]
+        lines.append(
+            f"  KV cache per token: {kv['bytes_per_token']['auto'] / 1024:.1f} KiB "
+            f"({kv['compute_dtype']}), {kv['bytes_per_token']['int8'] / 1024:.1f} KiB with "
+            f"--kv-cache-dtype int8; a full {kv['context_tokens']}-token context: "
+            f"{_fmt_bytes(kv['context_bytes']['auto'])} / {_fmt_bytes(kv['context_bytes']['int8'])}")
         for h, b in m["decode_bytes_per_token"].items():
             lines.append(f"  decode at hit rate {h}: {b / 1e6:.1f} MB per token")
         for row in m["prefill_chunks"]:

@@ -30,6 +30,18 @@ def test_doctor_without_gpu_says_so_and_reports_cpu_figures(empty_sysfs: Path,
     assert fetch["num_moe_layers"] == 2 and fetch["expert_bytes"] == 3 * 48 * 64 * 4
     assert r["model"]["recommendation"]["strategy"] == "resident"
     assert "prefill ceiling: 8192" in text
+    # the KV cache per token: keys and values of every layer, fp32 on the CPU, or int8 values
+    # and a 4-byte scale per kv head
+    cfg = json.loads((model / "config.json").read_text())
+    layers, kvh = cfg["num_hidden_layers"], cfg["num_key_value_heads"]
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv = r["model"]["kv_cache"]
+    assert kv["compute_dtype"] == "float32"
+    assert kv["bytes_per_token"] == {"auto": 2 * layers * kvh * d * 4,
+                                     "int8": 2 * layers * kvh * (d + 4)}
+    assert kv["context_bytes"]["int8"] == kv["bytes_per_token"]["int8"] * cfg[
+        "max_position_embeddings"]
+    assert "with --kv-cache-dtype int8" in text
     ck = r["cpu_kernels"]  # each SIMD family timed on every type and batch
     simd = [f for f in ck["families"] if f != "portable"] or ["portable"]
     for per_batch in ck["timings_us"].values():
@@ -89,3 +101,12 @@ def test_redact_patterns() -> None:
     assert "hunter2" not in redact("--password hunter2 --port 1")
     assert redact("Authorization: Bearer abc.def") == "Authorization: <redacted>"
     assert redact("plain text 8192 tokens") == "plain text 8192 tokens"
+
+
+def test_kv_figures_of_a_gguf_from_its_header(smollm_gguf: Path) -> None:
+    """SmolLM2-135M: 30 layers, 3 kv heads of 64 channels, 8,192 positions; bf16 on a GPU."""
+    from ftrs.doctor import kv_section
+
+    kv = kv_section(str(smollm_gguf), "cuda")
+    assert kv["compute_dtype"] == "bfloat16" and kv["context_tokens"] == 8192
+    assert kv["bytes_per_token"] == {"auto": 2 * 30 * 3 * 64 * 2, "int8": 2 * 30 * 3 * (64 + 4)}

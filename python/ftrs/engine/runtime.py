@@ -139,10 +139,7 @@ class Runtime:
 
     def _kv_budget_tokens(self, kv_cache_dtype: str) -> int:
         s = self.spec
-        layers = len(s.kv_layers)  # linear attention layers keep no KV
-        tensors = 1 if s.mla is not None else 2  # MLA: one latent row for keys and values
-        per_token = tensors * max(1, layers) * kvquant.bytes_per_token(
-            s.num_kv_heads, s.head_dim, self.dtype, kv_cache_dtype)
+        per_token = kvquant.model_bytes_per_token(s, self.dtype, kv_cache_dtype)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             free -= state_bytes(s, self.state_slots, self.dtype)  # allocated beside the KV

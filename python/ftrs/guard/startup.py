@@ -16,6 +16,7 @@ import datetime as dt
 import logging
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ftrs.config import EngineConfig, ftrs_home
 from ftrs.errors import ModelLoadError
@@ -25,7 +26,25 @@ from ftrs.guard.policy import DEFAULT_WINDOW_S, GuardDecision, decide_prefill_ca
 from ftrs.guard.profile import AutoChoice, profile_key, resolve_auto_strategy
 from ftrs.health.crash import CrashReport, list_crash_reports, load_crash_report
 
+if TYPE_CHECKING:
+    from ftrs.models.arch import ArchSpec
+
 logger = logging.getLogger(__name__)
+
+
+def model_spec(model: str) -> ArchSpec:
+    """A checkpoint's `ArchSpec` from its config.json or its GGUF header, no weight read."""
+    from ftrs.models.arch import arch_from_config, load_arch
+    from ftrs.models.load import resolve_model
+
+    path = resolve_model(model)
+    if path.is_file() and path.suffix == ".gguf":
+        from ftrs.models.gguf_loader import open_gguf
+
+        return arch_from_config(open_gguf(path).config, str(path))
+    if not path.is_dir():
+        raise ModelLoadError(str(path), "expected a checkpoint directory or a GGUF file")
+    return load_arch(path)
 
 
 def model_fetch(model: str, device: str, dtype: str) -> FetchModel:

@@ -92,5 +92,13 @@ def bytes_per_token(kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cache_d
     return kv_heads * head_dim * dtype.itemsize
 
 
-__all__ = ["KV_CACHE_DTYPES", "bytes_per_token", "dequantize_rows", "gather", "quantize_rows",
-           "write"]
+def model_bytes_per_token(spec: Any, dtype: torch.dtype, kv_cache_dtype: str) -> int:
+    """Bytes one token takes in a model's whole KV cache (`spec`: its `ArchSpec`): keys and
+    values of every attention layer (linear attention layers keep none; MLA one latent row)."""
+    tensors = 1 if spec.mla is not None else 2
+    return tensors * max(1, len(spec.kv_layers)) * bytes_per_token(
+        spec.num_kv_heads, spec.head_dim, dtype, kv_cache_dtype)
+
+
+__all__ = ["KV_CACHE_DTYPES", "bytes_per_token", "dequantize_rows", "gather",
+           "model_bytes_per_token", "quantize_rows", "write"]
