@@ -14,7 +14,7 @@
 //!   `ftrs.kvcache.quant`'s torch rendering.
 //! - [`decode_attention`]: dot products, softmax and the weighted sum in fp32 (f64 for the
 //!   softmax's normaliser), in a different order from a BLAS matmul: ~1e-6 relative. Over an
-//!   int8 cache ([`decode_attention_rows`]) each row is widened to fp32 once per unit, its dot
+//!   int8 cache ([`KvRows::Int8`]) each row is widened to fp32 once per unit, its dot
 //!   products times its key scale, its weights times its value scale. Four keys at a time
 //!   (`quant::simd::dot4_f32`, `axpy4_f32`), the rows a few keys ahead prefetched: a decode
 //!   query's short dot products otherwise wait on their own FMA chain and on memory.
@@ -25,7 +25,7 @@
 use crate::error::{CoreError, Result};
 
 mod attn;
-pub use attn::{decode_attention, decode_attention_rows, AttnShape, KvRows};
+pub use attn::{decode_attention, AttnShape, KvRows};
 
 fn config(msg: String) -> CoreError {
     CoreError::Config(msg)
@@ -218,11 +218,13 @@ pub fn kv_write_int8(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::quant::threads;
 
-    fn seq(n: usize, seed: u32) -> Vec<f32> {
+    /// `n` pseudo-random values in [-1, 1), the same for the same seed (the ops' tests and
+    /// the attention kernels' share them).
+    pub(crate) fn seq(n: usize, seed: u32) -> Vec<f32> {
         let mut s = seed.wrapping_mul(2654435761).wrapping_add(12345);
         (0..n)
             .map(|_| {

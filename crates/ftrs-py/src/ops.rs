@@ -261,7 +261,7 @@ pub fn ops_decode_attention(
                 slice_mut::<f32>(os.0, os.1),
             )
         };
-        ops::decode_attention_rows(shape, q, cache, s, m, scale, o, threads)
+        ops::decode_attention(shape, q, cache, s, m, scale, o, threads)
     })
     .py()?;
     drop((qb, kb, vb, sb, mb, ob, int8));

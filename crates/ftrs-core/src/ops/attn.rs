@@ -71,32 +71,11 @@ impl KvRows<'_> {
 
 /// `out[r, h] = softmax_l(q[r, h] . K[slots[r, l], h / g] * scale) . V[slots[r, l], h / g]`
 /// over the columns `l` where `valid[r, l] != 0` (all of them without `valid`); `g = heads /
-/// kv_heads`. `k_cache`, `v_cache`: `num_slots x kv_heads x head_dim`. A row with no valid
+/// kv_heads`; the cache's rows `num_slots x kv_heads x head_dim`, fp32 or int8 (an int8 row's
+/// dot products times its key scale, its weights times its value scale). A row with no valid
 /// column gets zeros.
 #[allow(clippy::too_many_arguments)]
 pub fn decode_attention(
-    shape: AttnShape,
-    q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
-    slots: &[i64],
-    valid: Option<&[u8]>,
-    scale: f32,
-    out: &mut [f32],
-    threads: usize,
-) -> Result<()> {
-    let cache = KvRows::F32 {
-        k: k_cache,
-        v: v_cache,
-    };
-    decode_attention_rows(shape, q, cache, slots, valid, scale, out, threads)
-}
-
-/// [`decode_attention`] over either kind of cache: an int8 row's dot products are scaled by
-/// its key scale, its values by its value scale (an fp32 cache: the same bits as
-/// [`decode_attention`]).
-#[allow(clippy::too_many_arguments)]
-pub fn decode_attention_rows(
     shape: AttnShape,
     q: &[f32],
     cache: KvRows<'_>,
@@ -186,13 +165,8 @@ fn attend<T: KvElem>(
         scale,
         threads,
     } = *parts;
-    let AttnShape {
-        rows,
-        heads,
-        kv_heads,
-        head_dim: d,
-        keys,
-    } = shape;
+    let (rows, heads, kv_heads) = (shape.rows, shape.heads, shape.kv_heads);
+    let (d, keys) = (shape.head_dim, shape.keys);
     let group = heads / kv_heads;
     // A task unit is `sub` query heads of one kv head: each key and value is read once for
     // all of them (16 heads share one latent row in MLA, 2-8 share a kv head in GQA). A
@@ -297,27 +271,13 @@ fn heads_per_unit(group: usize, groups: usize, threads: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn seq(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2654435761).wrapping_add(12345);
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-                (s >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::ops::tests::seq;
 
     /// `decode_attention` against the formula in f64 (1e-5), and the same bits on 1 and 4
     /// threads (the units differ; each head's sums do not).
     fn check_decode_attention(shape: AttnShape, slots: &[i64], valid: Option<&[u8]>) {
-        let AttnShape {
-            rows,
-            heads,
-            kv_heads,
-            head_dim: d,
-            keys,
-        } = shape;
+        let (rows, heads, kv_heads) = (shape.rows, shape.heads, shape.kv_heads);
+        let (d, keys) = (shape.head_dim, shape.keys);
         let slots_n = 1 + *slots.iter().max().unwrap() as usize;
         let (k, v) = (
             seq(slots_n * kv_heads * d, 6),
@@ -327,7 +287,8 @@ mod tests {
         let mut first: Option<Vec<f32>> = None;
         for threads in [1, 2, 4] {
             let mut out = vec![1f32; q.len()];
-            decode_attention(shape, &q, &k, &v, slots, valid, 0.25, &mut out, threads).unwrap();
+            let cache = KvRows::F32 { k: &k, v: &v };
+            decode_attention(shape, &q, cache, slots, valid, 0.25, &mut out, threads).unwrap();
             for r in 0..rows {
                 for h in 0..heads {
                     let kvh = h / (heads / kv_heads);
@@ -391,7 +352,8 @@ mod tests {
         let (k, v) = (seq(9 * 2 * 16, 6), seq(9 * 2 * 16, 7));
         let mut out = vec![0f32; q.len()];
         let bad = [9i64, 0, 0, 0, 0, 0, 0, 0, 0, 0];
-        assert!(decode_attention(shape, &q, &k, &v, &bad, None, 1.0, &mut out, 1).is_err());
+        let cache = KvRows::F32 { k: &k, v: &v };
+        assert!(decode_attention(shape, &q, cache, &bad, None, 1.0, &mut out, 1).is_err());
     }
 
     #[test]
@@ -423,7 +385,8 @@ mod tests {
         let valid = [1u8, 1, 1, 1, 1, 1, 0, 0];
         let mut want = vec![0f32; q.len()];
         let (kf, vf) = (widen(&k, &ks), widen(&v, &vs));
-        decode_attention(shape, &q, &kf, &vf, &slots, Some(&valid), 0.3, &mut want, 1).unwrap();
+        let plain = KvRows::F32 { k: &kf, v: &vf };
+        decode_attention(shape, &q, plain, &slots, Some(&valid), 0.3, &mut want, 1).unwrap();
         let cache = KvRows::Int8 {
             k: &k,
             v: &v,
@@ -431,7 +394,7 @@ mod tests {
             v_scale: &vs,
         };
         let mut got = vec![0f32; q.len()];
-        decode_attention_rows(shape, &q, cache, &slots, Some(&valid), 0.3, &mut got, 2).unwrap();
+        decode_attention(shape, &q, cache, &slots, Some(&valid), 0.3, &mut got, 2).unwrap();
         for (a, b) in got.iter().zip(&want) {
             assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{a} vs {b}");
         }
@@ -441,7 +404,7 @@ mod tests {
             k_scale: &ks[1..],
             v_scale: &vs[1..],
         };
-        assert!(decode_attention_rows(shape, &q, short, &slots, None, 0.3, &mut got, 1).is_err());
+        assert!(decode_attention(shape, &q, short, &slots, None, 0.3, &mut got, 1).is_err());
     }
 
     #[test]

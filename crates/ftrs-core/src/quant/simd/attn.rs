@@ -159,16 +159,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::KvElem;
-
-    fn seq(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2654435761).wrapping_add(7);
-        (0..n)
-            .map(|_| {
-                s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-                (s >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::ops::tests::seq;
 
     /// Against the sums in f64, over lengths with and without a 16-, 8- and scalar tail, for
     /// fp32 rows and int8 ones.
