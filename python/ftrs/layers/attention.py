@@ -188,7 +188,8 @@ def paged_attention(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # (tokens, heads, head_dim)
     kvquant.write(k_cache, k_scale, meta.slot_mapping, k)
-    kvquant.write(v_cache, v_scale, meta.slot_mapping, v)
+    if v_cache.data_ptr() != k_cache.data_ptr():  # MLA: one latent tensor, written once
+        kvquant.write(v_cache, v_scale, meta.slot_mapping, v)
     wv = window_view(meta, window) if window else None
     gather, decode_mask = (meta.decode_gather, meta.decode_mask) if wv is None else wv[:2]
 

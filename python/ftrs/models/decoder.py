@@ -193,16 +193,14 @@ class Decoder:
         else:
             q = rotate(q, *rope.table)
             k = rotate(k, *rope.table)
-        i = self.cache_index[layer]
+        k_cache, v_cache, k_scale, v_scale = kv.layer(self.cache_index[layer])
         if self.paged_kernel[layer]:
             assert meta.paged is not None, "the Triton path needs block tables (build_batch paged=True)"
-            k_cache, v_cache, k_scale, v_scale = kv.layer(i)
             kvquant.write(k_cache, k_scale, meta.slot_mapping, k)
             kvquant.write(v_cache, v_scale, meta.slot_mapping, v)
             o = self.kernels.paged_attention(q, k_cache, v_cache, meta.paged, self.scale,
                                              k_scale=k_scale, v_scale=v_scale)
         else:
-            k_cache, v_cache, k_scale, v_scale = kv.layer(i)
             o = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale,
                                 sinks=w.get(p + "sinks"), window=s.window(layer),
                                 decode=self.kernels.decode_attention, k_scale=k_scale,
