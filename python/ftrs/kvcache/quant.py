@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8")
 QMAX = 127
 
 
@@ -100,5 +99,5 @@ def model_bytes_per_token(spec: Any, dtype: torch.dtype, kv_cache_dtype: str) ->
         spec.num_kv_heads, spec.head_dim, dtype, kv_cache_dtype)
 
 
-__all__ = ["KV_CACHE_DTYPES", "bytes_per_token", "dequantize_rows", "gather",
+__all__ = ["bytes_per_token", "dequantize_rows", "gather",
            "model_bytes_per_token", "quantize_rows", "write"]
