@@ -166,3 +166,34 @@ def test_max_model_len_is_capped_by_the_kv_pool(tiny_model: Path) -> None:
         close = getattr(engine, "close", None)
         if callable(close):
             close()
+
+
+def test_an_int8_kv_server_tells_its_cache_and_serves_llm_generates_tokens(
+        real_server: ServerProcess, tiny_model: Path) -> None:
+    """`--kv-cache-dtype int8` end to end: `/health` says what the cache holds (the plain
+    server's too), and greedy tokens over HTTP equal `LLM.generate`'s over the same int8 cache."""
+    from ftrs import LLM
+    from ftrs.sampling import SamplingParams
+
+    plain = httpx.get(real_server.url + "/health", timeout=30).json()["kv_cache"]
+    assert plain["dtype"] == "float32" and plain["tokens"] > 0 and plain["bytes"] > 0
+    server = ServerProcess(["--model", str(tiny_model), "--served-model-name", "tiny", *OPTIONS,
+                            "--kv-cache-dtype", "int8", "--kv-tokens", str(plain["tokens"])],
+                           api_key=None, backend=None)
+    try:
+        server.wait("ok")
+        kv = httpx.get(server.url + "/health", timeout=30).json()["kv_cache"]
+        assert kv["dtype"] == "int8" and kv["tokens"] == plain["tokens"]
+        assert kv["bytes"] < plain["bytes"] / 2
+        prompts = _prompts(3, seed=5)
+        got = [_complete(server, p)["choices"][0]["token_ids"] for p in prompts]
+    finally:
+        server.stop()
+    llm = LLM(str(tiny_model), device="cpu", dtype="float32", kv_cache_dtype="int8",
+              kv_tokens=plain["tokens"])
+    try:
+        want = [o.token_ids for o in llm.generate(
+            prompts, SamplingParams(max_tokens=12, temperature=0))]
+    finally:
+        llm.close()
+    assert got == want

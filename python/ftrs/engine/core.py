@@ -340,6 +340,14 @@ class EngineCore:
         parts = {id(t): t for t in (kv.k, kv.v, kv.k_scale, kv.v_scale) if t is not None}
         return sum(t.numel() * t.element_size() for t in parts.values())
 
+    def kv_cache_info(self) -> dict[str, Any]:
+        """What `/health` tells of the KV cache: the dtype its rows are stored in, the tokens
+        its pages hold, and its bytes."""
+        kv = self.rt.kv
+        dtype = "int8" if kv.k_scale is not None else str(kv.k.dtype).removeprefix("torch.")
+        return {"dtype": dtype, "tokens": self.rt.num_pages * self.config.page_size,
+                "bytes": self.kv_cache_bytes()}
+
     def kv_slots(self) -> int:
         """Token slots of the KV cache (its pages, and the graphs' scratch page if any)."""
         return int(self.rt.kv.k.shape[1])

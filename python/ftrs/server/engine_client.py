@@ -248,6 +248,8 @@ class EngineClient:
             body.update(status="ok", model=self.info.model_name, engine_pid=self.info.pid,
                         max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size,
                         in_flight=len(self._streams))
+            if self.info.kv_cache is not None:
+                body["kv_cache"] = self.info.kv_cache
             if self.degraded is not None:
                 body.update(degraded=True, degraded_reason=self.degraded)
             return 200, body

@@ -54,6 +54,12 @@ class Engine(Protocol):
     def has_work(self) -> bool: ...
 
 
+def _kv_cache_info(engine: Engine) -> dict[str, Any] | None:
+    """The engine's `kv_cache_info()` where it has one (`EngineCore` does; test engines may not)."""
+    info = getattr(engine, "kv_cache_info", None)
+    return None if info is None else dict(info())
+
+
 class LoadedEngine(NamedTuple):
     engine: Engine
     tokenizer_source: Any  # picklable; the API process passes it to the backend's `load_tokenizer`
@@ -79,6 +85,9 @@ class EngineReady:
     max_model_len: int
     vocab_size: int
     pid: int
+    # the KV cache as `EngineCore.kv_cache_info()` tells it (dtype, tokens, bytes); None when
+    # the engine does not say
+    kv_cache: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +158,7 @@ def _run(config: EngineConfig, backend: str, inbox: Connection, outbox: Connecti
             max_model_len=engine.max_model_len,
             vocab_size=engine.vocab_size,
             pid=os.getpid(),
+            kv_cache=_kv_cache_info(engine),
         )
     )
     supervisor = _supervise(config, engine, outbox)
