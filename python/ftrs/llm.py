@@ -80,11 +80,17 @@ class LLM:
             events, _ = self.engine.step()
             for ev in events:
                 c = out[ev.request_id]
+                before = len(c.token_ids)
                 c.token_ids.extend(ev.new_token_ids)
                 c.num_cached_tokens = ev.num_cached_tokens
                 if ev.logprobs and c.logprobs is not None:
                     c.logprobs.extend(ev.logprobs)
-                if params.stop and ev.finish_reason is None and self._hit_stop(c, params):
+                if params.stop and ev.finish_reason is None and self._hit_stop(c.token_ids, params):
+                    # several tokens in one event (accepted drafts): keep them up to the one
+                    # that completes the stop string, as if they had come one at a time
+                    while (len(c.token_ids) > before + 1
+                           and self._hit_stop(c.token_ids[:-1], params)):
+                        c.token_ids.pop()
                     self.engine.abort(ev.request_id)
                     c.finish_reason = "stop"
                     pending.discard(ev.request_id)
@@ -105,11 +111,11 @@ class LLM:
                         c.finish_reason = "stop"
         return [out[r] for r in order]
 
-    def _hit_stop(self, c: Completion, params: SamplingParams) -> bool:
+    def _hit_stop(self, token_ids: list[int], params: SamplingParams) -> bool:
         tok = self.engine.tokenizer
         if tok is None:
             return False
-        text = tok.decode(c.token_ids)
+        text = tok.decode(token_ids)
         return any(s in text for s in params.stop)
 
     def logits(self, token_ids: Seq[int]) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fake_backend import ByteTokenizer
 
-from ftrs.server.detokenize import IncrementalDetokenizer, StopChecker
+from ftrs.server.detokenize import IncrementalDetokenizer, StopChecker, push_until_stop
 
 TEXT = "héllo wörld 你好 🙂!"
 
@@ -65,3 +65,21 @@ def test_no_stop_strings_passes_text_through() -> None:
     checker = StopChecker([])
     assert checker.feed("abc") == "abc"
     assert checker.flush() == ""
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5, 40])
+def test_an_event_of_several_tokens_is_cut_after_the_token_that_completes_a_stop(chunk: int) -> None:
+    ids = list(b"say ST then STOP, and more")
+    detok, stop = IncrementalDetokenizer(ByteTokenizer()), StopChecker(["STOP"])
+    kept: list[int] = []
+    out = ""
+    for i in range(0, len(ids), chunk):
+        part, text = push_until_stop(ids[i:i + chunk], i + chunk >= len(ids), detok, stop)
+        kept += part
+        out += text
+        if stop.stopped:
+            break
+    assert out == "say ST then "
+    assert bytes(kept).decode() == "say ST then STOP"  # the tokens one at a time would give
+    detok, stop = IncrementalDetokenizer(ByteTokenizer()), StopChecker([])
+    assert push_until_stop(ids, True, detok, stop) == (ids, "say ST then STOP, and more")

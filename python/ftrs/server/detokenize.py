@@ -90,6 +90,11 @@ class StopChecker:
         self.stopped = False
         self.matched: str | None = None
 
+    @property
+    def active(self) -> bool:
+        """Whether there is any stop string to look for."""
+        return bool(self._stop)
+
     def feed(self, delta: str) -> str:
         """Add text; return what may be released now. After a match, returns the text before it."""
         if self.stopped:
@@ -127,4 +132,22 @@ class StopChecker:
         return best
 
 
-__all__ = ["Decoder", "IncrementalDetokenizer", "KeepingDecoder", "StopChecker"]
+def push_until_stop(ids: list[int], last: bool, detok: IncrementalDetokenizer,
+                    stop: StopChecker) -> tuple[list[int], str]:
+    """Push one event's tokens through `detok` and `stop`: the tokens kept and the text that
+    may be released. With stop strings, an event of several tokens (a step that accepted
+    drafts, `engine/spec.py`) is pushed one token at a time and cut after the token that
+    completes a match, as if each token had come alone. `last`: no tokens follow the event."""
+    if len(ids) <= 1 or not stop.active:
+        text = detok.push(ids) + (detok.flush() if last else "")
+        return ids, stop.feed(text)
+    out = ""
+    for j, tok in enumerate(ids):
+        text = detok.push([tok]) + (detok.flush() if last and j == len(ids) - 1 else "")
+        out += stop.feed(text)
+        if stop.stopped:
+            return ids[:j + 1], out
+    return ids, out
+
+
+__all__ = ["Decoder", "IncrementalDetokenizer", "KeepingDecoder", "StopChecker", "push_until_stop"]

@@ -27,7 +27,7 @@ from typing import Any
 from ftrs.engine.protocol import GenerateRequest, TokenLogprob
 from ftrs.errors import FtrsError, error_from_dict
 from ftrs.server.cli import DEFAULT_MAX_N
-from ftrs.server.detokenize import IncrementalDetokenizer, StopChecker
+from ftrs.server.detokenize import IncrementalDetokenizer, StopChecker, push_until_stop
 from ftrs.server.engine_client import EngineClient
 from ftrs.server.errors import renamed
 from ftrs.server.metrics import ServerMetrics
@@ -161,11 +161,9 @@ class Generation:
                     last = now
                 self.num_prompt_tokens = item.num_prompt_tokens or self.num_prompt_tokens
                 self.num_cached_tokens = max(self.num_cached_tokens, item.num_cached_tokens)
-                self.token_ids.extend(item.new_token_ids)
-                text = detok.push(item.new_token_ids)
-                if item.finish_reason is not None:
-                    text += detok.flush()
-                out = stop.feed(text)
+                ids, out = push_until_stop(item.new_token_ids, item.finish_reason is not None,
+                                           detok, stop)
+                self.token_ids.extend(ids)
                 if stop.stopped:
                     self.finish_reason, self.stop_sequence = "stop", stop.matched
                     if item.finish_reason is None:
@@ -175,10 +173,10 @@ class Generation:
                     self.finish_reason = item.finish_reason
                 if self.finish_reason is not None:
                     status = "success"
-                    yield Delta(out, item.new_token_ids, item.logprobs or [], self.finish_reason)
+                    yield Delta(out, ids, (item.logprobs or [])[:len(ids)], self.finish_reason)
                     return
-                if out or item.new_token_ids:
-                    yield Delta(out, item.new_token_ids, item.logprobs or [])
+                if out or ids:
+                    yield Delta(out, ids, item.logprobs or [])
         except FtrsError:
             status = None  # counted where the error is answered (HTTP error or SSE event)
             raise
