@@ -50,6 +50,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (the compute dtype) | int8: rows in int8, one fp32 scale per token and kv head (kvcache/quant.py)
     max_model_len: int | None = None
     seed: int = 0
+    speculative_ngram: int = 0  # draft tokens per decode looked up in the request's own n-grams (engine/spec.py), 0..16; 0 = off
     hang_timeout: float = 120.0  # s: work pending and no step finished -> EngineHang
     on_device_lost: str = "exit"  # exit | restart | cpu: what the server does on a device error
     step_fault_limit: int = 3  # failed steps in a row (not the device's) that restart the engine
@@ -102,6 +103,9 @@ class EngineConfig:
             raise ConfigError("max_running_requests: must be >= 1")
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ConfigError(f"kv_cache_dtype: expected auto or int8, got {self.kv_cache_dtype!r}")
+        if not 0 <= self.speculative_ngram <= 16:
+            raise ConfigError(f"speculative_ngram: must be in [0, 16] (0: off), got "
+                              f"{self.speculative_ngram}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"page_size: must be a power of two, got {self.page_size}")
 

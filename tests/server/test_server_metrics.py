@@ -103,3 +103,14 @@ def test_hybrid_cpu_compute_counter_and_split_estimates() -> None:
     assert s["ftrs_hybrid_link_latency_seconds"] == 1e-5
     assert s["ftrs_hybrid_cpu_seconds_per_token{format=float32,tokens=1}"] == 2e-3
     assert s["ftrs_hybrid_cpu_seconds_per_token{format=Q4_K/Q4_K/Q6_K,tokens=64}"] == 1e-4
+
+
+def test_speculative_draft_and_accepted_tokens_are_counted() -> None:
+    m = ServerMetrics()
+    for drafted, accepted in ((8, 5), (0, 0), (3, 0)):
+        st = _stats(1)
+        st.draft_tokens, st.accepted_tokens = drafted, accepted
+        m.observe_step(st)
+    s = _samples(m)
+    assert s["ftrs_spec_draft_tokens_total"] == 11
+    assert s["ftrs_spec_accepted_tokens_total"] == 5

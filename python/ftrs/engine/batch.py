@@ -40,6 +40,7 @@ class Batch:
     num_decode_tokens: int
     prefix_hit_tokens: int
     sample_all: bool = False  # sample_rows is every row, in order
+    num_draft_tokens: int = 0  # draft tokens verified beside the decodes (`engine.spec`)
 
 
 def context_slots(seq: Sequence, end: int, page_size: int, device: torch.device) -> torch.Tensor:
@@ -118,11 +119,14 @@ def build_batch(work: list[Work], page_size: int, device: torch.device,
     prefills: list[PrefillSpan] = []
     sample_rows: list[int] = []
     sample_seqs: list[Sequence] = []
-    n_prefill = n_decode = hit = 0
+    n_prefill = n_decode = n_draft = hit = 0
     for seq, n in work:
         start, end = seq.num_computed, seq.num_computed + n
         row = len(ids)
         ids.extend(seq.tokens[start:end])
+        drafted = max(end - len(seq.tokens), 0)  # a decode with its draft (`engine.spec`)
+        if drafted:
+            ids.extend(seq.draft[:drafted])
         ctx = context_slots(seq, end, page_size, device)
         pos_parts.append(torch.arange(start, end, dtype=torch.long))
         slot_parts.append(ctx[start:end])
@@ -130,6 +134,7 @@ def build_batch(work: list[Work], page_size: int, device: torch.device,
             hit += seq.num_cached  # first chunk after admission: the prefix cache served the rest
         if seq.num_output > 0 and start == len(seq.tokens) - 1:
             n_decode += 1
+            n_draft += drafted
         else:
             n_prefill += n
         if n == 1:  # one query row: attended with the other single rows, padded and masked
@@ -137,9 +142,9 @@ def build_batch(work: list[Work], page_size: int, device: torch.device,
             decode_ctx.append(ctx)
         else:
             prefills.append(PrefillSpan(row, n, ctx, prefill_mask(n, end, device)))
-        if end == len(seq.tokens):
-            sample_rows.append(row + n - 1)
-            sample_seqs.append(seq)
+        if end >= len(seq.tokens):  # every row of a draft: each is checked against its argmax
+            sample_rows.extend(range(row + n - 1 - drafted, row + n))
+            sample_seqs.extend([seq] * (1 + drafted))
     gather, mask = _decode_gather(decode_ctx, device)
     decode_only = len(decode_rows) == len(ids)
     rows_t = torch.tensor(decode_rows, dtype=torch.long, device=device)
@@ -152,7 +157,8 @@ def build_batch(work: list[Work], page_size: int, device: torch.device,
     return Batch(torch.tensor(ids, dtype=torch.long, device=device),
                  torch.cat(pos_parts).to(device), meta,
                  torch.tensor(sample_rows, dtype=torch.long, device=device), sample_seqs,
-                 n_prefill, n_decode, hit, sample_all=len(sample_rows) == len(ids))
+                 n_prefill, n_decode, hit, sample_all=len(sample_rows) == len(ids),
+                 num_draft_tokens=n_draft)
 
 
 def _decode_gather(ctx: list[torch.Tensor], device: torch.device

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent import futures
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -21,6 +21,7 @@ from ftrs.engine.grammar import GrammarCache, MaskFiller, advance
 from ftrs.engine.protocol import GenerateRequest, StepStats, TokenEvent
 from ftrs.engine.runtime import Runtime
 from ftrs.engine.sampler import sample
+from ftrs.engine.spec import NgramDrafter, commit_step
 from ftrs.errors import ConfigError, ContextLengthExceeded, DeviceError, FtrsError, InvalidRequest
 from ftrs.kvcache.pages import PagePool
 from ftrs.kvcache.state import StateSlots
@@ -85,6 +86,12 @@ class EngineCore:
         # requests whose grammar is compiling on the compile worker; scheduled once it is done
         self._compiling: dict[str, tuple[Sequence, futures.Future[Any]]] = {}
         self._compiler: futures.ThreadPoolExecutor | None = None
+        # n-gram speculative decoding (engine/spec.py); never over linear attention's state
+        self._drafter = (NgramDrafter(config.speculative_ngram, self.max_model_len)
+                         if config.speculative_ngram and not self.has_states else None)
+        if config.speculative_ngram and self.has_states:
+            log.info("speculative decoding off: %s has linear attention layers, whose state "
+                     "cannot step back over a rejected draft", self.spec.arch)
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -172,6 +179,8 @@ class EngineCore:
         t0 = time.perf_counter()
         self._step_ids = None
         admitted = self._admit_compiled() if self._compiling else []
+        if self._drafter is not None:
+            self._drafter.propose(self.scheduler.running)
         work = self.scheduler.schedule()
         self._step_ids = [w.seq.request_id for w in work]
         self._step += 1
@@ -205,14 +214,16 @@ class EngineCore:
         finally:
             if masks is not None:  # the matchers are the worker's until it is done
                 futures.wait([masks])
-        for w in work:
-            w.seq.num_computed += w.num_tokens
-        events = admitted + [self._append(seq, tok, rec, why)
-                             for seq, tok, rec, why in zip(batch.sample_seqs, *sampled)]
+        settle = self._drafter.commit if self._drafter is not None else commit_step
+        events, drafted, accepted = settle(work, batch.sample_seqs, sampled, self._append)
         kind = ("mixed" if batch.num_prefill_tokens and batch.num_decode_tokens
                 else "prefill" if batch.num_prefill_tokens else "decode")
-        return events, self._stats(t0, kind, batch.num_prefill_tokens, batch.num_decode_tokens,
-                                   prefix_hit=batch.prefix_hit_tokens)
+        stats = self._stats(t0, kind, batch.num_prefill_tokens, batch.num_decode_tokens,
+                            prefix_hit=batch.prefix_hit_tokens)
+        stats.draft_tokens, stats.accepted_tokens = drafted, accepted
+        if self._drafter is not None and kind == "decode":
+            self._drafter.observe(len(batch.input_ids), stats.duration_s)
+        return admitted + events, stats
 
     def _append(self, seq: Sequence, tok: int | None, rec: object,
                 failure: str | None = None) -> TokenEvent:
@@ -361,6 +372,23 @@ class EngineCore:
         """Structured output's mask worker: fills, seconds filling, seconds steps waited for a
         fill after their forward ({} before the first constrained request)."""
         return self._masks.stats() if self._masks is not None else {}
+
+    def set_speculative_ngram(self, max_draft: int,
+                              step_cost: Callable[[int], float | None] | None = None) -> None:
+        """Draft up to `max_draft` tokens per decode from the next step on (0: off; benches
+        compare both over one loaded engine); its counts start again. `step_cost`: seconds of
+        a decode step by its rows, instead of the ones measured (tests: drafts made free)."""
+        EngineConfig(speculative_ngram=max_draft)  # the option's validation
+        self._drafter = (NgramDrafter(max_draft, self.max_model_len, step_cost)
+                         if max_draft and not self.has_states else None)
+        for seq in self.scheduler.running:  # draft lengths adapted under the old limit
+            seq.ngrams = None
+
+    def speculative_stats(self) -> dict[str, int]:
+        """N-gram speculative decoding since the engine started: draft tokens computed and
+        accepted ({} when it is off)."""
+        d = self._drafter
+        return {} if d is None else {"draft_tokens": d.drafted, "accepted_tokens": d.accepted}
 
     def expert_stats(self) -> dict[str, Any]:
         """The MoE strategy's counters (what `StepStats.experts` carries); {} for dense models."""

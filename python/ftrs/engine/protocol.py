@@ -73,6 +73,9 @@ class StepStats:
     #: The adaptive guard's live state (`guard.live.LiveGuard.stats()`): prefill_cap_tokens,
     #: pacing, recent events; None when no guard runs (engines without a supervisor).
     guard: dict[str, Any] | None = None
+    #: Speculative decoding (`engine/spec.py`): draft tokens this step computed, and accepted.
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 __all__ = ["AbortRequest", "GenerateRequest", "StepStats", "TokenEvent", "TokenLogprob"]

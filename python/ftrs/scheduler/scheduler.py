@@ -19,6 +19,9 @@ its prompt's full pages to the prefix cache as they are computed, not only when 
 waiting request whose prompt shares more full pages with such a prefill than it has published
 yet waits (the requests behind it go ahead), then takes those pages from the cache instead of
 computing them again.
+
+Drafts (speculative decoding, `ftrs.engine.spec`) come last: a decode is extended by its draft
+only with the budget and free pages left after everything above (`_add_drafts`).
 """
 
 from __future__ import annotations
@@ -111,6 +114,7 @@ class Scheduler:
         self._release(seq, cache=True)
         seq.num_computed = 0
         seq.num_cached = 0
+        seq.draft = []
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -203,7 +207,26 @@ class Scheduler:
             if key is not None and seq.num_computed < seq.num_prompt and key not in self._prefilling:
                 self._prefilling[key] = seq  # it computes prompt pages others may share
         self.waiting.extendleft(reversed(held))
+        self._add_drafts(work, budget)
         return work
+
+    def _add_drafts(self, work: list[Work], budget: int) -> None:
+        """Extend decodes with their drafts (`Sequence.draft`, `ftrs.engine.spec`) from what is
+        left: the step's budget and free pages, never a preemption or a prefix-cache eviction.
+        A decode that gets no room for its draft runs without it."""
+        ps = self.pool.page_size
+        for i, (seq, n) in enumerate(work):
+            if not seq.draft:
+                continue
+            room = (len(seq.pages) + self.pool.num_free) * ps - seq.num_computed - 1
+            m = min(len(seq.draft), budget, room) if n == 1 and seq.num_uncomputed == 1 else 0
+            seq.draft = seq.draft[:max(m, 0)]
+            if m <= 0:
+                continue
+            grown = self._grow(seq, 1 + m)
+            assert grown, "a draft takes free pages only"
+            work[i] = Work(seq, 1 + m)
+            budget -= m
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire a request: cache its computed full pages, free the rest."""

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ftrs.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from ftrs.engine.spec import NgramIndex
 
 
 class Status(enum.Enum):
@@ -51,6 +55,11 @@ class Sequence:
     reasoning_used: int = -1
     reasoning_closed: bool = False
     forced: list[int] = field(default_factory=list)
+    #: n-gram speculative decoding (`ftrs.engine.spec`): this step's draft, the tokens
+    #: expected after `tokens` (set before scheduling, trimmed by the scheduler), and the index
+    #: of the request's n-grams it is looked up in
+    draft: list[int] = field(default_factory=list)
+    ngrams: NgramIndex | None = None
 
     @property
     def num_output(self) -> int:

@@ -84,6 +84,8 @@ class ServerMetrics:
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens.", registry=r)
         self.prefix_hits = Counter(p + "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", registry=r)
+        self.spec_drafted = Counter(p + "spec_draft_tokens", "Draft tokens verified by n-gram speculative decoding.", registry=r)
+        self.spec_accepted = Counter(p + "spec_accepted_tokens", "Draft tokens accepted (each one a token generated without a step of its own).", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token.", buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram(p + "inter_token_latency_seconds", "Time between two tokens of a stream.", buckets=_ITL_BUCKETS, registry=r)
         self.latency = Histogram(p + "request_latency_seconds", "Arrival to last token.", buckets=_LATENCY_BUCKETS, registry=r)
@@ -139,6 +141,9 @@ class ServerMetrics:
             self.prefix_hits.inc(stats.prefix_hit_tokens)
         if stats.prefill_tokens > 0:
             self.prefill_chunk_tokens.observe(stats.prefill_tokens)
+        if stats.draft_tokens > 0:
+            self.spec_drafted.inc(stats.draft_tokens)
+            self.spec_accepted.inc(stats.accepted_tokens)
         self.observe_experts(stats.experts, had_prefill=stats.prefill_tokens > 0)
         if stats.guard:
             self.observe_guard(stats.guard)

@@ -1,0 +1,279 @@
+"""N-gram speculative decoding (engine/spec.py): drafts change no greedy token, stop exactly where
+decoding one token at a time stops, take only what is left of a step, and are sized by cost."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from ftrs.config import EngineConfig
+from ftrs.engine.protocol import GenerateRequest
+from ftrs.engine.spec import MAX_NGRAM, MIN_NGRAM, NgramIndex, StepCost, best_draft
+from ftrs.errors import ConfigError
+from ftrs.kvcache.pages import PagePool
+from ftrs.llm import LLM
+from ftrs.sampling import SamplingParams
+from ftrs.scheduler.scheduler import Scheduler, Work
+from ftrs.scheduler.sequence import Sequence, Status
+
+PROMPTS = [[5, 9, 100, 200, 300, 400, 17, 33, 64, 128, 256, 7, 8, 9, 10, 11, 12, 13],
+           [40, 41, 42], list(range(100, 140)), [7] * 25,
+           [3, 4, 5, 6, 50, 51, 3, 4, 5, 6, 50, 51, 3, 4]]
+GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+
+def flat(rows: int) -> float:
+    """A step costs the same whatever its rows: every draft pays, so every lookup drafts."""
+    return 1.0
+
+
+def drafting(path: str, **opts: object) -> LLM:
+    llm = LLM(path, speculative_ngram=8, **opts)
+    llm.engine.set_speculative_ngram(8, step_cost=flat)
+    return llm
+
+
+# --- the lookup -------------------------------------------------------------------------------
+
+def lookup_by_scan(tokens: list[int], k: int) -> list[int]:
+    """The latest earlier occurrence of the longest suffix, by scanning; read on as a repeat."""
+    for n in range(MAX_NGRAM, MIN_NGRAM - 1, -1):
+        if len(tokens) < n:
+            continue
+        suffix = tokens[-n:]
+        for end in range(len(tokens) - 2, n - 2, -1):
+            if tokens[end - n + 1:end + 1] == suffix:
+                ext = list(tokens)
+                while len(ext) < end + 1 + k:
+                    ext.append(ext[len(ext) - (len(tokens) - end - 1)])
+                return ext[end + 1:end + 1 + k]
+    return []
+
+
+def test_lookup_matches_a_scan_as_tokens_arrive() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
+        index = NgramIndex()
+        for _ in range(rng.randrange(1, 10)):  # the index is extended, never rebuilt
+            k = rng.randrange(1, 6)
+            assert index.lookup(tokens, k) == lookup_by_scan(tokens, k), tokens
+            tokens = tokens + [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+
+
+def test_lookup_prefers_the_longest_then_the_latest_occurrence() -> None:
+    #            a  b  c  d  X  c  d  Y  b  c  d
+    tokens = [1, 2, 3, 4, 9, 3, 4, 8, 2, 3, 4]
+    assert NgramIndex().lookup(tokens, 2) == [9, 3]  # (2, 3, 4) beats the later (3, 4)
+    assert NgramIndex().lookup([1, 2, 5, 1, 2, 6, 1, 2], 1) == [6]  # the latest (1, 2)
+    assert NgramIndex().lookup([1, 2, 3], 4) == []
+    assert NgramIndex().lookup([7, 7, 7], 3) == [7, 7, 7]  # a loop drafts its next turns
+
+
+# --- how much to draft -----------------------------------------------------------------------
+
+def test_step_cost_is_estimated_optimistically_where_unseen() -> None:
+    cost = StepCost()
+    assert cost(3) is None
+    cost.observe(1, 1.0)
+    cost.observe(5, 2.0)
+    assert cost(1) == 1.0 and cost(5) == 2.0
+    assert cost(3) == pytest.approx(1.5)  # on the line between two sizes seen
+    assert cost(9) == 2.0  # beyond the largest: as the largest up to twice its rows,
+    assert cost(20) == pytest.approx(4.0)  # then in proportion
+    assert cost(0) == 1.0  # below the smallest: as the smallest
+    cost.observe(5, 3.0)  # recent steps weigh more
+    assert 2.0 < (cost(5) or 0) < 3.0
+
+
+def test_best_draft_weighs_the_tokens_expected_against_the_step_cost() -> None:
+    def linear(rows: int) -> float:
+        return float(rows)
+
+    assert best_draft(0.9, 8, 1, 1.0, flat) == 8
+    assert best_draft(0.0, 8, 1, 1.0, flat) == 0  # nothing to gain
+    assert best_draft(0.99, 8, 1, 1.0, linear) == 0  # a row costs what a token earns
+    # one row 1.0 s, two 1.5 s, three 1.8 s: at p = 0.5, k = 1 gives 1.5 / 1.5 = 1.0 token/s
+    # (no gain over 1 / 1.0), k = 2 gives 1.75 / 1.8; at p = 0.8, k = 1 gives 1.8 / 1.5 = 1.2,
+    # k = 2 gives 2.44 / 1.8 = 1.36
+    def concave(rows: int) -> float:
+        return {1: 1.0, 2: 1.5, 3: 1.8}[rows]
+
+    assert best_draft(0.5, 2, 1, 1.0, concave) == 0
+    assert best_draft(0.8, 2, 1, 1.0, concave) == 2
+    assert best_draft(0.5, 4, 1, 1.0, lambda rows: None) == 0  # nothing measured yet
+
+
+def test_the_option_is_validated() -> None:
+    with pytest.raises(ConfigError, match="speculative_ngram"):
+        EngineConfig(speculative_ngram=17)
+    with pytest.raises(ConfigError, match="speculative_ngram"):
+        EngineConfig(speculative_ngram=-1)
+
+
+# --- the scheduler ---------------------------------------------------------------------------
+
+def running(pool: PagePool, sched: Scheduler, rid: str, n_tokens: int) -> Sequence:
+    """A running sequence of `n_tokens` tokens whose last one is not computed yet."""
+    seq = Sequence(rid, list(range(n_tokens)), n_tokens - 1, GREEDY, None, 0.0)
+    seq.num_computed = n_tokens - 1
+    pages = pool.alloc(-(-seq.num_computed // pool.page_size))
+    assert pages is not None
+    seq.pages = pages
+    seq.status = Status.RUNNING
+    sched.running.append(seq)
+    return seq
+
+
+def test_drafts_take_only_free_pages_and_the_budget_left() -> None:
+    pool = PagePool(3, 4)  # 12 token slots
+    sched = Scheduler(pool, max_prefill_length=64, max_running=4, prefix_cache=False)
+    a = running(pool, sched, "a", 4)  # 3 computed: one page, the decode fits in it
+    b = running(pool, sched, "b", 5)  # 4 computed: one page, its decode needs the last page
+    a.draft = [1, 2, 3, 4, 5, 6]
+    b.draft = [7, 8]
+    work = sched.schedule()
+    # the decodes first: b's takes the free page; a's fills a's own page, so its draft would
+    # need a page that is not free: dropped; b's fits in the page its decode took
+    assert [(w.seq.request_id, w.num_tokens) for w in work] == [("a", 1), ("b", 3)]
+    assert a.draft == [] and b.draft == [7, 8]
+    assert pool.num_free == 0 and a.num_preemptions == b.num_preemptions == 0
+
+    pool = PagePool(8, 4)
+    sched = Scheduler(pool, max_prefill_length=4, max_running=4, prefix_cache=False)
+    a = running(pool, sched, "a", 4)
+    b = running(pool, sched, "b", 5)
+    a.draft, b.draft = [1, 2, 3, 4], [7, 8]
+    work = sched.schedule()
+    # a budget of 4 tokens: both decodes, then a's draft gets the 2 left, b's none
+    assert [(w.seq.request_id, w.num_tokens) for w in work] == [("a", 3), ("b", 1)]
+    assert a.draft == [1, 2] and b.draft == []
+    assert work == [Work(a, 3), Work(b, 1)]
+
+
+# --- the engine ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def moe_path(tiny_models: dict[str, Path]) -> str:
+    return str(tiny_models["qwen3_moe"])
+
+
+def one_by_one(path: str, prompts: list[list[int]], params: SamplingParams, **opts: object
+               ) -> list[list[int]]:
+    llm = LLM(path, **opts)
+    return [c.token_ids for c in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "llama", "mixtral"])
+def test_greedy_tokens_are_the_same_with_drafts(tiny_models: dict[str, Path], arch: str) -> None:
+    path = str(tiny_models[arch])
+    ref = one_by_one(path, PROMPTS, GREEDY, kv_tokens=2048)
+    drafted = accepted = 0
+    for opts in ({"kv_tokens": 2048}, {"kv_tokens": 2048, "page_size": 4},
+                 {"kv_tokens": 2048, "max_prefill_length": 7}):  # prefill chunks beside drafts
+        llm = drafting(path, **opts)
+        out = [c.token_ids for c in llm.generate(PROMPTS, GREEDY)]
+        assert out == ref, (arch, opts)
+        stats = llm.engine.speculative_stats()
+        assert stats["accepted_tokens"] > 0, (opts, stats)  # drafts were made, some kept
+        drafted += stats["draft_tokens"]
+        accepted += stats["accepted_tokens"]
+        assert llm.engine.scheduler.kv_usage() == 0.0
+    assert drafted > accepted  # and some rejected: their KV rows were overwritten
+
+
+def test_greedy_tokens_are_the_same_with_drafts_on_mla(deepseek_models: dict[str, Path]) -> None:
+    path = str(deepseek_models["q_lora"])
+    ref = one_by_one(path, PROMPTS, GREEDY, kv_tokens=2048)
+    for kv in ("auto", "int8"):
+        if kv == "int8":
+            ref = one_by_one(path, PROMPTS, GREEDY, kv_tokens=2048, kv_cache_dtype="int8")
+        llm = drafting(path, kv_tokens=2048, kv_cache_dtype=kv)
+        assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY)] == ref, kv
+        assert llm.engine.speculative_stats()["accepted_tokens"] > 0
+
+
+def test_preemption_with_drafts_keeps_results(moe_path: str) -> None:
+    ref = one_by_one(moe_path, PROMPTS, GREEDY, kv_tokens=2048)
+    llm = drafting(moe_path, kv_tokens=96, page_size=8)  # the five cannot all run at once
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [c.token_ids for c in outs] == ref
+    assert llm.engine.speculative_stats()["accepted_tokens"] > 0
+    assert llm.engine.scheduler.kv_usage() == 0.0
+
+
+def test_a_draft_stops_where_one_token_at_a_time_stops(moe_path: str) -> None:
+    prompt = PROMPTS[3]
+    free = one_by_one(moe_path, [prompt], GREEDY, kv_tokens=2048)[0]
+    llm = drafting(moe_path, kv_tokens=2048)
+    for max_tokens in (1, 2, 5, 13):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        c = llm.generate([prompt], params)[0]
+        assert c.token_ids == free[:max_tokens] and c.finish_reason == "length"
+    stop = free[6]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop_token_ids=[stop])
+    c = llm.generate([prompt], params)[0]
+    assert c.token_ids == free[:free.index(stop) + 1] and c.finish_reason == "stop"
+    assert llm.engine.speculative_stats()["accepted_tokens"] > 0
+
+
+def test_a_stop_string_mid_draft_keeps_the_tokens_one_at_a_time_keeps(demo_model: Path) -> None:
+    prompt = "Repeat this line five times: the cat sat on the mat, the cat sat on the mat,"
+    params = SamplingParams(max_tokens=40, temperature=0,
+                            stop=["cat sat on the mat, the cat sat on the mat, the cat"])
+    ref = LLM(str(demo_model), kv_tokens=1024).generate([prompt], params)[0]
+    assert ref.finish_reason == "stop" and ref.text == " the "  # the model repeats the line
+    llm = drafting(str(demo_model), kv_tokens=1024)
+    c = llm.generate([prompt], params)[0]
+    assert (c.token_ids, c.text, c.finish_reason) == (ref.token_ids, ref.text, "stop")
+    assert llm.engine.speculative_stats()["accepted_tokens"] > 0
+
+
+def test_the_context_limit_is_kept_mid_draft(moe_path: str) -> None:
+    prompt = PROMPTS[3]
+    free = one_by_one(moe_path, [prompt], GREEDY, kv_tokens=2048)[0]
+    llm = drafting(moe_path, kv_tokens=2048, max_model_len=len(prompt) + 7)
+    c = llm.generate([prompt], SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))[0]
+    assert c.token_ids == free[:7] and c.finish_reason == "length"
+
+
+def test_requests_that_are_not_plain_greedy_never_draft(moe_path: str) -> None:
+    llm = drafting(moe_path, kv_tokens=2048)
+    sampled = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
+    with_lp = SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True)
+    penalized = SamplingParams(max_tokens=16, temperature=0, repetition_penalty=1.3,
+                               ignore_eos=True)
+    for params in (sampled, with_lp, penalized):
+        ref = one_by_one(moe_path, [PROMPTS[3]], params, kv_tokens=2048)
+        assert [c.token_ids for c in llm.generate([PROMPTS[3]], params)] == ref
+    assert llm.engine.speculative_stats() == {"draft_tokens": 0, "accepted_tokens": 0}
+
+
+def test_step_stats_count_drafted_and_accepted_tokens(moe_path: str) -> None:
+    llm = drafting(moe_path, kv_tokens=2048)
+    eng = llm.engine
+    eng.add_request(GenerateRequest("r", PROMPTS[3], GREEDY))
+    drafted = accepted = produced = 0
+    while eng.has_work():
+        events, st = eng.step()
+        # after the prompt every step is a decode: accepted tokens are never computed again
+        assert st.kind == ("prefill" if produced == 0 else "decode")
+        produced += sum(len(e.new_token_ids) for e in events)
+        drafted += st.draft_tokens
+        accepted += st.accepted_tokens
+        if st.draft_tokens:
+            assert st.kind == "decode" and st.decode_tokens == 1
+            assert sum(len(e.new_token_ids) for e in events) == 1 + st.accepted_tokens
+    assert produced == GREEDY.max_tokens
+    assert eng.speculative_stats() == {"draft_tokens": drafted, "accepted_tokens": accepted}
+    assert accepted > 0
+
+
+def test_linear_attention_models_do_not_draft(hybrid_models: dict[str, Path]) -> None:
+    path = str(hybrid_models["qwen3_5_moe"])
+    ref = one_by_one(path, PROMPTS[:2], GREEDY, kv_tokens=1024)
+    llm = drafting(path, kv_tokens=1024)
+    assert [c.token_ids for c in llm.generate(PROMPTS[:2], GREEDY)] == ref
+    assert llm.engine.speculative_stats() == {}
