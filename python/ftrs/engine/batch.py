@@ -5,6 +5,11 @@ Each sequence keeps its context's cache slots as a tensor that grows with its pa
 slots are a view of that tensor, its new token's slot one element of it. The causal masks of
 prefill chunks and the decode padding mask are built here, once per step, for every layer.
 
+A decode with a draft (`engine.spec`) is m + 1 query rows of one sequence: each goes with the
+decode rows, attending to the context up to its own position (the keys of the rows before it
+are written first), so a draft is checked by the same attention as one-token decoding, not a
+prefill chunk's; on the Triton path the paged kernel takes it as one causal span.
+
 On the Triton path (`paged=True`) the step also carries `PagedMeta`: each sequence's block
 table row (page ids) and where its query rows and context end. The rows are kept on the
 sequence as host int32 tensors extended by the new pages only (`block_row`); a step copies
@@ -137,9 +142,10 @@ def build_batch(work: list[Work], page_size: int, device: torch.device,
             n_draft += drafted
         else:
             n_prefill += n
-        if n == 1:  # one query row: attended with the other single rows, padded and masked
-            decode_rows.append(row)
-            decode_ctx.append(ctx)
+        if n == 1 or drafted:  # query rows attended with the other single rows, padded and
+            for i in range(n):  # masked; a draft's rows each up to its own position
+                decode_rows.append(row + i)
+                decode_ctx.append(ctx[:start + i + 1])
         else:
             prefills.append(PrefillSpan(row, n, ctx, prefill_mask(n, end, device)))
         if end >= len(seq.tokens):  # every row of a draft: each is checked against its argmax

@@ -285,7 +285,8 @@ class DecodeGraphs(ABC):
 
     def bucket_for(self, work: Sequence[Work], batch: Batch) -> int | None:
         """The bucket this step runs in; None: it runs eagerly."""
-        if not batch.meta.decode_only or batch.meta.linear is not None:
+        if (not batch.meta.decode_only or batch.meta.linear is not None
+                or batch.num_draft_tokens):  # a graph holds one row per sequence
             return None
         return pick_bucket(len(work), self.buckets)
 
