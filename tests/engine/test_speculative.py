@@ -195,6 +195,18 @@ def test_greedy_tokens_are_the_same_with_drafts_on_mla(deepseek_models: dict[str
         assert llm.engine.speculative_stats()["accepted_tokens"] > 0
 
 
+def test_greedy_tokens_are_the_same_with_drafts_on_sliding_windows_and_sinks(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    pytest.importorskip("transformers.models.gpt_oss")
+    import gpt_oss_models  # a window of 9 keys: drafts cross its edge
+
+    path = str(gpt_oss_models.build(tmp_path_factory.mktemp("gpt_oss") / "m", seed=1))
+    ref = one_by_one(path, PROMPTS, GREEDY, kv_tokens=2048)
+    llm = drafting(path, kv_tokens=2048)
+    assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY)] == ref
+    assert llm.engine.speculative_stats()["accepted_tokens"] > 0
+
+
 def test_preemption_with_drafts_keeps_results(moe_path: str) -> None:
     ref = one_by_one(moe_path, PROMPTS, GREEDY, kv_tokens=2048)
     llm = drafting(moe_path, kv_tokens=96, page_size=8)  # the five cannot all run at once

@@ -381,8 +381,6 @@ class EngineCore:
         EngineConfig(speculative_ngram=max_draft)  # the option's validation
         self._drafter = (NgramDrafter(max_draft, self.max_model_len, step_cost)
                          if max_draft and not self.has_states else None)
-        for seq in self.scheduler.running:  # draft lengths adapted under the old limit
-            seq.ngrams = None
 
     def speculative_stats(self) -> dict[str, int]:
         """N-gram speculative decoding since the engine started: draft tokens computed and

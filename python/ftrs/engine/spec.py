@@ -3,19 +3,18 @@
 A greedy request that repeats itself (code edits, quoting its prompt, JSON over a fixed set of
 keys, lists) can be read ahead from its own context: if its last n tokens (n = 4, 3, then 2)
 occurred before, the tokens that followed that occurrence are a draft of what comes next. A
-decode step then computes the request's last token and its draft of m tokens as one causal
-span of m + 1 rows (the prefill path), samples every row, and keeps the last token's
-prediction plus each draft token the model itself predicted at its place, then the prediction
-after the last accepted one: 1 to m + 1 tokens for one pass over the weights. On an offloaded
-MoE the experts a step routes to are fetched once for all of its rows, so a step that accepts
-tokens saves their link time; on a memory-bound GPU the extra rows are nearly free; on a
-compute-bound CPU each row costs its FLOPs, so only a high acceptance pays (`bench/speculative.py`
-measures which it is).
+decode step then computes the request's last token and its draft of m tokens as m + 1 rows,
+each attending up to its own position (`engine.batch`), samples every row, and keeps the last
+token's prediction plus each draft token the model itself predicted at its place, then the
+prediction after the last accepted one: 1 to m + 1 tokens for one pass over the weights. On an
+offloaded MoE the experts a step's rows share are fetched once for all of them; on a
+memory-bound GPU the extra rows are nearly free; on a compute-bound CPU each row costs its
+FLOPs, so only a high acceptance pays (`bench/speculative.py` measures which it is).
 
 What makes it exact: only plain greedy rows draft (argmax, no penalties, no logprobs, no grammar,
 no reasoning budget in force, no prompt logits), and a token is accepted only when it equals the
 argmax the model computed at its position from accepted tokens only, so the output is the one
-of decoding one token at a time, up to the rounding of a span's kernels against a decode row's.
+of decoding one token at a time, up to the rounding of a batch of rows against one row.
 The KV rows written for rejected tokens lie beyond `num_computed` and are overwritten by the
 next step. Models with linear attention layers never draft: their recurrent state cannot step
 back over a rejected token.
@@ -27,11 +26,11 @@ evicts for them.
 How many tokens to draft is measured, not guessed. Each request keeps the odds that a draft
 token is accepted given the ones before it were (`NgramIndex.odds`, a geometric estimate over
 its recent drafts; a request that does not draft still checks its lookup's first token against
-what it samples, for free). The engine fits a decode step's seconds as `a + b * rows` over its
-recent decode steps (`StepCost`). A request with odds `p` among `B` decoding requests then
-drafts the `k` (up to the limit) that maximizes the step's tokens per second,
-`(B + p + ... + p^k) / (a + b * (B + k))`, often 0: on a compute-bound CPU an extra row costs
-nearly what a token earns, on a memory-bound GPU or behind a slow link it costs little.
+what it samples, for free). The engine keeps what its decode steps cost by their number of
+rows (`StepCost`). A request with odds `p` in a step of `B` decodes then drafts the `k` (up to
+the limit) that maximizes the step's expected tokens per second,
+`(B + p + ... + p^k) / cost(B + k)`, often 0: on a compute-bound CPU an extra row costs nearly
+what a token earns, on a memory-bound GPU or behind a slow link it costs little.
 """
 
 from __future__ import annotations
@@ -47,8 +46,7 @@ from ftrs.scheduler.sequence import Sequence
 MIN_NGRAM, MAX_NGRAM = 2, 4
 MAX_DRAFT = 16  # `EngineConfig.speculative_ngram`'s upper bound
 DECAY = 0.8  # weight of a request's older draft outcomes at each new one
-COST_DECAY = 0.95  # weight of older steps in the step-cost fit (about the last 20 steps)
-PRIOR_ROW_COST = 0.25  # b / a before the fit has steps of different sizes to learn from
+COST_DECAY = 0.7  # weight of a size's older steps in its cost, at each new one
 
 
 @dataclass(slots=True)
