@@ -11,7 +11,9 @@
 #   5. TRITON_INTERPRET=0 pytest -m "" tests/kernel_checks (the Triton kernels compiled, on the GPU; no syncs)
 #   6. bench/kernels.py                       (each kernel vs its torch reference, and the
 #                                              decode step with vs without CUDA graphs, JSON)
-#   7. bench/kv_cache.py --device cuda        (the int8 KV cache beside bf16: bytes, KL, decode
+#   7. bench/speculative.py --device cuda     (n-gram drafts off and on: tok/s, acceptance,
+#                                              same tokens; resident, and offload over the link)
+#      bench/kv_cache.py --device cuda        (the int8 KV cache beside bf16: bytes, KL, decode
 #                                              tok/s at 128 and 1,024 tokens; the Q4_K_M demo only)
 # Exits non-zero when the GPU tests fail (their pytest status) or any other step fails.
 # Without a GPU it says so, runs only the CPU-safe parts (the gpu tests must all skip, the
@@ -101,6 +103,8 @@ step "kernel tests (compiled)" 150 env TRITON_INTERPRET=0 "$PY" -m pytest -v -m 
 kernels_rc=$?
 [ "$tests_rc" -eq 0 ] && tests_rc=$kernels_rc
 step "bench/kernels.py" 90 "$PY" bench/kernels.py "${decode_model[@]}"
+step "bench/speculative.py --device cuda" 90 "$PY" bench/speculative.py --device cuda \
+  --model "$model" --rounds 1 --tokens 32 --prompts 2 --ks 4,8
 if [ "$hybrid_model" = demo-q4 ]; then  # last: the int8 KV cache beside bf16, on the device
   step "bench/kv_cache.py --device cuda" 90 "$PY" bench/kv_cache.py --device cuda --rounds 2 \
     --text-tokens 256
