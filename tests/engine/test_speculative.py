@@ -153,6 +153,31 @@ def test_drafts_take_only_free_pages_and_the_budget_left() -> None:
     assert work == [Work(a, 3), Work(b, 1)]
 
 
+def test_a_draft_is_built_as_decode_rows_each_up_to_its_own_position() -> None:
+    import torch
+
+    from ftrs.engine.batch import build_batch
+
+    pool = PagePool(8, 4)
+    sched = Scheduler(pool, max_prefill_length=64, max_running=4, prefix_cache=False)
+    a = running(pool, sched, "a", 6)  # 5 computed, token 5 to decode
+    b = running(pool, sched, "b", 3)
+    a.draft = [11, 12, 13]
+    work = sched.schedule()
+    assert [w.num_tokens for w in work] == [4, 1]
+    batch = build_batch(work, 4, torch.device("cpu"))
+    assert batch.input_ids.tolist() == [5, 11, 12, 13, 2]
+    assert batch.positions.tolist() == [5, 6, 7, 8, 2]
+    meta = batch.meta
+    assert meta.prefills == [] and meta.decode_only
+    assert meta.decode_rows.tolist() == [0, 1, 2, 3, 4]
+    assert meta.decode_mask is not None
+    assert meta.decode_mask.view(5, -1).sum(1).tolist() == [6, 7, 8, 9, 3]  # keys each row sees
+    assert batch.sample_rows.tolist() == [0, 1, 2, 3, 4]
+    assert batch.sample_seqs == [a, a, a, a, b]
+    assert (batch.num_decode_tokens, batch.num_draft_tokens, batch.num_prefill_tokens) == (2, 3, 0)
+
+
 # --- the engine ------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -205,6 +230,32 @@ def test_greedy_tokens_are_the_same_with_drafts_on_sliding_windows_and_sinks(
     llm = drafting(path, kv_tokens=2048)
     assert [c.token_ids for c in llm.generate(PROMPTS, GREEDY)] == ref
     assert llm.engine.speculative_stats()["accepted_tokens"] > 0
+
+
+def test_decode_graphs_replay_the_steps_without_drafts_only(tiny_models: dict[str, Path]) -> None:
+    from engine.test_graphs import attach
+
+    path = str(tiny_models["llama"])
+    ref = one_by_one(path, PROMPTS, GREEDY, kv_tokens=2048)
+    llm = drafting(path, kv_tokens=2048, max_running_requests=8)
+    graphs = attach(llm, (1, 2, 4, 8))  # the eager stand-in of the CUDA graphs' code path
+    eng = llm.engine
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(GenerateRequest(str(i), p, GREEDY))
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+    plain = drafted = 0
+    while eng.has_work():
+        replays = graphs.replays
+        events, st = eng.step()
+        for e in events:
+            out[e.request_id] += e.new_token_ids
+        if st.kind == "decode":
+            ran_graph = graphs.replays > replays
+            assert ran_graph == (st.draft_tokens == 0)  # a graph holds one row per sequence
+            plain += ran_graph
+            drafted += not ran_graph
+    assert [out[str(i)] for i in range(len(PROMPTS))] == ref
+    assert plain and drafted
 
 
 def test_preemption_with_drafts_keeps_results(moe_path: str) -> None:
