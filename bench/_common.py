@@ -77,6 +77,14 @@ class RoutingRecorder(MoEStrategy):
         self.inner.close()
 
 
+def use_threads(n: int) -> None:
+    """Run torch's CPU ops and the Rust kernels' pool on `n` threads each."""
+    from ftrs import _core
+
+    torch.set_num_threads(n)
+    _core.quant_set_threads(n)
+
+
 def use_strategy(llm: LLM, strategy: MoEStrategy) -> None:
     """Make `strategy` the one the decoder calls (the old one is not closed)."""
     llm.engine.use_moe_strategy(strategy)

@@ -69,11 +69,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16)")
     args = ap.parse_args()
     t_start = time.perf_counter()
-    from ftrs import _core
     from ftrs.models.demo import ensure_demo_quant
 
-    torch.set_num_threads(args.threads)
-    _core.quant_set_threads(args.threads)
+    common.use_threads(args.threads)
     path = ensure_demo_quant("q4_k_m")
     contexts = [int(c) for c in args.contexts.split(",")]
     kv_tokens = max(contexts) + args.tokens + 64

@@ -178,8 +178,7 @@ def main() -> None:
     t_start = time.perf_counter()
     from ftrs import _core
 
-    torch.set_num_threads(args.threads)
-    _core.quant_set_threads(args.threads)
+    common.use_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     quant_torch = args.quant_torch_threads or args.threads
     torch_threads = {f: args.threads if f == "F32" else quant_torch for f in FORMATS}

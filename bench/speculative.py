@@ -38,8 +38,6 @@ import sys
 import time
 from typing import Any
 
-import torch
-
 import _common as common
 from ftrs.engine.protocol import GenerateRequest
 from ftrs.llm import LLM
@@ -110,10 +108,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16)")
     args = ap.parse_args()
     t_start = time.perf_counter()
-    from ftrs import _core
-
-    torch.set_num_threads(args.threads)
-    _core.quant_set_threads(args.threads)
+    common.use_threads(args.threads)
     ks = [0] + [int(k) for k in args.ks.split(",")]
     settings = args.settings.split(",")
     dtype = "float32" if args.device == "cpu" else "bfloat16"
