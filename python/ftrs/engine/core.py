@@ -21,7 +21,7 @@ from ftrs.engine.grammar import GrammarCache, MaskFiller, advance
 from ftrs.engine.protocol import GenerateRequest, StepStats, TokenEvent
 from ftrs.engine.runtime import Runtime
 from ftrs.engine.sampler import sample
-from ftrs.engine.spec import NgramDrafter, commit_step
+from ftrs.engine.spec import NgramDrafter, StepCost, commit_step
 from ftrs.errors import ConfigError, ContextLengthExceeded, DeviceError, FtrsError, InvalidRequest
 from ftrs.kvcache.pages import PagePool
 from ftrs.kvcache.state import StateSlots
@@ -86,8 +86,10 @@ class EngineCore:
         # requests whose grammar is compiling on the compile worker; scheduled once it is done
         self._compiling: dict[str, tuple[Sequence, futures.Future[Any]]] = {}
         self._compiler: futures.ThreadPoolExecutor | None = None
-        # n-gram speculative decoding (engine/spec.py); never over linear attention's state
-        self._drafter = (NgramDrafter(config.speculative_ngram, self.max_model_len)
+        # n-gram speculative decoding (engine/spec.py); never over linear attention's state.
+        # What decode steps cost is the engine's, kept whatever the draft limit
+        self._step_cost = StepCost()
+        self._drafter = (NgramDrafter(config.speculative_ngram, self.max_model_len, self._step_cost)
                          if config.speculative_ngram and not self.has_states else None)
         if config.speculative_ngram and self.has_states:
             log.info("speculative decoding off: %s has linear attention layers, whose state "
@@ -376,10 +378,12 @@ class EngineCore:
     def set_speculative_ngram(self, max_draft: int,
                               step_cost: Callable[[int], float | None] | None = None) -> None:
         """Draft up to `max_draft` tokens per decode from the next step on (0: off; benches
-        compare both over one loaded engine); its counts start again. `step_cost`: seconds of
-        a decode step by its rows, instead of the ones measured (tests: drafts made free)."""
+        compare both over one loaded engine); its counts start again, what steps cost is kept.
+        `step_cost`: seconds of a decode step by its rows, instead of the ones measured (tests:
+        drafts made free)."""
         EngineConfig(speculative_ngram=max_draft)  # the option's validation
-        self._drafter = (NgramDrafter(max_draft, self.max_model_len, step_cost)
+        cost = step_cost if step_cost is not None else self._step_cost
+        self._drafter = (NgramDrafter(max_draft, self.max_model_len, cost)
                          if max_draft and not self.has_states else None)
 
     def speculative_stats(self) -> dict[str, int]:
