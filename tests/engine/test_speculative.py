@@ -10,7 +10,7 @@ import pytest
 
 from ftrs.config import EngineConfig
 from ftrs.engine.protocol import GenerateRequest
-from ftrs.engine.spec import MAX_NGRAM, MIN_NGRAM, NgramIndex, StepCost, best_draft
+from ftrs.engine.spec import MAX_NGRAM, MIN_NGRAM, STALE_STEPS, NgramIndex, StepCost, best_draft
 from ftrs.errors import ConfigError
 from ftrs.kvcache.pages import PagePool
 from ftrs.llm import LLM
@@ -86,6 +86,11 @@ def test_step_cost_is_estimated_optimistically_where_unseen() -> None:
     assert cost(0) == 1.0  # below the smallest: as the smallest
     cost.observe(5, 3.0)  # recent steps weigh more
     assert 2.0 < (cost(5) or 0) < 3.0
+    for _ in range(STALE_STEPS + 16):  # a size not seen for long is forgotten
+        cost.observe(1, 1.0)
+    assert cost.seconds == {1: 1.0} and cost(2) == 1.0 and cost(5) == 2.5
+    cost.clear()
+    assert cost(1) is None
 
 
 def test_best_draft_weighs_the_tokens_expected_against_the_step_cost() -> None:

@@ -407,6 +407,7 @@ class EngineCore:
         between steps, from the thread that runs them."""
         if self.rt.decoder.moe is None:
             raise ConfigError(f"{self.spec.arch}: a dense model has no MoE strategy to replace")
+        self._step_cost.clear()  # its steps cost what they cost: measured again
         return self.rt.replace_moe(strategy)  # decode graphs are captured again for it
 
     def moe_parts(self) -> MoEParts:

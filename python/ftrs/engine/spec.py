@@ -47,6 +47,7 @@ MIN_NGRAM, MAX_NGRAM = 2, 4
 MAX_DRAFT = 16  # `EngineConfig.speculative_ngram`'s upper bound
 DECAY = 0.8  # weight of a request's older draft outcomes at each new one
 COST_DECAY = 0.7  # weight of a size's older steps in its cost, at each new one
+STALE_STEPS = 256  # a size not seen in this many decode steps is forgotten (measured again)
 
 
 @dataclass(slots=True)
@@ -109,14 +110,28 @@ class StepCost:
     cost grows concavely with its rows: shared weights are read once, routed experts once per
     distinct expert); beyond the largest, as that one (it cannot cost less) up to twice its
     rows, then in proportion to the rows, so larger steps are tried in doublings, each at most
-    twice the cost of the largest seen."""
+    twice the cost of the largest seen. A size not seen for `STALE_STEPS` decode steps is
+    forgotten: costs drift (contexts grow, batches change, the guard paces the link), and a
+    stale high cost would stop drafts for good."""
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}
+        self._seen: dict[int, int] = {}  # size -> the decode step it was last seen at
+        self._steps = 0
 
     def observe(self, rows: int, seconds: float) -> None:
+        self._steps += 1
         old = self.seconds.get(rows)
         self.seconds[rows] = seconds if old is None else old + (1 - COST_DECAY) * (seconds - old)
+        self._seen[rows] = self._steps
+        if self._steps % 16 == 0:
+            for size in [r for r, at in self._seen.items() if self._steps - at > STALE_STEPS]:
+                del self.seconds[size], self._seen[size]
+
+    def clear(self) -> None:
+        """Forget every cost (the engine's steps changed: another MoE strategy)."""
+        self.seconds.clear()
+        self._seen.clear()
 
     def __call__(self, rows: int) -> float | None:
         """The estimate for a step of `rows` rows; None before any step was seen."""
