@@ -3,7 +3,9 @@
 One request at a time (a single stream: the user this engine is for), greedy, EOS ignored,
 `--tokens` tokens each. For every setting the same engine decodes the same prompts with drafts
 off (K = 0) and with each K of `--ks`, taking turns for `--rounds` rounds, so the host's load
-drifts over all of them alike.
+drifts over all of them alike. What decode steps cost (the table drafts are sized by,
+`engine/spec.py`) is kept across the K switches, as a server keeps it, and learned again at
+each switch of MoE strategy (resident, offload): the first drafting runs after one pay for it.
 
 - Workloads: `repeat`, prompts that end inside a passage they already contain (a source file
   of this repository, then its first lines again): the model copies, the case drafts are for
