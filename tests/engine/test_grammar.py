@@ -280,8 +280,7 @@ def test_logit_bias_changes_the_greedy_choice_as_computed_by_hand(llm: LLM) -> N
 def test_logit_bias_shifts_sampled_frequencies() -> None:
     logits = torch.zeros(1, 4)
     params = SamplingParams(temperature=1.0, logit_bias=((2, math.log(7.0)),))  # p = 7/10
-    seqs = [Sequence(f"r{i}", [1], 1, params, torch.Generator().manual_seed(i), 0.0)
-            for i in range(2000)]
+    seqs = [Sequence(f"r{i}", [1], 1, params, i, 0.0) for i in range(2000)]
     draws = sample(logits.expand(len(seqs), 4), seqs).tokens
     share = draws.count(2) / len(draws)
     assert abs(share - 0.7) < 0.04  # 4 sigma of a binomial(2000, 0.7)
@@ -316,14 +315,15 @@ def test_unpack_reads_bit_j_of_word_w_as_token_32w_plus_j() -> None:
 
 def test_masked_rows_draw_only_allowed_tokens_and_others_are_untouched() -> None:
     vocab = 50
-    logits = torch.randn(3, vocab)
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    logits[0, [3, 7]] = 0.0  # the two allowed tokens of row 0 equally likely
     allowed = torch.zeros(2, vocab, dtype=torch.bool)
     allowed[0, [3, 7]] = True
     allowed[1, [11]] = True
-    seqs = [Sequence(f"r{i}", [1], 1, SamplingParams(temperature=1.0),
-                     torch.Generator().manual_seed(i), 0.0) for i in range(3)]
     seen: list[set[int]] = [set(), set(), set()]
-    for _ in range(60):
+    for k in range(60):
+        seqs = [Sequence(f"r{i}", [1], 1, SamplingParams(temperature=1.0), 3 * k + i, 0.0)
+                for i in range(3)]
         out = sample(logits, seqs, allowed, [0, 2])
         for i, t in enumerate(out.tokens):
             assert t is not None

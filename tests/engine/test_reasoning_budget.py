@@ -129,13 +129,11 @@ def test_anthropic_budget_tokens_is_the_budget() -> None:
 
 def test_the_budget_module_needs_no_engine() -> None:
     """`forced_token`/`after_token` on a bare sequence: the count, the end, then nothing."""
-    import torch
-
     from ftrs.engine.budget import after_token, forced_token
     from ftrs.scheduler.sequence import Sequence
 
     b = ReasoningBudget(2, 10, 11, (12, 11, 13), opened=False)
-    s = Sequence("r", [1, 2], 2, SamplingParams(reasoning_budget=b), torch.Generator(), 0.0)
+    s = Sequence("r", [1, 2], 2, SamplingParams(reasoning_budget=b), 0, 0.0)
     written = []
     for sampled in (7, 10, 7, 7, 99, 99, 99, 10, 7, 7, 7):
         tok = forced_token(s)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ftrs.engine.protocol import GenerateRequest, TokenEvent
-from ftrs.engine.sampler import _draw, sample
+from ftrs.engine.sampler import _draw, sample, uniform
 from ftrs.llm import LLM
 from ftrs.sampling import SamplingParams
 from ftrs.scheduler.sequence import Sequence
@@ -23,9 +23,8 @@ NORMAL = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=7, ignor
 
 
 def seq(params: SamplingParams, tokens: list[int] | None = None, seed: int = 0) -> Sequence:
-    gen = None if params.greedy else torch.Generator().manual_seed(seed)
     toks = tokens or [1, 2]
-    return Sequence("r", list(toks), len(toks), params, gen, 0.0)
+    return Sequence("r", list(toks), len(toks), params, None if params.greedy else seed, 0.0)
 
 
 # --- the math of one row, against numpy ---------------------------------------------------------
@@ -58,11 +57,10 @@ def test_draws_stay_in_the_allowed_set_and_follow_the_probabilities(
         params: SamplingParams) -> None:
     logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -1.0, -3.0, 0.9])
     want = allowed(logits.numpy(), params)
-    # rows with the same parameters: each row draws from its own generator
-    seqs = [seq(params, seed=s) for s in range(16)]
+    # rows with the same parameters: each row draws with its own seed
     got: Counter[int] = Counter()
-    for _ in range(60):
-        out = sample(logits.repeat(16, 1), seqs)
+    for i in range(60):
+        out = sample(logits.repeat(16, 1), [seq(params, seed=16 * i + s) for s in range(16)])
         assert all(e is None for e in out.errors)
         got.update(t for t in out.tokens if t is not None)
     assert set(got) <= want
@@ -74,9 +72,9 @@ def test_sampled_frequencies_match_the_softmax() -> None:
     params = SamplingParams(temperature=1.0)
     probs = np.exp(logits.numpy().astype(np.float64))
     probs /= probs.sum()
-    seqs = [seq(params, seed=s) for s in range(100)]
-    n = 40 * len(seqs)
-    counts = Counter(t for _ in range(40) for t in sample(logits.repeat(100, 1), seqs).tokens)
+    n = 40 * 100
+    counts = Counter(t for i in range(40) for t in sample(
+        logits.repeat(100, 1), [seq(params, seed=100 * i + s) for s in range(100)]).tokens)
     for t, p in enumerate(probs):
         sd = math.sqrt(n * p * (1 - p))
         assert abs(counts[t] - n * p) < 5 * sd, (t, counts[t], n * p)
@@ -92,13 +90,51 @@ def test_same_seed_same_tokens_whatever_the_batch() -> None:
 
     def run(rows: list[int]) -> list[int | None]:
         seqs = [seq(params[r], tokens=[1, 2, 3, r], seed=100 + r) for r in rows]
-        return [t for _ in range(5) for t in sample(logits[rows], seqs).tokens]
+        out: list[int | None] = []
+        for _ in range(5):  # each draw at the next position, after the tokens drawn so far
+            toks = sample(logits[rows], seqs).tokens
+            for s, t in zip(seqs, toks):
+                assert t is not None
+                s.tokens.append(t)
+            out += toks
+        return out
 
     batched = run(list(range(6)))
     alone = [run([r]) for r in range(6)]
     for r in range(6):
         assert batched[r::6] == alone[r], r
     assert run(list(range(6))) == batched
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, repetition_penalty=3.0),
+    SamplingParams(temperature=0.7, presence_penalty=1.5, frequency_penalty=0.5, top_k=4),
+], ids=["greedy", "sampled"])
+def test_a_drafts_rows_draw_as_the_one_token_steps_after_its_tokens(
+        params: SamplingParams) -> None:
+    """Consecutive rows of one sequence are its next positions: each sees the draft tokens
+    before it (penalties) and draws with its own position's number, as a sequence holding those
+    tokens would."""
+    logits = torch.tensor([[2.0, 1.9, 1.8, 1.7, 1.6, 0.0]] * 4)
+    for seed in range(20):
+        s = seq(params, tokens=[5, 5], seed=seed)
+        s.draft = [0, 1, 2]
+        got = sample(logits, [s] * 4).tokens
+        want = []
+        for j in range(4):
+            one = seq(params, tokens=[5, 5, *s.draft[:j]], seed=seed)
+            one.num_prompt = 2
+            want += sample(logits[:1], [one]).tokens
+        assert got == want, seed
+    if params.greedy:  # each row's penalty moved the argmax past the draft tokens before it
+        assert want == [0, 1, 2, 3]
+
+
+def test_a_draw_is_keyed_by_seed_and_position() -> None:
+    assert uniform(7, 3) == uniform(7, 3)
+    draws = {uniform(seed, t) for seed in (-2, 0, 1, 2**63) for t in range(50)}
+    assert len(draws) == 200 and all(0.0 <= u < 1.0 for u in draws)
+    assert uniform(-1, 5) == uniform(2**64 - 1, 5)  # seeds are taken mod 2**64
 
 
 def test_greedy_with_penalties_and_logprobs_follows_the_math() -> None:
@@ -146,7 +182,7 @@ def test_a_tiny_temperature_divides_without_nan(temperature: float) -> None:
     sampler does not rely on it): the limit of the math is the argmax."""
     x = torch.tensor([[3.0e38, 2.0, 3.0e38 - 3.0e31, 5.0, -3.0e38, 0.0]], dtype=torch.float64)
     s = seq(SamplingParams(temperature=temperature, top_p=0.5, top_k=3, min_p=0.5), seed=1)
-    assert _draw(x, [s]) == [0]
+    assert _draw(x, [s], [len(s.tokens)]) == [0]
 
 
 def test_a_row_with_nothing_finite_fails_alone() -> None:

@@ -115,8 +115,8 @@ class EngineCore:
                 evidence={"prompt_tokens": len(prompt), "max_tokens": params.max_tokens})
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._seed_gen))
-        gen = None if params.greedy else torch.Generator().manual_seed(seed)
-        seq = Sequence(req.request_id, prompt, len(prompt), params, gen, req.arrival_time)
+        seq = Sequence(req.request_id, prompt, len(prompt), params,
+                       None if params.greedy else seed, req.arrival_time)
         if params.structured is not None and not self._grammars.cached(params.structured):
             # a new grammar compiles off the loop (ms to a few 100 ms for a large schema): the
             # running requests keep stepping, this one is scheduled when its matcher is ready,

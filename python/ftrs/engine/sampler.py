@@ -2,8 +2,9 @@
 
 Order, as in common engines: penalties on the raw logits (repetition over prompt and output,
 presence and frequency over the output), then temperature, then top-k, top-p and min-p
-filtering, then a draw from the request's own seeded generator. Every operation acts on each
-row alone, so a seed gives the same tokens whether the request runs alone or in a batch.
+filtering, then a draw keyed by the request's seed and the token's position. Every operation
+acts on each row alone, so a seed gives the same tokens whether the request runs alone or in a
+batch.
 Temperature 0 is argmax.
 
 Constraints come first, on the logits' device: `logit_bias` is added to the raw logits, then
@@ -19,8 +20,15 @@ Rows split three ways, so the common case costs the least:
   cross to the host;
 - every other row is copied to the host once and computed in float64, batched: penalties,
   temperature, filters, softmax;
-- the draw: one uniform number per sampled row from its own generator, then one batched
-  inverse-CDF lookup (`searchsorted` over the cumulative probabilities).
+- the draw: one uniform number per sampled row, then one batched inverse-CDF lookup
+  (`searchsorted` over the cumulative probabilities).
+
+The uniform number of a draw is a function of the request's seed and the position of the token
+drawn, nothing else (`uniform`: SplitMix64 over both). A seed thus gives the same tokens alone or
+in a batch, after a preemption that recomputes the sequence, and with speculative decoding: a
+draft row at position t computed from accepted tokens sees the distribution and the number the
+one-token step at t would see, so it draws the same token (`ftrs.engine.spec`), and the rows of
+rejected drafts consume nothing.
 
 Overflow. `temperature` and `repetition_penalty` are any positive finite number (1e-300
 included), so the math must not overflow into nan. In float64 (range 1e308, where the fp32
@@ -46,6 +54,23 @@ from ftrs.engine.protocol import TokenLogprob
 from ftrs.scheduler.sequence import Sequence
 
 _MAX = torch.finfo(torch.float64).max
+_M64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit words whose outputs pass BigCrush."""
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 & _M64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB & _M64
+    return z ^ (z >> 31)
+
+
+def uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) of the draw of the token at `position` (its index in the
+    sequence, prompt included) of a request seeded with `seed` (any integer; taken mod 2**64).
+    Distinct positions of one seed, and distinct seeds, give independent-looking numbers."""
+    z = _mix64((seed + 0x9E3779B97F4A7C15) & _M64)
+    z = _mix64((z + (position + 1) * 0x9E3779B97F4A7C15) & _M64)
+    return (z >> 11) * 2.0 ** -53
 
 
 class SampleOutput(NamedTuple):
@@ -64,10 +89,15 @@ def _plain_greedy(seq: Sequence) -> bool:
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], allowed: torch.Tensor | None = None,
            allowed_rows: Sequence_[int] = ()) -> SampleOutput:
-    """`logits`: (len(seqs), vocab) fp32, on any device. One token per sequence. `allowed`:
-    (len(allowed_rows), vocab) bool on the same device, the grammar's mask of those rows."""
+    """`logits`: (len(seqs), vocab) fp32, on any device. One token per row. `allowed`:
+    (len(allowed_rows), vocab) bool on the same device, the grammar's mask of those rows.
+    Consecutive rows of one sequence are its next positions (a speculative draft's rows): the
+    first draws the token after `seq.tokens`, each next one the token after that."""
     logits = constrain(logits, seqs, allowed, allowed_rows)
     n = len(seqs)
+    positions: list[int] = []
+    for i, s in enumerate(seqs):
+        positions.append(positions[-1] + 1 if i and seqs[i - 1] is s else len(s.tokens))
     tokens: list[int | None] = [None] * n
     records: list[TokenLogprob | None] = [None] * n
     errors: list[str | None] = [None] * n
@@ -85,7 +115,8 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], allowed: torch.Tensor | N
     if slow:
         raw = (logits if len(slow) == n else
                logits[torch.tensor(slow, device=logits.device)]).to("cpu", torch.float32)
-        _sample_rows(raw, [seqs[i] for i in slow], slow, tokens, records, errors)
+        _sample_rows(raw, [seqs[i] for i in slow], [positions[i] for i in slow], slow, tokens,
+                     records, errors)
     return SampleOutput(tokens, records, errors)
 
 
@@ -115,11 +146,11 @@ def constrain(logits: torch.Tensor, seqs: list[Sequence], allowed: torch.Tensor 
     return x
 
 
-def _sample_rows(raw: torch.Tensor, seqs: list[Sequence], where: list[int],
+def _sample_rows(raw: torch.Tensor, seqs: list[Sequence], positions: list[int], where: list[int],
                  tokens: list[int | None], records: list[TokenLogprob | None],
                  errors: list[str | None]) -> None:
     """The rows that need more than an argmax; `raw`: (rows, vocab) fp32 on the host."""
-    x = _penalize(raw.double(), seqs)
+    x = _penalize(raw.double(), seqs, positions)
     greedy = [s.params.greedy for s in seqs]
     picked: list[int | None] = [None] * len(seqs)
     if any(greedy):
@@ -129,7 +160,8 @@ def _sample_rows(raw: torch.Tensor, seqs: list[Sequence], where: list[int],
                 picked[r] = tok if b > -float("inf") else None
     drawn = [r for r, g in enumerate(greedy) if not g]
     if drawn:
-        for r, tok in zip(drawn, _draw(x[drawn], [seqs[r] for r in drawn])):
+        for r, tok in zip(drawn, _draw(x[drawn], [seqs[r] for r in drawn],
+                                       [positions[r] for r in drawn])):
             picked[r] = tok
     lp_rows = [r for r, s in enumerate(seqs) if s.params.logprobs is not None]
     lp = top = None
@@ -153,15 +185,21 @@ def _sample_rows(raw: torch.Tensor, seqs: list[Sequence], where: list[int],
             records[i] = TokenLogprob(tok, float(lp[j, tok]), alts)
 
 
-def _penalize(x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Repetition, presence and frequency penalties, each row by its own request's values."""
+def _penalize(x: torch.Tensor, seqs: list[Sequence], positions: list[int]) -> torch.Tensor:
+    """Repetition, presence and frequency penalties, each row by its own request's values and
+    the tokens before its position: a draft row's include the draft tokens before it."""
     n, vocab = x.shape
+
+    def before(r: int) -> list[int]:
+        s = seqs[r]
+        return s.tokens + s.draft[:positions[r] - len(s.tokens)]
+
     rep = torch.tensor([s.params.repetition_penalty for s in seqs], dtype=torch.float64)
     if bool((rep != 1.0).any()):
         seen = torch.zeros(n, vocab, dtype=torch.bool)
         for r, s in enumerate(seqs):
             if s.params.repetition_penalty != 1.0:
-                seen[r, torch.tensor(s.tokens, dtype=torch.long)] = True
+                seen[r, torch.tensor(before(r), dtype=torch.long)] = True
         pen = rep[:, None]
         x = torch.where(seen, torch.where(x > 0, x / pen, x * pen), x)
     pres = [s.params.presence_penalty for s in seqs]
@@ -169,8 +207,8 @@ def _penalize(x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     if any(pres) or any(freq):
         counts = torch.zeros(n, vocab, dtype=torch.float64)
         for r, s in enumerate(seqs):
-            if (pres[r] or freq[r]) and s.num_output:
-                out = torch.tensor(s.output_tokens, dtype=torch.long)
+            if (pres[r] or freq[r]) and positions[r] > s.num_prompt:
+                out = torch.tensor(before(r)[s.num_prompt:], dtype=torch.long)
                 counts[r].index_add_(0, out, torch.ones(out.numel(), dtype=torch.float64))
         f = torch.tensor(freq, dtype=torch.float64)[:, None]
         p = torch.tensor(pres, dtype=torch.float64)[:, None]
@@ -178,9 +216,10 @@ def _penalize(x: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return x.nan_to_num(nan=-float("inf"), posinf=_MAX, neginf=-float("inf"))  # see above
 
 
-def _draw(x: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
-    """Temperature, top-k, top-p, min-p, then one draw per row from its own generator.
-    `x`: (rows, vocab) float64 penalised logits. None for a row with no finite probability."""
+def _draw(x: torch.Tensor, seqs: list[Sequence], positions: list[int]) -> list[int | None]:
+    """Temperature, top-k, top-p, min-p, then one draw per row, keyed by its sequence's seed
+    and the row's token position. `x`: (rows, vocab) float64 penalised logits. None for a row
+    with no finite probability."""
     n, vocab = x.shape
     temp = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float64)[:, None]
     top = x.max(dim=-1, keepdim=True).values
@@ -209,9 +248,8 @@ def _draw(x: torch.Tensor, seqs: list[Sequence]) -> list[int | None]:
     total = cdf[:, -1:]
     good = torch.isfinite(total) & (total > 0)  # (rows, 1)
     cdf = torch.where(good, cdf, 0.0)
-    u = torch.empty(n, 1, dtype=torch.float64)
-    for r, s in enumerate(seqs):
-        u[r, 0] = float(torch.rand((), dtype=torch.float64, generator=s.generator))
+    u = torch.tensor([[uniform(s.seed or 0, t)] for s, t in zip(seqs, positions)],
+                     dtype=torch.float64).reshape(n, 1)
     # the first token whose cumulative probability exceeds u * total: never one of probability
     # 0; `last` (the last token of positive probability) catches u * total rounding to total
     picked = torch.searchsorted(cdf, u * torch.where(good, total, 0.0), right=True)

@@ -28,7 +28,9 @@ class Sequence:
     tokens: list[int]
     num_prompt: int
     params: SamplingParams
-    generator: torch.Generator | None
+    #: the request's seed: the draw for the token at position t is a function of (seed, t)
+    #: alone (`engine.sampler.uniform`); None for a greedy request
+    seed: int | None
     arrival: float
     status: Status = Status.WAITING
     num_computed: int = 0
