@@ -1,7 +1,7 @@
 """N-gram speculative decoding (`--speculative-ngram K`) beside plain decoding, on one engine.
 
-One request at a time (a single stream: the user this engine is for), greedy, EOS ignored,
-`--tokens` tokens each. For every setting the same engine decodes the same prompts with drafts
+One request at a time (a single stream: the user this engine is for), greedy (or sampled at
+`--temperature` with a seed per prompt), EOS ignored, `--tokens` tokens each. For every setting the same engine decodes the same prompts with drafts
 off (K = 0) and with each K of `--ks`, taking turns for `--rounds` rounds, so the host's load
 drifts over all of them alike. What decode steps cost (the table drafts are sized by,
 `engine/spec.py`) is kept across the K switches, as a server keeps it, and learned again at
@@ -23,10 +23,12 @@ each switch of MoE strategy (resident, offload): the first drafting runs after o
   of the steps without a prefill token; `vs_off`, that rate over K = 0's, paired by round,
   median; `accepted_ratio`, accepted over computed draft tokens; `tokens_per_step`, tokens a
   decode step produced; `same_tokens`, whether every request's tokens equal K = 0's (they must:
-  only argmax-confirmed tokens are kept).
+  a draft token is kept only when it is the token the one-token step draws at its place, with
+  the same seed).
 
     .venv/bin/python bench/speculative.py
     .venv/bin/python bench/speculative.py --rounds 1 --tokens 32 --ks 4
+    .venv/bin/python bench/speculative.py --temperature 0.7 --settings resident
     .venv/bin/python bench/speculative.py --device cuda --rounds 1 --tokens 32
 """
 
@@ -64,12 +66,13 @@ def workloads(llm: LLM, n: int) -> dict[str, list[list[int]]]:
     return {"repeat": repeat, "chat": chat}
 
 
-def decode(llm: LLM, prompt: list[int], tokens: int) -> dict[str, Any]:
-    """One greedy request alone: its tokens, and the decode steps' seconds and tokens."""
+def decode(llm: LLM, prompt: list[int], tokens: int, temperature: float = 0.0,
+           seed: int = 0) -> dict[str, Any]:
+    """One request alone: its tokens, and the decode steps' seconds and tokens."""
     eng = llm.engine
     rid = f"spec-{time.monotonic_ns()}"
     eng.add_request(GenerateRequest(rid, prompt, SamplingParams(
-        max_tokens=tokens, temperature=0, ignore_eos=True)))
+        max_tokens=tokens, temperature=temperature, seed=seed, ignore_eos=True)))
     out: list[int] = []
     secs = 0.0
     dec_tokens = steps = drafted = accepted = 0
@@ -108,6 +111,8 @@ def main() -> None:
     ap.add_argument("--settings", default="resident,offload")
     ap.add_argument("--threads", type=int, default=1, help="torch's and the kernels' threads")
     ap.add_argument("--device", default="cpu", help="cpu (fp32) or cuda (bf16)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy; above: sampled, prompt i seeded with i")
     args = ap.parse_args()
     t_start = time.perf_counter()
     common.use_threads(args.threads)
@@ -116,7 +121,8 @@ def main() -> None:
     dtype = "float32" if args.device == "cpu" else "bfloat16"
     llm = LLM(args.model or common.demo_path(), device=args.device, dtype=dtype, kv_tokens=4096)
     out: dict[str, Any] = {"model": args.model or "demo", "device": args.device, "dtype": dtype,
-                           "threads": args.threads, "tokens": args.tokens, "ks": ks}
+                           "threads": args.threads, "tokens": args.tokens, "ks": ks,
+                           "temperature": args.temperature}
     try:
         resident: MoEStrategy | None = llm.engine.moe_strategy()
         assert resident is not None, "the model has no routed experts"
@@ -133,7 +139,9 @@ def main() -> None:
                 for w, ps in prompts.items():
                     for k in ks:
                         llm.engine.set_speculative_ngram(k)
-                        runs[setting][w][k].append([decode(llm, p, args.tokens) for p in ps])
+                        runs[setting][w][k].append([decode(llm, p, args.tokens,
+                                                           args.temperature, seed)
+                                                    for seed, p in enumerate(ps)])
                 if strat is not None:
                     llm.engine.use_moe_strategy(resident)
                     strat.close()

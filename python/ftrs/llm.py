@@ -91,6 +91,8 @@ class LLM:
                     while (len(c.token_ids) > before + 1
                            and self._hit_stop(c.token_ids[:-1], params)):
                         c.token_ids.pop()
+                    if c.logprobs is not None:  # one record per token kept
+                        del c.logprobs[len(c.token_ids):]
                     self.engine.abort(ev.request_id)
                     c.finish_reason = "stop"
                     pending.discard(ev.request_id)

@@ -1,5 +1,6 @@
-"""N-gram speculative decoding (engine/spec.py): drafts change no greedy token, stop exactly where
-decoding one token at a time stops, take only what is left of a step, and are sized by cost."""
+"""N-gram speculative decoding (engine/spec.py): drafts change no token (greedy, or sampled with a
+seed), stop exactly where decoding one token at a time stops, take only what is left of a step,
+and are sized by cost."""
 
 from __future__ import annotations
 
@@ -10,11 +11,19 @@ import pytest
 
 from ftrs.config import EngineConfig
 from ftrs.engine.protocol import GenerateRequest
-from ftrs.engine.spec import MAX_NGRAM, MIN_NGRAM, STALE_STEPS, NgramIndex, StepCost, best_draft
+from ftrs.engine.spec import (
+    MAX_NGRAM,
+    MIN_NGRAM,
+    STALE_STEPS,
+    NgramIndex,
+    StepCost,
+    best_draft,
+    can_draft,
+)
 from ftrs.errors import ConfigError
 from ftrs.kvcache.pages import PagePool
 from ftrs.llm import LLM
-from ftrs.sampling import SamplingParams
+from ftrs.sampling import ReasoningBudget, SamplingParams, StructuredSpec
 from ftrs.scheduler.scheduler import Scheduler, Work
 from ftrs.scheduler.sequence import Sequence, Status
 
@@ -289,13 +298,15 @@ def test_a_draft_stops_where_one_token_at_a_time_stops(moe_path: str) -> None:
 
 def test_a_stop_string_mid_draft_keeps_the_tokens_one_at_a_time_keeps(demo_model: Path) -> None:
     prompt = "Repeat this line five times: the cat sat on the mat, the cat sat on the mat,"
-    params = SamplingParams(max_tokens=40, temperature=0,
+    params = SamplingParams(max_tokens=40, temperature=0, logprobs=1,
                             stop=["cat sat on the mat, the cat sat on the mat, the cat"])
     ref = LLM(str(demo_model), kv_tokens=1024).generate([prompt], params)[0]
     assert ref.finish_reason == "stop" and ref.text == " the "  # the model repeats the line
     llm = drafting(str(demo_model), kv_tokens=1024)
     c = llm.generate([prompt], params)[0]
     assert (c.token_ids, c.text, c.finish_reason) == (ref.token_ids, ref.text, "stop")
+    assert c.logprobs is not None and ref.logprobs is not None  # a record per token kept
+    assert [r.token_id for r in c.logprobs] == [r.token_id for r in ref.logprobs] == c.token_ids
     assert llm.engine.speculative_stats()["accepted_tokens"] > 0
 
 
@@ -307,16 +318,55 @@ def test_the_context_limit_is_kept_mid_draft(moe_path: str) -> None:
     assert c.token_ids == free[:7] and c.finish_reason == "length"
 
 
-def test_requests_that_are_not_plain_greedy_never_draft(moe_path: str) -> None:
+SAMPLED = [
+    SamplingParams(max_tokens=40, temperature=0.3, seed=3, ignore_eos=True),
+    SamplingParams(max_tokens=40, temperature=0.6, top_k=5, top_p=0.9, min_p=0.05, seed=11,
+                   ignore_eos=True),
+    SamplingParams(max_tokens=40, temperature=0.3, seed=5, repetition_penalty=1.02,
+                   presence_penalty=0.02, frequency_penalty=0.01, ignore_eos=True),
+    SamplingParams(max_tokens=40, temperature=0, repetition_penalty=1.05, ignore_eos=True),
+    SamplingParams(max_tokens=40, temperature=0.3, seed=9, logprobs=3, ignore_eos=True),
+]
+
+
+@pytest.mark.parametrize("params", SAMPLED, ids=["sampled", "filtered", "penalized",
+                                                   "greedy-penalized", "logprobs"])
+def test_a_seed_gives_the_same_tokens_with_drafts(moe_path: str, params: SamplingParams) -> None:
+    """Sampled rows draw with the number keyed by seed and position, penalties count the draft
+    tokens before each row, logprobs are each row's: drafts change nothing a request returns."""
+    ref = LLM(moe_path, kv_tokens=2048).generate(PROMPTS, params)
     llm = drafting(moe_path, kv_tokens=2048)
-    sampled = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
-    with_lp = SamplingParams(max_tokens=16, temperature=0, logprobs=2, ignore_eos=True)
-    penalized = SamplingParams(max_tokens=16, temperature=0, repetition_penalty=1.3,
-                               ignore_eos=True)
-    for params in (sampled, with_lp, penalized):
-        ref = one_by_one(moe_path, [PROMPTS[3]], params, kv_tokens=2048)
-        assert [c.token_ids for c in llm.generate([PROMPTS[3]], params)] == ref
-    assert llm.engine.speculative_stats() == {"draft_tokens": 0, "accepted_tokens": 0}
+    out = llm.generate(PROMPTS, params)
+    assert [c.token_ids for c in out] == [c.token_ids for c in ref]
+    for c, r in zip(out, ref):
+        if params.logprobs is None:
+            continue
+        assert c.logprobs is not None and r.logprobs is not None
+        assert len(c.logprobs) == len(r.logprobs) == len(c.token_ids)
+        for a, b in zip(c.logprobs, r.logprobs):
+            assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    stats = llm.engine.speculative_stats()
+    assert stats["accepted_tokens"] > 0, stats  # drafts were made and kept
+    assert stats["draft_tokens"] > stats["accepted_tokens"]  # and some were drawn otherwise
+
+
+def test_what_may_draft() -> None:
+    """A grammar's matcher, a reasoning budget still counting and prompt logits are states of
+    the last kept token: those requests do not draft; every sampling parameter may."""
+    def seq(params: SamplingParams, **state: object) -> Sequence:
+        s = Sequence("r", [1, 2, 3, 4], 3, params, 0, 0.0)
+        for k, v in state.items():
+            setattr(s, k, v)
+        return s
+
+    assert all(can_draft(seq(p)) for p in SAMPLED)
+    assert not can_draft(seq(SAMPLED[0], tokens=[1, 2, 3]))  # its first token comes from prefill
+    assert not can_draft(seq(SamplingParams(structured=StructuredSpec("json_object"))))
+    assert not can_draft(seq(GREEDY, prompt_logits=True))
+    budget = ReasoningBudget(8, 10, 11, (12, 11), opened=True)
+    assert not can_draft(seq(SamplingParams(reasoning_budget=budget)))
+    assert can_draft(seq(SamplingParams(reasoning_budget=budget), reasoning_closed=True))
 
 
 def test_step_stats_count_drafted_and_accepted_tokens(moe_path: str) -> None:

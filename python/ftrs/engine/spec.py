@@ -1,6 +1,6 @@
 """N-gram speculative decoding: drafts looked up in the request's own tokens, verified in one step.
 
-A greedy request that repeats itself (code edits, quoting its prompt, JSON over a fixed set of
+A request that repeats itself (code edits, quoting its prompt, JSON over a fixed set of
 keys, lists) can be read ahead from its own context: if its last n tokens (n = 4, 3, then 2)
 occurred before, the tokens that followed that occurrence are a draft of what comes next. A
 decode step then computes the request's last token and its draft of m tokens as m + 1 rows,
@@ -11,10 +11,17 @@ offloaded MoE the experts a step's rows share are fetched once for all of them; 
 memory-bound GPU the extra rows are nearly free; on a compute-bound CPU each row costs its
 FLOPs, so only a high acceptance pays (`bench/speculative.py` measures which it is).
 
-What makes it exact: only plain greedy rows draft (argmax, no penalties, no logprobs, no grammar,
-no reasoning budget in force, no prompt logits), and a token is accepted only when it equals the
-argmax the model computed at its position from accepted tokens only, so the output is the one
-of decoding one token at a time, up to the rounding of a batch of rows against one row.
+What makes it exact: a draft token is accepted only when it equals the token the sampler drew at
+its place, from the model's logits at that position given accepted tokens only. For a greedy
+row that is the argmax; for a sampled row it is a draw with the request's parameters (penalties
+counting the draft tokens before it) and the uniform number keyed by the request's seed and the
+position (`engine.sampler.uniform`), the number the one-token step at that position would use.
+So a draft token is accepted with the probability the model gives it, a rejected one is replaced
+by a draw from the rest of that distribution (speculative sampling's rule for a draft of one
+certain token), and the output is the very one of decoding one token at a time with the same
+seed, up to the rounding of a batch of rows against one row. Logprobs are each row's own. Rows
+under a grammar (its matcher is at the last kept token), a reasoning budget still counting, or
+prompt logits do not draft.
 The KV rows written for rejected tokens lie beyond `num_computed` and are overwritten by the
 next step. Models with linear attention layers never draft: their recurrent state cannot step
 back over a rejected token.
@@ -93,13 +100,11 @@ class NgramIndex:
 
 
 def can_draft(seq: Sequence) -> bool:
-    """Whether `seq`'s next tokens may be drafted: a plain greedy request past its first
-    token, whose rows the sampler picks by argmax alone."""
-    p = seq.params
-    budget = p.reasoning_budget
-    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0
-            and not p.presence_penalty and not p.frequency_penalty and p.structured is None
-            and not seq.prompt_logits and seq.num_output > 0
+    """Whether `seq`'s next tokens may be drafted: a request past its first token whose rows
+    the sampler computes from the tokens before them alone (no grammar, whose matcher is at the
+    last kept token; no reasoning budget still being counted; no prompt logits)."""
+    budget = seq.params.reasoning_budget
+    return (seq.params.structured is None and not seq.prompt_logits and seq.num_output > 0
             and (budget is None or (seq.reasoning_closed and not seq.forced)))
 
 
@@ -259,8 +264,10 @@ def commit_step(work: list[Work], seqs: list[Sequence], sampled: tuple[list[Any]
             seq.num_computed += 1  # the draft token's KV row was computed from kept tokens
             kept += 1
             nxt = append(seq, toks[r + j + 1], recs[r + j + 1], whys[r + j + 1])
+            records = (None if event.logprobs is None or nxt.logprobs is None
+                       else event.logprobs + nxt.logprobs)
             event = TokenEvent(seq.request_id, event.new_token_ids + nxt.new_token_ids,
-                               nxt.finish_reason, None, nxt.num_prompt_tokens,
+                               nxt.finish_reason, records, nxt.num_prompt_tokens,
                                nxt.num_cached_tokens, nxt.error)
         if draft:
             drafted += len(draft)
