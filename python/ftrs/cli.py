@@ -118,10 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(message)s", stream=sys.stderr)
-    try:
+    try:  # an option's type may raise a typed error too (`ftrs serve --port`)
+        args = build_parser().parse_args(argv)
+        logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                            format="%(message)s", stream=sys.stderr)
         return int(args.func(args))
     except FtrsError as e:
         print(f"ftrs: error: {e.message}", file=sys.stderr)

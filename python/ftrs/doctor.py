@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrs.config import ftrs_home
+from ftrs.errors import ConfigError
 from ftrs.guard.link import LinkState, measure_link, probe_link
 from ftrs.guard.policy import (
     DEFAULT_LOSS_MAX_AGE_DAYS,
@@ -217,9 +218,12 @@ def format_text(r: dict[str, Any]) -> str:
         lines.append(f"link: Gen{link['gen_current']} x{link['width_current']} now, max "
                      f"Gen{link['gen_max']} x{link['width_max']} ({link['link_source']})"
                      + ("  BELOW MAX" if link["below_max"] else ""))
-    lines.append(f"bandwidth: H2D {bw['h2d_gbps']} GB/s via {bw['h2d_backend']}; host copy "
-                 f"{bw['host_copy_gbps']} GB/s" + (f"; D2H {bw['d2h_gbps']:.2f} GB/s"
-                                                  if bw["d2h_gbps"] else ""))
+    if bw["h2d_gbps"] is None:  # measure_link fills H2D and host copy; --no-measure skips it
+        lines.append("bandwidth: not measured (--no-measure)")
+    else:
+        lines.append(f"bandwidth: H2D {bw['h2d_gbps']} GB/s via {bw['h2d_backend']}; host copy "
+                     f"{bw['host_copy_gbps']} GB/s" + (f"; D2H {bw['d2h_gbps']:.2f} GB/s"
+                                                      if bw["d2h_gbps"] else ""))
     mem = r["memory"]
     lines.append(f"RAM: {_fmt_bytes(mem['ram_available_bytes'])} available of "
                  f"{_fmt_bytes(mem['ram_total_bytes'])}")
@@ -278,9 +282,11 @@ def format_text(r: dict[str, Any]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="model directory or 'demo'")
-    parser.add_argument("--bundle", default=None, metavar="PATH", help="also write a tar.gz")
-    parser.add_argument("--server-url", default=None, help="snapshot /metrics of this server")
+    parser.add_argument("--model", default=None, help="model directory, GGUF file, or 'demo'")
+    parser.add_argument("--bundle", default=None, metavar="PATH",
+                        help="also write a tar.gz to this file path")
+    parser.add_argument("--server-url", default=None,
+                        help="with --bundle: snapshot /metrics of this server into the bundle")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--no-measure", action="store_true", help="skip bandwidth measurement")
     parser.add_argument("--link-guard-window", type=float, default=DEFAULT_WINDOW_S)
@@ -291,6 +297,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     """`ftrs doctor`: print the report; write the bundle when asked."""
+    check_bundle_args(args.bundle, args.server_url)
     home = ftrs_home()
     report = build_report(args.model, home=home, measure=not args.no_measure,
                           window_s=args.link_guard_window,
@@ -300,6 +307,28 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.bundle:
         from ftrs.guard.bundle import write_bundle
 
-        path = write_bundle(args.bundle, report, text, home=home, server_url=args.server_url)
+        try:
+            path = write_bundle(args.bundle, report, text, home=home, server_url=args.server_url)
+        except OSError as e:
+            raise ConfigError(f"doctor: cannot write --bundle {args.bundle} ({e.strerror or e}): "
+                              "give a file path in a directory you can write to") from e
         print(f"bundle: {path}")
     return 0
+
+
+def check_bundle_args(bundle: str | None, server_url: str | None) -> None:
+    """ConfigError for `--bundle` / `--server-url` mistakes found before the (slow) report: a
+    directory given as the bundle's path, a parent that is a file, a URL with no bundle to go in."""
+    if server_url is not None and not bundle:
+        raise ConfigError("doctor: --server-url only snapshots /metrics into the bundle: add "
+                          "--bundle PATH, or drop --server-url")
+    if not bundle:
+        return
+    path = Path(bundle)
+    if path.is_dir():
+        raise ConfigError(f"doctor: --bundle {bundle} is a directory: give a file path, such as "
+                          f"{path / 'ftrs-doctor.tar.gz'}")
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ConfigError(f"doctor: --bundle {bundle}: {parent} is a file, not a directory: give "
+                          "a file path in a directory")

@@ -110,3 +110,49 @@ def test_kv_figures_of_a_gguf_from_its_header(smollm_gguf: Path) -> None:
     kv = kv_section(str(smollm_gguf), "cuda")
     assert kv["compute_dtype"] == "bfloat16" and kv["context_tokens"] == 8192
     assert kv["bytes_per_token"] == {"auto": 2 * 30 * 3 * 64 * 2, "int8": 2 * 30 * 3 * (64 + 4)}
+
+
+def test_no_measure_says_so_instead_of_none(empty_sysfs: Path, tmp_path: Path) -> None:
+    r = build_report(None, sysfs_root=empty_sysfs, home=tmp_path / "home", measure=False)
+    text = format_text(r)
+    assert "bandwidth: not measured (--no-measure)" in text.splitlines()
+    assert "None" not in text
+
+
+def test_a_model_path_that_is_no_checkpoint_is_named_so(empty_sysfs: Path, tmp_path: Path) -> None:
+    from ftrs.errors import ModelLoadError
+
+    f = tmp_path / "notmodel.txt"
+    f.write_text("not a model")
+    with pytest.raises(ModelLoadError, match="neither a checkpoint directory nor a GGUF file"):
+        build_report(str(f), sysfs_root=empty_sysfs, home=tmp_path / "home", measure=False)
+
+
+def _cli_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    from ftrs.cli import main
+
+    assert main(["doctor", "--no-measure", *argv]) == 2
+    out = capsys.readouterr()
+    err = out.err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("ftrs: error: doctor: "), err
+    return err
+
+
+def test_bundle_and_server_url_mistakes_are_one_line_before_the_report(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FTRS_HOME", str(tmp_path / "home"))
+    f = tmp_path / "file"
+    f.write_text("")
+    err = _cli_error(capsys, "--bundle", str(tmp_path))
+    assert f"--bundle {tmp_path} is a directory" in err and str(tmp_path / "ftrs-doctor.tar.gz") in err
+    assert f"{f} is a file" in _cli_error(capsys, "--bundle", str(f / "b.tar.gz"))
+    assert "add --bundle PATH" in _cli_error(capsys, "--server-url", "http://127.0.0.1:9")
+    assert not (tmp_path / "home").exists()  # refused before any report was made
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs procfs")
+def test_an_unwritable_bundle_path_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FTRS_HOME", str(tmp_path / "home"))
+    err = _cli_error(capsys, "--bundle", "/proc/ftrs-nope/b.tar.gz")
+    assert "cannot write --bundle /proc/ftrs-nope/b.tar.gz" in err

@@ -7,6 +7,7 @@ from dataclasses import fields
 
 import pytest
 
+from ftrs.cli import main
 from ftrs.config import EngineConfig
 from ftrs.errors import ConfigError
 from ftrs.server.cli import add_serve_arguments, engine_config_from_args
@@ -49,3 +50,18 @@ def test_bad_values_raise_typed_config_errors() -> None:
         engine_config_from_args(_parse("--page-size", "3"))
     with pytest.raises(SystemExit):
         _parse("--moe-cache-size", "many")
+
+
+@pytest.mark.parametrize("port", ["99999", "65536", "0", "-1", "abc"])
+def test_a_bad_port_is_a_config_error_at_parse_time(port: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ConfigError, match="--port"):
+        _parse("--port", port)
+    assert main(["serve", "--port", port]) == 2  # before any model is loaded
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("ftrs: error: --port: ") and "1-65535" in err and "\n" not in err
+
+
+def test_ports_in_range_are_accepted() -> None:
+    assert _parse("--port", "1").port == 1
+    assert _parse("--port", "65535").port == 65535

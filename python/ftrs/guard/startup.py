@@ -58,7 +58,7 @@ def model_fetch(model: str, device: str, dtype: str) -> FetchModel:
 
         return gguf_fetch_model(path)
     if not path.is_dir():
-        raise ModelLoadError(str(path), "fetch volumes need a checkpoint directory (GGUF is dense)")
+        raise ModelLoadError(str(path), "neither a checkpoint directory nor a GGUF file")
     spec = load_arch(path)
     if dtype == "auto":
         dtype = "float32" if device == "cpu" else "bfloat16"

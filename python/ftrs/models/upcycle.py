@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from safetensors.torch import save_file
 
 from ftrs.errors import ConfigError, ModelLoadError
 from ftrs.models.gguf_loader import read_gguf
+from ftrs.models.out_dir import prepare_out_dir, writing_into
 from ftrs.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -25,9 +27,18 @@ _MLP = {"mlp.gate_proj.weight": "w1.weight", "mlp.up_proj.weight": "w3.weight",
         "mlp.down_proj.weight": "w2.weight"}
 
 
+def _check_source(src: Path) -> None:
+    """ModelLoadError unless `src` is a directory or a `.gguf` file."""
+    if src.is_dir() or (src.is_file() and src.suffix == ".gguf"):
+        return
+    problem = "a file that is not a GGUF" if src.exists() else "no such file or directory"
+    raise ModelLoadError(str(src), f"{problem}: give a dense llama checkpoint directory or GGUF file")
+
+
 def read_dense(src: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer | None]:
     """(config, tensors under HF names, tokenizer) of a dense llama checkpoint dir or GGUF file."""
-    if src.is_file() and src.suffix == ".gguf":
+    _check_source(src)
+    if src.is_file():
         return read_gguf(src)
     from safetensors.torch import load_file
 
@@ -97,14 +108,22 @@ def upcycle_tensors(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], exper
 
 def upcycle(src: Path, dst: Path, experts: int, top_k: int, seed: int = 0,
             router_std: float = 0.5) -> Path:
+    """Write the upcycled `src` to `dst`, a new or empty directory (ConfigError otherwise: the
+    files of a model already there, the source's own included, would be loaded with the new
+    shards); returns `dst`."""
     if not 1 <= top_k <= experts:
         raise ConfigError(f"upcycle: need 1 <= top-k <= experts, got top-k {top_k}, {experts} experts")
+    _check_source(src)
+    if dst.exists() and os.path.samefile(src, dst):
+        raise ConfigError(f"upcycle: DST {dst} is SRC itself: upcycling in place would mix the "
+                          "dense weights with the new shards; give a new or empty directory")
+    prepare_out_dir(dst, "upcycle", "DST", must_be_empty=True)  # before the (long) read
     cfg, tensors, tokenizer = read_dense(src)
     new_cfg, out = upcycle_tensors(cfg, tensors, experts, top_k, seed, router_std, source=str(src))
-    dst.mkdir(parents=True, exist_ok=True)
-    _save_sharded(out, dst)
-    (dst / "config.json").write_text(json.dumps(new_cfg, indent=2))
-    if tokenizer is not None:
-        tokenizer.save(dst)
+    with writing_into(dst, "upcycle", "DST"):
+        _save_sharded(out, dst)
+        (dst / "config.json").write_text(json.dumps(new_cfg, indent=2))
+        if tokenizer is not None:
+            tokenizer.save(dst)
     log.info("upcycled %s -> %s (%d experts, top-%d)", src, dst, experts, top_k)
     return dst

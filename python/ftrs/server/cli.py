@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,13 +32,28 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # larger request bodies get 413
 DEFAULT_MAX_TOKENS = 1024  # of a chat request without max_tokens (OpenAI: the context's rest)
 DEFAULT_MAX_N = 8  # choices one request may ask for (`n`)
+MAX_PORT = 65535
+
+
+def port_number(text: str) -> int:
+    """`--port`: a TCP port, 1-65535. 0 (any free port) is refused: the server names its URL
+    before it binds, so it would name the wrong one. Raises ConfigError, which argparse passes
+    through, so `ftrs` prints one `ftrs: error:` line instead of its usage."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise ConfigError(f"--port: {text!r} is not a number; give a port 1-{MAX_PORT}") from None
+    if not 1 <= port <= MAX_PORT:
+        raise ConfigError(f"--port: {port} is out of range; give a port 1-{MAX_PORT}")
+    return port
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `ftrs serve`: server options, then one per EngineConfig field."""
     parser.add_argument("--model", default="demo", help="model directory, GGUF file, or 'demo'")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--port", type=port_number, default=8000,
+                        help=f"port to listen on, 1-{MAX_PORT} (default 8000)")
     parser.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer KEY` (all endpoints but /health and "
                              "/metrics); also --api-key-file or $FTRS_API_KEY")
@@ -186,8 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m ftrs.server`: the same as `ftrs serve`, usable before the CLI wires it."""
     parser = argparse.ArgumentParser(prog="ftrs serve", description="Serve a model over an OpenAI-compatible HTTP API.")
     add_serve_arguments(parser)
-    return run_serve(parser.parse_args(argv))
+    try:
+        return run_serve(parser.parse_args(argv))
+    except FtrsError as e:
+        print(f"ftrs: error: {e.message}", file=sys.stderr)
+        return e.exit_code
 
 
-__all__ = ["add_serve_arguments", "check_parser_flags", "engine_config_from_args", "main", "resolve_api_key", "run_serve",
-           "serve_limits"]
+__all__ = ["add_serve_arguments", "check_parser_flags", "engine_config_from_args", "main", "port_number",
+           "resolve_api_key", "run_serve", "serve_limits"]

@@ -1,0 +1,109 @@
+"""`ftrs models make-tiny` and `ftrs models upcycle`: where they may write, and one `ftrs: error:`
+line (exit 2, the path untouched) where they may not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from ftrs.cli import main
+from ftrs.errors import ConfigError
+from ftrs.models.tiny import make_tiny
+from ftrs.models.upcycle import upcycle
+
+
+def _one_error_line(capsys: pytest.CaptureFixture[str], *needles: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("ftrs: error: "), err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in err, (n, err)
+    return err
+
+
+def _listing(d: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(d.iterdir())}
+
+
+@pytest.fixture
+def dense(tmp_path: Path) -> Path:
+    return make_tiny("llama", tmp_path / "dense", seed=0)
+
+
+def test_make_tiny_refuses_a_regular_file_and_leaves_it(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "notmodel.txt"
+    f.write_text("keep me")
+    assert main(["models", "make-tiny", "--arch", "llama", "--out", str(f)]) == 2
+    _one_error_line(capsys, "--out", str(f), "is a file")
+    assert f.read_text() == "keep me"
+
+
+def test_make_tiny_says_which_out_cannot_be_created(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "file"
+    f.write_text("")
+    out = f / "sub"  # no directory can be made under a regular file
+    assert main(["models", "make-tiny", "--arch", "llama", "--out", str(out)]) == 2
+    _one_error_line(capsys, "--out", str(out), "cannot create")
+
+
+def test_upcycle_refuses_its_source_and_leaves_it_dense(dense: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    before = _listing(dense)
+    alias = dense.parent / "alias"  # the same directory by another name
+    alias.symlink_to(dense, target_is_directory=True)
+    for dst in (dense, alias):
+        assert main(["models", "upcycle", "--experts", "4", "--top-k", "2", str(dense),
+                     str(dst)]) == 2
+        _one_error_line(capsys, "DST", "is SRC itself")
+    assert _listing(dense) == before
+    assert json.loads((dense / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_upcycle_refuses_a_directory_holding_another_model(dense: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    other = make_tiny("qwen3", tmp_path / "other", seed=1)
+    before = _listing(other)
+    assert main(["models", "upcycle", "--experts", "4", "--top-k", "2", str(dense),
+                 str(other)]) == 2
+    _one_error_line(capsys, str(other), "is not empty", "config.json")
+    assert _listing(other) == before
+
+
+def test_upcycle_refuses_a_file_or_an_uncreatable_dst(dense: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "notmodel.txt"
+    f.write_text("keep me")
+    for dst, why in ((f, "is a file"), (f / "sub", "cannot create")):
+        with pytest.raises(ConfigError, match="upcycle: DST"):
+            upcycle(dense, dst, 4, 2)
+        assert main(["models", "upcycle", "--experts", "4", "--top-k", "2", str(dense),
+                     str(dst)]) == 2
+        _one_error_line(capsys, str(dst), why)
+    assert f.read_text() == "keep me"
+
+
+def test_upcycle_names_a_source_that_is_no_checkpoint(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "notmodel.txt"
+    f.write_text("")
+    assert main(["models", "upcycle", str(f), str(tmp_path / "out")]) == 3
+    _one_error_line(capsys, str(f), "not a GGUF")
+    assert not (tmp_path / "out").exists()  # nothing made for a source that cannot be read
+
+
+def test_upcycle_writes_into_a_new_or_empty_directory(dense: Path, tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    for dst in (tmp_path / "empty", tmp_path / "new" / "moe"):
+        upcycle(dense, dst, 4, 2)
+        assert not (dst / "model.safetensors").exists()  # only the new shards: no stale dense file
+        index = json.loads((dst / "model.safetensors.index.json").read_text())
+        shards = set(index["weight_map"].values())
+        assert {p.name for p in dst.glob("*.safetensors")} == shards
+        with safe_open(str(dst / shards.pop()), "pt") as sf:
+            assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in sf.keys()
+        assert json.loads((dst / "config.json").read_text())["num_local_experts"] == 4
