@@ -25,12 +25,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from ftrs.sampling import SamplingParams
 
     config = engine_config_from_args(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=args.seed_sampling).validate()  # before minutes of loading
     llm = LLM(progress=True, **asdict(config))
     prompt = args.prompt
     if not args.raw and llm.engine.tokenizer is not None and llm.tokenizer.chat_template:
         prompt = llm.chat_prompt([{"role": "user", "content": args.prompt}])
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            seed=args.seed_sampling).validate(llm.engine.vocab_size)
+    params.validate(llm.engine.vocab_size)
     t0 = time.perf_counter()
     (out,) = llm.generate([prompt], params)
     elapsed = time.perf_counter() - t0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -61,6 +62,7 @@ class EngineConfig:
     guard_loss_max_age_days: float = 30.0  # older DeviceLost crash reports no longer cap the prefill
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.hang_timeout <= 0:
             raise ConfigError(f"hang_timeout: must be > 0, got {self.hang_timeout}")
         if self.on_device_lost not in ("exit", "restart", "cpu"):
@@ -108,6 +110,48 @@ class EngineConfig:
                               f"{self.speculative_ngram}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"page_size: must be a power of two, got {self.page_size}")
+        if self.kv_tokens is not None and self.kv_tokens < 1:
+            raise ConfigError(f"kv_tokens: must be >= 1 (unset: sized from free memory), got "
+                              f"{self.kv_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len: must be >= 1 (unset: the model's own), got "
+                              f"{self.max_model_len}")
+        if self.pcie_pacing is not None and not (math.isfinite(self.pcie_pacing)
+                                                 and self.pcie_pacing >= 0):
+            raise ConfigError(f"pcie_pacing: must be a rate in GB/s >= 0 (0 or unset: off), got "
+                              f"{self.pcie_pacing}")
+        # checked whatever the strategy: a typo must not wait for the day offload is chosen
+        from ftrs._core import check_cache_policy, check_copy_backend
+
+        if self.copy_backend != "auto":
+            try:
+                check_copy_backend(self.copy_backend)
+            except ConfigError as e:
+                raise ConfigError(f"copy_backend: {e}") from None
+        try:
+            check_cache_policy(self.moe_cache_policy)
+        except ConfigError as e:
+            raise ConfigError(f"moe_cache_policy: {e}") from None
+
+    def _check_types(self) -> None:
+        """Each field holds its annotation's type (an int where a float is expected, not a
+        bool where a number is): `LLM(moe_cache_rate="0.5")` is refused here, by name."""
+        if isinstance(self.model, os.PathLike):  # LLM(Path("..."))
+            object.__setattr__(self, "model", os.fspath(self.model))
+        for f in fields(self):
+            base, optional = _flag_type(f.type)
+            v = getattr(self, f.name)
+            if v is None and optional:
+                continue
+            ok = (isinstance(v, bool) if base is bool else
+                  isinstance(v, base) and not isinstance(v, bool) if base is int else
+                  isinstance(v, (int, float)) and not isinstance(v, bool) if base is float else
+                  isinstance(v, base))
+            if not ok:
+                want = {int: "an integer", float: "a number", bool: "true or false",
+                        str: "a string"}[base]
+                raise ConfigError(f"{f.name}: must be {want}{' or None' if optional else ''}, "
+                                  f"got {v!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

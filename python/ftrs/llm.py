@@ -7,6 +7,8 @@ sampling — so what the server returns for a greedy request equals what `genera
 from __future__ import annotations
 
 import itertools
+import numbers
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,16 +53,33 @@ class LLM:
         return self.engine.tokenizer
 
     def _encode(self, prompt: str | Seq[int]) -> list[int]:
+        """A prompt's token ids: a str is tokenized, a list of token ids taken as it is.
+        Anything else is refused by `InvalidRequest`, as the server refuses it with a 400."""
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidRequest(f"prompt: not valid Unicode text ({e.reason} at "
+                                     f"{e.start})", evidence={"param": "prompt"}) from None
             return self.tokenizer.encode(prompt, add_special_tokens=True)
-        return [int(t) for t in prompt]
+        if isinstance(prompt, (bytes, bytearray)) or not isinstance(prompt, Iterable):
+            raise InvalidRequest("prompt: each prompt must be a str or a list of token ids "
+                                 f"(one prompt of ids: [[1, 2, 3]]), got {type(prompt).__name__}",
+                                 evidence={"param": "prompt"})
+        ids = list(prompt)
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequest("prompt: token ids must be integers", evidence={"param": "prompt"})
+        return [int(t) for t in ids]
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
                  params: SamplingParams | None = None) -> list[Completion]:
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params: must be a SamplingParams, got {type(params).__name__}",
+                                 evidence={"param": "params"})
         if isinstance(prompts, str):
             prompts = [prompts]
         if params.structured is not None:  # a grammar that does not compile: refused here

@@ -4,7 +4,9 @@ The OpenAI fields map one to one; `validate()` raises `InvalidRequest` with the 
 never an assert, so the server can answer 400 and keep serving. The ranges are chosen so that
 the sampler's arithmetic stays finite for any finite fp32 logit:
 
-- `seed` in [-2**63, 2**64 - 1], what `torch.Generator.manual_seed` accepts.
+- `seed` in [-2**63, 2**64 - 1] (the draws take it mod 2**64, `ftrs.engine.sampler.uniform`).
+- `stop`: one string or a list of them (None: none); `stop_token_ids` a list of ids. Other
+  types, bools as numbers, an empty stop string are refused by name.
 - `temperature` in [0, 2] (OpenAI's range). Below `GREEDY_TEMPERATURE` the request is greedy:
   `logits / T` would overflow fp32 for T near 1e-38, and for T < 1e-5 the softmax already puts
   all but exp(-gap / T) of the mass on the argmax for any logit gap above 1e-3.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ftrs.errors import InvalidRequest
 
@@ -71,6 +74,10 @@ class StructuredSpec:
         return (self.kind, self.value, self.lead)
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens for one request. `temperature < GREEDY_TEMPERATURE` means greedy."""
@@ -93,6 +100,23 @@ class SamplingParams:
     reasoning_budget: ReasoningBudget | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False, hash=False)
 
+    def __post_init__(self) -> None:
+        # the forms people write: one stop string, None for none, lists for tuples
+        stop: Any = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, list):
+            stop = tuple(stop)
+        object.__setattr__(self, "stop", stop)
+        ids: Any = self.stop_token_ids
+        if ids is None:
+            ids = ()
+        elif isinstance(ids, list):
+            ids = tuple(ids)
+        object.__setattr__(self, "stop_token_ids", ids)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
@@ -103,22 +127,24 @@ class SamplingParams:
         def bad(name: str, why: str) -> InvalidRequest:
             return InvalidRequest(f"{name}: {why}", evidence={"param": name})
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise bad(name, f"must be a finite number, got {v!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
         if not 0.0 <= self.temperature <= TEMPERATURE_MAX:
             raise bad("temperature", f"must be in [0, {TEMPERATURE_MAX:g}], got {self.temperature}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_MIN <= self.seed <= SEED_MAX):
             raise bad("seed", f"must be an integer in [-2**63, 2**64 - 1], got {self.seed!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not _is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", f"must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
@@ -127,15 +153,18 @@ class SamplingParams:
         if not REPETITION_PENALTY_MIN <= self.repetition_penalty <= REPETITION_PENALTY_MAX:
             raise bad("repetition_penalty", f"must be in [{REPETITION_PENALTY_MIN:g}, "
                       f"{REPETITION_PENALTY_MAX:g}], got {self.repetition_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "stop strings must be non-empty strings")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", f"must be an integer in [0, 20], got {self.logprobs!r}")
+        if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s
+                                                   for s in self.stop):
+            raise bad("stop", f"must be a non-empty string or a list of them, got {self.stop!r}")
         if len(self.stop) > 16:
             raise bad("stop", f"at most 16 stop strings, got {len(self.stop)}")
-        if vocab_size is not None and any(
-            not isinstance(t, int) or not 0 <= t < vocab_size for t in self.stop_token_ids
-        ):
+        if not isinstance(self.stop_token_ids, tuple) or any(
+                not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
+        if vocab_size is not None and any(t >= vocab_size for t in self.stop_token_ids):
             raise bad("stop_token_ids", f"every id must be in [0, {vocab_size})")
         self._validate_logit_bias(vocab_size, bad)
         self._validate_structured(bad)

@@ -174,17 +174,31 @@ impl CopyBackend for SimulatedBackend {
     }
 }
 
-/// Builds a backend from its spec: `host`, `simulated:GBPS[:LATENCY_US]`, `cuda` (device 0) or
-/// `cuda:N`. A bad spec or ordinal is `Config`, checked before the driver is loaded; a device
-/// the driver does not see is `Config`, no driver `DriverUnavailable`.
-pub fn create_backend(
-    spec: &str,
-    clock: Arc<dyn Clock>,
-    threads: usize,
-) -> Result<Arc<dyn CopyBackend>> {
+/// A copy backend's spec, parsed and checked (`parse_spec`): what `create_backend` builds.
+#[derive(Debug, Clone, PartialEq)]
+pub enum BackendSpec {
+    /// `host` (or `cpu`): threaded memcpy.
+    Host,
+    /// `simulated:GBPS[:LATENCY_US]`: bandwidth > 0, latency >= 0, both finite.
+    Simulated {
+        /// GB/s (1e9 bytes/s).
+        gbps: f64,
+        /// Per-copy latency, µs.
+        latency_us: f64,
+    },
+    /// `cuda` (device 0) or `cuda:N`.
+    Cuda {
+        /// Device ordinal, >= 0 (whether the driver sees it is checked when it is built).
+        ordinal: i32,
+    },
+}
+
+/// Parses and checks a backend spec without building anything (no driver is loaded): `host`,
+/// `simulated:GBPS[:LATENCY_US]`, `cuda` or `cuda:N`. Every error is `Config`.
+pub fn parse_spec(spec: &str) -> Result<BackendSpec> {
     let mut parts = spec.split(':');
     match parts.next().unwrap_or("") {
-        "host" | "cpu" if parts.next().is_none() => Ok(Arc::new(HostBackend { threads })),
+        "host" | "cpu" if parts.next().is_none() => Ok(BackendSpec::Host),
         "simulated" => {
             let num = |s: Option<&str>, default: Option<f64>| -> Result<f64> {
                 match s {
@@ -199,36 +213,52 @@ pub fn create_backend(
                 }
             };
             let gbps = num(parts.next(), None)?;
-            let lat = num(parts.next(), Some(0.0))?;
+            let latency_us = num(parts.next(), Some(0.0))?;
             if parts.next().is_some() {
                 return Err(CoreError::Config(format!(
                     "trailing fields in backend spec {spec:?}"
                 )));
             }
-            Ok(Arc::new(SimulatedBackend::new(gbps, lat, clock, threads)?))
+            if !(gbps > 0.0 && gbps.is_finite() && latency_us >= 0.0 && latency_us.is_finite()) {
+                return Err(CoreError::Config(format!(
+                    "simulated link needs bandwidth > 0 and latency >= 0, got {gbps} GB/s, {latency_us} us"
+                )));
+            }
+            Ok(BackendSpec::Simulated { gbps, latency_us })
         }
-        "cuda" => {
-            let ordinal = match (parts.next(), parts.next()) {
-                (None, _) => 0,
-                (Some(n), None) => n
-                    .parse::<i64>()
-                    .map_err(|_| {
-                        CoreError::Config(format!(
-                            "bad device ordinal {n:?} in backend spec {spec:?}"
-                        ))
-                    })
-                    .and_then(crate::cuda::check_ordinal)?,
-                (Some(_), Some(_)) => {
-                    return Err(CoreError::Config(format!(
-                        "trailing fields in backend spec {spec:?}"
-                    )))
-                }
-            };
-            Ok(Arc::new(crate::cuda::CudaBackend::new(ordinal)?))
-        }
+        "cuda" => match (parts.next(), parts.next()) {
+            (None, _) => Ok(BackendSpec::Cuda { ordinal: 0 }),
+            (Some(n), None) => n
+                .parse::<i64>()
+                .map_err(|_| {
+                    CoreError::Config(format!("bad device ordinal {n:?} in backend spec {spec:?}"))
+                })
+                .and_then(crate::cuda::check_ordinal)
+                .map(|ordinal| BackendSpec::Cuda { ordinal }),
+            (Some(_), Some(_)) => Err(CoreError::Config(format!(
+                "trailing fields in backend spec {spec:?}"
+            ))),
+        },
         _ => Err(CoreError::Config(format!(
             "unknown backend {spec:?}: expected host, simulated:GBPS[:LATENCY_US] or cuda[:N]"
         ))),
+    }
+}
+
+/// Builds a backend from its spec (`parse_spec`). A bad spec or ordinal is `Config`, checked
+/// before the driver is loaded; a device the driver does not see is `Config`, no driver
+/// `DriverUnavailable`.
+pub fn create_backend(
+    spec: &str,
+    clock: Arc<dyn Clock>,
+    threads: usize,
+) -> Result<Arc<dyn CopyBackend>> {
+    match parse_spec(spec)? {
+        BackendSpec::Host => Ok(Arc::new(HostBackend { threads })),
+        BackendSpec::Simulated { gbps, latency_us } => Ok(Arc::new(SimulatedBackend::new(
+            gbps, latency_us, clock, threads,
+        )?)),
+        BackendSpec::Cuda { ordinal } => Ok(Arc::new(crate::cuda::CudaBackend::new(ordinal)?)),
     }
 }
 
@@ -270,6 +300,37 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn specs_parse_without_building_and_bad_ones_are_config_errors() {
+        assert_eq!(parse_spec("host").unwrap(), BackendSpec::Host);
+        assert_eq!(
+            parse_spec("simulated:0.5:20").unwrap(),
+            BackendSpec::Simulated {
+                gbps: 0.5,
+                latency_us: 20.0
+            }
+        );
+        assert_eq!(
+            parse_spec("cuda:2").unwrap(),
+            BackendSpec::Cuda { ordinal: 2 }
+        );
+        for s in [
+            "",
+            "bogus",
+            "host:1",
+            "simulated",
+            "simulated:0",
+            "simulated:-1",
+            "simulated:abc",
+            "simulated:inf",
+            "simulated:1:-5",
+            "simulated:1:2:3",
+            "cuda:-1",
+        ] {
+            assert!(matches!(parse_spec(s), Err(CoreError::Config(_))), "{s:?}");
         }
     }
 

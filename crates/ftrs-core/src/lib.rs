@@ -40,7 +40,7 @@ pub mod raw;
 pub mod recorder;
 pub mod transfer;
 
-pub use backend::{create_backend, CopyBackend};
+pub use backend::{create_backend, parse_spec, BackendSpec, CopyBackend};
 pub use cache::{simulate, Key, Policy, SlotCache};
 pub use clock::{Clock, RealClock, TokenBucket, VirtualClock};
 pub use error::{CoreError, DeviceFault, Result};

@@ -362,6 +362,24 @@ pub fn simulate_cache(
     py.detach(|| simulate(&trace, capacity, policy)).py()
 }
 
+/// Checks a copy-backend spec (`host`, `simulated:GBPS[:LAT_US]`, `cuda[:N]`) without building
+/// it: `ConfigError` when it would not build for its form (a CUDA device's presence is checked
+/// when the engine starts).
+#[pyfunction]
+pub fn check_copy_backend(spec: &str) -> PyResult<()> {
+    ftrs_core::parse_spec(spec).map(|_| ()).py()
+}
+
+/// Checks an expert-cache policy name: `ConfigError` unless a device cache can run it (the
+/// offline `belady` cannot), by building a one-slot cache of it.
+#[pyfunction]
+pub fn check_cache_policy(name: &str) -> PyResult<()> {
+    Policy::parse(name)
+        .and_then(|p| ftrs_core::SlotCache::new(1, p))
+        .map(|_| ())
+        .py()
+}
+
 /// The host backend's copy between raw addresses (for bench/copy.py). The caller guarantees
 /// both ranges are live, host, disjoint and not written by anyone else during the call.
 #[pyfunction]

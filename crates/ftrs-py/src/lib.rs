@@ -31,6 +31,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyFlightRecorder>()?;
     m.add_function(wrap_pyfunction!(engine::simulate_cache, m)?)?;
     m.add_function(wrap_pyfunction!(engine::host_copy, m)?)?;
+    m.add_function(wrap_pyfunction!(engine::check_copy_backend, m)?)?;
+    m.add_function(wrap_pyfunction!(engine::check_cache_policy, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_available, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_measure_h2d, m)?)?;
     m.add_function(wrap_pyfunction!(cuda::cuda_measure_d2h, m)?)?;
