@@ -68,7 +68,7 @@ def test_failed_candidate_is_a_row_not_the_pick(tmp_path: Path) -> None:
 
     b = run_strategy_bench("m", cache_rates=(0.5,), copy_backend="simulated:1", home=tmp_path,
                            runner=run, write=False)
-    assert b.rows[0].error == "out of memory" and b.pick.label == "offload@0.5"
+    assert b.rows[0].error == "RuntimeError: out of memory" and b.pick.label == "offload@0.5"
 
 
 def test_auto_without_profile_says_what_it_assumed(tmp_path: Path) -> None:

@@ -10,6 +10,27 @@ link or cache behaves unlike the model of it is measured as it is.
 
 Profiles live in `$FTRS_HOME/profiles/<hash of key>.json`; the key is (device, host, model,
 link), so a profile measured on another host, GPU, checkpoint or link never applies.
+
+Input is checked once, before any candidate runs (`check_inputs`): the token counts (>= 1, and
+together within the model's context), the cache rates (in (0, 1]), every candidate's engine
+options (`EngineConfig`: strategy, dtype), the device, the copy backend (built once through
+the core's own parser, into the device as offload builds it), and the checkpoint (its config
+or GGUF header read; a truncated GGUF is refused here). Each refusal is a typed `ftrs.errors`
+error, one line from the CLI. A dense model is refused too: with no routed experts resident,
+offload and hybrid run the same dense layers, so there is no expert strategy to pick (and
+`--moe-strategy auto` has nothing to choose for it).
+
+A candidate that fails at run time is one of two things:
+- bad input (`INPUT_ERRORS`: ConfigError, InvalidRequest, ModelLoadError; something the
+  checks above missed): the bench stops at once with that error and writes no profile, since
+  the other candidates' rows were measured under the same wrong input;
+- a limit of this host (out of memory, a KV pool too small for the prompt, a device fault, a
+  bug): a row with `error` set to the exception's class and message. The pick is the fastest
+  of the candidates that ran, and the profile says so: its `failed` maps each failed label to
+  why, a note names them, and the table shows them. Resident running out of device memory is
+  the usual case: the model does not fit, and that is worth knowing rather than hiding.
+When every candidate fails, there is nothing to pick: an `FtrsError` naming each failure, no
+profile.
 """
 
 from __future__ import annotations
@@ -18,6 +39,7 @@ import argparse
 import hashlib
 import json
 import logging
+import math
 import platform
 import socket
 import time
@@ -26,6 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ftrs.errors import ConfigError, FtrsError, InvalidRequest, ModelLoadError
 from ftrs.guard.link import cuda_index
 from ftrs.guard.profile import profile_key, write_profile
 
@@ -34,6 +57,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_CACHE_RATES = (0.25, 0.5, 1.0)
 #: Strategies measured at each cache rate.
 CACHED_STRATEGIES = ("offload", "hybrid")
+#: Prompt and decoded tokens of the warm-up request each candidate runs first.
+WARMUP_TOKENS = (8, 2)
+#: Errors that say the input is wrong, not that a candidate cannot run on this host: the first
+#: one stops the bench, and no profile is written (module doc).
+INPUT_ERRORS: tuple[type[FtrsError], ...] = (ConfigError, InvalidRequest, ModelLoadError)
 
 
 @dataclass(frozen=True)
@@ -67,10 +95,19 @@ class StrategyBench:
     profile_path: Path | None = None
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def failed(self) -> dict[str, str]:
+        """Label -> why, for each candidate that could not run."""
+        return {r.label: r.error for r in self.rows if r.error is not None}
+
     def to_dict(self) -> dict[str, Any]:
-        return {"key": self.key, "workload": self.workload, "rows": [asdict(r) for r in self.rows],
-                "pick": asdict(self.pick), "profile_path": str(self.profile_path or ""),
-                "notes": self.notes}
+        def row(r: BenchRow) -> dict[str, Any]:  # a failed row's inf times: null (JSON has no inf)
+            return {k: None if isinstance(v, float) and math.isinf(v) else v
+                    for k, v in asdict(r).items()}
+
+        return {"key": self.key, "workload": self.workload, "rows": [row(r) for r in self.rows],
+                "pick": asdict(self.pick), "failed": self.failed,
+                "profile_path": str(self.profile_path or ""), "notes": self.notes}
 
     def format_table(self) -> str:
         lines = [f"{'candidate':<16}{'prefill s':>11}{'decode s':>10}{'total s':>10}{'H2D MB':>10}"]
@@ -97,6 +134,84 @@ def candidates(cache_rates: Sequence[float] = DEFAULT_CACHE_RATES, resident: boo
     return out + [Candidate(s, float(r)) for r in cache_rates for s in strategies]
 
 
+def candidate_options(c: Candidate, *, prompt_tokens: int, copy_backend: str, device: str,
+                      dtype: str) -> dict[str, Any]:
+    """The engine options (`EngineConfig` fields) one candidate runs with."""
+    opts: dict[str, Any] = {"moe_strategy": c.strategy, "device": device, "dtype": dtype,
+                            "max_prefill_length": max(prompt_tokens, WARMUP_TOKENS[0])}
+    if c.strategy in CACHED_STRATEGIES:
+        opts |= {"moe_cache_rate": c.cache_rate, "copy_backend": copy_backend}
+    return opts
+
+
+def check_copy_backend(spec: str, device: str) -> None:
+    """Refuse a copy backend that offload would refuse, before any candidate runs: resolved as
+    offload resolves it (`backend_spec`), then parsed and built by the core itself, with a
+    one-slot `TransferEngine` into the device (`ConfigError` on a bad spec)."""
+    import torch
+
+    from ftrs import _core
+    from ftrs.config import EngineConfig
+    from ftrs.engine.runtime import resolve_device
+    from ftrs.moe.offload import backend_spec
+
+    dev = resolve_device(device)
+    try:
+        backend = backend_spec(EngineConfig(device=device, copy_backend=spec), dev)
+        pool = _core.ExpertPool(_core.ExpertLayout(1, 1, [256]), "float32")
+        dst = torch.zeros(pool.layout.expert_bytes, dtype=torch.uint8, device=dev)
+        _core.TransferEngine(pool, 1, dst, backend=backend).close()
+    except ConfigError as e:
+        raise ConfigError(f"bench strategy: --copy-backend {spec}: {e.message}",
+                          evidence=e.evidence) from e
+
+
+def check_inputs(model: str, cands: Sequence[Candidate], *, prompt_tokens: int,
+                 decode_tokens: int, copy_backend: str, device: str, dtype: str,
+                 engine: bool = True) -> None:
+    """Every check of the module doc, cheapest first. `engine=False` (a custom runner, which
+    runs its own way) keeps the flag checks and skips the device, copy backend and model."""
+    from ftrs.config import EngineConfig
+    from ftrs.engine.runtime import resolve_device
+
+    if not cands:
+        raise ConfigError("bench strategy: nothing to measure (no resident candidate and no "
+                          "cache rate)")
+    for flag, n in (("--prompt-tokens", prompt_tokens), ("--decode-tokens", decode_tokens)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"bench strategy: {flag} must be an integer >= 1, got {n!r}")
+    for c in cands:
+        if c.cache_rate is None:
+            continue
+        if c.strategy not in CACHED_STRATEGIES:
+            raise ConfigError(f"bench strategy: unknown strategy {c.strategy!r} (expected "
+                              f"{' or '.join(CACHED_STRATEGIES)})")
+        if not 0.0 < c.cache_rate <= 1.0:
+            raise ConfigError(f"bench strategy: --cache-rates must each be in (0, 1] (the "
+                              f"fraction of experts kept on the device), got {c.cache_rate:g}")
+    for c in cands:
+        EngineConfig.from_kwargs(model=model, **candidate_options(
+            c, prompt_tokens=prompt_tokens, copy_backend=copy_backend, device=device,
+            dtype=dtype))
+    if not engine:
+        return
+    resolve_device(device)
+    if any(c.cache_rate is not None for c in cands):
+        check_copy_backend(copy_backend, device)
+    from ftrs.guard.startup import model_spec
+
+    spec = model_spec(model)
+    if not spec.is_moe:
+        raise ConfigError(f"bench strategy: {model} is a dense model ({spec.arch}, no routed "
+                          "experts): resident, offload and hybrid run it alike, so there is no "
+                          "expert strategy to measure or pick")
+    longest = max(prompt_tokens + decode_tokens, sum(WARMUP_TOKENS))
+    if longest > spec.max_position_embeddings:
+        raise ConfigError(f"bench strategy: --prompt-tokens {prompt_tokens} + --decode-tokens "
+                          f"{decode_tokens} exceed the model's context of "
+                          f"{spec.max_position_embeddings} tokens")
+
+
 def engine_runner(model: str, *, prompt_tokens: int, decode_tokens: int, copy_backend: str,
                   device: str, dtype: str, seed: int = 0) -> Runner:
     """The real workload of the module doc, one fresh engine per candidate."""
@@ -107,18 +222,17 @@ def engine_runner(model: str, *, prompt_tokens: int, decode_tokens: int, copy_ba
     from ftrs.sampling import SamplingParams
 
     def run(c: Candidate) -> BenchRow:
-        opts: dict[str, Any] = {"moe_strategy": c.strategy, "device": device, "dtype": dtype,
-                                "max_prefill_length": max(prompt_tokens, 8)}
-        if c.strategy in ("offload", "hybrid"):
-            opts |= {"moe_cache_rate": c.cache_rate, "copy_backend": copy_backend}
-        llm = LLM(model, **opts)
+        llm = LLM(model, **candidate_options(c, prompt_tokens=prompt_tokens,
+                                             copy_backend=copy_backend, device=device,
+                                             dtype=dtype))
         try:
             eng = llm.engine
             gen = torch.Generator().manual_seed(seed)
-            warm = torch.randint(0, eng.vocab_size, (8,), generator=gen).tolist()
+            warm_prompt, warm_decode = WARMUP_TOKENS
+            warm = torch.randint(0, eng.vocab_size, (warm_prompt,), generator=gen).tolist()
             prompt = torch.randint(0, eng.vocab_size, (prompt_tokens,), generator=gen).tolist()
             _drive(eng, GenerateRequest("warm", warm, SamplingParams(
-                max_tokens=2, temperature=0.0, ignore_eos=True)))
+                max_tokens=warm_decode, temperature=0.0, ignore_eos=True)))
             before = _h2d(eng)
             first, total = _drive(eng, GenerateRequest("bench", prompt, SamplingParams(
                 max_tokens=decode_tokens, temperature=0.0, ignore_eos=True)))
@@ -208,23 +322,36 @@ def run_strategy_bench(
     home: Path | None = None, write: bool = True, link_desc: str | None = None,
     runner: Runner | None = None, strategies: Sequence[str] = CACHED_STRATEGIES,
 ) -> StrategyBench:
-    """Measure every candidate, pick the fastest measured total, write the profile."""
+    """Check the input, measure every candidate, pick the fastest measured total, write the
+    profile (module doc: what is refused, what a failed candidate does). A custom `runner`
+    runs candidates its own way: the flags are checked then, not the device, copy backend or
+    checkpoint."""
+    cands = candidates(cache_rates, resident, strategies)
+    check_inputs(model, cands, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
+                 copy_backend=copy_backend, device=device, dtype=dtype,
+                 engine=runner is None)
     run = runner or engine_runner(model, prompt_tokens=prompt_tokens,
                                   decode_tokens=decode_tokens, copy_backend=copy_backend,
                                   device=device, dtype=dtype)
     rows: list[BenchRow] = []
-    for c in candidates(cache_rates, resident, strategies):
+    for c in cands:
         logger.info("bench strategy: %s", c.label)
         try:
             rows.append(run(c))
-        except Exception as e:  # a candidate that cannot run is a row, not the end of the bench
-            logger.warning("bench strategy: %s failed: %s", c.label, e)
+        except INPUT_ERRORS:
+            logger.warning("bench strategy: %s refused its input; no profile written", c.label)
+            raise
+        except Exception as e:  # a candidate that cannot run here is a row, not the end
+            why = " ".join(f"{type(e).__name__}: {e}".split())  # one line, for the table
+            logger.warning("bench strategy: %s failed: %s", c.label, why)
             rows.append(BenchRow(c.label, c.strategy, c.cache_rate, float("inf"),
-                                 float("inf"), float("inf"), error=str(e)))
+                                 float("inf"), float("inf"), error=why))
     ok = [r for r in rows if r.error is None]
+    failed = [r for r in rows if r.error is not None]
     if not ok:
-        raise RuntimeError("bench strategy: every candidate failed: "
-                           + "; ".join(f"{r.label}: {r.error}" for r in rows))
+        raise FtrsError("bench strategy: every candidate failed, no profile written: "
+                        + _failures(failed),
+                        evidence={"failed": {r.label: r.error for r in failed}})
     pick = min(ok, key=lambda r: r.total_s)
     key = profile_key(device=device_name(device), host=socket.gethostname(),
                       model=model_id(model),
@@ -233,6 +360,9 @@ def run_strategy_bench(
                 "copy_backend": copy_backend, "device": device, "dtype": dtype,
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     bench = StrategyBench(rows, pick, key, workload)
+    if failed:
+        bench.notes.append(f"failed: {_failures(failed)}; the pick is the fastest of the "
+                           f"{len(ok)} candidate(s) that ran")
     if key["device"].startswith("cpu:") and any(r.strategy == "hybrid" for r in ok):
         bench.notes.append(CPU_DEVICE_NOTE)
     if write:
@@ -240,6 +370,14 @@ def run_strategy_bench(
         logger.info("bench strategy: picked %s (%.3f s); profile %s", pick.label, pick.total_s,
                     bench.profile_path)
     return bench
+
+
+def _failures(rows: Sequence[BenchRow]) -> str:
+    """`a, b: why; c: why`: failed rows grouped by their error, in table order."""
+    by_error: dict[str, list[str]] = {}
+    for r in rows:
+        by_error.setdefault(str(r.error), []).append(r.label)
+    return "; ".join(f"{', '.join(labels)}: {why}" for why, labels in by_error.items())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -46,7 +46,7 @@ def write_profile(data: dict[str, Any], key: dict[str, str], home: Path | None =
     fd, tmp = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data | {"key": key}, f, indent=2, sort_keys=True)
+            json.dump(data | {"key": key}, f, indent=2, sort_keys=True, allow_nan=False)
             f.write("\n")
         os.replace(tmp, path)
     except BaseException:
@@ -84,7 +84,8 @@ def resolve_auto_strategy(key: dict[str, str], *, total_expert_bytes: int,
         pick = prof["pick"]
         return AutoChoice(str(pick["strategy"]), pick.get("cache_rate"),
                           f"auto: {pick['label']} from profile {prof['path']} "
-                          f"(measured {pick['total_s']:.3f} s, fastest of {len(prof['rows'])})")
+                          f"(measured {pick['total_s']:.3f} s, fastest of "
+                          f"{sum(1 for r in prof['rows'] if not r.get('error'))} that ran)")
     where = ", ".join(f"{k}={key[k]}" for k in KEY_FIELDS)
     if device_budget_bytes is None or total_expert_bytes <= device_budget_bytes:
         return AutoChoice("resident", None,
