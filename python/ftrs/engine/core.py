@@ -397,6 +397,11 @@ class EngineCore:
         moe = self.rt.decoder.moe
         return moe.stats() if moe is not None else {}
 
+    def progress_at(self) -> float:
+        """Monotonic time of the forward pass's last sign of life (a decoder layer computed, or
+        queued on a GPU): the hang watchdog counts from it within a step that runs long."""
+        return self.rt.decoder.progress_at
+
     def moe_strategy(self) -> MoEStrategy | None:
         """The strategy the decoder runs routed experts through (None for a dense model)."""
         return self.rt.decoder.moe

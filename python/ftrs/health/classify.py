@@ -48,7 +48,7 @@ HINT_OOM = ("The device ran out of memory for this request. Lower --max-prefill-
             "number of running requests, or leave more device memory free.")
 HINT_UNHEALTHY = ("The device answers but its PCIe link is degraded or logging errors. Check the "
                   "slot or riser and the power delivery; expect lower transfer bandwidth.")
-HINT_HANG = ("Work was pending and no engine step finished in time while the device still "
+HINT_HANG = ("Work was pending and the engine made no progress in time while the device still "
              "answers: most likely a stuck transfer or an engine deadlock. Please report it.")
 
 
@@ -219,7 +219,7 @@ def _describe(error: BaseException | str | int) -> str:
 
 def make_hang(stalled_s: float, timeout_s: float, **evidence: Any) -> EngineHang:
     """The watchdog's error before classification adds probe evidence."""
-    return EngineHang(f"work pending and no engine step finished for {stalled_s:.1f} s "
+    return EngineHang(f"work pending and no engine progress (a step or a layer) for {stalled_s:.1f} s "
                       f"(hang timeout {timeout_s:g} s)",
                       evidence={"stalled_s": round(stalled_s, 3), "hang_timeout_s": timeout_s,
                                 "decided_by": ["watchdog"], **evidence})

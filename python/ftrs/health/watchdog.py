@@ -1,4 +1,5 @@
-"""Progress watchdog: work is pending and no engine step finished for `hang_timeout_s`.
+"""Progress watchdog: work is pending and the engine showed no progress for `hang_timeout_s`
+(`last_step_finished_at`: the last step's end, or a layer computed inside a long step).
 
 The stall is measured from the later of the last finished step and the moment work became
 pending, so an engine that sat idle for an hour is not called hung the instant a request

@@ -32,6 +32,7 @@ per model in `__init__`, never per step:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -136,6 +137,8 @@ class Decoder:
         self.moe = moe
         self.device = device
         self.dtype = dtype
+        #: monotonic time the last layer was computed (queued, on a GPU): a long step is alive
+        self.progress_at = time.monotonic()
         self.rotary = Rotary(spec.rotary_dim or spec.head_dim, spec.rope_theta,
                              spec.max_position_embeddings, spec.rope_scaling, device)
         self.scale = spec.head_dim ** -0.5
@@ -251,6 +254,7 @@ class Decoder:
             x, h = self._add_norm(self.mixers[layer](self, layer, x, rope, meta, kv), h,
                                   f"{layer}.post_norm")
             x, h = self._add_norm(self._mlp(layer, x), h, self.next_norm[layer])
+            self.progress_at = time.monotonic()  # the hang watchdog's sign of life
         if self.moe is not None:
             self.moe.end_forward()
         return x

@@ -4,7 +4,8 @@ Engine side, `EngineSupervisor` (runs in the engine process, wraps every `step()
 - a `FlightRecorder` (ftrs._core, last 512 steps) records every step;
 - a `DeviceMonitor` (health.monitor) watches the device's PCI config space and, through its
   progress watchdog, the step loop (`hang_timeout`): work pending (a step running) and no step
-  finished for that long → EngineHang;
+  finished and no decoder layer computed for that long (`EngineCore.progress_at`: a prefill of
+  thousands of tokens on a CPU is slow, not hung) → EngineHang;
 - a device error from a step is classified by the health classifier with fresh probes
   (`monitor.diagnose`), so the same failure is DeviceLost when config space reads 0xffff and
   KernelFault when the device still answers;
@@ -107,10 +108,16 @@ class EngineSupervisor:
                                      on_sample=self.live_guard.on_sample,
                                      child_probe=cuda_child_probe(engine),
                                      has_pending_work=lambda: self._in_step,
-                                     last_step_finished_at=lambda: self._last_step_end)
+                                     last_step_finished_at=self._last_progress)
         self.monitor.start()
         if self.faults is not None:
             self.faults.attach_monitor(self.monitor)  # replay_growth / link_degraded drills
+
+    def _last_progress(self) -> float:
+        """The watchdog's last sign of progress: a step's end, or inside a step that runs
+        long (a prompt of thousands of tokens on a CPU), its last decoder layer."""
+        alive = getattr(self.engine, "progress_at", None)
+        return max(self._last_step_end, alive()) if callable(alive) else self._last_step_end
 
     # -- the step ---------------------------------------------------------------------------
 
