@@ -579,3 +579,29 @@ def test_a_final_assistant_turn_is_a_prefill_the_answer_continues() -> None:
                              {"role": "assistant", "content": [{"type": "text", "text": "{\"a\":"}]}])
     assert to_chat(prefill).chat.continue_final_message is True
     assert not to_chat(_req()).chat.continue_final_message  # ends with the user: a new turn
+
+
+_KEY_IN_SCHEMA = {"tools": [{"name": "f", "input_schema": {
+    "type": "object", "properties": {"a\udc80": {"type": "string"}}}}]}
+_VALUE_IN_SCHEMA = {"tools": [{"name": "f", "input_schema": {"type": "object", "description": "x\udc80"}}],
+                    "tool_choice": {"type": "any"}}
+
+
+@pytest.mark.parametrize(("route", "extra", "param"), [
+    ("/v1/messages", _KEY_IN_SCHEMA, "tools[0].input_schema"),
+    ("/v1/messages/count_tokens", _KEY_IN_SCHEMA, "tools[0].input_schema"),
+    ("/v1/messages", _VALUE_IN_SCHEMA, "tools[0].input_schema"),
+    ("/v1/messages/count_tokens", _VALUE_IN_SCHEMA, "tools[0].input_schema"),
+    ("/v1/messages", {"metadata": {"user_id": "\udc80"}}, "metadata"),  # count_tokens has none
+])
+def test_a_lone_surrogate_anywhere_in_the_json_is_a_400(
+        tiny_server: Any, route: str, extra: dict[str, Any], param: str) -> None:
+    """Sent as the escape `\\udc80` (httpx refuses to encode one): not a 500 from the
+    tokenizer, a 400 naming the field that carries it."""
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}],
+            **extra}
+    r = httpx.post(tiny_server.url + route, content=json.dumps(body).encode(), timeout=30,
+                   headers={"x-api-key": TINY_KEY, "content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and param in err["message"], err

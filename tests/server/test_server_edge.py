@@ -64,6 +64,24 @@ BAD: list[tuple[str, str, dict[str, Any], int, str, str | None]] = [
     ("surrogate in name", "chat", {**CHAT, "messages": [{"role": "user", "content": "x", "name": SURROGATE}]}, 400, "invalid_request", "messages[0].name"),
     ("surrogate in model", "chat", {**CHAT, "model": SURROGATE}, 400, "invalid_request", "model"),
     ("surrogate in stop", "completion", {**COMPLETION, "stop": [SURROGATE]}, 400, "invalid_request", "stop[0]"),
+    # JSON carried as it is (schemas, arguments, template variables): keys and values checked too
+    ("surrogate in a tool schema key", "chat", {**CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {SURROGATE: {"type": "string"}}}}}]},
+     400, "invalid_request", "tools[0].function.parameters"),
+    ("surrogate in a tool schema value", "chat", {**CHAT, "tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "description": SURROGATE}}}]},
+     400, "invalid_request", "tools[0].function.parameters"),
+    ("surrogate in a response schema key", "chat", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "s", "schema": {"type": "object", "properties": {SURROGATE: {"type": "string"}}}}}},
+     400, "invalid_request", "response_format.json_schema.schema"),
+    ("surrogate in chat_template_kwargs", "chat", {**CHAT, "chat_template_kwargs": {"x": [SURROGATE]}},
+     400, "invalid_request", "chat_template_kwargs"),
+    ("surrogate in tool call arguments", "chat", {**CHAT, "messages": [
+        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": {SURROGATE: 1}}}]},
+        {"role": "user", "content": "x"}]}, 400, "invalid_request", "messages[0].tool_calls[0].function.arguments"),
+    ("surrogate escaped in tool call arguments text", "chat", {**CHAT, "messages": [
+        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"k": "\\udc80"}'}}]},
+        {"role": "user", "content": "x"}]}, 400, "invalid_request", "messages[0].tool_calls[0].function.arguments"),
     ("tool without a name", "chat", {**CHAT, "tools": [{"type": "function", "function": {"parameters": {}}}]},
      400, "invalid_request", "tools[0].function.name"),
     ("tool_choice naming no tool", "chat", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],

@@ -188,3 +188,22 @@ def test_stateless_fields_are_400s_in_the_openai_shape(server: Any) -> None:
     assert e.value.body["param"] == "previous_response_id"  # type: ignore[index]
     with pytest.raises(openai.NotFoundError):
         c.responses.create(model="nope", input="hi")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tools": [{"type": "function", "name": "f", "parameters": {
+        "type": "object", "properties": {"a\udc80": {"type": "string"}}}}]}, "tools[0]"),
+    ({"metadata": {"a\udc80": "x"}}, "metadata"),
+])
+def test_a_lone_surrogate_anywhere_in_the_json_is_a_400(
+        server: Any, stream: bool, extra: dict[str, Any], param: str) -> None:
+    """A surrogate in a metadata key used to be found only when the answer was written: a 500
+    after generating, or a 200 with an empty stream."""
+    import httpx
+
+    body = {"model": "fake", "input": "hi", "max_output_tokens": 4, "stream": stream, **extra}
+    r = httpx.post(server.url + "/v1/responses", content=json.dumps(body).encode(), timeout=30,
+                   headers={**server.headers, "content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith(param), r.json()

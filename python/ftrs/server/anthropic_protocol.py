@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ftrs.errors import InvalidRequest
 from ftrs.server.errors import param_name
-from ftrs.server.protocol import ChatCompletionRequest, Text
+from ftrs.server.protocol import ChatCompletionRequest, JsonObject, Text
 
 # ----------------------------------------------------------------------------------- requests
 
@@ -42,7 +42,7 @@ class ToolUseBlock(_Model):
     type: Literal["tool_use"]
     id: Text = Field(min_length=1)
     name: Text = Field(min_length=1)
-    input: dict[str, Any]
+    input: dict[str, Any]  # its strings are checked on the way to chat (`to_chat`)
 
 
 class ToolResultBlock(_Model):
@@ -81,7 +81,7 @@ class MessagesTool(_Model):
     type: Literal["custom"] | None = None
     name: Text = Field(pattern=r"^[a-zA-Z0-9_-]{1,128}$")  # Anthropic's rule for tool names
     description: Text | None = None
-    input_schema: dict[str, Any]
+    input_schema: JsonObject
 
 
 class MessagesToolChoice(_Model):
@@ -100,7 +100,7 @@ class ThinkingConfig(_Model):
 
 class OutputFormat(_Model):
     type: Literal["json_schema"]
-    schema_: dict[str, Any] = Field(alias="schema")
+    schema_: JsonObject = Field(alias="schema")
 
 
 class OutputConfig(_Model):
@@ -126,7 +126,7 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = None  # Anthropic's range: [0, 1]
     top_p: float | None = None
     top_k: int | None = Field(default=None, ge=0)  # Anthropic's range; 0 is off
-    metadata: dict[str, Any] | None = None  # accepted, ignored
+    metadata: JsonObject | None = None  # accepted, ignored
     output_config: OutputConfig | None = None  # format → the chat path's json_schema
 
 

@@ -21,6 +21,7 @@ from ftrs.server.protocol import (
     CompletionRequest,
     MessageToolCall,
     _SamplingFields,
+    lone_surrogate_at,
 )
 from ftrs.server.reasoning import (
     CLOSE,
@@ -285,6 +286,9 @@ def _history_call(i: int, j: int, call: MessageToolCall) -> dict[str, Any]:
             raise _bad(param, f"not valid JSON: {exc}") from None
     if not isinstance(args, dict):
         raise _bad(param, "must be a JSON object")
+    where = lone_surrogate_at(args)
+    if where is not None:  # JSON text's escapes can carry one the request's own check missed
+        raise _bad(param, f"invalid Unicode: a lone surrogate in {where}")
     return {"id": call.id or f"call_{i}_{j}", "type": "function",
             "function": {"name": call.function.name, "arguments": args}}
 

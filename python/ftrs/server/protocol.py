@@ -47,7 +47,47 @@ def _valid_unicode(value: str) -> str:
     return value
 
 
+def lone_surrogate_at(value: Any, at: str = "") -> str | None:
+    """Where the first string of a JSON value (keys included) that is not valid Unicode is
+    (`.properties.city`, `a key at .properties`), or None when every one is."""
+    if isinstance(value, str):
+        return None if _encodes(value) else f"the string at {at or '.'}"
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(k, str) and not _encodes(k):
+                return f"a key at {at or '.'}"
+            found = lone_surrogate_at(v, f"{at}.{k}")
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = lone_surrogate_at(v, f"{at}[{i}]")
+            if found is not None:
+                return found
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _valid_json(value: Any) -> Any:
+    """A JSON value carried as it is (a schema, tool arguments, template variables): every
+    string in it, keys included, must be valid Unicode too."""
+    where = lone_surrogate_at(value)
+    if where is not None:
+        raise ValueError(f"invalid Unicode: a lone surrogate in {where}")
+    return value
+
+
 Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
+#: a JSON object or value passed through as it is, with every string in it valid Unicode
+JsonObject = Annotated[dict[str, Any], AfterValidator(_valid_json)]
+JsonValue = Annotated[Any, AfterValidator(_valid_json)]
 TokenIds = list[StrictInt]
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
@@ -74,7 +114,7 @@ class _SamplingFields(_Request):
     seed: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None  # refused unless empty
+    logit_bias: JsonObject | None = None  # refused unless empty
     user: Text | None = None
     # Extensions understood by vLLM-style clients.
     top_k: int | None = None
@@ -111,7 +151,7 @@ class FunctionCall(_Request):
     """A call an assistant turn made; `arguments` is JSON text (OpenAI) or an object."""
 
     name: Text
-    arguments: Text | dict[str, Any]
+    arguments: Text | JsonObject
 
 
 class MessageToolCall(_Request):
@@ -143,7 +183,7 @@ class ChatMessage(_Request):
 class FunctionDefinition(_Request):
     name: Text = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
     description: Text | None = None
-    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
+    parameters: JsonObject | None = None  # a JSON Schema of the arguments object
     strict: bool | None = None
 
 
@@ -166,7 +206,7 @@ class NamedToolChoice(_Request):
 class JsonSchemaFormat(_Request):
     name: Text | None = None
     description: Text | None = None
-    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    schema_: JsonObject | bool | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
@@ -184,7 +224,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # default true
     response_format: ResponseFormat | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # extension: extra template variables
+    chat_template_kwargs: JsonObject | None = None  # extension: extra template variables
     # the template's `reasoning_effort` (gpt-oss reads it) unless chat_template_kwargs sets it
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     # extension (vLLM's name): at most so many reasoning tokens, then the block is closed
@@ -369,7 +409,9 @@ __all__ = [
     "ErrorResponse",
     "FunctionCall",
     "FunctionDefinition",
+    "JsonObject",
     "JsonSchemaFormat",
+    "JsonValue",
     "MessageToolCall",
     "ModelCard",
     "ModelList",
@@ -382,5 +424,6 @@ __all__ = [
     "Tool",
     "TopLogprob",
     "Usage",
+    "lone_surrogate_at",
     "new_id",
 ]

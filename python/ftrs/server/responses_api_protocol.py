@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ftrs.errors import InvalidRequest
 from ftrs.server.errors import param_name
-from ftrs.server.protocol import ChatCompletionRequest, Text
+from ftrs.server.protocol import ChatCompletionRequest, JsonObject, Text
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _EFFORT = {"minimal": "minimal", "low": "low", "medium": "medium", "high": "high",
@@ -45,19 +45,19 @@ class ResponsesRequest(BaseModel):
     model: Text
     input: Text | list[dict[str, Any]]
     instructions: Text | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Text | dict[str, Any] | None = None
+    tools: list[JsonObject] | None = None
+    tool_choice: Text | JsonObject | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
     top_p: float | None = None
-    text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
+    text: JsonObject | None = None
+    reasoning: JsonObject | None = None
     stream: bool | None = False
     store: bool | None = None  # accepted: nothing is stored
-    metadata: dict[str, Text] | None = None
+    metadata: dict[Text, Text] | None = None
     previous_response_id: Text | None = None  # refused: nothing is stored
-    conversation: Text | dict[str, Any] | None = None  # refused likewise
+    conversation: Text | JsonObject | None = None  # refused likewise
     background: bool | None = None  # true is refused
     include: list[Text] | None = None  # "reasoning.encrypted_content": see the module doc
 
