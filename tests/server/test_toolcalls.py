@@ -14,6 +14,7 @@ import pytest
 from ftrs.errors import ConfigError, InvalidRequest
 from ftrs.models.tiny import tiny_tokenizer
 from ftrs.server.prepare import special_tag_ids
+from ftrs.server.toolbase import ToolParser
 from ftrs.server.toolcalls import TOOL_PARSERS, ToolCallDelta, choose_tool_parser
 
 CHUNKS = (1, 2, 3, 7, 10_000)
@@ -603,3 +604,26 @@ def test_special_token_tags_reach_the_parser_token_by_token(
     assert stream(keep) == (content, calls)
     assert stream(frozenset())[1] == []  # dropped tags: the calls would be lost as text
     assert tok.decode(ids, keep=keep) == text  # <|im_end|> still skipped
+
+
+# --- every family: a generation cut off by max_tokens -----------------------------------------
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+def test_a_call_cut_off_by_max_tokens_is_dropped_not_content(parser: str) -> None:
+    """`finish(cut=True)`: the parser's own markup half written when the tokens ran out is not
+    the assistant's text (it was: a forced call's second `<tool_call>\\n{"name":` came back as
+    `content`). A call complete before it still counts; without the cut it stays content."""
+    cls = TOOL_PARSERS[parser]
+    if cls.format_calls is ToolParser.format_calls:
+        pytest.skip(f"{parser} writes no calls of its own")
+    both = cls.format_calls([("now", {}), ("get_weather", {"city": "Paris", "days": 2})])
+    text = both[:both.index("Paris") + 2]  # the second call cut off inside its arguments
+    for cut, content in ((True, ""), (False, None)):
+        p = cls(TOOLS)
+        got, _ = p.feed(text)
+        more, _ = p.finish(cut=cut)
+        assert [c.name for c in p.calls] == ["now"], (parser, text)
+        if content is not None:
+            assert (got + more).strip() == content, (parser, got + more)
+        else:  # not cut: what did not parse is shown, not lost
+            assert (got + more).strip() != ""

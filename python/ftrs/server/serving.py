@@ -240,7 +240,7 @@ class _Choice:
         if self.tools is not None:
             content, calls = self.tools.feed(content)
             if d.finish_reason is not None:
-                c, more = self.tools.finish()
+                c, more = self.tools.finish(cut=d.finish_reason == "length")
                 content, calls = content + c, calls + more
             if self.max_calls is not None:
                 calls = [c for c in calls if c.index < self.max_calls]

@@ -244,6 +244,7 @@ class ToolParser:
         self._next_index = 0
         self._content: list[str] = []
         self._deltas: list[ToolCallDelta] = []
+        self._cut = False  # finishing a generation cut off: an open call is dropped, not shown
 
     # --- the incremental interface ----------------------------------------------------------
 
@@ -253,10 +254,17 @@ class ToolParser:
         self._advance()
         return "".join(self._content), self._deltas
 
-    def finish(self) -> tuple[str, list[ToolCallDelta]]:
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolCallDelta]]:
+        """The end of the text. `cut`: the generation was cut off (`max_tokens`): a call
+        section still open is the parser's own markup half written, not content, and is
+        dropped (a call whose object is complete still counts)."""
         self._content, self._deltas = [], []
         self._advance()
-        self._close()
+        self._cut = cut
+        try:
+            self._close()
+        finally:
+            self._cut = False
         if not self.calls:
             self._content.append(self._ws)
         self._ws = ""
@@ -289,7 +297,8 @@ class ToolParser:
         self._before, self._ws = self._ws, ""
 
     def _malformed(self, raw: str) -> None:
-        self._content.append(self._before + raw)
+        if not self._cut:
+            self._content.append(self._before + raw)
         self._before = ""
 
     def _finish_call(self, stream: CallStream, parsed: tuple[str, str] | None,
