@@ -438,6 +438,9 @@ def test_x_api_key_and_bearer_are_accepted_a_wrong_key_is_refused(tiny_server: A
      "thinking.budget_tokens"),
     ({"max_tokens": 4, "tools": [{"name": "get weather", "input_schema": {"type": "object"}}],
       "messages": [{"role": "user", "content": "hi"}]}, 400, "invalid_request_error", "tools[0].name"),
+    ({"max_tokens": 4, "tools": [{"name": "f", "input_schema": {"type": "bogus"}}],
+      "tool_choice": {"type": "any"}, "messages": [{"role": "user", "content": "hi"}]}, 400,
+     "invalid_request_error", "tools[0].input_schema"),
     ({"model": "claude-x", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}, 404,
      "not_found_error", "model"),
 ])

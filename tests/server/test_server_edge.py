@@ -84,6 +84,10 @@ BAD: list[tuple[str, str, dict[str, Any], int, str, str | None]] = [
         {"role": "user", "content": "x"}]}, 400, "invalid_request", "messages[0].tool_calls[0].function.arguments"),
     ("tool without a name", "chat", {**CHAT, "tools": [{"type": "function", "function": {"parameters": {}}}]},
      400, "invalid_request", "tools[0].function.name"),
+    ("forced tool with a schema that cannot compile", "chat", {**CHAT, "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "ok", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}]},
+     400, "invalid_request", "tools[1].function.parameters"),
     ("tool_choice naming no tool", "chat", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
                                             "tool_choice": {"type": "function", "function": {"name": "g"}}},
      400, "invalid_request", "tool_choice"),
@@ -158,6 +162,7 @@ def test_bad_input_is_a_400_naming_the_field_and_the_connection_serves_on(
     err = r.json()["error"]
     assert (err["code"], err["param"], err["type"]) == (code, param, "invalid_request_error"), err
     assert err["message"].startswith(param) if param else err["message"]
+    assert "start:" not in err["message"]  # no grammar source in the message
     assert r.headers.get("connection") != "close"  # the keep-alive connection is intact
     ok = http.post(URL[endpoint], json=CHAT if endpoint == "chat" else COMPLETION)
     assert ok.status_code == 200, ok.text

@@ -30,6 +30,7 @@ from ftrs.server.reasoning import (
     choose_reasoning_parser,
     opens_reasoning,
 )
+from ftrs.server.toolbase import chosen_functions
 from ftrs.server.toolcalls import TOOL_PARSERS, choose_tool_parser
 
 
@@ -383,12 +384,26 @@ def _structured(req: ChatCompletionRequest, setup: ChatSetup, tokenizer: Any,
                           "response_format.json_schema.schema", lead)
 
 
-def _check_grammar(spec: StructuredSpec, tokenizer: Any) -> None:
-    """Compile `spec` as the engine will, so a bad schema is a 400 before anything is queued."""
+def _check_grammar(spec: StructuredSpec, tokenizer: Any, setup: ChatSetup) -> None:
+    """Compile `spec` as the engine will, so a bad schema is a 400 before anything is queued.
+    A forced call's grammar holds every chosen tool's schema: when it fails, the first tool
+    whose schema fails alone is named (`tools[i].function.parameters`), not the grammar."""
     from ftrs.engine import grammar
 
     # llguidance needs the real tokenizer's vocabulary; a test double is checked without one.
-    grammar.check(spec, tokenizer if hasattr(tokenizer, "tk") else None)
+    tok = tokenizer if hasattr(tokenizer, "tk") else None
+    try:
+        grammar.check(spec, tok)
+    except InvalidRequest:
+        if spec.param != "tool_choice" or not setup.tools:
+            raise
+        chosen = {name for name, _ in chosen_functions(setup.tools, setup.tool_choice)}
+        for i, tool in enumerate(setup.tools):
+            fn = tool.get("function") or {}
+            if fn.get("name") in chosen and isinstance(fn.get("parameters"), dict):
+                grammar.check(StructuredSpec("json_schema", json.dumps(fn["parameters"]),
+                                             f"tools[{i}].function.parameters"), tok)
+        raise
 
 
 def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, options: Limits) -> Plan:
@@ -413,7 +428,7 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, options: Limits) ->
     params = _params(req, max_tokens, logprobs, options.vocab_size, structured)
     _check_context(len(ids), max_tokens, options.max_model_len, "messages")
     if structured is not None:
-        _check_grammar(structured, tokenizer)
+        _check_grammar(structured, tokenizer, setup)
     # A grammar governs the whole output: none of it is reasoning, unless it leads with some.
     reasoning = setup.reasoning_parser if structured is None or structured.lead else None
     opened = bool(reasoning) and opens_reasoning(text)
