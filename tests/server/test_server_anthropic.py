@@ -112,6 +112,7 @@ def test_errors_of_the_chat_path_name_the_messages_fields() -> None:
     assert tr.rename("messages[0]") == "system"
     assert tr.rename("tools[0].function.parameters") == "tools[0].input_schema"
     assert tr.rename("stop") == "stop_sequences"
+    assert tr.rename("stop[1]") == "stop_sequences[1]"
     assert tr.rename("top_k") == "top_k"
 
 

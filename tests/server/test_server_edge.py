@@ -64,6 +64,9 @@ BAD: list[tuple[str, str, dict[str, Any], int, str, str | None]] = [
     ("surrogate in name", "chat", {**CHAT, "messages": [{"role": "user", "content": "x", "name": SURROGATE}]}, 400, "invalid_request", "messages[0].name"),
     ("surrogate in model", "chat", {**CHAT, "model": SURROGATE}, 400, "invalid_request", "model"),
     ("surrogate in stop", "completion", {**COMPLETION, "stop": [SURROGATE]}, 400, "invalid_request", "stop[0]"),
+    ("an empty stop string in a list", "chat", {**CHAT, "stop": ["a", ""]}, 400, "invalid_request", "stop[1]"),
+    ("max_completion_tokens 0 beside max_tokens", "chat", {**CHAT, "max_completion_tokens": 0, "max_tokens": 5},
+     400, "invalid_request", "max_completion_tokens"),
     # JSON carried as it is (schemas, arguments, template variables): keys and values checked too
     ("surrogate in a tool schema key", "chat", {**CHAT, "tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {SURROGATE: {"type": "string"}}}}}]},

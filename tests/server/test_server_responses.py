@@ -77,6 +77,7 @@ def test_reasoning_comes_back_from_its_content_summary_or_sealed_text() -> None:
     ({"input": "hi", "tool_choice": {"type": "web_search"}}, "tool_choice"),
     ({"input": "hi", "tools": [{"type": "function", "name": "bad name!"}]}, "tools[0].name"),
     ({"input": "hi", "tools": [{"type": "function"}]}, "tools[0].name"),
+    ({"input": "hi", "reasoning": {"effort": "ultra"}}, "reasoning.effort"),
     # not valid Unicode, found by the chat request: named as the Responses request names it
     ({"input": [{"role": "user", "content": "ok"}, {"role": "user", "content": "\ud800"}]},
      "input[1].content"),
@@ -85,6 +86,13 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(body: dict[str, Any], p
     with pytest.raises(InvalidRequest) as e:
         _chat(**body)
     assert e.value.evidence["param"] == param
+
+
+def test_the_chat_paths_fields_are_named_as_the_responses_request_names_them() -> None:
+    tr = to_chat(ResponsesRequest.model_validate({"model": "m", "input": "hi"}))
+    assert tr.rename("messages") == "input"  # a prompt past the context: the input is too long
+    assert tr.rename("max_completion_tokens") == "max_output_tokens"
+    assert _chat(input="hi", reasoning={"effort": "none"}).get("reasoning_effort") is None
 
 
 # ------------------------------------------------------------------------ live, on the fake engine

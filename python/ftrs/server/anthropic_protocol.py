@@ -182,6 +182,8 @@ def rename_param(param: str, origins: list[str]) -> str:
         return f"tools[{m.group(1)}]{field.get(m.group(2) or '', '')}"
     if param.startswith("response_format"):
         return "output_config.format.schema"
+    if param.startswith("stop["):
+        return "stop_sequences" + param.removeprefix("stop")
     return {"stop": "stop_sequences", "max_completion_tokens": "max_tokens",
             "parallel_tool_calls": "tool_choice.disable_parallel_tool_use"}.get(param, param)
 

@@ -114,7 +114,11 @@ def _unsupported_chat_fields(req: ChatCompletionRequest) -> None:
 def _params(req: _SamplingFields, max_tokens: int, logprobs: int | None, vocab: int,
             structured: StructuredSpec | None = None) -> SamplingParams:
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    return SamplingParams(
+    if isinstance(req.stop, list):  # named by its index, as the request holds it
+        for i, s in enumerate(req.stop):
+            if not s:
+                raise _bad(f"stop[{i}]", "a stop string must not be empty")
+    params = SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -130,7 +134,14 @@ def _params(req: _SamplingFields, max_tokens: int, logprobs: int | None, vocab: 
         logprobs=logprobs,
         logit_bias=_logit_bias(req),
         structured=structured,
-    ).validate(vocab)
+    )
+    try:
+        return params.validate(vocab)
+    except InvalidRequest as e:  # max_tokens came from max_completion_tokens: name that
+        if (e.evidence.get("param") != "max_tokens"
+                or getattr(req, "max_completion_tokens", None) is None):
+            raise
+        raise _bad("max_completion_tokens", e.message.split(": ", 1)[-1]) from None
 
 
 def _check_context(prompt_len: int, max_tokens: int, max_model_len: int, prompt_param: str) -> None:

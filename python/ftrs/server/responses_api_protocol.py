@@ -84,7 +84,7 @@ class Translation:
         if param.startswith("response_format"):
             return "text.format"
         return {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-                "reasoning_effort": "reasoning.effort"}.get(param, param)
+                "reasoning_effort": "reasoning.effort", "messages": "input"}.get(param, param)
 
 
 def _text(value: Any, where: str) -> str:
@@ -255,7 +255,10 @@ def to_chat(req: ResponsesRequest) -> Translation:
     fmt = _response_format(req.text)
     if fmt is not None:
         body["response_format"] = fmt
-    effort = _EFFORT.get(str((req.reasoning or {}).get("effort")))
+    asked = (req.reasoning or {}).get("effort")
+    effort = _EFFORT.get(str(asked))
+    if asked not in (None, "none") and effort is None:
+        raise _bad("reasoning.effort", f"must be one of none, {', '.join(_EFFORT)}; got {asked!r}")
     if effort is not None:
         body["reasoning_effort"] = effort
     try:
