@@ -43,7 +43,7 @@ from ftrs.server.anthropic_protocol import (
     MessagesResponse,
     to_chat,
 )
-from ftrs.server.errors import Unauthorized, param_name, renamed
+from ftrs.server.errors import Unauthorized, as_ftrs_error, param_name, renamed
 from ftrs.server.prepare import check_model
 from ftrs.server.serving import (
     ChatRun,
@@ -287,7 +287,8 @@ def _stream(ctx: ServeContext, req: MessagesRequest, run: ChatRun,
             async for e in events:
                 for event in blocks.feed(e):
                     yield _sse(event)
-        except FtrsError as err:
+        except Exception as exc:
+            err = as_ftrs_error(exc)
             ctx.metrics.request_failed(err.http_status)
             yield _sse(error_body(err))
             return

@@ -11,6 +11,7 @@ break the JSON encoder), names a request field in one spelling (`messages[0].con
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,6 +20,8 @@ from fastapi.responses import JSONResponse
 
 from ftrs.errors import FtrsError, InvalidRequest
 from ftrs.server.engine_process import error_to_wire
+
+logger = logging.getLogger(__name__)
 
 
 class ModelNotFound(InvalidRequest):
@@ -56,6 +59,16 @@ def error_type(status: int) -> str:
     if status < 500:
         return "invalid_request_error"
     return "server_error"
+
+
+def as_ftrs_error(exc: Exception) -> FtrsError:
+    """`exc` itself when typed; otherwise (a bug) logged with its traceback and answered as an
+    internal error naming only its type, so a stream that already started still ends in an
+    error event rather than a cut connection."""
+    if isinstance(exc, FtrsError):
+        return exc
+    logger.error("unhandled error: %s", exc, exc_info=exc)
+    return FtrsError(f"internal server error: {type(exc).__name__}")
 
 
 def _utf8(text: str) -> str:

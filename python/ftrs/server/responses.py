@@ -16,8 +16,7 @@ from typing import Any
 from fastapi.responses import Response, StreamingResponse
 
 from ftrs.engine.protocol import TokenLogprob
-from ftrs.errors import FtrsError
-from ftrs.server.errors import error_body
+from ftrs.server.errors import as_ftrs_error, error_body
 from ftrs.server.metrics import ServerMetrics
 from ftrs.server.protocol import (
     ChatChoice,
@@ -161,7 +160,8 @@ def _stream(events: AsyncIterator[str], metrics: ServerMetrics) -> StreamingResp
         try:
             async for chunk in events:
                 yield chunk
-        except FtrsError as err:
+        except Exception as exc:
+            err = as_ftrs_error(exc)
             metrics.request_failed(err.http_status)
             yield f"data: {json.dumps(error_body(err))}\n\n"
         yield "data: [DONE]\n\n"

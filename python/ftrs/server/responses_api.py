@@ -25,8 +25,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from ftrs.errors import FtrsError
-from ftrs.server.errors import error_body
+from ftrs.server.errors import as_ftrs_error, error_body
 from ftrs.server.responses_api_protocol import ResponsesRequest, Translation, to_chat
 from ftrs.server.serving import ChatRun, ChoiceEvent, ServeContext, start_adapted
 
@@ -198,15 +197,16 @@ def _stream(ctx: ServeContext, req: ResponsesRequest, tr: Translation, run: Chat
             events: AsyncIterator[ChoiceEvent], resp_id: str, created: float) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         seq = [0]
-        start = _response(resp_id, req, tr, created, "in_progress", [])
-        yield _sse({"type": "response.created", "response": start}, seq)
-        yield _sse({"type": "response.in_progress", "response": start}, seq)
         items = ItemEncoder(_sealed(req))
         try:
+            start = _response(resp_id, req, tr, created, "in_progress", [])
+            yield _sse({"type": "response.created", "response": start}, seq)
+            yield _sse({"type": "response.in_progress", "response": start}, seq)
             async for e in events:
                 for event in items.feed(e):
                     yield _sse(event, seq)
-        except FtrsError as err:
+        except Exception as exc:
+            err = as_ftrs_error(exc)
             ctx.metrics.request_failed(err.http_status)
             detail = error_body(err)["error"]
             yield _sse({"type": "error", "code": detail["code"], "message": detail["message"],
