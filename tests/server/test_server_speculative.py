@@ -55,3 +55,29 @@ def test_streamed_greedy_tokens_equal_llm_generate(server: ServerProcess, tiny_m
     drafted, accepted = m["ftrs_spec_draft_tokens_total"], m["ftrs_spec_accepted_tokens_total"]
     assert 0 <= accepted <= drafted
     assert m["ftrs_generation_tokens_total"] == 3 * 48
+
+
+def test_seeded_sampled_stream_with_logprobs_equals_llm_generate(server: ServerProcess,
+                                                                 tiny_model: Path) -> None:
+    """Sampled rows draft too (`engine/spec.py`): with a seed the streamed text is the one
+    `LLM.generate` draws without drafts, and every token has its logprob record."""
+    import openai
+
+    from ftrs import LLM
+    from ftrs.sampling import SamplingParams
+
+    prompt = [76, 462, 252, 462, 252, 40, 41] * 3
+    llm = LLM(str(tiny_model), device="cpu", dtype="float32")
+    try:
+        params = SamplingParams(max_tokens=40, temperature=0.5, seed=11, ignore_eos=True)
+        want = llm.tokenizer.decode(llm.generate([prompt], params)[0].token_ids)
+    finally:
+        llm.close()
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    stream = client.completions.create(model="tiny", prompt=prompt, max_tokens=40, temperature=0.5,
+                                       seed=11, logprobs=2, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.text for c in chunks) == want
+    records = [t for c in chunks if c.logprobs for t in c.logprobs.token_logprobs or []]
+    assert len(records) == 40
