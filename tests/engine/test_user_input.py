@@ -132,3 +132,13 @@ def test_generate_refuses_bad_sampling_flags_before_loading(
         rc = main(["generate", "--model", "/nonexistent/model", *flags, "hi"])
         err = capsys.readouterr().err
         assert rc != 0 and f"ftrs: error: {field}:" in err, err
+
+
+def test_expert_cache_flags_with_resident_are_said_to_do_nothing(
+        tiny_models: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+    path = str(tiny_models["qwen3_moe"])
+    with caplog.at_level("WARNING", logger="ftrs"):
+        LLM(path, kv_tokens=64).close()
+        assert "resident keeps every expert" not in caplog.text
+        LLM(path, kv_tokens=64, moe_cache_rate=0.5, pcie_pacing=2.0).close()
+    assert "--moe-cache-rate, --pcie-pacing: for --moe-strategy offload or hybrid" in caplog.text

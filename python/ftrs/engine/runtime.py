@@ -53,6 +53,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+
+def offload_options_set(config: EngineConfig) -> list[str]:
+    """The expert-cache and link flags set away from their defaults (they act only when
+    experts move: offload, hybrid)."""
+    defaults = EngineConfig()
+    return [f"--{name.replace('_', '-')}" for name in
+            ("moe_cache_size", "moe_cache_rate", "moe_cache_policy", "copy_backend", "pcie_pacing")
+            if getattr(config, name) != getattr(defaults, name)]
+
 class Runtime:
     """Everything one forward pass needs, built once."""
 
@@ -78,6 +87,10 @@ class Runtime:
         if self.spec.is_moe:
             assert self.loaded.experts is not None
             strategy = "resident" if config.moe_strategy == "auto" else config.moe_strategy
+            unused = offload_options_set(config) if strategy == "resident" else []
+            if unused:
+                log.warning("%s: for --moe-strategy offload or hybrid; resident keeps every "
+                            "expert on %s and ignores them", ", ".join(unused), self.device)
             import_strategy(strategy)
             self.moe = create_strategy(strategy, experts=self.loaded.experts, device=self.device,
                                        config=config, routers=self._routers(),
