@@ -185,6 +185,11 @@ def test_a_tool_loop_in_items_and_the_output_limit(server: Any) -> None:
     short = c.responses.create(model="fake", input="SAY:A long answer here.", max_output_tokens=3)
     assert short.status == "incomplete" and short.incomplete_details.reason == "max_output_tokens"
     assert short.output_text == "A l"
+    assert short.output[-1].status == "incomplete"  # the message the limit cut
+    with c.responses.stream(model="fake", input="SAY:A long answer here.", max_output_tokens=3) as st:
+        done = [e.item for e in st if e.type == "response.output_item.done"]
+    assert done[-1].status == "incomplete"
+    assert c.responses.create(model="fake", input="SAY:Done now.").output[-1].status == "completed"
 
 
 def test_stateless_fields_are_400s_in_the_openai_shape(server: Any) -> None:

@@ -72,8 +72,9 @@ class ItemEncoder:
                             "output_index": len(self.output) - 1, "delta": call.arguments})
         return out
 
-    def close(self) -> list[dict[str, Any]]:
-        """Close the open item (at the end of the choice, or when another opens)."""
+    def close(self, cut: bool = False) -> list[dict[str, Any]]:
+        """Close the open item (at the end of the choice, or when another opens). `cut`: the
+        choice ended at `max_output_tokens`, so the item it was writing is `incomplete`."""
         if self._kind is None:
             return []
         item, index = self.output[-1], len(self.output) - 1
@@ -90,7 +91,7 @@ class ItemEncoder:
             out.append({"type": done, **where, "content_index": 0, "text": part["text"], **extra})
             out.append({"type": "response.content_part.done", **where, "content_index": 0,
                         "part": dict(part)})
-        item["status"] = "completed"
+        item["status"] = "incomplete" if cut else "completed"
         if self._kind == "reasoning" and self.sealed:
             item["encrypted_content"] = item["content"][-1]["text"]
         out.append({"type": "response.output_item.done", "output_index": index,
@@ -176,9 +177,9 @@ def install_responses(app: FastAPI, ctx: ServeContext,
         items = ItemEncoder(_sealed(req))
         async for e in events:
             items.feed(e)
-        items.close()
-        items.keep_calls(run.calls(0))
         status = "incomplete" if run.finish_reason(0) == "length" else "completed"
+        items.close(cut=status == "incomplete")
+        items.keep_calls(run.calls(0))
         body = _response(resp_id, req, tr, created, status, items.output, run, items.reasoning_tokens)
         return Response(json.dumps(body, ensure_ascii=False), media_type="application/json")
 
@@ -216,9 +217,9 @@ def _stream(ctx: ServeContext, req: ResponsesRequest, tr: Translation, run: Chat
                                error={"code": detail["code"], "message": detail["message"]})
             yield _sse({"type": "response.failed", "response": failed}, seq)
             return
-        for event in items.close():
-            yield _sse(event, seq)
         status = "incomplete" if run.finish_reason(0) == "length" else "completed"
+        for event in items.close(cut=status == "incomplete"):
+            yield _sse(event, seq)
         final = _response(resp_id, req, tr, created, status, items.output, run,
                           items.reasoning_tokens)
         yield _sse({"type": f"response.{status}", "response": final}, seq)
