@@ -13,7 +13,7 @@ import pytest
 
 from ftrs.errors import ConfigError, InvalidRequest
 from ftrs.models.tiny import tiny_tokenizer
-from ftrs.server.prepare import special_tag_ids
+from ftrs.server.structured import special_tag_ids
 from ftrs.server.toolbase import ToolParser
 from ftrs.server.toolcalls import TOOL_PARSERS, ToolCallDelta, choose_tool_parser
 

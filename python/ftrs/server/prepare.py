@@ -9,7 +9,6 @@ they run in a worker thread, never on the event loop.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -26,12 +25,11 @@ from ftrs.server.protocol import (
 from ftrs.server.reasoning import (
     CLOSE,
     OPEN,
-    REASONING_PARSERS,
     choose_reasoning_parser,
     opens_reasoning,
 )
-from ftrs.server.toolbase import chosen_functions
-from ftrs.server.toolcalls import TOOL_PARSERS, choose_tool_parser
+from ftrs.server.structured import check_grammar, structured_spec
+from ftrs.server.toolcalls import choose_tool_parser
 
 
 def _bad(param: str, why: str) -> InvalidRequest:
@@ -351,72 +349,6 @@ def _final_prefill(req: ChatCompletionRequest, messages: list[dict[str, Any]]) -
     return text
 
 
-def special_tag_ids(tokenizer: Any, tags: Sequence[str]) -> dict[str, int]:
-    """Those of `tags` that `tokenizer` holds as single special tokens, with their ids."""
-    if not hasattr(tokenizer, "special_ids"):
-        return {}
-    found = {t: tokenizer.special_ids([t]) for t in tags}
-    return {t: next(iter(ids)) for t, ids in found.items() if len(ids) == 1}
-
-
-def _lead(setup: ChatSetup, tokenizer: Any, answer: bool, prompt: str) -> str:
-    """What the reasoning parser lets a grammar's text follow (see `grammar_lead`)."""
-    if setup.reasoning_parser is None:
-        return ""
-    parser = REASONING_PARSERS[setup.reasoning_parser]
-    return parser.grammar_lead(special_tag_ids(tokenizer, parser.special_tags), answer,
-                               opens_reasoning(prompt))
-
-
-def _structured(req: ChatCompletionRequest, setup: ChatSetup, tokenizer: Any,
-                prompt: str) -> StructuredSpec | None:
-    """The grammar the output must follow: a forced tool call, or the response_format; after
-    the model's reasoning where its reasoning parser can offer that (gpt-oss's analysis)."""
-    fmt = req.response_format
-    forced = setup.tools is not None and setup.tool_choice != "auto"
-    if fmt is not None and fmt.type != "text" and forced:
-        raise _bad("response_format", "cannot be combined with a required or named tool_choice")
-    if forced:
-        assert setup.tools is not None and setup.tool_parser is not None
-        parser = TOOL_PARSERS[setup.tool_parser]
-        grammar = parser.forced_grammar(setup.tools, setup.tool_choice, setup.parallel,
-                                        special_tag_ids(tokenizer, parser.special_tags))
-        return StructuredSpec("lark", grammar, "tool_choice", _lead(setup, tokenizer, False, prompt))
-    if fmt is None or fmt.type == "text":
-        return None
-    lead = _lead(setup, tokenizer, True, prompt)
-    if fmt.type == "json_object":
-        return StructuredSpec("json_object", "", "response_format", lead)
-    if fmt.json_schema is None:
-        raise _bad("response_format.json_schema", 'required when type is "json_schema"')
-    if fmt.json_schema.schema_ is None:
-        raise _bad("response_format.json_schema.schema", "required")
-    return StructuredSpec("json_schema", json.dumps(fmt.json_schema.schema_),
-                          "response_format.json_schema.schema", lead)
-
-
-def _check_grammar(spec: StructuredSpec, tokenizer: Any, setup: ChatSetup) -> None:
-    """Compile `spec` as the engine will, so a bad schema is a 400 before anything is queued.
-    A forced call's grammar holds every chosen tool's schema: when it fails, the first tool
-    whose schema fails alone is named (`tools[i].function.parameters`), not the grammar."""
-    from ftrs.engine import grammar
-
-    # llguidance needs the real tokenizer's vocabulary; a test double is checked without one.
-    tok = tokenizer if hasattr(tokenizer, "tk") else None
-    try:
-        grammar.check(spec, tok)
-    except InvalidRequest:
-        if spec.param != "tool_choice" or not setup.tools:
-            raise
-        chosen = {name for name, _ in chosen_functions(setup.tools, setup.tool_choice)}
-        for i, tool in enumerate(setup.tools):
-            fn = tool.get("function") or {}
-            if fn.get("name") in chosen and isinstance(fn.get("parameters"), dict):
-                grammar.check(StructuredSpec("json_schema", json.dumps(fn["parameters"]),
-                                             f"tools[{i}].function.parameters"), tok)
-        raise
-
-
 def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, options: Limits) -> Plan:
     """The plan of a chat request. Without `max_tokens`/`max_completion_tokens` the request may
     generate `options.default_max_tokens`, or what is left of the context if less."""
@@ -435,11 +367,11 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, options: Limits) ->
         max_tokens = max(min(options.default_max_tokens, options.max_model_len - len(ids)), 1)
     else:
         max_tokens = requested
-    structured = _structured(req, setup, tokenizer, text)
+    structured = structured_spec(req, setup, tokenizer, text)
     params = _params(req, max_tokens, logprobs, options.vocab_size, structured)
     _check_context(len(ids), max_tokens, options.max_model_len, "messages")
     if structured is not None:
-        _check_grammar(structured, tokenizer, setup)
+        check_grammar(structured, tokenizer, setup)
     # A grammar governs the whole output: none of it is reasoning, unless it leads with some.
     reasoning = setup.reasoning_parser if structured is None or structured.lead else None
     opened = bool(reasoning) and opens_reasoning(text)
