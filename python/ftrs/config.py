@@ -45,6 +45,7 @@ class EngineConfig:
     cpu_kernels: str = "auto"  # auto | portable | avx2 | avx512: the Rust CPU kernels' family (ftrs doctor measures which is faster here)
     torch_threads: int | None = None  # torch's CPU threads (process-wide); None = torch's default
     max_prefill_length: int = 8192  # token budget of one step
+    decode_stall_target: float = 1.0  # s: a step with decodes takes the prompt tokens that fit, measured (engine/chunking.py); 0 = the budget
     max_running_requests: int = 64
     page_size: int = 16
     kv_tokens: int | None = None  # KV pool capacity in tokens; None = from memory budget
@@ -101,6 +102,9 @@ class EngineConfig:
             raise ConfigError(f"moe_cache_rate: must be in (0, 1], got {self.moe_cache_rate}")
         if self.max_prefill_length < 1:
             raise ConfigError("max_prefill_length: must be >= 1")
+        if not 0 <= self.decode_stall_target < float("inf"):
+            raise ConfigError(f"decode_stall_target: must be >= 0 seconds (0: no bound), got "
+                              f"{self.decode_stall_target}")
         if self.max_running_requests < 1:
             raise ConfigError("max_running_requests: must be >= 1")
         if self.kv_cache_dtype not in ("auto", "int8"):

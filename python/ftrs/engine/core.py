@@ -17,6 +17,7 @@ import torch
 from ftrs.config import EngineConfig
 from ftrs.engine import budget, probes
 from ftrs.engine.batch import build_batch
+from ftrs.engine.chunking import PrefillChunker
 from ftrs.engine.grammar import GrammarCache, MaskFiller, advance
 from ftrs.engine.protocol import GenerateRequest, StepStats, TokenEvent
 from ftrs.engine.runtime import Runtime
@@ -89,6 +90,7 @@ class EngineCore:
         # n-gram speculative decoding (engine/spec.py); never over linear attention's state.
         # What decode steps cost is the engine's, kept whatever the draft limit
         self._step_cost = StepCost()
+        self._chunker = PrefillChunker(config.decode_stall_target)  # prompt tokens beside decodes
         self._drafter = (NgramDrafter(config.speculative_ngram, self.max_model_len, self._step_cost)
                          if config.speculative_ngram and not self.has_states else None)
         if config.speculative_ngram and self.has_states:
@@ -183,6 +185,7 @@ class EngineCore:
         admitted = self._admit_compiled() if self._compiling else []
         if self._drafter is not None:
             self._drafter.propose(self.scheduler.running)
+        self.scheduler.prefill_with_decodes = self._chunker.limit(self.scheduler.budget)
         work = self.scheduler.schedule()
         self._step_ids = [w.seq.request_id for w in work]
         self._step += 1
@@ -223,6 +226,7 @@ class EngineCore:
         stats = self._stats(t0, kind, batch.num_prefill_tokens, batch.num_decode_tokens,
                             prefix_hit=batch.prefix_hit_tokens)
         stats.draft_tokens, stats.accepted_tokens = drafted, accepted
+        self._chunker.observe(batch.num_prefill_tokens, batch.num_decode_tokens, stats.duration_s)
         if self._drafter is not None and kind == "decode":
             self._drafter.observe(len(batch.input_ids), stats.duration_s)
         return admitted + events, stats
@@ -302,6 +306,7 @@ class EngineCore:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             prefill_tokens=prefill, decode_tokens=decode,
             kv_usage_ratio=self.scheduler.kv_usage(), prefix_hit_tokens=prefix_hit,
+            prefill_with_decodes=self.scheduler.prefill_with_decodes,
             experts=moe.stats() if moe is not None else {})
 
     def close(self) -> None:

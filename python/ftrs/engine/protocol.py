@@ -76,6 +76,8 @@ class StepStats:
     #: Speculative decoding (`engine/spec.py`): draft tokens this step computed, and accepted.
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    #: Prompt tokens a step with decodes could take (`engine.chunking`); None: the budget only.
+    prefill_with_decodes: int | None = None
 
 
 __all__ = ["AbortRequest", "GenerateRequest", "StepStats", "TokenEvent", "TokenLogprob"]

@@ -3,7 +3,9 @@
 Each step it takes, in order: one decode token for every running request whose prompt is done,
 then the next chunk of running prefills, then new requests first-come first-served, while the
 step's token budget (`max_prefill_length`), `max_running_requests` and the KV pages allow.
-Prefill and decode share a step, so a long prompt never freezes running streams.
+Prefill and decode share a step, so a long prompt never freezes running streams: in a step that
+carries decodes, prompt tokens are also held to `prefill_with_decodes` (set each step by the
+engine from the measured step cost, `engine.chunking`; None: only the budget).
 
 KV pages come from the free pool, then from evicting unreferenced prefix-cache pages; when both
 are exhausted a running request is preempted (newest first): its pages are released and it goes
@@ -51,6 +53,7 @@ class Scheduler:
         self.radix = RadixCache(pool) if prefix_cache else None
         self.states = states  # linear attention state slots, at least `max_running` of them
         self.budget = max_prefill_length
+        self.prefill_with_decodes: int | None = None  # prompt tokens of a step with decodes
         self.max_running = max_running
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -163,13 +166,20 @@ class Scheduler:
         budget = self.budget
         if self._prefilling:
             self._publish()
+        prompt = budget  # prompt tokens this step may still take
+        if self.prefill_with_decodes is not None and any(
+                s.num_uncomputed == 1 for s in self.running):
+            prompt = min(budget, self.prefill_with_decodes)
         work: list[Work] = []
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            n = 1 if seq.num_uncomputed == 1 else min(seq.num_uncomputed, budget)
+            decode = seq.num_uncomputed == 1
+            n = 1 if decode else min(seq.num_uncomputed, budget, prompt)
+            if n == 0:  # a prefill with no prompt tokens left this step: the decodes go on
+                continue
             while not self._grow(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -178,8 +188,10 @@ class Scheduler:
             if seq.status is Status.RUNNING:
                 work.append(Work(seq, n))
                 budget -= n
+                if not decode:
+                    prompt -= n
         held: list[Sequence] = []  # waiting for a shared prefill; they keep their place
-        while self.waiting and budget > 0 and len(self.running) < self.max_running:
+        while self.waiting and min(budget, prompt) > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             if self._should_wait(seq):
                 held.append(self.waiting.popleft())
@@ -189,7 +201,7 @@ class Scheduler:
                 seq.pages = self.radix.match(seq.tokens, max_pages)
                 seq.num_computed = len(seq.pages) * self.pool.page_size
                 seq.num_cached = seq.num_computed
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_uncomputed, budget, prompt)
             if not self._grow(seq, n):
                 # a waiting request holds no pages: another may need the ones it matched
                 self._release(seq, cache=False)
@@ -203,6 +215,7 @@ class Scheduler:
             self.running.append(seq)
             work.append(Work(seq, n))
             budget -= n
+            prompt -= n
             key = self._first_page(seq)
             if key is not None and seq.num_computed < seq.num_prompt and key not in self._prefilling:
                 self._prefilling[key] = seq  # it computes prompt pages others may share

@@ -17,6 +17,8 @@ observed by the request handlers, which see the tokens arrive.
   hybrid:   cpu_computed (counter ftrs_expert_cpu_compute_total: experts computed on the CPU);
             the split's estimates as gauges: split_link_bytes_per_s, split_link_latency_s,
             split_cpu_s_per_token ({"FORMAT/TOKENS": s per token}, labels format and tokens)
+`StepStats.prefill_with_decodes` (the engine's measured prompt chunk beside decodes,
+`engine.chunking`) sets ftrs_prefill_with_decodes_tokens.
 `StepStats.guard` (the adaptive guard, `guard.live`) sets ftrs_prefill_cap_tokens to the live
 step budget, ftrs_pcie_pacing_bytes_per_second, ftrs_adaptive_guard_events,
 ftrs_adaptive_guard_level and ftrs_adaptive_guard_relaxes.
@@ -118,6 +120,7 @@ class ServerMetrics:
         self.link_width = Gauge(p + "pcie_link_width", "PCIe link width.", ["kind"], registry=r)
         self.pcie_replays = Gauge(p + "pcie_replay_total", "PCIe replay counter of the device.", registry=r)
         self.prefill_cap = Gauge(p + "prefill_cap_tokens", "Token budget of one step (prefill cap).", registry=r)
+        self.prefill_with_decodes = Gauge(p + "prefill_with_decodes_tokens", "Prompt tokens a step that carries decodes may take, from the measured step cost and --decode-stall-target (0: no bound but the step budget).", registry=r)
         self.pcie_pacing = Gauge(p + "pcie_pacing_bytes_per_second", "Expert-copy pacing rate set by the adaptive guard (0: off).", registry=r)
         self.guard_events = Gauge(p + "adaptive_guard_events", "Times the adaptive guard tightened since the engine started.", registry=r)
         self.guard_level = Gauge(p + "adaptive_guard_level", "Adaptive guard level (0: the startup ceiling).", registry=r)
@@ -141,6 +144,7 @@ class ServerMetrics:
             self.prefix_hits.inc(stats.prefix_hit_tokens)
         if stats.prefill_tokens > 0:
             self.prefill_chunk_tokens.observe(stats.prefill_tokens)
+        self.prefill_with_decodes.set(stats.prefill_with_decodes or 0)
         if stats.draft_tokens > 0:
             self.spec_drafted.inc(stats.draft_tokens)
             self.spec_accepted.inc(stats.accepted_tokens)
