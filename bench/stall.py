@@ -4,8 +4,9 @@
 `--prompt` tokens of real text (this repository's docs and sources) arrives. For each value of
 `decode_stall_target` in `--targets` (0: no bound but the step budget, `--budget`) one engine
 serves the same requests, the engines taking turns for `--rounds` rounds so the host's load
-drifts over all of them alike. Each engine keeps what its steps cost from round to round, as a
-server does; its first round starts from nothing (`engine.chunking.FIRST_CHUNK`).
+drifts over all of them alike. Each engine first serves one 128-token prompt (a server has
+served before), and keeps what its steps cost from round to round, as a server does; each
+round's prompt has a first token of its own, so no round finds it in the prefix cache.
 
 Per target, medians over the rounds:
 - `gap_max_s`, `gap_p90_s`: the longest and the 90th-percentile step that carried the streams'
@@ -114,9 +115,12 @@ def main() -> int:
     note(f"model {model}, {args.strategy}, prompt {len(prompt)} tokens, {args.streams} streams, "
          f"budget {args.budget}, targets {targets}, {args.threads} thread(s)")
     rows: dict[float, list[dict[str, Any]]] = {t: [] for t in targets}
+    for t in targets:  # a served chat of 128 tokens first: a server has served before
+        engines[t].generate([prompt[-128:]], SamplingParams(max_tokens=2, temperature=0))
     for r in range(args.rounds):
+        fresh = [prompt[0] + r + 1, *prompt[1:]]  # a first page of its own: no prefix cache hit
         for t in targets:
-            rows[t].append(one_round(engines[t], streams, prompt, f"r{r}-t{t}"))
+            rows[t].append(one_round(engines[t], streams, fresh, f"r{r}-t{t}"))
             note(f"round {r} target {t}: {rows[t][-1]}")
     out: dict[str, Any] = {"model": model, "strategy": args.strategy, "prompt_tokens": len(prompt),
                            "streams": args.streams, "budget": args.budget,
@@ -126,7 +130,7 @@ def main() -> int:
         med["ttft_vs_unbounded"] = statistics.median(
             a["prompt_ttft_s"] / b["prompt_ttft_s"] for a, b in zip(rows[t], rows[0.0], strict=True))
         out["targets"][str(t)] = med
-    print(json.dumps(out, indent=1))
+    print(json.dumps(out, indent=1), flush=True)
     for llm in engines.values():
         llm.close()
     return 0

@@ -30,8 +30,8 @@ def test_the_chunk_fits_the_target_on_a_linear_cost() -> None:
     assert c.limit(8192) == FIRST_CHUNK  # nothing measured yet
     assert c.limit(100) == 100  # never above the step budget
     feed(c, 0.05, 0.001, [300, 700, 256, 1000, 512])
-    a, b = c.model() or (0.0, 0.0)
-    assert a == pytest.approx(0.05) and b == pytest.approx(0.001)
+    a, b, fitted = c.model() or (0.0, 0.0, False)
+    assert fitted and a == pytest.approx(0.05) and b == pytest.approx(0.001)
     assert c.limit(8192) == 950  # (1.0 - 0.05) / 0.001
     assert c.limit(600) == 600
     assert PrefillChunker(target_s=0.0).limit(8192) is None  # 0: no bound
@@ -41,7 +41,7 @@ def test_the_chunk_follows_a_slower_host() -> None:
     c = PrefillChunker(target_s=1.0)
     feed(c, 0.05, 0.001, [300, 700, 256, 1000, 512])
     before = c.limit(8192)
-    feed(c, 0.05, 0.004, [200, 400, 250, 300] * 6)  # four times the cost per row
+    feed(c, 0.05, 0.004, [200, 500, 250, 350] * 6)  # four times the cost per row
     after = c.limit(8192)
     assert before is not None and after is not None
     assert after < before / 3
@@ -53,23 +53,43 @@ def test_a_fixed_cost_larger_than_the_target_keeps_the_chunk_whole() -> None:
     # would refetch them per smaller chunk and could not meet the target anyway
     c = PrefillChunker(target_s=1.0)
     feed(c, 2.0, 0.0001, [256, 1024, 512, 2048])
+    assert c.limit(8192) == 2 * 2046  # at most twice the last chunk beside decodes
+    feed(c, 2.0, 0.0001, [4098])  # 4096 prompt tokens and 2 decodes
     assert c.limit(8192) == 8192
+    # the target asks for 1000 tokens, where half the step is its fixed cost; at most a third
+    # may be: 2 a / b = 2000 tokens, a stall of 1.5 s
     c = PrefillChunker(target_s=1.0)
-    feed(c, 0.5, 0.0005, [256, 1024, 512, 2048])  # a / b = 1000 tokens: the chunk's own work
-    assert c.limit(8192) == 1000
+    feed(c, 0.5, 0.0005, [256, 1024, 512, 2048])
+    assert c.limit(8192) == 2000
 
 
-def test_one_size_seen_charges_the_whole_step_per_row_and_floors_hold() -> None:
+def test_one_size_seen_is_charged_per_row_or_tried_at_half_and_floors_hold() -> None:
     c = PrefillChunker(target_s=1.0)
-    c.observe(510, 2, 2.56)  # 512 rows in 2.56 s, no second size to see a fixed cost
-    assert c.model() == (0.0, pytest.approx(0.005))
-    assert c.limit(8192) == 200
+    c.observe(512, 0, 2.56)  # a prompt alone, 512 rows in 2.56 s: no fixed cost to see
+    assert c.model() == (0.0, pytest.approx(0.005), False)
+    assert c.limit(8192) == 200  # 1 s at 0.005 s per row
+    c.observe(200, 2, 1.2)  # beside decodes: a second size, a fixed cost of 0.32 s
+    assert c.limit(8192) == 156  # (1 - 0.315) / 0.00439
+    c = PrefillChunker(target_s=1.0)
+    c.observe(200, 2, 1.2)  # one size beside decodes: the next one tries half of it
+    assert c.limit(8192) == 100
+    c.observe(100, 2, 0.7)
+    a, b, fitted = c.model() or (0.0, 0.0, False)
+    assert fitted and a > 0.1
+    c = PrefillChunker(target_s=1.0)
+    c.observe(MIN_CHUNK, 2, 1.0)  # at the floor, the second size is twice it
+    assert c.limit(8192) == 2 * MIN_CHUNK
+    c = PrefillChunker(target_s=1.0)
+    feed(c, 0.5, 0.001, [300, 330, 310])  # sizes too close together to see the fixed cost
+    a, b, fitted = c.model() or (1.0, 1.0, True)
+    assert not fitted and a == 0.0
+    assert b == pytest.approx((0.5 + 0.001 * 313) / 313, rel=0.02)
     c = PrefillChunker(target_s=0.01)
     feed(c, 0.0, 0.01, [300, 600])
     assert c.limit(8192) == MIN_CHUNK
     c.observe(0, 4, 5.0)  # decode-only steps are not this model's, nor short prompts
     c.observe(MIN_CHUNK - 1, 4, 5.0)
-    assert c.model() == (pytest.approx(0.0), pytest.approx(0.01))
+    assert c.model() == (pytest.approx(0.0), pytest.approx(0.01), True)
 
 
 def test_the_option_is_validated() -> None:

@@ -8,13 +8,20 @@ seconds = a + b * rows (rows: the step's prompt and decode tokens), fitted by ex
 weighted least squares over recent steps, and gives the scheduler the prompt chunk that keeps a
 step with decodes near `EngineConfig.decode_stall_target` seconds: (target - a) / b.
 
-Two floors keep the prefill's throughput: never fewer than `MIN_CHUNK` tokens, and never fewer
-than a / b, the chunk whose own compute equals the step's fixed cost. On an offloaded MoE that
-fixed cost is the experts a chunk fetches; a smaller chunk would spend most of its time
-fetching the same experts again, and the target could not be met anyway. Until two different
-step sizes have been measured there is no fixed cost to see: the first estimate is
-seconds per row of the steps seen (a = 0, which can only shrink the chunk toward the floors, a
-different size, and with it a second point), and before any step, `FIRST_CHUNK`.
+The fixed cost `a` is what a chunk pays whatever its size: on the CPU, reading every expert's
+weights once (a chunk routes to all of them); on an offloaded MoE, fetching them. Two floors
+keep the prefill's throughput: never fewer than `MIN_CHUNK` tokens, and never so few that the
+fixed cost is more than `FIXED_SHARE` of the step (2a / b tokens at a third): the prompt's
+time to first token is then at most 1.5 times what one unbounded chunk would take, and where
+the target asks for less, the target yields (the stall is then 3a, as short as that allows).
+
+Seeing `a` needs steps of different sizes (their coefficient of variation at least `SPREAD`).
+Before any step the chunk is `FIRST_CHUNK`; while one size only is known, the next step with
+decodes tries half of it (`RAMP`; twice it at the `MIN_CHUNK` floor), which gives a second size
+at a shorter stall; and a chunk never more than doubles from one step with decodes to the next,
+so a noisy fit costs one step of twice the chunk at most, which then corrects it. Without a step
+with decodes yet (prompts alone) the model charges a step's whole time per row (a = 0) until
+sizes spread.
 
 Steps without decodes are not bounded (no stream waits on them) and are measured all the same.
 Steps with fewer than `MIN_CHUNK` prompt tokens are not measured: a few rows touch a few of an
@@ -29,7 +36,9 @@ from dataclasses import dataclass
 MIN_CHUNK = 64  # tokens: the smallest prompt chunk of a step with decodes
 FIRST_CHUNK = 256  # tokens: the chunk before any step with prompt tokens was measured
 DECAY = 0.8  # weight of the older steps at each new one
-SPREAD = 0.05  # sizes closer than this fraction of their mean are one size (no slope to fit)
+SPREAD = 0.25  # sizes whose spread is less than this fraction of their mean: no slope to fit
+RAMP = 2.0  # the chunk at most doubles from one step with decodes to the next
+FIXED_SHARE = 1 / 3  # the most of a chunk's step its fixed cost may take
 
 
 @dataclass
@@ -43,12 +52,15 @@ class PrefillChunker:
     sy: float = 0.0
     sxx: float = 0.0
     sxy: float = 0.0
+    last: int | None = None  # prompt tokens of the last measured step with decodes
 
     def observe(self, prefill_tokens: int, decode_tokens: int, seconds: float) -> None:
         """Record a finished step; steps with fewer than `MIN_CHUNK` prompt tokens are not
         this model's."""
         if prefill_tokens < MIN_CHUNK or seconds <= 0:
             return
+        if decode_tokens > 0:
+            self.last = prefill_tokens
         x = float(prefill_tokens + decode_tokens)
         self.w = DECAY * self.w + 1.0
         self.sx = DECAY * self.sx + x
@@ -56,19 +68,19 @@ class PrefillChunker:
         self.sxx = DECAY * self.sxx + x * x
         self.sxy = DECAY * self.sxy + x * seconds
 
-    def model(self) -> tuple[float, float] | None:
-        """(a, b): fixed seconds of a step with prompt tokens, seconds per row; None before
-        any step was observed."""
+    def model(self) -> tuple[float, float, bool] | None:
+        """(a, b, fitted): fixed seconds of a step with prompt tokens, seconds per row, and
+        whether sizes spread enough to fit both (else a = 0 and b is the seconds per row of
+        the steps seen); None before any step was observed."""
         if self.w == 0.0:
             return None
         mx, my = self.sx / self.w, self.sy / self.w
         var = self.sxx / self.w - mx * mx
         if var > (SPREAD * mx) ** 2:
             b = (self.sxy / self.w - mx * my) / var
-            a = my - b * mx
-            if b > 0 and a >= 0:
-                return a, b
-        return 0.0, my / mx  # one size seen (or a noisy fit): all of a step's time per row
+            if b > 0:  # a negative intercept: a cost that grows faster than the rows, no fixed part
+                return max(0.0, my - b * mx), b, True
+        return 0.0, my / mx, False
 
     def limit(self, budget: int) -> int | None:
         """Prompt tokens a step with decodes may compute, at most `budget`; None: no bound."""
@@ -77,13 +89,12 @@ class PrefillChunker:
         fit = self.model()
         if fit is None:
             return min(budget, FIRST_CHUNK)
-        a, b = fit
-        chunk = max((self.target_s - a) / b, a / b, MIN_CHUNK)
+        a, b, fitted = fit
+        if not fitted and self.last is not None:  # one size seen beside decodes: try another
+            chunk = self.last / RAMP if self.last >= RAMP * MIN_CHUNK else RAMP * self.last
+        else:
+            floor = a / b * (1 - FIXED_SHARE) / FIXED_SHARE
+            chunk = max((self.target_s - a) / b, floor, MIN_CHUNK)
+            if self.last is not None:
+                chunk = min(chunk, RAMP * self.last)
         return max(1, min(budget, round(chunk)))
-
-    def stats(self, budget: int) -> dict[str, float]:
-        """The model and the chunk it gives now, for `/metrics`."""
-        fit = self.model()
-        chunk = self.limit(budget)
-        return {"chunk_tokens": float(budget if chunk is None else chunk),
-                "fixed_s": fit[0] if fit else 0.0, "per_row_s": fit[1] if fit else 0.0}
