@@ -19,8 +19,9 @@ from ftrs.server.serving import kept_special_ids
 from ftrs.server.toolcalls import TOOL_PARSERS, choose_tool_parser
 
 CHUNKS = (1, 2, 3, 7, 10_000)
-TOOLS = [{"type": "function", "function": {"name": "get_weather"}},
-         {"type": "function", "function": {"name": "now"}}]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "properties": {"city": {"type": "string"}}}}},
+         {"type": "function", "function": {"name": "now"}}]  # no parameters: no arguments
 CALL_HEAD = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
 ANALYSIS = "<|channel|>analysis<|message|>The user wants Oslo's weather.<|end|>"
 NEXT = "<|start|>assistant"

@@ -10,7 +10,7 @@ so the two always agree (the body keeps only the calls the parser completed).
 
 Errors on these routes leave in Anthropic's shape, `{"type": "error", "error": {"type",
 "message"}}`: the routes are an `APIRoute` subclass that catches its own errors (validation,
-auth, typed `FtrsError`s, anything else as `api_error`), so the app's OpenAI handlers never see
+a body FastAPI cannot parse, auth, typed `FtrsError`s, anything else as `api_error`), so the app's OpenAI handlers never see
 them; an error after the stream started is an `error` event. A field named in an error from the
 shared path (`stop`, `messages[3]`, `tools[0].function.parameters`) is renamed to the field of
 the Messages request it came from. Auth accepts the server's key as `x-api-key` or as
@@ -32,6 +32,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute, APIRouter
+from starlette.exceptions import HTTPException
 
 from ftrs.errors import FtrsError, InvalidRequest
 from ftrs.server.anthropic_protocol import (
@@ -182,6 +183,18 @@ def _validation_error(exc: RequestValidationError) -> InvalidRequest:
                           evidence={"param": param} if param else None)
 
 
+def _http_error(exc: HTTPException) -> FtrsError:
+    """FastAPI's own refusal of a request (a body it cannot read as text: not UTF-8) as a
+    typed error of the same status."""
+    if exc.status_code == 400:
+        cause = exc.__cause__
+        why = f"not valid UTF-8 ({cause})" if isinstance(cause, UnicodeDecodeError) else exc.detail
+        return InvalidRequest(f"invalid request body: {why}")
+    err = FtrsError(str(exc.detail))
+    err.http_status = exc.status_code
+    return err
+
+
 def _route_class(ctx: ServeContext) -> type[APIRoute]:
     """An APIRoute whose every error, validation included, leaves in Anthropic's shape."""
 
@@ -194,6 +207,8 @@ def _route_class(ctx: ServeContext) -> type[APIRoute]:
                     return await handler(request)
                 except RequestValidationError as exc:
                     err: FtrsError = _validation_error(exc)
+                except HTTPException as exc:  # a body FastAPI could not parse
+                    err = _http_error(exc)
                 except FtrsError as exc:
                     err = exc
                 except Exception as exc:

@@ -8,9 +8,11 @@ turn's `reasoning_content`,
 `input_schema` → `parameters`, `tool_choice` auto/any/tool/none → auto/required/named/none
 (`disable_parallel_tool_use` → `parallel_tool_calls: false`), `stop_sequences` → `stop`,
 `output_config.format` → a `json_schema` response format, `output_config.effort` →
-`reasoning_effort`, `thinking` → the template's `enable_thinking`. A tool_result must answer a tool_use of an earlier assistant turn. Requests
-validate strictly, like the OpenAI models; unknown fields are ignored. `Translation.rename` maps
-a field the chat path names in an error back to the Messages field it came from.
+`reasoning_effort`, `thinking` → the template's `enable_thinking` (its `budget_tokens`, required
+when `enabled`, → `thinking_token_budget`). A tool_result must answer a tool_use of an earlier
+assistant turn. Requests validate strictly, like the OpenAI models; unknown fields are ignored.
+`Translation.rename` maps a field the chat path names in an error back to the Messages field it
+came from.
 """
 
 from __future__ import annotations
@@ -92,7 +94,10 @@ class MessagesToolChoice(_Model):
 
 class ThinkingConfig(_Model):
     """`disabled`, or a way to think (`enabled`, `adaptive`, ...); `budget_tokens` caps the
-    reasoning (the chat request's `thinking_token_budget`)."""
+    reasoning (the chat request's `thinking_token_budget`), required with `enabled` as
+    Anthropic requires it. Anthropic's floor of 1024 and its `budget_tokens < max_tokens` are
+    not imposed: the budget is a cap that counts against `max_tokens` here, and small models
+    have small contexts."""
 
     type: Text
     budget_tokens: int | None = Field(default=None, ge=1)
@@ -300,6 +305,8 @@ def to_chat(req: CountTokensRequest) -> Translation:
             last.get("content") or "").strip():
         body["continue_final_message"] = True  # a prefill: the answer continues it
     if req.thinking is not None:
+        if req.thinking.type == "enabled" and req.thinking.budget_tokens is None:
+            raise _bad("thinking.budget_tokens", 'required when type is "enabled"')
         body["chat_template_kwargs"] = {"enable_thinking": req.thinking.type != "disabled"}
         if req.thinking.type != "disabled" and req.thinking.budget_tokens is not None:
             body["thinking_token_budget"] = req.thinking.budget_tokens

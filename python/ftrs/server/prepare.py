@@ -29,6 +29,7 @@ from ftrs.server.reasoning import (
     opens_reasoning,
 )
 from ftrs.server.structured import check_grammar, structured_spec
+from ftrs.server.toolbase import tool_functions
 from ftrs.server.toolcalls import choose_tool_parser
 
 
@@ -223,6 +224,7 @@ class ChatSetup:
 
 def chat_setup(req: ChatCompletionRequest, tokenizer: Any, options: Limits) -> ChatSetup:
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    tool_functions(tools)  # each one's parameters an object schema, offered or not
     choice: str | dict[str, Any]
     if req.tool_choice is None:
         choice = "auto" if tools else "none"
@@ -260,6 +262,7 @@ def chat_setup(req: ChatCompletionRequest, tokenizer: Any, options: Limits) -> C
 def _template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The request's messages as chat templates take them (OpenAI shape, arguments as objects)."""
     messages: list[dict[str, Any]] = []
+    known: set[str] = set()  # the ids of the calls of the assistant turns so far
     for i, m in enumerate(req.messages):
         if m.has_non_text_parts():
             raise _bad(f"messages[{i}].content", "only text content parts are supported")
@@ -270,6 +273,7 @@ def _template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             if role != "assistant":
                 raise _bad(f"messages[{i}].tool_calls", "only assistant messages carry tool calls")
             msg["tool_calls"] = [_history_call(i, j, c) for j, c in enumerate(m.tool_calls)]
+            known.update(c["id"] for c in msg["tool_calls"])
         if role == "assistant" and m.reasoning_content:
             # An earlier turn's reasoning, for templates that show it again in a tool loop:
             # Qwen3, GLM-4.5 and MiniMax-M2 read `reasoning_content`; gpt-oss reads `thinking`
@@ -277,9 +281,13 @@ def _template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             msg["reasoning_content"] = m.reasoning_content
             if not (m.tool_calls and msg["content"]):
                 msg["thinking"] = m.reasoning_content
-        if role == "tool":
-            if m.tool_call_id is not None:
-                msg["tool_call_id"] = m.tool_call_id
+        if role == "tool":  # a result answers a call of an earlier turn, as OpenAI requires
+            if m.tool_call_id is None:
+                raise _bad(f"messages[{i}].tool_call_id", "required in a tool message")
+            if m.tool_call_id not in known:
+                raise _bad(f"messages[{i}].tool_call_id",
+                           f"no earlier assistant tool call has the id {m.tool_call_id!r}")
+            msg["tool_call_id"] = m.tool_call_id
             if m.name is not None:
                 msg["name"] = m.name
         messages.append(msg)

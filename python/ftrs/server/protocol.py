@@ -8,7 +8,10 @@ in [0, 2], ...) live in `SamplingParams.validate` so the server and `ftrs.LLM` r
 things with the same words. Fields the server does not act on yet but that would change the
 output (`functions`, `audio`, ...) are declared loosely here and refused in `prepare.py` with
 their name; unknown fields are ignored, as the OpenAI API does for forward
-compatibility. Responses are plain models; `token_ids` on a choice is an ftrs extension, filled
+compatibility. Responses are plain models written as OpenAI writes them: the keys OpenAI always
+sends are there, null included (a message's `content`, a choice's `logprobs` and
+`finish_reason`), the other optional ones only when set (`_if_set`: `tool_calls`,
+`reasoning_content`, a delta's fields); `token_ids` on a choice is an ftrs extension, filled
 only when the request sets `return_token_ids`.
 """
 
@@ -241,11 +244,22 @@ class ChatCompletionRequest(_SamplingFields):
 # ---------------------------------------------------------------------------------- responses
 
 
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+def _if_set() -> Any:
+    """A response field written only when it is set. The others are written always, null
+    included: the keys OpenAI always sends (a message's `content`, a choice's `logprobs` and
+    `finish_reason`, streamed chunks' too)."""
+    return Field(default=None, exclude_if=_is_none)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
-    prompt_tokens_details: dict[str, int] | None = None
+    prompt_tokens_details: dict[str, int] | None = _if_set()
 
     @classmethod
     def of(cls, prompt: int, completion: int, cached: int) -> Usage:
@@ -268,8 +282,8 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = None
+    finish_reason: str | None = None  # null on the chunks before the last
+    token_ids: list[int] | None = _if_set()
 
 
 class CompletionResponse(BaseModel):
@@ -278,13 +292,13 @@ class CompletionResponse(BaseModel):
     created: int = Field(default_factory=now)
     model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
+    usage: Usage | None = _if_set()
 
 
 class TopLogprob(BaseModel):
     token: str
     logprob: float
-    bytes: list[int] | None = None
+    bytes: list[int] | None = _if_set()
 
 
 class ChatTokenLogprob(TopLogprob):
@@ -296,8 +310,8 @@ class ChatLogprobs(BaseModel):
 
 
 class ResponseFunction(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
+    name: str | None = _if_set()
+    arguments: str | None = _if_set()
 
 
 class ResponseToolCall(BaseModel):
@@ -311,16 +325,16 @@ class DeltaToolCall(BaseModel):
     the call's first piece, argument text on the later ones."""
 
     index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
+    id: str | None = _if_set()
+    type: Literal["function"] | None = _if_set()
     function: ResponseFunction
 
 
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[ResponseToolCall] | None = None
+    content: str | None = None  # null when the answer is only tool calls
+    reasoning_content: str | None = _if_set()
+    tool_calls: list[ResponseToolCall] | None = _if_set()
 
 
 class ChatChoice(BaseModel):
@@ -328,7 +342,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
-    token_ids: list[int] | None = None
+    token_ids: list[int] | None = _if_set()
 
 
 class ChatCompletionResponse(BaseModel):
@@ -337,22 +351,24 @@ class ChatCompletionResponse(BaseModel):
     created: int = Field(default_factory=now)
     model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
+    usage: Usage | None = _if_set()
 
 
 class ChatDelta(BaseModel):
-    role: str | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
+    """What a chunk adds; only the fields it adds are written (`{}` on a last chunk)."""
+
+    role: str | None = _if_set()
+    content: str | None = _if_set()
+    reasoning_content: str | None = _if_set()
+    tool_calls: list[DeltaToolCall] | None = _if_set()
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    token_ids: list[int] | None = None
+    finish_reason: str | None = None  # null on the chunks before the last
+    token_ids: list[int] | None = _if_set()
 
 
 class ChatCompletionChunk(BaseModel):
@@ -361,7 +377,7 @@ class ChatCompletionChunk(BaseModel):
     created: int = Field(default_factory=now)
     model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
+    usage: Usage | None = _if_set()
 
 
 class ModelCard(BaseModel):

@@ -3,8 +3,9 @@
 `completion_response` and `chat_response` take a started `ChatRun` (`serving.py`) and write
 /v1/completions and /v1/chat/completions answers for its `n` choices: per-choice text, logprobs,
 token ids; for chat also `reasoning_content` and `tool_calls` (streamed as `delta.tool_calls`
-pieces with a stable index and id). An error after the stream started becomes an `error`
-event, then `[DONE]`.
+pieces with a stable index and id). The bodies have OpenAI's keys (`protocol.py`: `content`,
+`logprobs` and `finish_reason` null rather than absent). An error after the stream started
+becomes an `error` event, then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -42,12 +43,12 @@ from ftrs.server.toolcalls import ToolCall, ToolCallDelta
 
 
 def _sse(obj: Any) -> str:
-    data = obj.model_dump_json(exclude_none=True) if hasattr(obj, "model_dump_json") else json.dumps(obj)
+    data = obj.model_dump_json() if hasattr(obj, "model_dump_json") else json.dumps(obj)
     return f"data: {data}\n\n"
 
 
 def _json(obj: Any) -> Response:
-    return Response(obj.model_dump_json(exclude_none=True), media_type="application/json")
+    return Response(obj.model_dump_json(), media_type="application/json")
 
 
 async def completion_response(ctx: ServeContext, req: CompletionRequest, run: ChatRun) -> Response:

@@ -7,8 +7,10 @@ as one `reasoning_text` part), text → an assistant `message` item (one `output
 tool call → a `function_call` item whose `arguments` arrive as deltas. The same encoder builds
 the streamed events (`response.created`, `response.in_progress`, the items' `added`/`delta`/
 `done` events, then `response.completed`, or `response.incomplete` when `max_output_tokens`
-ran out; every event numbered by `sequence_number`) and the non-stream body, so the two agree;
-the body keeps only the calls the parser completed. Errors are the OpenAI routes' (`{"error":
+ran out; every event numbered by `sequence_number`) and the non-stream body, so the two agree:
+the body, and the response of the stream's last event, keep only the calls the parser
+completed (a call it found malformed, or one the limit cut, was streamed as an item but is not
+in them). Errors are the OpenAI routes' (`{"error":
 ...}`), a field named as in the Responses request; an error after the stream started is an
 `error` event, then `response.failed`. `usage.output_tokens_details.reasoning_tokens` counts the
 tokens of the steps that produced reasoning and nothing else (a step's tokens are not split).
@@ -220,6 +222,7 @@ def _stream(ctx: ServeContext, req: ResponsesRequest, tr: Translation, run: Chat
         status = "incomplete" if run.finish_reason(0) == "length" else "completed"
         for event in items.close(cut=status == "incomplete"):
             yield _sse(event, seq)
+        items.keep_calls(run.calls(0))  # the final response is the non-stream body
         final = _response(resp_id, req, tr, created, status, items.output, run,
                           items.reasoning_tokens)
         yield _sse({"type": f"response.{status}", "response": final}, seq)

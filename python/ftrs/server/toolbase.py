@@ -1,6 +1,8 @@
 """The machinery under the tool-call parsers (`toolcalls`): the call and delta types, one call
 streamed from its JSON (`CallStream`), the `ToolParser` base (content shown with whitespace held
-before a possible call, malformed calls back to content), and the schemas of forced calls."""
+before a possible call, malformed calls back to content), and the schemas of forced calls: a
+tool's `parameters` must be an object schema (or absent / `{}`: no arguments), so a forced call
+always writes an arguments object the parsers accept."""
 
 from __future__ import annotations
 
@@ -162,8 +164,29 @@ class CallStream:
         return ToolCall(self.id, name, arguments), deltas
 
 
-def _tool_functions(tools: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
-    """(name, parameters schema) of each OpenAI-shaped tool; typed errors for bad ones."""
+#: the arguments of a function without parameters (`parameters` absent or `{}`): none at all
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def arguments_schema(params: Any, param: str) -> dict[str, Any]:
+    """The JSON Schema of a function's arguments object: `params` itself when it is an object
+    schema (`"type": "object"`); `NO_ARGUMENTS` when it is absent or `{}` (OpenAI's form of a
+    function without arguments). Any other schema is a 400 naming `param`, as OpenAI and
+    Anthropic refuse it: arguments are an object, and a forced call of a schema that allowed
+    another value would be made to write what the tool parser then refuses."""
+    if params is None or params == {}:
+        return dict(NO_ARGUMENTS)
+    kind = params.get("type") if isinstance(params, dict) else None
+    if kind != "object":
+        got = f"type {json.dumps(kind)}" if kind is not None else "a schema without a type"
+        raise InvalidRequest(f'{param}: must be a JSON Schema of type "object" (the arguments '
+                             f"object), got {got}", evidence={"param": param})
+    return dict(params)
+
+
+def tool_functions(tools: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(name, arguments schema) of each OpenAI-shaped tool; typed errors for bad ones (a missing
+    name, parameters that are not an object schema: see `arguments_schema`)."""
     out: list[tuple[str, dict[str, Any]]] = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -172,13 +195,13 @@ def _tool_functions(tools: list[dict[str, Any]]) -> list[tuple[str, dict[str, An
             raise InvalidRequest(f"tools[{i}].function.name: a tool needs a name",
                                  evidence={"param": f"tools[{i}].function.name"})
         params = fn.get("parameters") if isinstance(fn, dict) else None
-        out.append((name, params if isinstance(params, dict) else {"type": "object"}))
+        out.append((name, arguments_schema(params, f"tools[{i}].function.parameters")))
     return out
 
 
 def chosen_functions(tools: list[dict[str, Any]],
                       choice: str | dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    fns = _tool_functions(tools)
+    fns = tool_functions(tools)
     if not fns:
         raise InvalidRequest("tools: tool_choice needs at least one tool", evidence={"param": "tools"})
     if choice == "required":
@@ -415,5 +438,6 @@ class StateToolParser(ToolParser):
         return "" if any(tag.startswith(stripped) for tag in tags) else None
 
 
-__all__ = ["CallStream", "StateToolParser", "ToolCall", "ToolCallDelta", "ToolParser", "args_schema", "arguments_of",
-           "call_schema", "chosen_functions", "lark_literal", "new_call_id", "parse_object_call", "split_at_tag"]
+__all__ = ["NO_ARGUMENTS", "CallStream", "StateToolParser", "ToolCall", "ToolCallDelta", "ToolParser", "args_schema",
+           "arguments_of", "arguments_schema", "call_schema", "chosen_functions", "lark_literal", "new_call_id",
+           "parse_object_call", "split_at_tag", "tool_functions"]

@@ -1,0 +1,286 @@
+"""What the OpenAI- and Anthropic-compatible routes accept and write, against the vendors'
+documented wire formats, over real HTTP on the session's fake engine (`conftest.fake_server`).
+
+Bodies are read raw (httpx) where the question is which keys are there: the SDKs fill an absent
+key with None and would hide it. Expected shapes are OpenAI's and Anthropic's API references,
+written out by hand: a chat message's `content`, a choice's `logprobs` and `finish_reason` are
+always there, null included; a tool's schema is a JSON Schema of an object; a tool result
+answers a call; `thinking.type: "enabled"` needs `budget_tokens`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anthropic
+import httpx
+import llguidance
+import openai
+import pytest
+from ftrs_server_harness import ServerProcess
+
+from ftrs.models.tiny import tiny_tokenizer
+from ftrs.server.anthropic_protocol import MessagesRequest, to_chat
+from ftrs.server.toolcalls import TOOL_PARSERS
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                          "required": ["city"]}}}
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+def _say(text: str) -> list[dict[str, Any]]:
+    """Messages that make the fake engine answer `text` (fake_backend: `SAY:<text>`)."""
+    return [{"role": "user", "content": f"SAY:{text}"}]
+
+
+def _post(server: ServerProcess, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, headers=server.headers, timeout=30)
+
+
+def _chunks(server: ServerProcess, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The data of an OpenAI stream's chunks, `[DONE]` left out."""
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True},
+                      headers=server.headers, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        data = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+# ------------------------------------------------------------------ OpenAI: keys sent as null
+
+
+def test_a_chat_answer_of_only_tool_calls_has_content_null(fake_server: ServerProcess) -> None:
+    r = _post(fake_server, "/v1/chat/completions",
+              {"model": "fake", "max_tokens": 200, "tools": [WEATHER], "messages": _say(CALL)})
+    choice = r.json()["choices"][0]
+    assert set(choice) == {"index", "message", "logprobs", "finish_reason"}
+    assert (choice["logprobs"], choice["finish_reason"]) == (None, "tool_calls")
+    message = choice["message"]
+    assert set(message) == {"role", "content", "tool_calls"}  # no reasoning_content: null
+    assert message["content"] is None
+    assert json.loads(message["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_a_chat_text_answer_has_openais_keys_and_no_others(fake_server: ServerProcess) -> None:
+    r = _post(fake_server, "/v1/chat/completions",
+              {"model": "fake", "max_tokens": 50, "tools": [WEATHER], "messages": _say("Sunny.")})
+    body = r.json()
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "Sunny."}  # no tool_calls: null
+    assert (choice["logprobs"], choice["finish_reason"]) == (None, "stop")
+    assert set(body["usage"]) == {"prompt_tokens", "completion_tokens", "total_tokens",
+                                  "prompt_tokens_details"}
+
+
+def test_chat_chunks_carry_finish_reason_null_until_the_last(fake_server: ServerProcess) -> None:
+    chunks = _chunks(fake_server, "/v1/chat/completions",
+                     {"model": "fake", "max_tokens": 200, "tools": [WEATHER],
+                      "messages": _say("Let me look." + CALL)})
+    choices = [c["choices"][0] for c in chunks]
+    assert all(set(c) == {"index", "delta", "logprobs", "finish_reason"} for c in choices), choices
+    assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["tool_calls"]
+    assert all(c["logprobs"] is None for c in choices)
+    # a delta holds only what it adds: no null fields in it
+    assert all(None not in c["delta"].values() for c in choices), choices
+    assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(None not in t.values() and None not in t["function"].values()
+               for c in choices for t in c["delta"].get("tool_calls", []))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_choices_carry_logprobs_and_finish_reason(fake_server: ServerProcess,
+                                                             stream: bool) -> None:
+    body = {"model": "fake", "prompt": "SAY:Hello there.", "max_tokens": 30}
+    if stream:
+        choices = [c["choices"][0] for c in _chunks(fake_server, "/v1/completions", body)]
+    else:
+        choices = _post(fake_server, "/v1/completions", body).json()["choices"]
+    assert all(set(c) == {"index", "text", "logprobs", "finish_reason"} for c in choices), choices
+    assert [c["finish_reason"] for c in choices] == [None] * (len(choices) - 1) + ["stop"]
+    assert "".join(c["text"] for c in choices) == "Hello there."
+
+
+# ------------------------------------------------------------ tools: an object schema, or none
+
+_NOT_OBJECTS = [{"type": "string"}, {"type": "array", "items": {"type": "integer"}},
+                {"properties": {"city": {"type": "string"}}}, {"type": ["object", "null"]}]
+
+
+@pytest.mark.parametrize("schema", _NOT_OBJECTS)
+@pytest.mark.parametrize("choice", ["required", "auto", "none"])
+def test_chat_tool_parameters_must_be_an_object_schema(client: Any, schema: dict[str, Any],
+                                                       choice: str) -> None:
+    tools = [WEATHER, {"type": "function", "function": {"name": "f", "parameters": schema}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="fake", max_tokens=4, messages=_say("x"),
+                                       tools=tools, tool_choice=choice)
+    assert e.value.body["param"] == "tools[1].function.parameters"  # type: ignore[index]
+    assert 'type "object"' in e.value.body["message"]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("route", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_messages_input_schema_must_be_an_object_schema(fake_server: ServerProcess,
+                                                        route: str) -> None:
+    r = httpx.post(fake_server.url + route, headers={"x-api-key": str(fake_server.api_key)},
+                   timeout=30, json={"model": "fake", "max_tokens": 4, "messages": _say("x"),
+                                     "tools": [{"name": "f", "input_schema": {"type": "string"}}],
+                                     "tool_choice": {"type": "any"}})
+    assert r.status_code == 400, r.text
+    err = r.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert err["error"]["message"].startswith("tools[0].input_schema:"), err
+
+
+def test_responses_tool_parameters_must_be_an_object_schema(client: Any) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="fake", input="x", tool_choice="required", tools=[
+            {"type": "function", "name": "f", "parameters": {"type": "array", "items": {}}}])
+    assert e.value.body["param"] == "tools[0].parameters"  # type: ignore[index]
+
+
+@pytest.mark.parametrize("params", [{}, None])
+def test_a_function_without_parameters_is_served(client: Any, params: Any) -> None:
+    fn: dict[str, Any] = {"name": "now"} if params is None else {"name": "now", "parameters": params}
+    r = client.chat.completions.create(model="fake", max_tokens=60, tool_choice="required",
+                                       tools=[{"type": "function", "function": fn}],
+                                       messages=_say('<tool_call>{"name": "now", "arguments": {}}</tool_call>'))
+    assert r.choices[0].message.tool_calls[0].function.arguments == "{}"
+
+
+@pytest.fixture(scope="module")
+def lltok() -> llguidance.LLTokenizer:
+    return llguidance.LLTokenizer(tiny_tokenizer(512).tk.to_str(), eos_token=2)
+
+
+def _accepts(lltok: llguidance.LLTokenizer, grammar: str, text: str) -> bool:
+    m = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_lark(grammar), log_level=0)
+    assert not m.is_error(), m.get_error()
+    return bool(m.consume_tokens(lltok.tokenize_str(text))) and m.is_accepting()
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+@pytest.mark.parametrize("params", [{}, None])
+def test_a_forced_call_of_a_function_without_parameters_writes_empty_arguments(
+        lltok: llguidance.LLTokenizer, parser: str, params: Any) -> None:
+    """OpenAI's `parameters: {}` (or none) is a function without arguments: the forced grammar
+    allows `{}` and nothing else, where an empty schema used to allow any JSON value, which the
+    parser then refused (the "forced" call came back as text)."""
+    fn: dict[str, Any] = {"name": "now"} if params is None else {"name": "now", "parameters": params}
+    cls = TOOL_PARSERS[parser]
+    grammar = cls.forced_grammar([{"type": "function", "function": fn}], "required", False)
+
+    def written(args: dict[str, Any]) -> str:  # gpt-oss's <|call|> ends the turn: not forced
+        return cls.format_calls([("now", args)]).removesuffix("<|call|>")
+
+    assert _accepts(lltok, grammar, written({}))
+    if parser not in ("glm45", "qwen3_coder", "minimax_m2"):  # their arguments are members
+        assert not _accepts(lltok, grammar, written({"a": 1}))
+        assert not _accepts(lltok, grammar, written({}).replace("{}", '"x"'))
+
+
+# ------------------------------------------------------- chat: a tool result answers a call
+
+
+@pytest.mark.parametrize(("result", "why"), [
+    ({"role": "tool", "content": "18C"}, "required"),
+    ({"role": "tool", "tool_call_id": "call_9", "content": "18C"}, "'call_9'"),
+])
+def test_a_tool_message_must_answer_an_earlier_call(client: Any, result: dict[str, Any],
+                                                    why: str) -> None:
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="fake", max_tokens=4, tools=[WEATHER],
+                                       messages=[*history, result])
+    assert e.value.body["param"] == "messages[2].tool_call_id"  # type: ignore[index]
+    assert why in e.value.body["message"]  # type: ignore[index]
+    early = [history[0], {"role": "tool", "tool_call_id": "call_1", "content": "18C"}, history[1]]
+    with pytest.raises(openai.BadRequestError) as e:  # a result before its call answers nothing
+        client.chat.completions.create(model="fake", max_tokens=4, tools=[WEATHER], messages=early)
+    assert e.value.body["param"] == "messages[1].tool_call_id"  # type: ignore[index]
+    ok = client.chat.completions.create(model="fake", max_tokens=4, tools=[WEATHER], messages=[
+        *history, {"role": "tool", "tool_call_id": "call_1", "content": "18C"}])
+    assert ok.choices[0].finish_reason is not None
+
+
+# ---------------------------------------------------------------- Responses: stream = body
+
+
+@pytest.mark.parametrize(("answer", "limit"), [
+    ('Sure.<tool_call>{"name": "get_weather", "arguments": 5}</tool_call>', 200),  # malformed
+    ('Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris, France"}}</tool_call>',
+     len('Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Par')),  # cut
+], ids=["malformed", "cut"])
+def test_the_streamed_final_response_is_the_body(client: Any, answer: str,
+                                                 limit: int | None) -> None:
+    """A call streamed as an item but then refused by the parser (or cut by the output limit)
+    is not in the body: nor in the response of the stream's last event, which the SDK returns."""
+    tool = {"type": "function", **WEATHER["function"]}
+    kw: dict[str, Any] = {"model": "fake", "input": f"SAY:{answer}", "tools": [tool],
+                          "max_output_tokens": limit}
+
+    def items(response: Any) -> list[tuple[Any, ...]]:
+        return [(i.type, i.status, getattr(i, "name", None),
+                 [p.text for p in getattr(i, "content", None) or []]) for i in response.output]
+
+    body = client.responses.create(**kw)
+    assert "function_call" not in [i.type for i in body.output]
+    assert body.status == ("completed" if limit == 200 else "incomplete")
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        if body.status == "completed":
+            assert items(stream.get_final_response()) == items(body)
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert "function_call" in added  # the call was streamed before it was refused
+    final = events[-1].response
+    assert (events[-1].type, final.status) == (f"response.{body.status}", body.status)
+    assert items(final) == items(body)
+
+
+# ------------------------------------------------------------------- Anthropic Messages API
+
+
+@pytest.mark.parametrize("route", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_a_body_that_is_not_utf8_is_an_anthropic_400(fake_server: ServerProcess,
+                                                     route: str) -> None:
+    body = b'{"model":"fake","max_tokens":2,"messages":[{"role":"user","content":"caf\xe9"}]}'
+    r = httpx.post(fake_server.url + route, content=body, timeout=30,
+                   headers={"x-api-key": str(fake_server.api_key), "content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json() == {"type": "error", "error": {"type": "invalid_request_error",
+                                                   "message": r.json()["error"]["message"]}}
+    assert "UTF-8" in r.json()["error"]["message"]
+    ok = anthropic.Anthropic(base_url=fake_server.url, api_key=fake_server.api_key, max_retries=0)
+    assert ok.messages.create(model="fake", max_tokens=1, messages=_say("x")).usage.output_tokens == 1
+
+
+@pytest.mark.parametrize("route", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_enabled_thinking_needs_budget_tokens(fake_server: ServerProcess, route: str) -> None:
+    base = {"model": "fake", "max_tokens": 8, "messages": _say("x")}
+    headers = {"x-api-key": str(fake_server.api_key)}
+    r = httpx.post(fake_server.url + route, headers=headers, timeout=30,
+                   json={**base, "thinking": {"type": "enabled"}})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["message"].startswith("thinking.budget_tokens:"), err
+    for thinking in ({"type": "enabled", "budget_tokens": 1024}, {"type": "adaptive"},
+                     {"type": "disabled"}):
+        r = httpx.post(fake_server.url + route, headers=headers, timeout=30,
+                       json={**base, "thinking": thinking})
+        assert r.status_code == 200, (thinking, r.text)
+
+
+def test_enabled_thinking_budget_becomes_the_chat_budget() -> None:
+    def chat(thinking: dict[str, Any]) -> Any:
+        return to_chat(MessagesRequest.model_validate({
+            "model": "m", "max_tokens": 4096, "thinking": thinking,
+            "messages": [{"role": "user", "content": "hi"}]})).chat
+
+    assert chat({"type": "enabled", "budget_tokens": 2048}).thinking_token_budget == 2048
+    assert chat({"type": "adaptive"}).thinking_token_budget is None
