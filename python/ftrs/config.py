@@ -77,7 +77,7 @@ class EngineConfig:
             raise ConfigError(f"engine_restart_window: must be > 0, got {self.engine_restart_window}")
         if self.guard_relax_after < 0:
             raise ConfigError(f"guard_relax_after: must be >= 0 (0: never relax), got {self.guard_relax_after}")
-        if self.guard_loss_max_age_days <= 0:
+        if not self.guard_loss_max_age_days > 0:  # nan too
             raise ConfigError(f"guard_loss_max_age_days: must be > 0, got {self.guard_loss_max_age_days}")
         if self.fault_inject is not None:
             from ftrs.engine.faults import parse_fault_spec

@@ -27,6 +27,8 @@ from ftrs.guard.link import LinkState, measure_link, probe_link
 from ftrs.guard.policy import (
     DEFAULT_LOSS_MAX_AGE_DAYS,
     DEFAULT_WINDOW_S,
+    check_loss_max_age_days,
+    check_window_s,
     decide_prefill_cap,
     is_expired,
     lost_chunk_tokens,
@@ -289,14 +291,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --bundle: snapshot /metrics of this server into the bundle")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--no-measure", action="store_true", help="skip bandwidth measurement")
-    parser.add_argument("--link-guard-window", type=float, default=DEFAULT_WINDOW_S)
+    parser.add_argument("--link-guard-window", type=float, default=DEFAULT_WINDOW_S,
+                        help="seconds of expert fetch one prefill chunk may take, > 0 "
+                             f"(default {DEFAULT_WINDOW_S:g})")
     parser.add_argument("--guard-loss-max-age-days", type=float, default=DEFAULT_LOSS_MAX_AGE_DAYS,
-                        help="DeviceLost reports older than this no longer cap the prefill "
-                             f"(default {DEFAULT_LOSS_MAX_AGE_DAYS:g})")
+                        help="DeviceLost reports older than this no longer cap the prefill, "
+                             f"> 0 (default {DEFAULT_LOSS_MAX_AGE_DAYS:g})")
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """`ftrs doctor`: print the report; write the bundle when asked."""
+    """`ftrs doctor`: print the report; write the bundle when asked. Exit 0 once the bundle
+    is written, also when the `--server-url` snapshot failed (a warning on stderr says so, and
+    the bundle's manifest why): a server that is gone is often why there is a bundle."""
+    check_window_s(args.link_guard_window)
+    check_loss_max_age_days(args.guard_loss_max_age_days)
     check_bundle_args(args.bundle, args.server_url)
     home = ftrs_home()
     report = build_report(args.model, home=home, measure=not args.no_measure,

@@ -39,10 +39,15 @@ class LLM:
     """`LLM(model="demo", device="auto", dtype="auto", moe_strategy="resident", **options)`.
 
     Every engine option (`EngineConfig` field, i.e. every CLI flag of `ftrs serve`) is a keyword.
+    `moe_strategy="auto"` runs what `ftrs serve` runs: the `ftrs bench strategy` profile's pick
+    for this device, host, model and link, else the stated assumption, logged (`auto: ...`);
+    `self.config` holds the resolved strategy.
     """
 
     def __init__(self, model: str = "demo", progress: bool = False, **options: Any) -> None:
-        self.config = EngineConfig.from_kwargs(model=model, **options)
+        from ftrs.guard.startup import resolve_auto_config
+
+        self.config = resolve_auto_config(EngineConfig.from_kwargs(model=model, **options))
         self.engine = EngineCore(self.config, progress=progress)
         self._ids = itertools.count()
 

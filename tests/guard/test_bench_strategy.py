@@ -85,7 +85,8 @@ def test_slow_link_gguf_picks_hybrid_and_auto_serves_it(tmp_path: Path) -> None:
     """A tiny quantized GGUF, measured for real without the resident candidate (a model that
     does not fit the device) on a 1 MB/s simulated link: offload waits tens of ms per missed
     expert, hybrid computes every miss from the host pool, so hybrid is the pick. Serving
-    `--moe-strategy auto` on that file and link then runs the pick, with the link guard on."""
+    `--moe-strategy auto` on that file and link then runs the pick; on the CPU device hybrid
+    moves nothing over the link, and the guard says so instead of advising on it."""
     import socket
 
     from ftrs.config import EngineConfig
@@ -111,4 +112,5 @@ def test_slow_link_gguf_picks_hybrid_and_auto_serves_it(tmp_path: Path) -> None:
                                         measure=False)
     assert (served.moe_strategy, served.moe_cache_rate) == ("hybrid", 0.5)
     assert decision is not None and decision.numbers["strategy"] == "hybrid"
-    assert not any("no experts cross the link" in r for r in decision.reasons)
+    assert decision.cap_tokens is None and decision.warnings == ()
+    assert "hybrid on the CPU device" in decision.reasons[0]

@@ -68,8 +68,11 @@ BAD_FLAGS = [
     (("--dtype", "bogus"), "dtype: unknown dtype 'bogus'"),
     (("--prompt-tokens", "0"), "--prompt-tokens must be an integer >= 1, got 0"),
     (("--prompt-tokens", "-5"), "--prompt-tokens must be an integer >= 1, got -5"),
-    (("--decode-tokens", "0"), "--decode-tokens must be an integer >= 1, got 0"),
-    (("--decode-tokens", "-1"), "--decode-tokens must be an integer >= 1, got -1"),
+    (("--decode-tokens", "0"), "--decode-tokens must be an integer >= 2, got 0"),
+    (("--decode-tokens", "-1"), "--decode-tokens must be an integer >= 2, got -1"),
+    # the prefill makes the first token: one decode token would time no decode at all
+    (("--decode-tokens", "1"), "--decode-tokens must be an integer >= 2, got 1 (the prefill "
+                               "makes the first token"),
     (("--prompt-tokens", "100000"), "exceed the model's context of 2048 tokens"),
     (("--copy-backend", "bogus"), "unknown backend \"bogus\""),
     (("--copy-backend", "simulated:0"), "simulated link needs bandwidth > 0"),

@@ -11,7 +11,8 @@ link or cache behaves unlike the model of it is measured as it is.
 Profiles live in `$FTRS_HOME/profiles/<hash of key>.json`; the key is (device, host, model,
 link), so a profile measured on another host, GPU, checkpoint or link never applies.
 
-Input is checked once, before any candidate runs (`check_inputs`): the token counts (>= 1, and
+Input is checked once, before any candidate runs (`check_inputs`): the token counts (prompt
+>= 1, decode >= 2: the first token is the prefill's, so decode is timed from the second; and
 together within the model's context), the cache rates (in (0, 1]), every candidate's engine
 options (`EngineConfig`: strategy, dtype), the device, the copy backend (built once through
 the core's own parser, into the device as offload builds it), and the checkpoint (its config
@@ -62,6 +63,11 @@ WARMUP_TOKENS = (8, 2)
 #: Errors that say the input is wrong, not that a candidate cannot run on this host: the first
 #: one stops the bench, and no profile is written (module doc).
 INPUT_ERRORS: tuple[type[FtrsError], ...] = (ConfigError, InvalidRequest, ModelLoadError)
+#: The prefill makes the first token, so decode is timed from the second: one decode token
+#: would time no decode and leave the pick to the prefill alone.
+MIN_DECODE_TOKENS = 2
+DECODE_WHY = (" (the prefill makes the first token, so 1 would time no decode and the pick "
+              "would rest on the prefill alone)")
 
 
 @dataclass(frozen=True)
@@ -177,9 +183,11 @@ def check_inputs(model: str, cands: Sequence[Candidate], *, prompt_tokens: int,
     if not cands:
         raise ConfigError("bench strategy: nothing to measure (no resident candidate and no "
                           "cache rate)")
-    for flag, n in (("--prompt-tokens", prompt_tokens), ("--decode-tokens", decode_tokens)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ConfigError(f"bench strategy: {flag} must be an integer >= 1, got {n!r}")
+    for flag, n, least in (("--prompt-tokens", prompt_tokens, 1),
+                           ("--decode-tokens", decode_tokens, MIN_DECODE_TOKENS)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < least:
+            raise ConfigError(f"bench strategy: {flag} must be an integer >= {least}, got {n!r}"
+                              + (DECODE_WHY if least > 1 else ""))
     for c in cands:
         if c.cache_rate is None:
             continue
@@ -383,7 +391,9 @@ def _failures(rows: Sequence[BenchRow]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="demo", help="model directory or 'demo'")
     parser.add_argument("--prompt-tokens", type=int, default=256)
-    parser.add_argument("--decode-tokens", type=int, default=16)
+    parser.add_argument("--decode-tokens", type=int, default=16,
+                        help=f"tokens generated per candidate, >= {MIN_DECODE_TOKENS}: the first "
+                             "comes from the prefill, the decode time is the rest (default 16)")
     parser.add_argument("--cache-rates", type=float, nargs="+", default=list(DEFAULT_CACHE_RATES))
     parser.add_argument("--copy-backend", default="auto",
                         help="auto | host | cuda | simulated:GBPS[:LAT_US]")

@@ -3,7 +3,8 @@
 Members: `report.json` and `report.txt` (the doctor report), `crash/<name>.json` (every crash
 report under `$FTRS_HOME/crash`), `flight_recorder/<name>.json` (the flight-recorder steps found
 in each crash report), `metrics.txt` (a `/metrics` snapshot when a server URL is given and
-answers), and `manifest.json` (what is in it, and what could not be added and why).
+answers), and `manifest.json` (what is in it, and what could not be added and why). A snapshot
+that fails is also logged as a warning, so the terminal says so; the bundle is still written.
 
 No secrets: nothing reads the environment, and every text member goes through `redact`, which
 blanks bearer tokens, `sk-`/`hf_` style keys, `--api-key VALUE` and `"api_key": "VALUE"` style
@@ -84,6 +85,8 @@ def write_bundle(path: str | Path, report: dict[str, Any], report_text: str, *, 
             members["metrics.txt"] = fetch_metrics(server_url)
         except Exception as e:  # the server may be gone: that is why there is a bundle
             notes.append(f"metrics snapshot from {redact(server_url)} failed: {e}")
+            logger.warning("bundle: metrics snapshot from %s failed: %s; the bundle is written "
+                           "without metrics.txt", redact(server_url), e)
     else:
         notes.append("no server URL given: no metrics snapshot")
     manifest = {"created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "members": sorted(members),

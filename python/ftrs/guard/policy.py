@@ -5,16 +5,26 @@ the user's request and the time the caller says it is; it reads no hardware and 
 rule, with `L` the requested `max_prefill_length`, `W` the guard window (s), `F` the floor
 (tokens), `A` the loss age window (`--guard-loss-max-age-days`, 30 days), `BW` the link
 bandwidth (measured H2D over a real link, else the nominal figure of the current generation and
-width) and `bytes(C)` the fetch model's prefill-chunk bytes:
+width), `H` the hit rate and `bytes(C)` the fetch model's prefill-chunk bytes at `H`,
+`L_moe · D(C) · (1 − H) · B` (`guard.fetch`). `H` is a bound the caller knows, not a
+measurement: the fraction of all experts the device cache has slots for (`--moe-cache-rate`,
+or `--moe-cache-size` over every expert; 0 when the cache is sized from free memory). A chunk
+past a few dozen tokens touches every expert of a layer, so at most that fraction of its experts
+can be hits: `bytes(C)` is what such a chunk moves once the cache is warm. At `H = 1` every
+expert has a slot and a warm cache moves nothing; the first fill after start moves every expert
+once whatever the chunk size, so no cap shortens it.
 
-0. Resident strategy: no cap (no expert crosses the link while serving). `--no-link-guard`
-   together with an explicit `--max-prefill-length`: no cap, and a warning that says so.
-   `--no-link-guard` alone does not switch the guard off (there must be a length the user chose).
+0. Resident strategy, or hybrid on a CPU device (`device_is_cpu`: every miss is computed in
+   place from the host pool, no byte crosses a link): no cap, and nothing said about the link.
+   `--no-link-guard` together with an explicit `--max-prefill-length`: no cap, and a warning
+   that says so. `--no-link-guard` alone does not switch the guard off (there must be a length
+   the user chose).
 1. Window: a chunk may keep the link busy for at most `W` seconds of demand fetches, so
    `cap = L` if `bytes(L) ≤ BW·W`, else `cap = max{C : bytes(C) ≤ BW·W}`. When that C is below
    `F`, no useful chunk fits: capping would not shorten the fetch (bytes(C) saturates at every
    expert of every layer after a few dozen tokens), so the guard warns with the numbers and
-   leaves `cap = L`.
+   leaves `cap = L`; the warning names only remedies that change `bytes(C)` (a larger cache
+   rate only while `H < 1`).
 2. Down-shift: the link runs below its maximum gen or width → `cap = max(F, cap // 2)`.
 3. Device loss: the DeviceLost crash reports for this device (or naming no device) that are
    at most `A` old count; fault drills (`--fault-inject`: the report says `"drill": true`) are
@@ -35,10 +45,12 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftrs.errors import ConfigError
 from ftrs.guard.fetch import FetchModel
 from ftrs.guard.link import LinkState
 from ftrs.health.crash import CrashReport
@@ -84,6 +96,21 @@ class GuardDecision:
             log.info("link guard: %s", r)
         for w in self.warnings:
             log.warning("link guard: %s", w)
+
+
+def check_window_s(window_s: float, flag: str = "--link-guard-window") -> float:
+    """The guard window `W`, seconds: a finite number > 0, else ConfigError."""
+    if isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not (
+            math.isfinite(window_s) and window_s > 0):
+        raise ConfigError(f"{flag}: must be a number of seconds > 0, got {window_s}")
+    return float(window_s)
+
+
+def check_loss_max_age_days(days: float, flag: str = "--guard-loss-max-age-days") -> float:
+    """The loss age window `A`, days: > 0 (inf: reports never expire), else ConfigError."""
+    if isinstance(days, bool) or not isinstance(days, (int, float)) or not days > 0:
+        raise ConfigError(f"{flag}: must be > 0, got {days}")
+    return float(days)
 
 
 def _gb(n: float) -> str:
@@ -164,15 +191,22 @@ def decide_prefill_cap(
     window_s: float = DEFAULT_WINDOW_S, floor: int = DEFAULT_FLOOR, strategy: str = "offload",
     explicit_request: bool = False, no_link_guard: bool = False, hit_rate: float = 0.0,
     now: dt.datetime | None = None, max_loss_age_days: float | None = DEFAULT_LOSS_MAX_AGE_DAYS,
+    device_is_cpu: bool = False,
 ) -> GuardDecision:
     """Apply the rule of the module doc. `explicit_request`: `--max-prefill-length` was given.
-    `now`: the time the crash reports' ages are measured at (None: no report expires)."""
+    `hit_rate`: `H`, in [0, 1]. `now`: the time the crash reports' ages are measured at (None:
+    no report expires). `device_is_cpu`: the engine computes on the CPU (rule 0 for hybrid)."""
     reasons: list[str] = []
     warnings: list[str] = []
     numbers: dict[str, Any] = {"requested": requested, "window_s": window_s, "floor": floor,
-                               "strategy": strategy, "link": link.describe()}
+                               "strategy": strategy, "link": link.describe(),
+                               "hit_rate": hit_rate}
     if strategy not in OFFLOAD_STRATEGIES or fetch.num_experts == 0:
         reasons.append(f"strategy {strategy}: no experts cross the link while serving; no cap")
+        return GuardDecision(requested, None, tuple(reasons), (), numbers)
+    if strategy == "hybrid" and device_is_cpu:
+        reasons.append("strategy hybrid on the CPU device: every miss is computed in place "
+                       "from the host pool, no expert crosses a link; no cap")
         return GuardDecision(requested, None, tuple(reasons), (), numbers)
     if no_link_guard and explicit_request:
         warnings.append(f"link guard off (--no-link-guard): running {requested}-token chunks "
@@ -191,8 +225,9 @@ def decide_prefill_cap(
         budget = gbps * 1e9 * window_s
         need = fetch.prefill_chunk_bytes(requested, hit_rate)
         numbers |= {"window_budget_bytes": budget, "fetch_time_s_at_requested": need / (gbps * 1e9)}
+        cached = f" once the cache ({hit_rate:.0%} of the experts) is warm" if hit_rate else ""
         if need <= budget:
-            reasons.append(f"a {requested}-token chunk moves {_gb(need)} of experts: "
+            reasons.append(f"a {requested}-token chunk moves {_gb(need)} of experts{cached}: "
                            f"{need / (gbps * 1e9):.3f} s at {gbps:.3g} GB/s ({source}), within "
                            f"the {window_s:g} s window")
         else:
@@ -200,16 +235,18 @@ def decide_prefill_cap(
             numbers["window_chunk_tokens"] = fit
             if fit >= floor:
                 cap = fit
-                reasons.append(f"a {requested}-token chunk moves {_gb(need)}: "
+                reasons.append(f"a {requested}-token chunk moves {_gb(need)}{cached}: "
                                f"{need / (gbps * 1e9):.3f} s at {gbps:.3g} GB/s ({source}), over "
                                f"the {window_s:g} s window ({_gb(budget)}); {fit} tokens fit")
             else:
                 at_floor = fetch.prefill_chunk_bytes(floor, hit_rate)
+                remedies = ("a larger --moe-cache-rate, " if hit_rate < 1 else "") + (
+                    "the resident strategy, or a faster link")
                 warnings.append(
-                    f"a {requested}-token chunk moves {_gb(need)} ({need / (gbps * 1e9):.3f} s at "
-                    f"{gbps:.3g} GB/s), over the {window_s:g} s window, and even {floor} tokens "
-                    f"move {_gb(at_floor)}: no chunk size fixes this link; use a larger "
-                    "--moe-cache-rate, the resident strategy, or a faster link")
+                    f"a {requested}-token chunk moves {_gb(need)}{cached} "
+                    f"({need / (gbps * 1e9):.3f} s at {gbps:.3g} GB/s), over the {window_s:g} s "
+                    f"window, and even {floor} tokens move {_gb(at_floor)}: no chunk size "
+                    f"fixes this link; use {remedies}")
     if link.below_max:
         new = max(floor, cap // 2)
         reasons.append(f"link runs below its maximum ({link.describe()}; nominal "
@@ -258,12 +295,20 @@ def _loss_cap(cap: int, lost: list[CrashReport], *, floor: int, now: dt.datetime
         if unrecorded:
             at += f", {unrecorded} with no chunk recorded"
         numbers["lost_chunk_tokens"] = c_lost
+        what = _fraction(k) + f" the {c_lost}-token chunk of the loss" + ("es" if k > 1 else "")
     else:
         k = unrecorded
         new = min(cap, max(floor, cap >> k))
         at = "no chunk size recorded"
+        what = _fraction(k) + f" the {cap}-token ceiling"
+    floored = " (the floor)" if new == floor and new < cap else ""
     reasons.append(f"{len(recent)} DeviceLost report(s) for this device{window} ({at}; latest "
-                   f"{recent[-1].path.name}): halved {k} time(s): {cap} -> {new}")
+                   f"{recent[-1].path.name}): {what}{floored}: {cap} -> {new}")
     numbers["device_lost_reports"] = [str(r.path) for r in recent]
     numbers["loss_halvings"] = k
     return new
+
+
+def _fraction(k: int) -> str:
+    """`half`, `a quarter of`, `1/8 of`: the share `>> k` keeps."""
+    return {1: "half", 2: "a quarter of"}.get(k, f"1/{1 << k} of")

@@ -1,8 +1,15 @@
 """The link guard at `ftrs serve` start: resolve `--moe-strategy auto`, then cap the prefill.
 
+`resolve_auto_config(config)` is the one resolution of `--moe-strategy auto`: the matching
+`ftrs bench strategy` profile's pick, else a stated assumption, logged either way (`auto: ...`).
+`ftrs serve` runs it inside `apply_link_guard`; `ftrs generate` and `ftrs.LLM` run it before
+the engine is built, so all three run what the profile picked.
+
 `apply_link_guard(config, ...)` returns the config to run with and the guard's decision; the
 server logs the decision, puts `decision.to_dict()` in `/health` and sets
-`ftrs_prefill_cap_tokens` from `config.max_prefill_length`. Only the model's config.json is
+`ftrs_prefill_cap_tokens` from `config.max_prefill_length`. The expert cache's share of all
+experts is the rule's hit-rate bound `H` (`cache_hit_bound`), and a hybrid engine on a CPU
+device moves nothing over a link (`guard.policy`, rule 0). Only the model's config.json is
 read (no weights), the link is probed through sysfs/NVML, and on a GPU the H2D bandwidth is
 measured once through the copy engine. With `copy_backend=simulated:GBPS` the simulated
 bandwidth is the link's. Crash reports are aged at `now` (the wall clock unless given) against
@@ -22,7 +29,12 @@ from ftrs.config import EngineConfig, ftrs_home
 from ftrs.errors import ModelLoadError
 from ftrs.guard.fetch import FetchModel, fetch_model_from_spec
 from ftrs.guard.link import LinkState, cuda_index, cuda_pci_address, measure_link, probe_link
-from ftrs.guard.policy import DEFAULT_WINDOW_S, GuardDecision, decide_prefill_cap
+from ftrs.guard.policy import (
+    DEFAULT_WINDOW_S,
+    GuardDecision,
+    check_window_s,
+    decide_prefill_cap,
+)
 from ftrs.guard.profile import AutoChoice, profile_key, resolve_auto_strategy
 from ftrs.health.crash import CrashReport, list_crash_reports, load_crash_report
 
@@ -112,37 +124,83 @@ def resolve_auto(config: EngineConfig, fetch: FetchModel, link: LinkState,
                                  device_budget_bytes=budget, home=home)
 
 
+def expert_fetch(config: EngineConfig) -> FetchModel | None:
+    """The fetch model of `config.model` when it is a checkpoint directory or a GGUF file;
+    None when it does not resolve (the engine reports the load failure itself) or is neither
+    (it moves no experts)."""
+    from ftrs.models.load import resolve_model
+
+    try:
+        path = resolve_model(config.model)
+    except ModelLoadError:
+        return None
+    if not path.is_dir() and path.suffix != ".gguf":
+        return None
+    return model_fetch(config.model, config.device, config.dtype)
+
+
+def resolve_auto_config(config: EngineConfig, *, home: Path | None = None,
+                        fetch: FetchModel | None = None, link: LinkState | None = None,
+                        sysfs_root: str | Path = "/sys") -> EngineConfig:
+    """`config` with `--moe-strategy auto` replaced by what it runs (the profile's pick and
+    cache rate, else the assumption `resolve_auto_strategy` states), the choice logged. Any
+    other strategy, a model with no routed experts, or one that does not load: unchanged (the
+    engine runs auto as resident there). `fetch` and `link`: the caller's, when it has them
+    (the link needs no bandwidth measurement here: only whether it is a GPU's)."""
+    if config.moe_strategy != "auto":
+        return config
+    fetch = fetch or expert_fetch(config)
+    if fetch is None or not fetch.num_experts:
+        return config
+    link = link or current_link(config, sysfs_root=sysfs_root, measure=False)
+    choice = resolve_auto(config, fetch, link, home or ftrs_home())
+    logger.info("%s", choice.message)
+    return dataclasses.replace(config, moe_strategy=choice.strategy,
+                               moe_cache_rate=choice.cache_rate
+                               if choice.cache_rate is not None else config.moe_cache_rate)
+
+
+def cache_hit_bound(config: EngineConfig, fetch: FetchModel) -> float:
+    """The policy's `H`: the share of all experts the device cache has slots for, from
+    `--moe-cache-size` or `--moe-cache-rate`; 0 when the cache is sized from free memory."""
+    total = fetch.num_moe_layers * fetch.num_experts
+    if config.moe_cache_size is not None and total:
+        return min(1.0, config.moe_cache_size / total)
+    return min(1.0, config.moe_cache_rate or 0.0)
+
+
+def runs_on_cpu(device: str) -> bool:
+    """The engine computes on the CPU: `--device cpu`, or `auto` without a usable GPU."""
+    if device != "auto":
+        return device == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def apply_link_guard(
     config: EngineConfig, *, explicit_max_prefill: bool, no_link_guard: bool = False,
     window_s: float = DEFAULT_WINDOW_S, home: Path | None = None,
     sysfs_root: str | Path = "/sys", measure: bool = True, now: dt.datetime | None = None,
 ) -> tuple[EngineConfig, GuardDecision | None]:
-    """(config to serve with, decision). Logs the auto choice and the decision.
+    """(config to serve with, decision). Logs the auto choice and the decision. A window that
+    is not a finite number of seconds > 0 is a ConfigError (`--link-guard-window`).
 
     A checkpoint that is neither a directory nor a GGUF file moves no experts: no decision.
     """
-    from ftrs.models.load import resolve_model
-
+    window_s = check_window_s(window_s)
     home = home or ftrs_home()
-    try:
-        path = resolve_model(config.model)
-    except ModelLoadError:
-        return config, None  # the engine reports the load failure itself, on /health
-    if not path.is_dir() and path.suffix != ".gguf":
+    fetch = expert_fetch(config)
+    if fetch is None:
         return config, None
-    fetch = model_fetch(config.model, config.device, config.dtype)
     link = current_link(config, sysfs_root=sysfs_root, measure=measure)
-    if config.moe_strategy == "auto" and fetch.num_experts:
-        choice = resolve_auto(config, fetch, link, home)
-        logger.info("%s", choice.message)
-        config = dataclasses.replace(config, moe_strategy=choice.strategy,
-                                     moe_cache_rate=choice.cache_rate
-                                     if choice.cache_rate is not None else config.moe_cache_rate)
+    config = resolve_auto_config(config, home=home, fetch=fetch, link=link)
     decision = decide_prefill_cap(
         link, fetch, requested=config.max_prefill_length, crash_reports=load_reports(home),
         window_s=window_s, strategy=config.moe_strategy, explicit_request=explicit_max_prefill,
         no_link_guard=no_link_guard, now=now or dt.datetime.now(dt.timezone.utc),
-        max_loss_age_days=config.guard_loss_max_age_days)
+        max_loss_age_days=config.guard_loss_max_age_days,
+        hit_rate=cache_hit_bound(config, fetch), device_is_cpu=runs_on_cpu(config.device))
     decision.log(logger)
     if decision.cap_tokens is not None:
         config = dataclasses.replace(config, max_prefill_length=decision.cap_tokens)

@@ -23,6 +23,9 @@ observed by the request handlers, which see the tokens arrive.
 step budget, ftrs_pcie_pacing_bytes_per_second, ftrs_adaptive_guard_events,
 ftrs_adaptive_guard_level and ftrs_adaptive_guard_relaxes.
 
+When an engine is ready, `engine_ready(experts)` sets ftrs_expert_cache_slots from its ready
+message (`EngineReady.experts`: the strategy's `stats()` at load; absent or empty for a resident
+or dense engine, which leaves 0), so the gauge is true before the first step reports it.
 When the engine process dies, `engine_gone()` sets every gauge the dead engine reported
 (requests running and waiting, KV usage, expert slots, transfer queue and bytes in flight) to
 0 until the next engine reports, and forgets its cumulative counters, so the new engine's are
@@ -151,6 +154,12 @@ class ServerMetrics:
         self.observe_experts(stats.experts, had_prefill=stats.prefill_tokens > 0)
         if stats.guard:
             self.observe_guard(stats.guard)
+
+    def engine_ready(self, experts: Mapping[str, object] | None) -> None:
+        """A new engine is ready: its expert-cache slots, before any step reports them."""
+        value = _number((experts or {}).get("slots"))
+        if value is not None:
+            self.expert_slots.set(value)
 
     def engine_gone(self) -> None:
         """The engine process died: what it reported is no longer true."""
