@@ -29,8 +29,11 @@ class ServerProcess:
     """`python -m ftrs serve ARGS --port P`, its output in `log`, stopped by `stop()`."""
 
     def __init__(self, args: Sequence[str], *, log: Path, home: Path | None = None,
-                 pythonpath: Sequence[Path] = ()) -> None:
-        self.port = free_port()
+                 pythonpath: Sequence[Path] = (), port: int | None = None,
+                 new_session: bool = False) -> None:
+        """`port`: None picks a free one. `new_session`: the server leads its own process
+        group, so a test can signal the group as a terminal's Ctrl-C does (`os.killpg`)."""
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.home = home
         self.log = log
@@ -42,7 +45,7 @@ class ServerProcess:
         self._log = log.open("w")
         cmd = [sys.executable, "-m", "ftrs", "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, start_new_session=new_session)
 
     def wait(self, status: str = "ok", timeout: float = 120.0) -> dict[str, object]:
         """Wait until /health reports `status` ("ok" or "failed"); fail if the server exits."""

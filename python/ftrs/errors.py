@@ -129,6 +129,17 @@ class EngineRestarted(FtrsError):
     exit_code = 89
 
 
+class ServerShuttingDown(FtrsError):
+    """`ftrs serve` was asked to stop (SIGINT/SIGTERM): new requests are refused with this error,
+    and every request in flight ends with it at once (a stream: as its last event), rather
+    than being cut when the process exits. A stop on request is not a failure: exit code 0.
+    A client may retry on another replica, or on this one once it is back."""
+
+    http_status = 503
+    code = "server_shutting_down"
+    exit_code = 0
+
+
 def error_from_dict(d: dict[str, Any]) -> FtrsError:
     """Rebuild a typed error from its wire dict (what the engine sends in `TokenEvent.error`);
     unknown classes keep their status and code."""
@@ -160,5 +171,6 @@ __all__ = [
     "InvalidRequest",
     "KernelFault",
     "ModelLoadError",
+    "ServerShuttingDown",
     "error_from_dict",
 ]

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ftrs.config import EngineConfig
-from ftrs.errors import DeviceLost, EngineRestarted, FtrsError, InvalidRequest, ModelLoadError
+from ftrs.errors import DeviceLost, FtrsError, InvalidRequest, ModelLoadError
 from ftrs.server.errors import EngineUnavailable
 from ftrs.server.supervision import RestartBudget, backoff_s, install_policy
 
@@ -42,6 +42,14 @@ def test_restart_refused_when_the_device_does_not_answer() -> None:
     assert server.should_exit and client.restarts == []
 
 
+def test_a_device_error_while_stopping_on_request_restarts_nothing() -> None:
+    client, server = FakeClient(EngineConfig(device="cpu")), SimpleNamespace(should_exit=False)
+    install_policy(client, server, "cpu", grace_s=0.01)
+    client.state = "stopping"  # SIGTERM came first; the engine died in the stop's second
+    _fail(client, server, DeviceLost("gone"))
+    assert client.restarts == [] and not server.should_exit  # the stop goes on, exit code 0
+
+
 def test_request_errors_do_not_trigger_the_policy() -> None:
     client, server = FakeClient(EngineConfig(device="cpu")), SimpleNamespace(should_exit=False)
     install_policy(client, server, "restart", grace_s=0.01)
@@ -59,11 +67,7 @@ class RestartingClient(FakeClient):
         super().__init__(config)
         self.ever_ready = True
         self.state = "failed"
-        self.scheduled: list[tuple[EngineRestarted, float]] = []
         self.final: FtrsError | None = None
-
-    def schedule_restart(self, err: EngineRestarted, delay_s: float) -> None:
-        self.scheduled.append((err, delay_s))
 
     def give_up(self, err: FtrsError) -> None:
         self.final = err

@@ -216,6 +216,9 @@ def _check_failed_state(seen: dict[str, httpx.Response], code: str, classificati
     h = seen["health"]
     assert h.status_code == 503
     assert h.json()["code"] == code and h.json()["classification"] == classification
+    evidence = h.json()["evidence"]  # the summary: what decided, where, what to do
+    assert evidence["decided_by"] and evidence["hint"] and set(evidence) <= {
+        "decided_by", "bdf", "xid", "hint"}, evidence
     for kind in ("plain", "stream"):
         r = seen[kind]
         assert r.status_code == status and r.json()["error"]["code"] == code, (kind, r.text)
@@ -258,8 +261,9 @@ def test_fatal_fault(fleet: dict[str, Server], scenario: str) -> None:
         # streams had begun: their error came as the final SSE event of a 200 response
         lone = results["stream"][0]
         assert lone.status == 200 and lone.tokens > 0, lone
-    if scenario == "decode":  # no copy: raised by the step, seen by the engine loop
-        assert ev["layer"] == "step" and "failed_step" not in ev
+    if scenario == "decode":  # no copy: raised after the step, which it names like a real one
+        assert ev["layer"] == "step" and failed["request_ids"], ev
+        assert failed["decode_tokens"] == 10 and failed["prefill_tokens"] == 0, ev
     if scenario in ("transfer", "kernel_fault"):  # the copy failed; its `wait` raised it
         assert ev["source"] == "copy_backend" and ev["kind"] == scenario.replace("transfer",
                                                                                  "device_lost")
@@ -270,8 +274,8 @@ def test_fatal_fault(fleet: dict[str, Server], scenario: str) -> None:
         assert report["probes"]["pci"]["status"] == "lost"
     if scenario == "kernel_fault":
         assert ev["device_answers"] == ["pci"]
-    if scenario == "hang":
-        assert "watchdog" in ev["decided_by"]
+    if scenario == "hang":  # the step in progress is the report's last row
+        assert "watchdog" in ev["decided_by"] and ev["step_in_progress"]["request_ids"], ev
 
 
 def test_device_lost_while_idle(serve: Any) -> None:

@@ -337,6 +337,10 @@ class EngineCore:
             raise ConfigError(f"step budget: must be an integer >= 1, got {tokens!r}")
         self.scheduler.budget = tokens
 
+    def step_carried(self) -> dict[str, Any]:
+        """What the current step carries, for a hang report (`probes.step_carried`)."""
+        return probes.step_carried(self)
+
     def step_budget(self) -> int:
         return self.scheduler.budget
 

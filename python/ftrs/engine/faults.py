@@ -12,7 +12,8 @@ CPU allows, so the real detection path runs:
 - `device_lost` / `kernel_fault`: with the offload strategy, at the copy backend
   (`TransferEngine.inject_fault(kind, 0)`: the next expert copy fails with the typed error);
   without it, or when the step made no copy, the step raises the error class itself with
-  evidence `{"injected": true, ...}`. For `device_lost` the fake sysfs tree the monitor watches
+  evidence `{"injected": true, ...}` and, as a real device error has, the step's `failed_step`
+  (its requests and tokens). For `device_lost` the fake sysfs tree the monitor watches
   (`fake_sysfs`) then reads vendor 0xffff, so the health classifier decides DeviceLost from
   PCI config space; for `kernel_fault` the device keeps answering 0x10de, so it decides
   KernelFault.
@@ -195,15 +196,31 @@ class StepFaults:
             raise DeviceOutOfMemory(f"device out of memory (injected at step {step})",
                                     evidence=self.evidence(step=step))
 
-    def after_step(self, step: int) -> None:
-        """The step ran without a copy failing (no copy, or no offload): raise the class."""
+    def after_step(self, step: int, engine: Any = None, stats: Any = None) -> None:
+        """The step ran without a copy failing (no copy, or no offload): raise the class, with
+        the `failed_step` evidence `EngineCore.step` gives a real device error (the step's
+        requests from `engine.step_request_ids()`, its tokens from `stats`)."""
         if not self.fired or step != self._fired_at or self.spec.kind not in ("device_lost",
                                                                                "kernel_fault"):
             return
         cls: type[DeviceError] = DeviceLost if self.spec.kind == "device_lost" else KernelFault
-        raise cls(f"{self.spec.kind} (injected at step {step})",
-                  evidence=self.evidence(step=step, layer="step",
-                                         copy_backend_armed=self._armed_copy))
+        evidence = self.evidence(step=step, layer="step", copy_backend_armed=self._armed_copy)
+        failed = failed_step(engine, stats)
+        if failed is not None:
+            evidence["failed_step"] = failed
+        raise cls(f"{self.spec.kind} (injected at step {step})", evidence=evidence)
+
+
+def failed_step(engine: Any, stats: Any) -> dict[str, Any] | None:
+    """What a step carried, as `EngineCore.step` names it when a device error stops it: the
+    engine's step number and requests, the step's prefill and decode tokens; None when the
+    engine cannot say (no `step_request_ids`, or no stats)."""
+    ids_of = getattr(engine, "step_request_ids", None)
+    ids = ids_of() if callable(ids_of) else None
+    if ids is None or stats is None:
+        return None
+    return {"step": stats.step, "request_ids": list(ids), "prefill_tokens": stats.prefill_tokens,
+            "decode_tokens": stats.decode_tokens}
 
 
 def _num_requests(engine: Any) -> int:
@@ -212,5 +229,5 @@ def _num_requests(engine: Any) -> int:
     return int(count()) if callable(count) else 1 << 30
 
 
-__all__ = ["AFTER_KINDS", "FAKE_BDF", "KINDS", "MONITOR_KINDS", "STEP_KINDS", "FaultSpec", "StepFaults", "copy_engine", "make_fake_sysfs",
-           "parse_fault_spec", "set_fake_vendor"]
+__all__ = ["AFTER_KINDS", "FAKE_BDF", "KINDS", "MONITOR_KINDS", "STEP_KINDS", "FaultSpec", "StepFaults", "copy_engine",
+           "failed_step", "make_fake_sysfs", "parse_fault_spec", "set_fake_vendor"]

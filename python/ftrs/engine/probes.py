@@ -9,7 +9,7 @@ seam; the step calls `keep_prompt_logits` while such a prompt runs.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -106,3 +106,16 @@ def keep_prompt_logits(core: EngineCore, work: list[Work], hidden: torch.Tensor)
                 rows = hidden[row:row + end - seq.num_computed]  # (tokens, hidden)
                 chunks[seq.num_computed] = core.rt.decoder.logits(rows).float().cpu()
         row += n
+
+
+def step_carried(engine: EngineCore) -> dict[str, Any]:
+    """What the current (or last) step carries, without its batch: its requests, the decode
+    rows among them and the prompt tokens they still have to compute (the step computes a
+    chunk of those, at most the token budget); {} before the step knows its requests."""
+    ids = engine.step_request_ids()
+    if ids is None:
+        return {}
+    left = [s.num_uncomputed for s in engine.scheduler.running if s.request_id in set(ids)]
+    return {"request_ids": ids, "decode_tokens": left.count(1),
+            "prompt_tokens_pending": sum(n for n in left if n > 1),
+            "token_budget": engine.scheduler.budget}

@@ -78,6 +78,9 @@ class StepStats:
     accepted_tokens: int = 0
     #: Prompt tokens a step with decodes could take (`engine.chunking`); None: the budget only.
     prefill_with_decodes: int | None = None
+    #: The device monitor's latest verdict (`server.supervision.EngineSupervisor`):
+    #: {"state": "ok" | "degraded" | "not_applicable", "reason", "bdf"}; None when no monitor runs.
+    device: dict[str, Any] | None = None
 
 
 __all__ = ["AbortRequest", "GenerateRequest", "StepStats", "TokenEvent", "TokenLogprob"]

@@ -163,8 +163,10 @@ def classify(
     if isinstance(error, DeviceError):
         answered = _answered(probes)
         hint = error.evidence.get("hint") or class_hint(error, answered)
+        decided = error.evidence.get("decided_by") or [  # the engine's own typed error
+            f"engine_error={type(error).__name__}", *(f"{p}=ok" for p in answered)]
         return type(error)(error.message, evidence={**error.evidence, **base,
-                           "device_answers": answered, "hint": hint})
+                           "device_answers": answered, "decided_by": decided, "hint": hint})
     if cuda is not None and cuda.is_oom:
         return DeviceOutOfMemory(f"device out of memory: {cuda.text}",
                                  evidence={**base, "decided_by": ["cuda_out_of_memory"],
@@ -223,3 +225,24 @@ def make_hang(stalled_s: float, timeout_s: float, **evidence: Any) -> EngineHang
                       f"(hang timeout {timeout_s:g} s)",
                       evidence={"stalled_s": round(stalled_s, 3), "hang_timeout_s": timeout_s,
                                 "decided_by": ["watchdog"], **evidence})
+
+
+#: What `/health` shows of a failure's evidence: what decided it, where, and what to do.
+HEALTH_EVIDENCE = ("decided_by", "bdf", "xid", "hint")
+
+
+def evidence_summary(err: Exception) -> dict[str, Any]:
+    """The short evidence `/health` shows beside a failure's class and message: `decided_by`,
+    the device's PCI address (`bdf`), the Xid when known and the `hint`; never the rest (a
+    traceback, probe dumps, the crash report's path), and strings with absolute paths cut."""
+    from ftrs.server.errors import scrub_paths
+
+    def clean(v: Any) -> Any:
+        if isinstance(v, str):
+            return scrub_paths(v)[:500]
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v[:16]]
+        return v if isinstance(v, (int, float, bool)) or v is None else clean(str(v))
+
+    evidence = getattr(err, "evidence", None) or {}
+    return {k: clean(evidence[k]) for k in HEALTH_EVIDENCE if k in evidence}

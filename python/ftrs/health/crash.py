@@ -3,7 +3,8 @@
 Written to `<home>/crash/<UTC timestamp>-<class>.json` (home is $FTRS_HOME, resolved by
 ftrs.config and passed in), atomically (temp file in the same directory, fsync, rename), so a
 reader never sees half a report. Contents: the classification with its message and evidence,
-every probe result, the kernel log tail, the last flight-recorder steps, and host facts
+every probe result, the kernel log tail, the last flight-recorder steps (with
+`flight_recorder_fields`, the columns in words: which figures are per step), and host facts
 (hostname, kernel, python, torch and driver versions). Deliberately no environment variables
 and no command line: those carry tokens and paths users do not mean to share.
 
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ftrs.health.classify import Probes
+from ftrs.health.flight import FIELDS as FLIGHT_FIELDS
 from ftrs.health.kmsg import KernelLogResult
 
 logger = logging.getLogger(__name__)
@@ -134,6 +136,7 @@ def build_crash_report(
         "probes": probed,
         "kernel_log_tail": list(kernel_log_tail or []),
         "flight_recorder": recorded,
+        "flight_recorder_fields": dict(FLIGHT_FIELDS),
         "ftrs_version": ftrs_version(),
         "host": host_info(),
     }

@@ -9,7 +9,8 @@ refused with 413 before they are parsed (`limits.BodyLimit`); tokenization and c
 rendering run in a worker thread, so a large prompt never stalls `/health` or another stream;
 a request whose client disconnects is aborted in the engine at once, streamed or not.
 With an API key set, everything but `/health` and `/metrics` needs it, `/openapi.json` and
-`/docs` included; `/health` shows a failure's class and message, never its evidence.
+`/docs` included; `/health` shows a failure's class and message and a short evidence summary
+(`health.classify.evidence_summary`: decided_by, PCI address, Xid, hint), never the rest.
 """
 
 from __future__ import annotations
@@ -125,7 +126,10 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
         state = "lost" if isinstance(err, DeviceLost) else "degraded" if isinstance(err, DeviceUnhealthy) else "unknown"
         metrics.set_device_state(state, up=False)
 
-    def on_ready(_: EngineReady) -> None:
+    def on_ready(ready: EngineReady) -> None:
+        # the expert cache's slots from the ready message (a field only engines with an
+        # expert cache send), so /metrics has them before the first step
+        metrics.engine_ready(getattr(ready, "experts", None))
         degraded = client.degraded is not None  # restarted on the CPU after a device error
         metrics.set_device_state("degraded" if degraded else "ok", up=not degraded)
         logger.info("ftrs ready: serving %s at http://%s:%d/v1", settings.model_names[0],
@@ -144,6 +148,11 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
 
     def on_stats(stats: StepStats) -> None:
         metrics.observe_step(stats)
+        device = stats.device or {}
+        # the engine's device monitor: degraded while it finds the device unhealthy, ok again
+        # when it no longer does (an engine restarted on the CPU stays "degraded": on_ready)
+        if device.get("state") in ("ok", "degraded") and client.degraded is None:
+            metrics.set_device_state(str(device["state"]), up=True)
         if stats.guard:
             adaptive_guard.clear()
             adaptive_guard.update(stats.guard)

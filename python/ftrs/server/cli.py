@@ -6,6 +6,13 @@ out keep the dataclass default. `run_serve(args)` starts uvicorn in this process
 process), which spawns the engine process; it logs loading progress and one line with the URL
 when the engine is ready, and returns the process exit code.
 
+SIGINT or SIGTERM stops the server on request (docs/device-loss.md "Exit codes"): the
+listening socket closes, every request in flight ends at once with 503
+`server_shutting_down` in its endpoint's shape (`EngineClient.begin_stop`), the engine is
+stopped, and the exit code is 0, during the model's load too. uvicorn alone would let the
+requests run for its graceful timeout, then cut them, and re-raise the signal at the end
+(a SIGTERM would end the process with -15).
+
 The API key comes from `--api-key`, else `--api-key-file` (first line), else `$FTRS_API_KEY`
 (read through `ftrs.config.env_flag`, the one place environment variables are read).
 """
@@ -16,10 +23,14 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from ftrs.config import add_engine_arguments, engine_config_from_args, env_flag
 from ftrs.errors import ConfigError, FtrsError
@@ -120,7 +131,7 @@ def run_serve(args: argparse.Namespace, classifier: Classifier | None = None) ->
     client: EngineClient = app.state.engine
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = stoppable_server(config, client)
     from ftrs.server.supervision import install_policy
 
     install_policy(client, server, engine.on_device_lost)
@@ -136,9 +147,54 @@ def run_serve(args: argparse.Namespace, classifier: Classifier | None = None) ->
                 engine.model, settings.host, settings.port)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(main())
+    if client.state != "stopped":  # a second Ctrl-C skipped the lifespan's shutdown
+        client.shutdown(timeout=2.0)
     if client.failure is not None:
         return client.failure.exit_code
+    if server.stop_signal is not None:
+        logger.info("ftrs serve: stopped (%s)", signal.Signals(server.stop_signal).name)
+        return 0
     return 0 if server.started else 1
+
+
+def stoppable_server(config: Any, client: EngineClient) -> Any:
+    """A uvicorn.Server that stops on SIGINT/SIGTERM the way the module docstring says;
+    `stop_signal` is the signal that stopped it (None: it was not stopped on request)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        stop_signal: int | None = None
+        _loop: asyncio.AbstractEventLoop | None = None
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # uvicorn's own re-raises the signal once serve() returns; a stop on request is 0
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            self._loop = asyncio.get_running_loop()
+            handlers = {sig: signal.signal(sig, self.handle_exit)
+                        for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in handlers.items():
+                    signal.signal(sig, handler)
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            super().handle_exit(sig, frame)  # a second SIGINT forces the exit
+            if self.stop_signal is None and self._loop is not None:
+                self.stop_signal = sig
+                with contextlib.suppress(RuntimeError):  # the loop is closing
+                    self._loop.call_soon_threadsafe(_begin_stop, client, sig)
+
+    return Server(config)
+
+
+def _begin_stop(client: EngineClient, sig: int) -> None:
+    told = client.begin_stop()
+    logger.info("ftrs serve: %s: stopping; %d request(s) in flight told %s", signal.Signals(sig).name,
+                told, "server_shutting_down")
 
 
 def resolve_api_key(args: argparse.Namespace) -> str | None:

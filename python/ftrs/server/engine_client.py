@@ -7,9 +7,19 @@ without one), every in-flight request receives the same typed error, `/health` r
 and new requests are refused with it.
 
 When the engine dies after it served, the restart policy (`server.supervision.install_policy`)
-may call `schedule_restart`: the requests in flight are then told `EngineRestarted` (503,
-`engine_restarted`), state is "restarting" (/health 503, new requests 503 at once) through the
-backoff and the new engine's load, and "ready" again once it is up.
+may call `schedule_restart` (so does `--on-device-lost cpu|restart`, with another config): the
+requests in flight are then told `EngineRestarted` (503, `engine_restarted`; of a device error,
+that error), state is "restarting" (/health 503 with the cause and the restart count, new
+requests 503 at once) through the backoff and the new engine's load, and "ready" again once it
+is up. `restarts` counts a restart from the moment it is scheduled.
+
+Each step's stats carry the engine's device monitor verdict (`StepStats.device`); `/health`
+shows the latest as `device` (ok, or degraded with the reason) while the engine serves.
+
+A stop on request (SIGINT/SIGTERM, `begin_stop`) tells every request in flight
+`ServerShuttingDown` (503, `server_shutting_down`) at once and refuses new ones with it; state
+is "stopping" until `shutdown()` stops the engine (a `Shutdown` message, or SIGTERM while it
+still loads and reads no messages) and makes it "stopped".
 
 What the error *is* comes from a classifier, `(exit_code, last_error) -> FtrsError`. The default
 trusts the error the engine reported, else maps the exit code through the table of DESIGN.md
@@ -31,14 +41,17 @@ from typing import Any
 from ftrs.config import EngineConfig
 from ftrs.engine.protocol import AbortRequest, GenerateRequest, StepStats, TokenEvent
 from ftrs.errors import (
+    DeviceError,
     DeviceLost,
     EngineHang,
     EngineRestarted,
     FtrsError,
     KernelFault,
     ModelLoadError,
+    ServerShuttingDown,
     error_from_dict,
 )
+from ftrs.health.classify import evidence_summary
 from ftrs.server.engine_process import (
     EngineFailed,
     EngineProgress,
@@ -47,6 +60,7 @@ from ftrs.server.engine_process import (
     StepOutput,
     engine_main,
     load_backend,
+    sigint_ignored,
 )
 from ftrs.server.errors import EngineUnavailable
 
@@ -74,7 +88,8 @@ class EngineClient:
 
     States: "starting" -> "loading" -> "ready"; any -> "failed" (engine gone, `failure` says why);
     "failed" -> "restarting" -> "ready" when the restart policy restarts it (`restarting` says
-    why); "stopped" after `shutdown()`. Only "ready" accepts requests.
+    why); any -> "stopping" on a stop on request (`begin_stop`; "failed" stays); "stopped"
+    after `shutdown()`. Only "ready" accepts requests.
     """
 
     def __init__(
@@ -111,7 +126,9 @@ class EngineClient:
         self._generation = 0  # bumped by restart(); messages of older engines are ignored
         self.degraded: dict[str, Any] | None = None  # set by restart(): why and how degraded
         self.restarting: EngineRestarted | None = None  # while state is "restarting": why
-        self.restarts = 0  # engine processes spawned after the first
+        self.restarts = 0  # engine restarts scheduled or run (processes after the first)
+        self.restarting_since = time.monotonic()  # when the current restart began (the death)
+        self.device: dict[str, Any] | None = None  # the engine's monitor verdict, last step's
         self.ever_ready = False  # an engine of this client served (a later death may restart)
 
     # ------------------------------------------------------------------------------ lifecycle
@@ -126,7 +143,8 @@ class EngineClient:
             args=(self.config, self.backend, to_engine_r, from_engine_w, logging.getLogger().level),
             name="ftrs-engine",
         )
-        self._proc.start()
+        with sigint_ignored():  # Ctrl-C reaches the process group; this process stops the engine
+            self._proc.start()
         to_engine_r.close()
         from_engine_w.close()  # so the reader sees EOF when the engine dies
         self._inbox, self._outbox = from_engine_r, to_engine_w
@@ -135,16 +153,19 @@ class EngineClient:
                          name="ftrs-engine-reader", daemon=True).start()
 
     def restart(self, config: EngineConfig, degraded: dict[str, Any] | None = None) -> None:
-        """Spawn a fresh engine with `config` after a failure (the device supervisor's
-        `--on-device-lost cpu|restart`, or a `schedule_restart`); `/health` reports `degraded`
-        once it is ready. The old engine process, if still alive, is killed first."""
+        """Spawn a fresh engine with `config` now; `/health` reports `degraded` once it is
+        ready. The old engine process, if still alive, is killed first. The restart policy
+        goes through `schedule_restart`, which says "restarting" until the engine is up."""
+        self.restarts += 1
+        self._spawn(config, degraded)
+
+    def _spawn(self, config: EngineConfig, degraded: dict[str, Any] | None) -> None:
         for conn in (self._inbox, self._outbox):
             with contextlib.suppress(OSError, AttributeError):
                 conn.close()
         if self._proc is not None and self._proc.is_alive():
             self._proc.kill()  # two engines must never share the device; its reader joins it
         self._generation += 1
-        self.restarts += 1
         if self.on_restart is not None:
             self.on_restart()
         self.config = config
@@ -152,24 +173,32 @@ class EngineClient:
         self.failure = None
         self.info = None
         self.progress = None
+        self.device = None
         self.started_at = time.monotonic()
         self._ready = asyncio.Event()
         self.start()
 
-    def schedule_restart(self, err: EngineRestarted, delay_s: float) -> None:
-        """Restart the engine with the same config in `delay_s` seconds (the policy's backoff).
-        Until the new engine is ready, state is "restarting" and `err` is what requests in
-        flight (those of the dead engine) and new requests are told."""
+    def schedule_restart(self, err: EngineRestarted, delay_s: float,
+                         config: EngineConfig | None = None,
+                         degraded: dict[str, Any] | None = None) -> None:
+        """Restart the engine in `delay_s` seconds (the policy's backoff) with `config` and
+        `degraded` (default: as they are). Until the new engine is ready, state is
+        "restarting" and `err` is what new requests are told, and what the requests in flight
+        of the dead engine are told unless it died of a device error (they keep that error)."""
         assert self._loop is not None
         self._generation += 1  # late messages of the dead engine no longer count
         self.restarting = err
         self.failure = None
         self.state = "restarting"
+        self.restarts += 1  # counted now: /health says "restart 1" through the first backoff
+        self.restarting_since = time.monotonic()
         self._ready = asyncio.Event()
+        new_config = self.config if config is None else config
+        new_degraded = self.degraded if config is None else degraded
 
         def go() -> None:
             if self.state == "restarting":  # not shut down during the backoff
-                self.restart(self.config, self.degraded)
+                self._spawn(new_config, new_degraded)
 
         self._loop.call_later(delay_s, go)
 
@@ -184,22 +213,41 @@ class EngineClient:
             await asyncio.wait_for(self._ready.wait(), timeout)
         return self.state == "ready"
 
+    def begin_stop(self) -> int:
+        """A stop on request: from now on new requests get `ServerShuttingDown`, and so does
+        every request in flight, at once; each handler answers it in its endpoint's shape.
+        `shutdown()` stops the engine afterwards. Returns the number of requests told."""
+        if self.state in ("stopping", "stopped"):
+            return 0
+        if self.state != "failed":  # a failure stays what /health and the exit code say
+            self.state = "stopping"
+        self._ready.set()
+        told = len(self._streams)
+        self._fail_all(ServerShuttingDown("server is shutting down"))
+        return told
+
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Ask the engine to exit; terminate it if it does not within `timeout` seconds."""
+        """Stop the engine: `Shutdown` when it is up, SIGTERM while it loads (it reads no
+        messages then); terminate it if it does not exit within `timeout` seconds."""
         prev, self.state = self.state, "stopped"
         if self._proc is None:
             return
-        if prev != "failed":
-            self._send(Shutdown())
-        self._proc.join(timeout)
-        if self._proc.is_alive():
-            logger.warning("engine process did not exit in %.0f s; terminating it", timeout)
+        if self.info is None and self._proc.is_alive():
+            logger.info("stopping the engine while it loads")
             self._proc.terminate()
-            self._proc.join(5)
+            _join(self._proc, 3.0)  # it exits between two Python calls; one long C call: SIGKILL
+        else:
+            if prev != "failed":
+                self._send(Shutdown())
+            _join(self._proc, timeout)
+            if self._proc.is_alive():
+                logger.warning("engine process did not exit in %.0f s; terminating it", timeout)
+                self._proc.terminate()
+                self._proc.join(5)
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
-        self._fail_all(EngineUnavailable("server is shutting down"))
+        self._fail_all(ServerShuttingDown("server is shutting down"))
         for conn in (self._inbox, self._outbox):
             with contextlib.suppress(OSError):
                 conn.close()
@@ -235,10 +283,10 @@ class EngineClient:
     def unavailable(self) -> FtrsError:
         if self.failure is not None:
             return self.failure
+        if self.state in ("stopping", "stopped"):
+            return ServerShuttingDown("server is shutting down")
         if self.restarting is not None:
             return self.restarting
-        if self.state == "stopped":
-            return EngineUnavailable("server is shutting down")
         return EngineUnavailable(f"the engine is still loading {self.config.model}")
 
     def health(self) -> tuple[int, dict[str, Any]]:
@@ -252,14 +300,17 @@ class EngineClient:
                 body["kv_cache"] = self.info.kv_cache
             if self.degraded is not None:
                 body.update(degraded=True, degraded_reason=self.degraded)
+            if self.device is not None:
+                body["device"] = dict(self.device)
             return 200, body
         if self.failure is not None:
             body.update(reason=self.failure.message, code=self.failure.code,
-                        classification=type(self.failure).__name__, error=self.failure.to_dict())
+                        classification=type(self.failure).__name__,
+                        evidence=evidence_summary(self.failure), error=self.failure.to_dict())
         elif self.state == "restarting" and self.restarting is not None:
             body.update(reason=self.restarting.message, code=self.restarting.code,
                         restarts=self.restarts, cause=self.restarting.evidence.get("cause"),
-                        elapsed_s=round(time.monotonic() - self.started_at, 1))
+                        elapsed_s=round(time.monotonic() - self.restarting_since, 1))
         elif self.state in ("starting", "loading"):
             body.update(reason=f"loading {self.config.model}",
                         elapsed_s=round(time.monotonic() - self.started_at, 1))
@@ -308,6 +359,8 @@ class EngineClient:
                     queue.put_nowait(ev)
                     if ev.finish_reason is not None:
                         self._streams.pop(ev.request_id, None)
+            if msg.stats is not None and msg.stats.device is not None:
+                self.device = msg.stats.device
             if msg.stats is not None and self.on_stats is not None:
                 self.on_stats(msg.stats)
         elif isinstance(msg, EngineProgress):
@@ -339,8 +392,8 @@ class EngineClient:
         self._ready.set()
 
     def _on_exit(self, exit_code: int | None, last_error: dict[str, Any] | None, gen: int = 0) -> None:
-        if self.state == "stopped" or gen != self._generation:
-            return
+        if self.state in ("stopping", "stopped") or gen != self._generation:
+            return  # stopped on request (a service manager signals the engine too)
         err = self.failure or self.classifier(exit_code, last_error)
         logger.error("engine process exited with code %s: %s", exit_code, err.message)
         if self.failure is None:
@@ -353,7 +406,7 @@ class EngineClient:
             return
         self.failure = err
         self.restarting = None
-        if self.state != "stopped":
+        if self.state not in ("stopping", "stopped"):  # no restart while stopping
             self.state = "failed"
         streams, self._streams = self._streams, {}
         self._ready.set()
@@ -361,7 +414,9 @@ class EngineClient:
             if self.on_failure is not None:
                 self.on_failure(err)
         finally:  # whatever the policy did, no request in flight is left waiting
-            told = self.failure or self.restarting or err
+            # a device error is what the requests met (a restart on the CPU comes after them)
+            told = self.failure or (err if isinstance(err, DeviceError) else None) \
+                or self.restarting or err
             for queue in streams.values():
                 queue.put_nowait(told)
 
@@ -369,6 +424,15 @@ class EngineClient:
         streams, self._streams = self._streams, {}
         for queue in streams.values():
             queue.put_nowait(err)
+
+
+def _join(proc: Any, timeout: float) -> None:
+    """`proc.join(timeout)`, and a moment more: its sentinel pipe closes as its last thread
+    lets go of its files, a moment before it can be reaped (is_alive() is still True then)."""
+    proc.join(timeout)
+    deadline = time.monotonic() + 1.0
+    while proc.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 __all__ = ["DEFAULT_BACKEND", "Classifier", "EngineClient", "classify_engine_exit"]

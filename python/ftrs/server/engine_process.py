@@ -17,18 +17,28 @@ logged here once), their KV pages are freed, and the engine goes on. `step_fault
 reported and the process exits with the error's exit code, so a supervisor that only sees
 the exit code still knows what happened. The API side then restarts the engine or exits.
 
+Stopping is the API process's business: the engine process ignores SIGINT (Ctrl-C in a
+terminal reaches the whole process group; the API process stops the engine with `Shutdown`,
+or with SIGTERM while it loads and reads no messages: it exits 143 then), and every exit runs
+multiprocessing's finalizers first, so a semaphore some library made here (tqdm's lock) is
+unlinked rather than reported leaked by the resource tracker.
+
 The engine is built by a *backend*: a module with `load(config) -> LoadedEngine`. The default,
 `ftrs.server.backend`, builds `ftrs.engine.core.EngineCore`; tests pass a fake one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
+import signal
+import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from multiprocessing import util as mp_util
 from multiprocessing.connection import Connection
 from typing import Any, NamedTuple, Protocol
 
@@ -60,6 +70,12 @@ def _kv_cache_info(engine: Engine) -> dict[str, Any] | None:
     return None if info is None else dict(info())
 
 
+def _expert_stats(engine: Engine) -> dict[str, Any] | None:
+    """The engine's `expert_stats()` where it has them (none for dense models, test engines)."""
+    stats = getattr(engine, "expert_stats", None)
+    return (dict(stats()) or None) if stats is not None else None
+
+
 class LoadedEngine(NamedTuple):
     engine: Engine
     tokenizer_source: Any  # picklable; the API process passes it to the backend's `load_tokenizer`
@@ -88,6 +104,9 @@ class EngineReady:
     # the KV cache as `EngineCore.kv_cache_info()` tells it (dtype, tokens, bytes); None when
     # the engine does not say
     kv_cache: dict[str, Any] | None = None
+    # the MoE strategy's counters at ready (`EngineCore.expert_stats()`: its expert-cache
+    # slots, for /metrics before the first step); None for dense models and test engines
+    experts: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -128,17 +147,49 @@ def load_backend(backend: str) -> Any:
     return importlib.import_module(backend)
 
 
+@contextlib.contextmanager
+def sigint_ignored() -> Iterator[None]:
+    """Around the engine's spawn (milliseconds): a child inherits an ignored SIGINT, so a
+    Ctrl-C during its start (imports, unpickling) cannot kill it before `engine_main` ignores
+    SIGINT itself. Does nothing outside the main thread (only it may set signal handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _exit(code: int) -> None:
+    """End the engine process now (no interpreter teardown: a lost device can hang it), after
+    multiprocessing's own finalizers, which unlink the named semaphores made in this process;
+    `os._exit` alone leaves them to the resource tracker's "leaked semaphore" warning."""
+    try:
+        mp_util._run_finalizers(0)  # type: ignore[attr-defined]  # what a normal exit runs
+    finally:
+        os._exit(code)
+
+
+def _on_sigterm(signum: int, _frame: object) -> None:
+    _exit(128 + signum)
+
+
 def engine_main(
     config: EngineConfig, backend: str, inbox: Connection, outbox: Connection, log_level: int
 ) -> None:
     """Entry point of the spawned engine process. Never returns normally: exits with a code."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process owns stopping
+        signal.signal(signal.SIGTERM, _on_sigterm)
     logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
     code = 0
     try:
         code = _run(config, backend, inbox, outbox)
     finally:
         outbox.close()
-        os._exit(code)
+        _exit(code)
 
 
 def _run(config: EngineConfig, backend: str, inbox: Connection, outbox: Connection) -> int:
@@ -159,6 +210,7 @@ def _run(config: EngineConfig, backend: str, inbox: Connection, outbox: Connecti
             vocab_size=engine.vocab_size,
             pid=os.getpid(),
             kv_cache=_kv_cache_info(engine),
+            experts=_expert_stats(engine),
         )
     )
     supervisor = _supervise(config, engine, outbox)
@@ -197,7 +249,7 @@ def _supervise(config: EngineConfig, engine: Engine, outbox: Connection) -> Any:
             outbox.send(EngineFailed(error_to_wire(err), err.exit_code, "step"))
             outbox.close()
         finally:
-            os._exit(err.exit_code)
+            _exit(err.exit_code)
 
     return EngineSupervisor(config, engine, on_fatal=on_fatal)
 
@@ -313,4 +365,5 @@ __all__ = [
     "StepRunner",
     "engine_main",
     "error_to_wire",
+    "sigint_ignored",
 ]

@@ -1,7 +1,9 @@
 """Device supervision of the server (issue 5): the engine side and the API side.
 
 Engine side, `EngineSupervisor` (runs in the engine process, wraps every `step()`):
-- a `FlightRecorder` (ftrs._core, last 512 steps) records every step;
+- a flight recorder (`health.flight.FlightLog`, last 512 steps) records every step, and the
+  step in progress when one fails or hangs; each step's StepStats carries the monitor's
+  latest verdict on the device (`device`: ok, or degraded and why) to the API process;
 - a `DeviceMonitor` (health.monitor) watches the device's PCI config space and, through its
   progress watchdog, the step loop (`hang_timeout`): work pending (a step running) and no step
   finished and no decoder layer computed for that long (`EngineCore.progress_at`: a prefill of
@@ -27,7 +29,10 @@ API side, `install_policy(client, server, policy)`: what `ftrs serve` does once 
 died. Of a device error, per `policy`: `exit`: stop serving (in-flight clients already have
 their typed error) and exit with the error's code (86/87/88). `cpu`: restart the engine on
 the CPU (`cpu_fallback`) and keep serving; /health then says `"degraded": true`. `restart`: restart on the
-same device only when a fresh probe says the device answers; otherwise behave as `exit`.
+same device only when a fresh probe says the device answers; otherwise behave as `exit`. Both
+restart through `schedule_restart` like any other restart: the requests in flight keep the
+device error they met, and until the new engine is ready /health says "restarting" (the cause,
+the restart count) and new requests get 503 `engine_restarted`.
 Of anything else, once the engine had served (any exit, kill -9, `--step-fault-limit` failed
 steps in a row, a restarted engine that fails to load), or of an exit without a report while
 it first loads (not a load error it reported: that would fail again): restart it on the same config after a
@@ -62,27 +67,20 @@ logger = logging.getLogger(__name__)
 Fatal = Callable[[FtrsError], None]
 
 
-def _num(d: dict[str, Any], *keys: str) -> int:
-    for k in keys:
-        v = d.get(k)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return int(v)
-    return -1
-
-
 class EngineSupervisor:
     """Wraps the engine's steps in the engine process. `on_fatal(err)` is called (from the
     monitor thread) when the monitor finds a terminal fault the step loop cannot report."""
 
     def __init__(self, config: EngineConfig, engine: Any, on_fatal: Fatal | None = None) -> None:
-        from ftrs import _core
+        from ftrs.health.flight import FlightLog
         from ftrs.health.monitor import DeviceMonitor, MonitorConfig
 
         self.config = config
         self.engine = engine
         self.on_fatal = on_fatal
-        self.recorder = _core.FlightRecorder(capacity=512)
+        self.recorder = FlightLog(capacity=512)
         self.step_no = 0
+        self._step_started = time.time()  # wall clock, for the report of a step in progress
         self._in_step = False
         self._last_step_end = time.monotonic()
         self._fatal_lock = threading.Lock()
@@ -127,13 +125,14 @@ class EngineSupervisor:
         n = self.step_no
         self._in_step = True
         self._last_step_end = time.monotonic()  # the watchdog measures from the step's start
+        self._step_started = time.time()
         try:
             if self.faults is not None:
                 self.faults.before_step(n, self.engine)
             self.live_guard.before_step()
             events, stats = self.engine.step()
             if self.faults is not None:
-                self.faults.after_step(n)
+                self.faults.after_step(n, self.engine, stats)
         except Exception as exc:
             self._in_step = False
             oom = _out_of_memory(exc, self.engine)
@@ -142,7 +141,7 @@ class EngineSupervisor:
                 raise  # not the device's: the engine process fails this step's requests
             if oom is not None:
                 self._last_step_end = time.monotonic()
-                self.recorder.record(n, time=time.time(), kind="unknown")
+                self.recorder.record_unknown(n)
                 return self._fail_requests(oom), None
             raise self.fatal_from(exc) from exc
         except BaseException as exc:
@@ -150,20 +149,18 @@ class EngineSupervisor:
             raise self.fatal_from(exc) from exc
         self._in_step = False
         self._last_step_end = time.monotonic()
-        self._record(stats)
         if stats is not None:
+            self.recorder.record(n, stats)
             stats.guard = self.live_guard.stats()
+            stats.device = self.device_state()
         return events, stats
 
-    def _record(self, stats: StepStats) -> None:
-        ex = stats.experts or {}
-        kind = stats.kind if stats.kind in ("prefill", "decode", "mixed", "idle") else "unknown"
-        self.recorder.record(
-            self.step_no, time=stats.time, kind=kind,
-            tokens=stats.prefill_tokens + stats.decode_tokens, chunk_tokens=stats.prefill_tokens,
-            bytes_issued=_num(ex, "h2d_bytes", "bytes_issued", "fetch_bytes"),
-            inflight_bytes=_num(ex, "inflight_bytes"),
-            experts_fetched=_num(ex, "misses", "fetches", "experts_fetched"))
+    def device_state(self) -> dict[str, Any]:
+        """The monitor's latest verdict, for the API process (`/health`, ftrs_device_state):
+        "degraded" (with the reason) while its samples find the device unhealthy (DeviceUnhealthy:
+        a narrowed link, rising AER or replay counters), "ok" again once they do not."""
+        s = self.monitor.state
+        return {"state": s.state, "reason": s.reason, "bdf": s.bdf}
 
     def _fail_requests(self, err: DeviceOutOfMemory) -> list[TokenEvent]:
         """Out of memory: fail the requests this step carried, keep the engine serving."""
@@ -211,7 +208,7 @@ class EngineSupervisor:
         if not self._claim():
             threading.Event().wait(30)  # the monitor thread is exiting the process
         err = self.classify(exc)
-        self.write_report(err)
+        self.write_report(err, in_step=True)
         return err
 
     def _monitor_fault(self, verdict: DeviceError) -> None:
@@ -225,11 +222,13 @@ class EngineSupervisor:
             return
         if self.faults is not None:
             verdict.evidence = {**self.faults.evidence(), **verdict.evidence}
-        self.write_report(verdict)
+        self.write_report(verdict, in_step=self._in_step)
         if self.on_fatal is not None:
             self.on_fatal(verdict)
 
-    def write_report(self, err: FtrsError) -> None:
+    def write_report(self, err: FtrsError, in_step: bool = False) -> None:
+        """The crash report; `in_step`: the fault ended (or hangs) the step in progress, which
+        is recorded first (`FlightLog.record_in_progress`)."""
         from ftrs.health.classify import Probes
         from ftrs.health.crash import write_crash_report
         from ftrs.health.sysfs import probe_pci
@@ -237,6 +236,9 @@ class EngineSupervisor:
         probes = None
         if self.sysfs_root is not None:
             probes = Probes(pci=probe_pci(FAKE_BDF, root=self.sysfs_root))
+        if in_step:
+            self.recorder.record_in_progress(self.step_no, self._step_started, self.engine,
+                                             err.evidence)
         try:
             self.crash_report = write_crash_report(ftrs_home(), err, probes=probes,
                                                    flight_recorder=self.recorder.dump())
@@ -339,6 +341,8 @@ def install_policy(client: Any, server: Any, policy: str, grace_s: float = 1.0) 
     def on_failure(err: FtrsError) -> None:
         if previous is not None:
             previous(err)
+        if getattr(client, "state", None) in ("stopping", "stopped"):
+            return  # stopped on request: no restart, the exit code stays the stop's
         if not isinstance(err, DeviceError):
             # A load that failed with a report fails the same way again: /health says why.
             # A process that vanished mid-load (the OOM killer) is worth another try.
@@ -352,11 +356,12 @@ def install_policy(client: Any, server: Any, policy: str, grace_s: float = 1.0) 
         if action == "restart" and not _device_answers(client.config):
             logger.error("on-device-lost restart: the device does not answer; exiting")
             action = "exit"
-        if action != "exit" and budget.take() is None:
+        attempt = budget.take() if action != "exit" else None
+        if action != "exit" and attempt is None:
             logger.error("on-device-lost %s: %d restarts within %.0f s already; exiting", action,
                          budget.limit, budget.window_s)
             action = "exit"
-        if action == "exit":
+        if action == "exit" or attempt is None:
             logger.error("ftrs serve: %s (%s); exiting with code %d", err.message, err.code,
                          err.exit_code)
             loop.call_later(grace_s, _stop, server)
@@ -366,10 +371,17 @@ def install_policy(client: Any, server: Any, policy: str, grace_s: float = 1.0) 
             config = cpu_fallback(config)
         else:
             config = dataclasses.replace(config, fault_inject=None)
-        logger.warning("on-device-lost %s: restarting the engine on %s", action, config.device)
-        client.restart(config, degraded={"reason": err.message, "code": err.code,
-                                         "classification": type(err).__name__,
-                                         "mode": action, "device": config.device})
+        delay = backoff_s(attempt)
+        told = EngineRestarted(
+            f"the device failed ({type(err).__name__}: {err.message}); restarting the engine on "
+            f"{config.device} (restart {attempt} of at most {budget.limit} within "
+            f"{budget.window_s:g} s)", evidence={"cause": _cause(err), "attempt": attempt,
+                                                 "limit": budget.limit, "mode": action})
+        logger.warning("on-device-lost %s: restarting the engine on %s in %.1f s", action,
+                       config.device, delay)
+        client.schedule_restart(told, delay, config=config, degraded={
+            "reason": err.message, "code": err.code, "classification": type(err).__name__,
+            "mode": action, "device": config.device})
 
     client.on_failure = on_failure
 
@@ -389,7 +401,7 @@ def _restart_or_exit(client: Any, server: Any, budget: RestartBudget, err: FtrsE
                      grace_s: float) -> None:
     """The engine died of something not the device's: restart it after a backoff, or, with
     no restart left, exit 89 (`EngineRestarted`) so a service manager starts a fresh server."""
-    cause = {"type": type(err).__name__, "message": err.message, "code": err.code}
+    cause = _cause(err)
     attempt = budget.take()
     if attempt is None:
         final = EngineRestarted(
@@ -408,6 +420,10 @@ def _restart_or_exit(client: Any, server: Any, budget: RestartBudget, err: FtrsE
     logger.error("engine failed: %s; restarting it in %.1f s (restart %d of at most %d)",
                  err.message, delay, attempt, budget.limit)
     client.schedule_restart(told, delay)
+
+
+def _cause(err: FtrsError) -> dict[str, Any]:
+    return {"type": type(err).__name__, "message": err.message, "code": err.code}
 
 
 def _stop(server: Any) -> None:
