@@ -136,6 +136,8 @@ class CallStream:
     def _flush(self) -> list[ToolCallDelta]:
         if not self.name or self.echo.error:
             return []
+        if self.index < 0 and not self._bare_args and self._args_kind != "{":
+            return []  # a call is announced with its arguments object: until then, it may be none
         pending = "".join(self._pending)
         self._pending = []
         if self.index < 0:

@@ -1,0 +1,36 @@
+"""A streamed tool call is announced (its id and name sent) only once its arguments object
+has begun: a call whose arguments are not an object is refused at its end and shown as text,
+and a client must not have been told of a call that then does not exist."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftrs.server.toolcalls import TOOL_PARSERS
+
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "f", "arguments": "]["}\n</tool_call>',
+    '<tool_call>{"name": "f", "arguments": [1, 2]}</tool_call>',
+    '<tool_call>{"name": "f", "arguments": 3}</tool_call>',
+])
+@pytest.mark.parametrize("chunk", [1, 3, 10_000])
+def test_a_call_whose_arguments_are_not_an_object_is_never_announced(text: str,
+                                                                     chunk: int) -> None:
+    p = TOOL_PARSERS["hermes"](TOOLS)
+    content, deltas = "", []
+    for i in range(0, len(text), chunk):
+        c, d = p.feed(text[i:i + chunk])
+        content, deltas = content + c, deltas + d
+    c, d = p.finish()
+    assert deltas + d == [] and p.calls == []
+    assert content + c == text
+
+
+def test_a_call_is_announced_with_the_first_piece_of_its_arguments() -> None:
+    p = TOOL_PARSERS["hermes"](TOOLS)
+    assert p.feed('<tool_call>{"name": "f", "arguments": ')[1] == []
+    (delta,) = p.feed('{"a')[1]
+    assert (delta.index, delta.name, delta.arguments) == (0, "f", '{"a')
