@@ -211,15 +211,19 @@ def test_a_tool_message_must_answer_an_earlier_call(client: Any, result: dict[st
 # ---------------------------------------------------------------- Responses: stream = body
 
 
-@pytest.mark.parametrize(("answer", "limit"), [
-    ('Sure.<tool_call>{"name": "get_weather", "arguments": 5}</tool_call>', 200),  # malformed
+@pytest.mark.parametrize(("answer", "limit", "announced"), [
+    ('Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}, }</tool_call>',
+     200, True),  # malformed after its arguments began
+    ('Sure.<tool_call>{"name": "get_weather", "arguments": 5}</tool_call>', 200,
+     False),  # arguments not an object: never announced
     ('Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris, France"}}</tool_call>',
-     len('Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Par')),  # cut
-], ids=["malformed", "cut"])
-def test_the_streamed_final_response_is_the_body(client: Any, answer: str,
-                                                 limit: int | None) -> None:
+     len('Sure.<tool_call>{"name": "get_weather", "arguments": {"city": "Par'), True),  # cut
+], ids=["malformed", "not-an-object", "cut"])
+def test_the_streamed_final_response_is_the_body(client: Any, answer: str, limit: int | None,
+                                                 announced: bool) -> None:
     """A call streamed as an item but then refused by the parser (or cut by the output limit)
-    is not in the body: nor in the response of the stream's last event, which the SDK returns."""
+    is not in the body: nor in the response of the stream's last event, which the SDK returns.
+    A call whose arguments are not an object is not streamed at all."""
     tool = {"type": "function", **WEATHER["function"]}
     kw: dict[str, Any] = {"model": "fake", "input": f"SAY:{answer}", "tools": [tool],
                           "max_output_tokens": limit}
@@ -236,7 +240,7 @@ def test_the_streamed_final_response_is_the_body(client: Any, answer: str,
         if body.status == "completed":
             assert items(stream.get_final_response()) == items(body)
     added = [e.item.type for e in events if e.type == "response.output_item.added"]
-    assert "function_call" in added  # the call was streamed before it was refused
+    assert ("function_call" in added) == announced  # streamed before it was refused, or not
     final = events[-1].response
     assert (events[-1].type, final.status) == (f"response.{body.status}", body.status)
     assert items(final) == items(body)
