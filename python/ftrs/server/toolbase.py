@@ -317,6 +317,12 @@ class ToolParser:
         if kept:
             self._content.append(kept)
 
+    def _show_held(self) -> None:
+        """At the end, outside a call: the text held back as a possible start of the call
+        markup is content, unless the generation was cut off there (the markup half written)."""
+        if not self._cut:
+            self._show(self._buf)
+
     def _enter_call(self) -> None:
         """A call section begins: the whitespace before it is dropped unless the call fails."""
         self._before, self._ws = self._ws, ""

@@ -107,7 +107,7 @@ class HermesToolParser(ToolParser):
         if self._call is not None:  # cut off before the end tag: a complete object still counts
             tail, self._buf = self._buf, ""
             self._end_call(closed=False, tail=tail)
-        self._show(self._buf)
+        self._show_held()
         self._buf = ""
 
     @classmethod
@@ -245,7 +245,7 @@ class MistralToolParser(StateToolParser):
 
     def _close(self) -> None:
         if self._state == "out":
-            self._show(self._buf)
+            self._show_held()
         else:  # a call section that did not end well: its text is content
             self._malformed("".join(self._raw) + self._buf)
         self._buf, self._raw, self._state = "", [], "out"

@@ -145,7 +145,7 @@ class DeepSeekToolParser(StateToolParser):
 
     def _close(self) -> None:
         if self._state == "out":
-            self._show(self._buf)
+            self._show_held()
         elif self._state == "tail" and self._complete():
             pass  # cut off before the end tag: a complete object still counts
         elif not (self._state == "between" and self._section_calls and not self._buf.strip()):

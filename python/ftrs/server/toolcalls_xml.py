@@ -101,7 +101,7 @@ class _MemberToolParser(StateToolParser):
 
     def _close(self) -> None:
         if self._state == "out":
-            self._show(self._buf)
+            self._show_held()
         else:  # a call that did not end: its text is content
             self._malformed("".join(self._raw) + self._buf)
         self._buf, self._raw, self._state = "", [], "out"
