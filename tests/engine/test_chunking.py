@@ -48,6 +48,19 @@ def test_the_chunk_follows_a_slower_host() -> None:
     assert after == pytest.approx(0.95 / 0.004, rel=0.05)
 
 
+def test_prompts_alone_never_set_the_first_chunk_beside_decodes_above_twice_the_first() -> None:
+    # a long prompt, then one after a prefix-cache hit whose attention over the whole context
+    # makes its few rows slow: the line through them has a large fixed cost and a small slope
+    c = PrefillChunker(target_s=1.0)
+    c.observe(2726, 0, 11.0)
+    c.observe(295, 0, 6.0)
+    a, b, fitted = c.model() or (0.0, 0.0, False)
+    assert fitted and 2 * a / b > 2 * FIRST_CHUNK
+    assert c.limit(8192) == 2 * FIRST_CHUNK  # the first step with decodes: at most twice it
+    c.observe(2 * FIRST_CHUNK, 2, 2.1)  # measured beside decodes, the fit corrects itself
+    assert (c.limit(8192) or 0) <= 4 * FIRST_CHUNK
+
+
 def test_a_fixed_cost_larger_than_the_target_keeps_the_chunk_whole() -> None:
     # an offloaded MoE: each chunk fetches every expert (2 s) whatever its size; cutting it
     # would refetch them per smaller chunk and could not meet the target anyway

@@ -18,8 +18,11 @@ the target asks for less, the target yields (the stall is then 3a, as short as t
 Seeing `a` needs steps of different sizes (their coefficient of variation at least `SPREAD`).
 Before any step the chunk is `FIRST_CHUNK`; while one size only is known, the next step with
 decodes tries half of it (`RAMP`; twice it at the `MIN_CHUNK` floor), which gives a second size
-at a shorter stall; and a chunk never more than doubles from one step with decodes to the next,
-so a noisy fit costs one step of twice the chunk at most, which then corrects it. Without a step
+at a shorter stall; and a chunk never more than doubles from one step with decodes to the next
+(the first one: at most twice `FIRST_CHUNK`, whatever prompts alone measured before it), so a
+noisy fit costs one step of twice the chunk at most, which then corrects it. (Prompts alone
+are the noisiest points: one after a long prefix-cache hit pays attention over the whole
+context, which rows alone do not count.) Without a step
 with decodes yet (prompts alone) the model charges a step's whole time per row (a = 0) until
 sizes spread.
 
@@ -94,7 +97,6 @@ class PrefillChunker:
             chunk = self.last / RAMP if self.last >= RAMP * MIN_CHUNK else RAMP * self.last
         else:
             floor = a / b * (1 - FIXED_SHARE) / FIXED_SHARE
-            chunk = max((self.target_s - a) / b, floor, MIN_CHUNK)
-            if self.last is not None:
-                chunk = min(chunk, RAMP * self.last)
+            chunk = min(max((self.target_s - a) / b, floor, MIN_CHUNK),
+                        RAMP * (self.last or FIRST_CHUNK))
         return max(1, min(budget, round(chunk)))

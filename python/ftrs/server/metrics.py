@@ -123,7 +123,7 @@ class ServerMetrics:
         self.link_width = Gauge(p + "pcie_link_width", "PCIe link width.", ["kind"], registry=r)
         self.pcie_replays = Gauge(p + "pcie_replay_total", "PCIe replay counter of the device.", registry=r)
         self.prefill_cap = Gauge(p + "prefill_cap_tokens", "Token budget of one step (prefill cap).", registry=r)
-        self.prefill_with_decodes = Gauge(p + "prefill_with_decodes_tokens", "Prompt tokens a step that carries decodes may take, from the measured step cost and --decode-stall-target (0: no bound but the step budget).", registry=r)
+        self.prefill_with_decodes = Gauge(p + "prefill_with_decodes_tokens", "Prompt tokens a step that carries decodes may take, from the measured step cost and --decode-stall-target (0: no bound but the step budget, or no step yet).", registry=r)
         self.pcie_pacing = Gauge(p + "pcie_pacing_bytes_per_second", "Expert-copy pacing rate set by the adaptive guard (0: off).", registry=r)
         self.guard_events = Gauge(p + "adaptive_guard_events", "Times the adaptive guard tightened since the engine started.", registry=r)
         self.guard_level = Gauge(p + "adaptive_guard_level", "Adaptive guard level (0: the startup ceiling).", registry=r)
