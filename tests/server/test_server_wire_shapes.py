@@ -288,3 +288,52 @@ def test_enabled_thinking_budget_becomes_the_chat_budget() -> None:
 
     assert chat({"type": "enabled", "budget_tokens": 2048}).thinking_token_budget == 2048
     assert chat({"type": "adaptive"}).thinking_token_budget is None
+
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+def test_a_forced_call_follows_a_schema_with_local_references(
+        lltok: llguidance.LLTokenizer, parser: str) -> None:
+    """A tool schema as pydantic writes it (`$defs` and `#/$defs/...` references, and a
+    recursive `#`) is forced as itself: the call object wraps it, so its references are
+    rebased, and they resolve as in the tool's own schema."""
+    city = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+            "required": ["name"], "additionalProperties": False}
+    fn = {"name": "go", "parameters": {
+        "type": "object", "$defs": {"City": city},
+        "properties": {"to": {"$ref": "#/$defs/City"},
+                       "via": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}},
+        "required": ["to", "via"], "additionalProperties": False}}
+    other = {"name": "stop", "parameters": {}}
+    cls = TOOL_PARSERS[parser]
+    for tools in ([fn], [other, fn]):
+        grammar = cls.forced_grammar([{"type": "function", "function": f} for f in tools],
+                                     "required", False)
+
+        def written(args: dict[str, Any]) -> str:
+            return cls.format_calls([("go", args)]).removesuffix("<|call|>")
+
+        good = {"to": {"name": "Oslo"}, "via": {"to": {"name": "Rome"}, "via": None}}
+        assert _accepts(lltok, grammar, written(good)), (parser, len(tools))
+        assert not _accepts(lltok, grammar, written({"to": {"name": 5}, "via": None}))
+
+
+def test_history_arguments_nested_past_the_decoders_stack_are_a_400(fake_server: Any) -> None:
+    """Arguments nested 5000 deep raised RecursionError in json.loads: a 500 that dropped the
+    connection. They are a 400 naming the field, on chat and Responses, and the server serves."""
+    deep = "[" * 5000 + "]" * 5000
+    chat = {"model": "fake", "max_tokens": 2, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": deep}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]}
+    responses = {"model": "fake", "max_output_tokens": 2, "input": [
+        {"role": "user", "content": "hi"},
+        {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": deep},
+        {"type": "function_call_output", "call_id": "call_1", "output": "ok"}]}
+    headers = {"authorization": f"Bearer {fake_server.api_key}"}
+    with httpx.Client(base_url=fake_server.url, headers=headers, timeout=30) as http:
+        for path, body in (("/v1/chat/completions", chat), ("/v1/responses", responses)):
+            r = http.post(path, json=body)
+            assert r.status_code == 400, (path, r.text)
+            assert "nested too deeply" in r.json()["error"]["message"]
+        assert http.get("/health").status_code == 200

@@ -138,7 +138,7 @@ class BlockEncoder:
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text) if text.strip() else {}
-    except ValueError:
+    except (ValueError, RecursionError):
         value = None
     if not isinstance(value, dict):
         logger.warning("tool call arguments are not a JSON object: %.200r", text)

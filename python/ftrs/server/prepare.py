@@ -302,6 +302,8 @@ def _history_call(i: int, j: int, call: MessageToolCall) -> dict[str, Any]:
             args = json.loads(args)
         except ValueError as exc:
             raise _bad(param, f"not valid JSON: {exc}") from None
+        except RecursionError:  # nested deeper than the decoder's stack
+            raise _bad(param, "not valid JSON: nested too deeply") from None
     if not isinstance(args, dict):
         raise _bad(param, "must be a JSON object")
     where = lone_surrogate_at(args)

@@ -67,7 +67,7 @@ def arguments_of(obj: Any) -> str | None:
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args, strict=False)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     return json.dumps(args) if isinstance(args, dict) else None
 
@@ -76,7 +76,7 @@ def parse_object_call(text: str) -> tuple[str, str] | None:
     """(name, arguments JSON) of `{"name": .., "arguments"|"parameters": {..}}`, else None."""
     try:
         obj = json.loads(text, strict=False)
-    except ValueError:
+    except (ValueError, RecursionError):  # (a model's text nested past the decoder's stack)
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
@@ -243,13 +243,44 @@ def lark_literal(text: str, special: Mapping[str, int] | None = None) -> str:
     return " ".join(parts) or '""'
 
 
+def _rebase_refs(node: Any, base: str) -> Any:
+    """`node` with every local `$ref` ("#", "#/...") pointing under the JSON pointer `base`."""
+    if isinstance(node, dict):
+        return {k: (base + v[1:] if k == "$ref" and isinstance(v, str) and v[:2] in ("#", "#/")
+                    else _rebase_refs(v, base)) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rebase_refs(v, base) for v in node]
+    return node
+
+
+def standalone(part: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """`part` of the arguments schema `params` (a member's schema) as a schema of its own: where
+    `params` has local references, `params` goes in `part`'s `$defs` and the references of both
+    are rebased there, so they resolve as they do in `params`."""
+    if '"$ref"' not in json.dumps(params):
+        return part
+    base = "#/$defs/ftrs_tool"
+    out = _rebase_refs(part, base)
+    out["$defs"] = {**(out.get("$defs") or {}), "ftrs_tool": _rebase_refs(params, base)}
+    return dict(out)
+
+
 def call_schema(fns: list[tuple[str, dict[str, Any]]], args_key: str) -> str:
-    """JSON Schema (as text) of one call object of any of `fns`, name first."""
-    options = [{"type": "object",
-                "properties": {"name": {"const": name}, args_key: params},
-                "required": ["name", args_key], "additionalProperties": False}
-               for name, params in fns]
+    """JSON Schema (as text) of one call object of any of `fns`, name first. A tool's schema
+    sits inside the call object, so one with local references (`#/$defs/City`, `#`) moves to
+    the root's `$defs`, its references rebased there: they then resolve as in the tool's own."""
+    defs: dict[str, Any] = {}
+    options = []
+    for i, (name, params) in enumerate(fns):
+        if '"$ref"' in json.dumps(params):
+            key = f"ftrs_tool_{i}"
+            defs[key] = _rebase_refs(params, f"#/$defs/{key}")
+            params = {"$ref": f"#/$defs/{key}"}
+        options.append({"type": "object", "properties": {"name": {"const": name}, args_key: params},
+                        "required": ["name", args_key], "additionalProperties": False})
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    if defs:
+        schema = {**schema, "$defs": defs}
     return json.dumps({**schema, "x-guidance": _JSON_LAYOUT})
 
 
@@ -448,4 +479,4 @@ class StateToolParser(ToolParser):
 
 __all__ = ["NO_ARGUMENTS", "CallStream", "StateToolParser", "ToolCall", "ToolCallDelta", "ToolParser", "args_schema",
            "arguments_of", "arguments_schema", "call_schema", "chosen_functions", "lark_literal", "new_call_id",
-           "parse_object_call", "split_at_tag", "tool_functions"]
+           "parse_object_call", "split_at_tag", "standalone", "tool_functions"]

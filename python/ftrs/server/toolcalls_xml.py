@@ -37,6 +37,7 @@ from ftrs.server.toolbase import (
     arguments_of,
     chosen_functions,
     lark_literal,
+    standalone,
 )
 
 START, END = "<tool_call>", "</tool_call>"
@@ -132,7 +133,8 @@ class _MemberToolParser(StateToolParser):
             members = []
             for j, (key, schema) in enumerate(props.items()):
                 members.append(f"arg_{i}_{j}" if key in required else f"arg_{i}_{j}?")
-                value = _value_rule(schema if isinstance(schema, dict) else {}, bool(cls.TEXT_TAIL))
+                value = _value_rule(standalone(schema, params) if isinstance(schema, dict) else {},
+                                    bool(cls.TEXT_TAIL))
                 tail = cls.TEXT_TAIL or cls.TAIL if value.startswith("/") else cls.TAIL
                 head = lark_literal(cls.HEAD.replace("{key}", key), special)
                 lines.append(f"arg_{i}_{j}: {head} value_{i}_{j} {lark_literal(tail, special)}")
