@@ -361,12 +361,14 @@ def run_schemathesis(base: str, model: str, examples: int, watch: Watch, tally: 
         if isinstance(case.body, dict):
             if "model" in case.body:
                 case.body["model"] = model
-            for key in ("max_tokens", "max_completion_tokens"):
+            for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                 v = case.body.get(key)
                 if isinstance(v, int) and not isinstance(v, bool) and MAX_GEN_TOKENS < v < 100_000:
                     case.body[key] = MAX_GEN_TOKENS
             if "max_tokens" not in case.body and "messages" in case.body:
                 case.body["max_tokens"] = MAX_GEN_TOKENS
+            if "max_output_tokens" not in case.body and "input" in case.body:  # /v1/responses
+                case.body["max_output_tokens"] = MAX_GEN_TOKENS
         if case.path_parameters and "model_id" in case.path_parameters and hash(str(case.path_parameters)) % 2:
             case.path_parameters["model_id"] = model
 
