@@ -66,10 +66,20 @@ _tokenizers: weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]],
 _checked: OrderedDict[tuple[str, str, str], str] = OrderedDict()  # spec.key -> error or ""
 
 
+MAX_REASON = 400  # characters of an llguidance error a client is told
+
+
+def brief(error: str) -> str:
+    """An llguidance error as a client should read it: without the parser's state dump that
+    may follow it (`<state>`: token rows, internal counters), and at most `MAX_REASON` chars."""
+    text = error.split("<state>", 1)[0].strip()
+    return text if len(text) <= MAX_REASON else text[:MAX_REASON - 3].rstrip() + "..."
+
+
 def _bad(spec: StructuredSpec, why: str) -> InvalidRequest:
     what = {"json_object": "JSON object", "json_schema": "JSON schema", "lark": "grammar"}
     return InvalidRequest(f"{spec.param}: the {what.get(spec.kind, spec.kind)} cannot be used "
-                          f"for structured output: {why}", evidence={"param": spec.param})
+                          f"for structured output: {brief(why)}", evidence={"param": spec.param})
 
 
 def grammar_text(spec: StructuredSpec) -> str:
@@ -218,7 +228,7 @@ def advance(matcher: llguidance.LLMatcher, token: int) -> str | None:
     """Consume the sampled token. Returns None to go on, "stop" when the grammar is complete
     (it accepts nothing more), or an error message (a token outside the mask)."""
     if not matcher.consume_token(token):
-        return f"the grammar refused token {token}: {matcher.get_error()}"
+        return f"the grammar refused token {token}: {brief(matcher.get_error())}"
     return "stop" if matcher.is_stopped() else None
 
 
