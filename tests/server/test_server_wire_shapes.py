@@ -273,6 +273,9 @@ def test_enabled_thinking_needs_budget_tokens(fake_server: ServerProcess, route:
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error"
     assert err["message"].startswith("thinking.budget_tokens:"), err
+    r = httpx.post(fake_server.url + route, headers=headers, timeout=30,
+                   json={**base, "thinking": {"type": "bogus"}})
+    assert r.status_code == 400 and "thinking.type" in r.json()["error"]["message"], r.text
     for thinking in ({"type": "enabled", "budget_tokens": 1024}, {"type": "adaptive"},
                      {"type": "disabled"}):
         r = httpx.post(fake_server.url + route, headers=headers, timeout=30,

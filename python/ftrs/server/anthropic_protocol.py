@@ -93,13 +93,14 @@ class MessagesToolChoice(_Model):
 
 
 class ThinkingConfig(_Model):
-    """`disabled`, or a way to think (`enabled`, `adaptive`, ...); `budget_tokens` caps the
+    """`disabled`, or a way to think (`enabled`, `adaptive`; another type is a 400, as Anthropic
+    answers it); `budget_tokens` caps the
     reasoning (the chat request's `thinking_token_budget`), required with `enabled` as
     Anthropic requires it. Anthropic's floor of 1024 and its `budget_tokens < max_tokens` are
     not imposed: the budget is a cap that counts against `max_tokens` here, and small models
     have small contexts."""
 
-    type: Text
+    type: Literal["enabled", "adaptive", "disabled"]
     budget_tokens: int | None = Field(default=None, ge=1)
 
 
