@@ -103,6 +103,41 @@ def test_completion_choices_carry_logprobs_and_finish_reason(fake_server: Server
     assert "".join(c["text"] for c in choices) == "Hello there."
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_streamed_usage_is_null_on_every_chunk_but_the_last(fake_server: ServerProcess,
+                                                            path: str) -> None:
+    """With `stream_options.include_usage` OpenAI writes `usage: null` on every chunk and the
+    counts on a last chunk without choices; without it, no chunk has the key."""
+    body: dict[str, Any] = {"model": "fake", "max_tokens": 30}
+    body.update({"messages": _say("Hello there.")} if "chat" in path
+                else {"prompt": "SAY:Hello there."})
+    chunks = _chunks(fake_server, path, {**body, "stream_options": {"include_usage": True}})
+    assert len(chunks) >= 3
+    assert all("usage" in c and c["usage"] is None and c["choices"] for c in chunks[:-1]), chunks
+    last = chunks[-1]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] > 0, last
+    assert last["usage"]["total_tokens"] == (last["usage"]["prompt_tokens"]
+                                             + last["usage"]["completion_tokens"])
+    plain = _chunks(fake_server, path, body)
+    assert plain and all("usage" not in c for c in plain), plain
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])
+def test_a_body_that_is_not_utf8_is_an_openai_400_that_says_so(fake_server: ServerProcess,
+                                                               path: str) -> None:
+    """FastAPI answers such a body "There was an error parsing the body"; the client is told
+    the body is not UTF-8, in OpenAI's error shape, and the server serves on."""
+    body = b'{"model":"fake","max_tokens":2,"prompt":"caf\xe9","input":"caf\xe9"}'
+    r = httpx.post(fake_server.url + path, content=body, timeout=30,
+                   headers={**fake_server.headers, "content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["type"], err["code"]) == ("invalid_request_error", "invalid_request"), err
+    assert "not valid UTF-8" in err["message"], err
+    assert _post(fake_server, "/v1/completions",
+                 {"model": "fake", "prompt": "SAY:ok", "max_tokens": 5}).status_code == 200
+
+
 # ------------------------------------------------------------ tools: an object schema, or none
 
 _NOT_OBJECTS = [{"type": "string"}, {"type": "array", "items": {"type": "integer"}},

@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute, APIRouter
 from starlette.exceptions import HTTPException
 
-from ftrs.errors import FtrsError, InvalidRequest
+from ftrs.errors import FtrsError
 from ftrs.server.anthropic_protocol import (
     AnthropicError,
     AnthropicUsage,
@@ -44,7 +44,13 @@ from ftrs.server.anthropic_protocol import (
     MessagesResponse,
     to_chat,
 )
-from ftrs.server.errors import Unauthorized, as_ftrs_error, param_name, renamed
+from ftrs.server.errors import (
+    Unauthorized,
+    as_ftrs_error,
+    http_error,
+    renamed,
+    validation_error,
+)
 from ftrs.server.prepare import check_model
 from ftrs.server.serving import (
     ChatRun,
@@ -170,31 +176,6 @@ def error_response(err: FtrsError) -> JSONResponse:
     return JSONResponse(error_body(err), status_code=err.http_status)
 
 
-def _validation_error(exc: RequestValidationError) -> InvalidRequest:
-    errors = exc.errors()
-    if errors and errors[0].get("type") == "json_invalid":
-        return InvalidRequest(f"invalid JSON body: {errors[0].get('msg', '')}")
-    # Of a union's alternatives, the deepest error says most (`messages[0].content[0].text`).
-    first = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {}
-    missing = first.get("type") == "missing"
-    param = param_name(first.get("loc", ()), exc.body, missing=missing)
-    msg = "field required" if missing else str(first.get("msg", "invalid request"))
-    return InvalidRequest(f"{param}: {msg}" if param else msg,
-                          evidence={"param": param} if param else None)
-
-
-def _http_error(exc: HTTPException) -> FtrsError:
-    """FastAPI's own refusal of a request (a body it cannot read as text: not UTF-8) as a
-    typed error of the same status."""
-    if exc.status_code == 400:
-        cause = exc.__cause__
-        why = f"not valid UTF-8 ({cause})" if isinstance(cause, UnicodeDecodeError) else exc.detail
-        return InvalidRequest(f"invalid request body: {why}")
-    err = FtrsError(str(exc.detail))
-    err.http_status = exc.status_code
-    return err
-
-
 def _route_class(ctx: ServeContext) -> type[APIRoute]:
     """An APIRoute whose every error, validation included, leaves in Anthropic's shape."""
 
@@ -206,9 +187,9 @@ def _route_class(ctx: ServeContext) -> type[APIRoute]:
                 try:
                     return await handler(request)
                 except RequestValidationError as exc:
-                    err: FtrsError = _validation_error(exc)
+                    err: FtrsError = validation_error(exc)
                 except HTTPException as exc:  # a body FastAPI could not parse
-                    err = _http_error(exc)
+                    err = http_error(exc)
                 except FtrsError as exc:
                     err = exc
                 except Exception as exc:

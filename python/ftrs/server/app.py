@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ftrs.config import EngineConfig
 from ftrs.engine.protocol import StepStats
-from ftrs.errors import DeviceLost, DeviceUnhealthy, FtrsError, InvalidRequest
+from ftrs.errors import DeviceLost, DeviceUnhealthy, FtrsError
 from ftrs.server.anthropic import install_anthropic
 from ftrs.server.cli import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
 from ftrs.server.engine_client import (
@@ -51,9 +51,10 @@ from ftrs.server.errors import (
     ModelNotFound,
     Unauthorized,
     error_response,
-    param_name,
+    http_error,
     public_error,
     scrub_paths,
+    validation_error,
 )
 from ftrs.server.limits import BodyLimit
 from ftrs.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -290,27 +291,12 @@ def _install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
         return answer(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        if first.get("type") == "json_invalid":
-            return answer(request, InvalidRequest(f"invalid JSON body: {first.get('msg', '')}"))
-        # Of a union's alternatives, the deepest error says most (`messages[0].content[0].text`).
-        first = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else first
-        param = param_name(first.get("loc", ()), exc.body, missing=first.get("type") == "missing")
-        msg = first.get("msg", "invalid request")
-        if first.get("type") == "missing":
-            msg = "field required"
-        return answer(request, InvalidRequest(f"{param}: {msg}" if param else str(msg),
-                                              evidence={"param": param} if param else None))
+    async def refused_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return answer(request, validation_error(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = FtrsError(str(exc.detail))
-        err.http_status = exc.status_code
-        err.code = {400: "invalid_request", 404: "not_found",
-                    405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return error_response(err)
+    async def refused_request(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return answer(request, http_error(exc))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:

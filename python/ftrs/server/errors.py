@@ -16,7 +16,9 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from ftrs.errors import FtrsError, InvalidRequest
 from ftrs.server.engine_process import error_to_wire
@@ -123,6 +125,36 @@ def param_name(loc: Sequence[Any], body: Any, missing: bool = False) -> str | No
     return "".join(parts) or None
 
 
+def validation_error(exc: RequestValidationError) -> InvalidRequest:
+    """FastAPI's refusal of a body as one typed 400 naming the field, for every route."""
+    errors = exc.errors()
+    if errors and errors[0].get("type") == "json_invalid":
+        return InvalidRequest(f"invalid JSON body: {errors[0].get('msg', '')}")
+    # Of a union's alternatives, the deepest error says most (`messages[0].content[0].text`).
+    first = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {}
+    missing = first.get("type") == "missing"
+    param = param_name(first.get("loc", ()), exc.body, missing=missing)
+    msg = "field required" if missing else str(first.get("msg", "invalid request"))
+    return InvalidRequest(f"{param}: {msg}" if param else msg,
+                          evidence={"param": param} if param else None)
+
+
+_HTTP_CODES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed"}
+
+
+def http_error(exc: HTTPException) -> FtrsError:
+    """Starlette's own refusal of a request as a typed error of the same status. A body it
+    could not read (FastAPI's generic "error parsing the body") says why: not UTF-8."""
+    if exc.status_code == 400:
+        cause = exc.__cause__
+        why = f"not valid UTF-8 ({cause})" if isinstance(cause, UnicodeDecodeError) else exc.detail
+        return InvalidRequest(f"invalid request body: {why}")
+    err = FtrsError(str(exc.detail))
+    err.http_status = exc.status_code
+    err.code = _HTTP_CODES.get(exc.status_code, "http_error")
+    return err
+
+
 _ABS_PATH = re.compile(r"(?<![\w.:/~-])(?:/[^\s/:'\"(),]+)+/([^\s/:'\"(),]+)")
 
 
@@ -149,8 +181,10 @@ __all__ = [
     "error_body",
     "error_response",
     "error_to_wire",
+    "http_error",
     "param_name",
     "public_error",
     "renamed",
     "scrub_paths",
+    "validation_error",
 ]

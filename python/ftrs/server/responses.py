@@ -4,8 +4,8 @@
 /v1/completions and /v1/chat/completions answers for its `n` choices: per-choice text, logprobs,
 token ids; for chat also `reasoning_content` and `tool_calls` (streamed as `delta.tool_calls`
 pieces with a stable index and id). The bodies have OpenAI's keys (`protocol.py`: `content`,
-`logprobs` and `finish_reason` null rather than absent). An error after the stream started
-becomes an `error` event, then `[DONE]`.
+`logprobs` and `finish_reason` null rather than absent; with `include_usage`, every chunk's `usage`
+null before the last). An error after the stream started becomes an `error` event, then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -47,6 +47,15 @@ def _sse(obj: Any) -> str:
     return f"data: {data}\n\n"
 
 
+def _chunk(obj: Any, include_usage: bool) -> str:
+    """A streamed chunk; with `include_usage`, `usage: null` on every chunk before the last, as
+    OpenAI writes them (the model leaves an unset usage out)."""
+    data = obj.model_dump_json()
+    if include_usage:
+        data = data[:-1] + ',"usage":null}'
+    return f"data: {data}\n\n"
+
+
 def _json(obj: Any) -> Response:
     return Response(obj.model_dump_json(), media_type="application/json")
 
@@ -70,7 +79,8 @@ async def completion_response(ctx: ServeContext, req: CompletionRequest, run: Ch
                 choice = CompletionChoice(index=e.index, text=e.text, logprobs=lp,
                                           finish_reason=e.finish_reason,
                                           token_ids=e.token_ids if want_ids else None)
-                yield _sse(CompletionResponse(id=run.request_id, model=model, choices=[choice]))
+                yield _chunk(CompletionResponse(id=run.request_id, model=model, choices=[choice]),
+                             include_usage)
             if include_usage:
                 yield _sse(CompletionResponse(id=run.request_id, model=model, choices=[],
                                               usage=run.usage()))
@@ -117,7 +127,8 @@ async def chat_response(ctx: ServeContext, req: ChatCompletionRequest, run: Chat
         async def chunks() -> AsyncIterator[str]:
             for i in range(n):
                 first = ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
-                yield _sse(ChatCompletionChunk(id=run.request_id, model=model, choices=[first]))
+                yield _chunk(ChatCompletionChunk(id=run.request_id, model=model, choices=[first]),
+                             include_usage)
             async for e in events:
                 lp = chat_logprobs(tokenizer, e.logprobs) if req.logprobs else None
                 if not (e.text or e.reasoning or e.tool_calls or e.finish_reason
@@ -128,7 +139,8 @@ async def chat_response(ctx: ServeContext, req: ChatCompletionRequest, run: Chat
                 choice = ChatChunkChoice(index=e.index, delta=delta, logprobs=lp,
                                          finish_reason=e.finish_reason,
                                          token_ids=e.token_ids if want_ids else None)
-                yield _sse(ChatCompletionChunk(id=run.request_id, model=model, choices=[choice]))
+                yield _chunk(ChatCompletionChunk(id=run.request_id, model=model, choices=[choice]),
+                             include_usage)
             if include_usage:
                 yield _sse(ChatCompletionChunk(id=run.request_id, model=model, choices=[],
                                                usage=run.usage()))
