@@ -83,6 +83,10 @@ def test_tool_choice_maps_to_openai(choice: dict[str, Any], expected: Any) -> No
     assert chat.model_dump(exclude_none=True)["tool_choice"] == expected
 
 
+_USE_T = {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}
+_RESULT_T = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "1"}]}
+
+
 @pytest.mark.parametrize(("fields", "param"), [
     ({"temperature": 1.5}, "temperature"),
     ({"tools": [WEATHER], "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
@@ -92,6 +96,11 @@ def test_tool_choice_maps_to_openai(choice: dict[str, Any], expected: Any) -> No
      "messages[0].content[0].tool_use_id"),
     ({"messages": [{"role": "user", "content": [
         {"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "a"}, _USE_T, _RESULT_T, _USE_T]},
+     "messages[3].content[0].id"),  # tool_use ids are unique
+    ({"messages": [{"role": "user", "content": "a"}, _USE_T,
+                   {"role": "user", "content": [*_RESULT_T["content"], *_RESULT_T["content"]]}]},
+     "messages[2].content[1].tool_use_id"),  # a call is answered once
     ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": [
         {"type": "tool_use", "id": "t", "name": "f", "input": {"x": "a\udc80"}}]}]}, "messages[1].content"),
 ])

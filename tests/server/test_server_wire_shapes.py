@@ -243,6 +243,15 @@ def test_a_tool_message_must_answer_an_earlier_call(client: Any, result: dict[st
     assert ok.choices[0].finish_reason is not None
 
 
+@pytest.mark.parametrize("role", ["user", "assistant", "system"])
+def test_only_a_tool_message_carries_a_tool_call_id(client: Any, role: str) -> None:
+    """OpenAI refuses the key on any other message; it used to be dropped without a word."""
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="fake", max_tokens=4, messages=[
+            {"role": "user", "content": "hi"}, {"role": role, "content": "x", "tool_call_id": "c"}])
+    assert e.value.body["param"] == "messages[1].tool_call_id"  # type: ignore[index]
+
+
 # ---------------------------------------------------------------- Responses: stream = body
 
 

@@ -10,7 +10,7 @@ turn's `reasoning_content`,
 `output_config.format` → a `json_schema` response format, `output_config.effort` →
 `reasoning_effort`, `thinking` → the template's `enable_thinking` (its `budget_tokens`, required
 when `enabled`, → `thinking_token_budget`). A tool_result must answer a tool_use of an earlier
-assistant turn. Requests validate strictly, like the OpenAI models; unknown fields are ignored.
+assistant turn, and only once; tool_use ids are unique in the conversation. Requests validate strictly, like the OpenAI models; unknown fields are ignored.
 `Translation.rename` maps a field the chat path names in an error back to the Messages field it
 came from.
 """
@@ -225,6 +225,7 @@ def _messages(req: CountTokensRequest) -> tuple[list[dict[str, Any]], list[str]]
         out.append({"role": "system", "content": system})
         origins.append("system")
     known: set[str] = set()  # tool_use ids of the assistant turns so far
+    answered: set[str] = set()  # ... and those a tool_result answered
     for i, msg in enumerate(req.messages):
         where = f"messages[{i}]"
         if isinstance(msg.content, str):
@@ -241,9 +242,14 @@ def _messages(req: CountTokensRequest) -> tuple[list[dict[str, Any]], list[str]]
             thoughts = [b.thinking for b in msg.content if isinstance(b, ThinkingBlock) and b.thinking]
             if thoughts:
                 turn["reasoning_content"] = "\n".join(thoughts)
+            for j, b in enumerate(msg.content):
+                if isinstance(b, ToolUseBlock) and b.id in known:
+                    raise _bad(f"{where}.content[{j}].id",
+                               f"tool_use ids must be unique: {b.id!r} is used before")
+                if isinstance(b, ToolUseBlock):
+                    known.add(b.id)
             if uses:
                 turn["tool_calls"] = _tool_calls(uses)
-                known.update(b.id for b in uses)
             out.append(turn)
             origins.append(f"{where}.content")
             continue
@@ -255,6 +261,10 @@ def _messages(req: CountTokensRequest) -> tuple[list[dict[str, Any]], list[str]]
                 if b.tool_use_id not in known:
                     raise _bad(f"{where}.content[{j}].tool_use_id",
                                f"no earlier tool_use block has the id {b.tool_use_id!r}")
+                if b.tool_use_id in answered:
+                    raise _bad(f"{where}.content[{j}].tool_use_id",
+                               f"the tool_use {b.tool_use_id!r} has a tool_result before")
+                answered.add(b.tool_use_id)
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
                 origins.append(f"{where}.content[{j}]")
             elif isinstance(b, TextBlock):

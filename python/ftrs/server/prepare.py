@@ -281,6 +281,8 @@ def _template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             msg["reasoning_content"] = m.reasoning_content
             if not (m.tool_calls and msg["content"]):
                 msg["thinking"] = m.reasoning_content
+        if role != "tool" and m.tool_call_id is not None:
+            raise _bad(f"messages[{i}].tool_call_id", "only tool messages carry a tool_call_id")
         if role == "tool":  # a result answers a call of an earlier turn, as OpenAI requires
             if m.tool_call_id is None:
                 raise _bad(f"messages[{i}].tool_call_id", "required in a tool message")
