@@ -39,6 +39,9 @@ def test_a_call_is_announced_with_the_first_piece_of_its_arguments() -> None:
 @pytest.mark.parametrize(("parser", "call", "start"), [
     ("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_call>', "<tool_c"),
     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {}}]', "[TOOL_CA"),
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {}}', "<|python_t"),
+    ("gpt_oss", '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|>',
+     "<|chan"),
 ])
 def test_a_cut_inside_the_next_calls_start_tag_is_not_content(parser: str, call: str,
                                                               start: str) -> None:

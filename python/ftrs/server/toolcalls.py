@@ -350,7 +350,7 @@ class Llama3JsonToolParser(ToolParser):
 
     def _close(self) -> None:
         if self._state in ("start", "out"):
-            self._show(self._buf)
+            self._show_held()
         elif self._state != "after":
             raw = "".join(self._raw) + self._buf
             if raw.strip() != ";":

@@ -79,7 +79,7 @@ class HarmonyToolParser(StateToolParser):
 
     def _close(self) -> None:
         if self._state in ("out", "tail"):
-            self._show(self._buf)
+            self._show_held()
         else:  # a call that did not end well: its text is content
             self._malformed("".join(self._raw) + self._buf)
         self._buf, self._raw, self._state = "", [], "out"
