@@ -146,12 +146,18 @@ def error_from_dict(d: dict[str, Any]) -> FtrsError:
     cls = globals().get(str(d.get("type", "")))
     message = str(d.get("message", "engine error"))
     evidence = dict(d.get("evidence") or {})
-    if isinstance(cls, type) and issubclass(cls, FtrsError) and cls is not ModelLoadError:
+    if cls is ModelLoadError:
+        # Rebuilt as itself (its exit code 3, its class on /health), but answering 503: a model
+        # that failed to load leaves the service unavailable, not the request at fault.
+        path = str(evidence.get("path", "model"))
+        problem = message.removeprefix(f"{path}: ")
+        err: FtrsError = ModelLoadError(path, problem, evidence=evidence)
+        err.http_status = 503
+        return err
+    if isinstance(cls, type) and issubclass(cls, FtrsError):
         return cls(message, evidence=evidence)
     err = FtrsError(message, evidence=evidence)
-    # A model that failed to load leaves the service unavailable (503), whatever its class says.
-    load_failure = d.get("type") == "ModelLoadError"
-    err.http_status = 503 if load_failure else int(d.get("http_status", 500))
+    err.http_status = int(d.get("http_status", 500))
     err.code = str(d.get("code", "internal_error"))
     return err
 

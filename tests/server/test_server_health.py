@@ -106,8 +106,10 @@ def test_load_failure_is_reported_on_health() -> None:
         chat = {"model": "fail-load", "messages": [{"role": "user", "content": "hi"}]}
         r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=5)
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_error"
+        assert body["error"]["type"] == "ModelLoadError", body  # rebuilt as its own class
     finally:
         server.stop()
+    assert server.proc.returncode == 3  # the documented exit code of a model that did not load
 
 
 def test_health_is_503_with_a_reason_while_loading_then_200() -> None:
