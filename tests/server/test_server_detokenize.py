@@ -1,11 +1,15 @@
-"""Incremental detokenization of multi-byte text and stop-string matching."""
+"""Incremental detokenization of multi-byte text, stop-string matching, and the bytes and text
+offsets of logprobs."""
 
 from __future__ import annotations
 
 import pytest
 from fake_backend import ByteTokenizer
 
+from ftrs.engine.protocol import TokenLogprob
+from ftrs.models.tiny import tiny_tokenizer
 from ftrs.server.detokenize import IncrementalDetokenizer, StopChecker, push_until_stop
+from ftrs.server.responses import chat_logprobs, completion_logprobs
 
 TEXT = "héllo wörld 你好 🙂!"
 
@@ -83,3 +87,34 @@ def test_an_event_of_several_tokens_is_cut_after_the_token_that_completes_a_stop
     assert bytes(kept).decode() == "say ST then STOP"  # the tokens one at a time would give
     detok, stop = IncrementalDetokenizer(ByteTokenizer()), StopChecker([])
     assert push_until_stop(ids, True, detok, stop) == (ids, "say ST then STOP, and more")
+
+
+# ------------------------------------------------------------- logprobs: a token's own bytes
+
+
+def _lps(ids: list[int]) -> list[TokenLogprob]:
+    return [TokenLogprob(token_id=i, logprob=-0.5, top=[(i, -0.5)]) for i in ids]
+
+
+def test_logprob_bytes_are_the_tokens_own_and_rebuild_the_text() -> None:
+    """A byte-level token inside a character decodes to U+FFFD; its `bytes` were U+FFFD's
+    (239, 191, 189), so a client could not rebuild the character from them."""
+    tok = tiny_tokenizer(512)
+    ids = tok.encode("Hi é😀 ok")  # 'é' is two tokens, '😀' four
+    content = chat_logprobs(tok, _lps(ids)).content
+    assert [c.bytes for c in content[3:5]] == [[0xC3], [0xA9]]
+    assert [c.bytes for c in content[5:9]] == [[0xF0], [0x9F], [0x98], [0x80]]
+    assert bytes(b for c in content for b in c.bytes).decode() == "Hi é😀 ok"
+    assert [c.top_logprobs[0].bytes for c in content] == [c.bytes for c in content]
+    assert content[3].token == "\ufffd"  # the token string is still its decoded text
+
+
+def test_text_offsets_count_characters_of_the_text_only() -> None:
+    """`text_offset` counted the decoded length of each token: special tokens (not in the text)
+    and each piece of a multi-byte character moved it on."""
+    tok = tiny_tokenizer(512)
+    eos = tok.encode("<|im_end|>")
+    ids = tok.encode("Hi é") + eos + tok.encode("😀 ok")
+    lp = completion_logprobs(tok, _lps(ids), 10)
+    #          H   i  ' '  é.. é.. EOS 😀.. (4)          ' '  o   k
+    assert lp.text_offset == [10, 11, 12, 13, 13, 14, 14, 14, 14, 14, 15, 16, 17]

@@ -13,7 +13,9 @@ tail that could still become a stop string is held back, so a client never sees 
 
 from __future__ import annotations
 
-from typing import Protocol, cast
+import json
+import re
+from typing import Any, Protocol, cast
 
 
 class Decoder(Protocol):
@@ -28,6 +30,52 @@ class KeepingDecoder(Protocol):
 
 
 _REPLACEMENT = "\ufffd"
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: each of the 256 bytes is written as one printable
+    character (printable Latin-1 as itself, the others as U+0100 upwards, in byte order)."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    moved = [b for b in range(256) if b not in kept]
+    table = {chr(b): b for b in kept}
+    table.update({chr(0x100 + i): b for i, b in enumerate(moved)})
+    return table
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenBytes:
+    """A token's own bytes, for logprobs' `bytes`: a byte-level token that is part of a
+    character is that byte (its decoded text is U+FFFD); a SentencePiece byte-fallback token
+    `<0xE2>` is the byte; any other token is its decoded text in UTF-8."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        tk = getattr(tokenizer, "tk", None)
+        self._tk = tk
+        decoder = json.dumps(json.loads(tk.to_str()).get("decoder")) if tk is not None else ""
+        self._byte_level = _byte_level_chars() if '"ByteLevel"' in decoder else None
+        self._fallback = '"ByteFallback"' in decoder
+        self._metaspace = '"Metaspace"' in decoder or '"\\u2581"' in decoder  # "▁" is a space
+        added = tk.get_added_tokens_decoder() if tk is not None else {}
+        self._added = {i: t.content for i, t in added.items()}
+        #: special tokens, left out of the text a client reads
+        self.special = frozenset(i for i, t in added.items() if t.special)
+
+    def __call__(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        piece = self._tk.id_to_token(token_id) if self._tk is not None else None
+        if piece is not None:
+            if self._byte_level is not None and all(c in self._byte_level for c in piece):
+                return bytes(self._byte_level[c] for c in piece)
+            m = _BYTE_TOKEN.fullmatch(piece)
+            if self._fallback and m:
+                return bytes([int(m.group(1), 16)])
+            if self._metaspace:
+                return piece.replace("\u2581", " ").encode()
+        return str(self._tok.decode([token_id], skip_special_tokens=False)).encode()
 
 
 class IncrementalDetokenizer:

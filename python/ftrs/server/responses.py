@@ -10,6 +10,7 @@ null before the last). An error after the stream started becomes an `error` even
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from fastapi.responses import Response, StreamingResponse
 
 from ftrs.engine.protocol import TokenLogprob
+from ftrs.server.detokenize import TokenBytes
 from ftrs.server.errors import as_ftrs_error, error_body
 from ftrs.server.metrics import ServerMetrics
 from ftrs.server.protocol import (
@@ -192,20 +194,35 @@ def _token_str(tokenizer: Any, token_id: int) -> str:
     return str(tokenizer.decode([token_id], skip_special_tokens=False))
 
 
+_TOKEN_BYTES: dict[int, tuple[Any, TokenBytes]] = {}
+
+
+def _token_bytes(tokenizer: Any) -> TokenBytes:
+    """The tokenizer's `TokenBytes`, built once (it reads the vocabulary's decoder)."""
+    held = _TOKEN_BYTES.get(id(tokenizer))
+    if held is None or held[0] is not tokenizer:
+        held = _TOKEN_BYTES[id(tokenizer)] = (tokenizer, TokenBytes(tokenizer))
+    return held[1]
+
+
 def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob]) -> ChatLogprobs:
+    """`bytes` are the token's own: a piece of a multi-byte character is that byte, not U+FFFD's."""
+    raw = _token_bytes(tokenizer)
     content = []
     for lp in lps:
-        tok = _token_str(tokenizer, lp.token_id)
-        top = [
-            TopLogprob(token=(t := _token_str(tokenizer, tid)), logprob=v, bytes=list(t.encode()))
-            for tid, v in lp.top
-        ]
-        content.append(ChatTokenLogprob(token=tok, logprob=lp.logprob, bytes=list(tok.encode()),
+        top = [TopLogprob(token=_token_str(tokenizer, tid), logprob=v, bytes=list(raw(tid)))
+               for tid, v in lp.top]
+        content.append(ChatTokenLogprob(token=_token_str(tokenizer, lp.token_id),
+                                        logprob=lp.logprob, bytes=list(raw(lp.token_id)),
                                         top_logprobs=top))
     return ChatLogprobs(content=content)
 
 
 def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], offset: int) -> CompletionLogprobs:
+    """`text_offset`: where each token starts in the choice's text, in characters; a special
+    token is not in the text, and the pieces of one character start where it does."""
+    raw = _token_bytes(tokenizer)
+    chars = codecs.getincrementaldecoder("utf-8")("replace")
     out = CompletionLogprobs()
     for lp in lps:
         tok = _token_str(tokenizer, lp.token_id)
@@ -213,7 +230,8 @@ def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], offset: int) ->
         out.token_logprobs.append(lp.logprob)
         out.top_logprobs.append({_token_str(tokenizer, t): v for t, v in lp.top})
         out.text_offset.append(offset)
-        offset += len(tok)
+        if lp.token_id not in raw.special:
+            offset += len(chars.decode(raw(lp.token_id)))
     return out
 
 
