@@ -6,6 +6,7 @@ sampling — so what the server returns for a greedy request equals what `genera
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import numbers
 from collections.abc import Iterable
@@ -50,6 +51,18 @@ class LLM:
         self.config = resolve_auto_config(EngineConfig.from_kwargs(model=model, **options))
         self.engine = EngineCore(self.config, progress=progress)
         self._ids = itertools.count()
+        self._closed = False
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InvalidRequest("this LLM is closed: make a new LLM(...) to generate",
+                                 evidence={"closed": True})
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -81,25 +94,55 @@ class LLM:
 
     def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
                  params: SamplingParams | None = None) -> list[Completion]:
+        """Complete every prompt. Every prompt is checked and encoded before any is added; if
+        anything fails or interrupts the call (KeyboardInterrupt included), the requests it
+        added are aborted, so the engine is left as it was and the next call runs clean."""
+        self._check_open()
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params: must be a SamplingParams, got {type(params).__name__}",
                                  evidence={"param": "params"})
-        if isinstance(prompts, str):
-            prompts = [prompts]
+        encoded = [self._encode(p) for p in self._prompt_list(prompts)]
         if params.structured is not None:  # a grammar that does not compile: refused here
             from ftrs.engine.grammar import check
 
             check(params.structured, self.engine.tokenizer)
         out: dict[str, Completion] = {}
-        order: list[str] = []
-        for prompt in prompts:
-            rid = f"llm-{next(self._ids)}"
-            ids = self._encode(prompt)
-            self.engine.add_request(GenerateRequest(rid, ids, params))
-            out[rid] = Completion(ids, logprobs=[] if params.logprobs is not None else None)
-            order.append(rid)
-        pending = set(order)
+        try:
+            for ids in encoded:
+                rid = f"llm-{next(self._ids)}"
+                out[rid] = Completion(ids, logprobs=[] if params.logprobs is not None else None)
+                self.engine.add_request(GenerateRequest(rid, ids, params))
+            self._run(out, params)
+        except BaseException:
+            for rid in out:  # finished or never added: a no-op
+                with contextlib.suppress(Exception):  # the first error is the one to raise
+                    self.engine.abort(rid)
+            raise
+        tok = self.engine.tokenizer
+        for c in out.values():
+            if tok is not None:
+                c.text = tok.decode(c.token_ids)
+                for s in params.stop:
+                    if s in c.text:
+                        c.text = c.text[: c.text.index(s)]
+                        c.finish_reason = "stop"
+        return list(out.values())
+
+    @staticmethod
+    def _prompt_list(prompts: object) -> list[Any]:
+        """`generate`'s prompts as a list: one str is one prompt; otherwise a list of prompts."""
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+            raise InvalidRequest("prompts: must be a str, a list of str, or a list of token-id "
+                                 f"lists (one prompt of ids: [[1, 2, 3]]), got "
+                                 f"{type(prompts).__name__}", evidence={"param": "prompt"})
+        return list(prompts)
+
+    def _run(self, out: dict[str, Completion], params: SamplingParams) -> None:
+        """Step the engine until every request of `out` is finished."""
+        pending = set(out)
         while pending:
             events, _ = self.engine.step()
             for ev in events:
@@ -123,19 +166,8 @@ class LLM:
                 elif ev.finish_reason is not None:
                     c.finish_reason = ev.finish_reason
                     pending.discard(ev.request_id)
-                    if ev.error is not None:  # one failed: the call fails, the others stop
-                        for rid in pending:
-                            self.engine.abort(rid)
-                        raise error_from_dict(ev.error)
-        tok = self.engine.tokenizer
-        for c in out.values():
-            if tok is not None:
-                c.text = tok.decode(c.token_ids)
-                for s in params.stop:
-                    if s in c.text:
-                        c.text = c.text[: c.text.index(s)]
-                        c.finish_reason = "stop"
-        return [out[r] for r in order]
+                    if ev.error is not None:  # one failed: the call fails, and `generate`
+                        raise error_from_dict(ev.error)  # aborts the others
 
     def _hit_stop(self, token_ids: list[int], params: SamplingParams) -> bool:
         tok = self.engine.tokenizer
@@ -147,7 +179,12 @@ class LLM:
     def logits(self, token_ids: Seq[int]) -> torch.Tensor:
         """Logits of every position of one prompt: (len, vocab) fp32, on the CPU. The prompt
         runs through the scheduler like any request (`EngineCore.logits`)."""
+        self._check_open()
         return self.engine.logits(int(t) for t in token_ids)
 
     def close(self) -> None:
+        """Free the engine; idempotent. `generate`/`logits` then raise `InvalidRequest`."""
+        if self._closed:
+            return
+        self._closed = True
         self.engine.close()
