@@ -67,6 +67,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ftrs", description="Serve MoE models bigger than the GPU.")
+    from ftrs import __version__
+
+    p.add_argument("--version", action="version", version=f"ftrs {__version__}")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -77,11 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_cmd_serve)
 
     gen = sub.add_parser("generate", help="complete one prompt and print the answer")
-    gen.add_argument("prompt")
-    gen.add_argument("--model", default="demo", help="model directory, GGUF file, or 'demo'")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed-sampling", type=int, default=None, help="sampling seed")
+    gen.add_argument("prompt", help="the prompt, in the chat template unless --raw")
+    gen.add_argument("--model", default="demo",
+                     help="model directory, GGUF file, or 'demo' (default: demo)")
+    gen.add_argument("--max-tokens", type=int, default=64,
+                     help="tokens to generate at most (default: 64)")
+    gen.add_argument("--temperature", type=float, default=0.0,
+                     help="sampling temperature; 0: greedy (default: 0.0)")
+    gen.add_argument("--seed-sampling", type=int, default=None,
+                     help="sampling seed; unset: drawn from --seed")
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     add_engine_arguments(gen)
     gen.set_defaults(func=_cmd_generate)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ftrs.errors import ConfigError
 
@@ -21,6 +21,14 @@ def env_flag(name: str) -> str | None:
     return os.environ.get(name)
 
 
+T = TypeVar("T")
+
+
+def _opt(default: T, help: str) -> T:
+    """A field's default and its one-line help (`add_engine_arguments`): one place for both."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to load a model and run it.
@@ -29,43 +37,46 @@ class EngineConfig:
     `ftrs.LLM`.
     """
 
-    model: str = "demo"
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    kernels: str = "auto"  # auto | torch | triton | cpu: Triton on CUDA, Rust ops on the CPU (auto), or force one side
-    cuda_graphs: bool = True  # decode steps replayed as CUDA graphs where possible (engine/graphs.py)
-    moe_strategy: str = "resident"  # resident | offload | hybrid
-    moe_cache_size: int | None = None  # device expert slots (offload)
-    moe_cache_rate: float | None = None  # fraction of all experts (offload)
-    moe_cache_policy: str = "lrfu"  # lrfu | lru | lfru (ftrs-core cache.rs; bench/policies.py)
-    moe_prefetch: bool = True
-    copy_backend: str = "auto"  # auto | host | simulated:GBPS[:LAT_US] | cuda[:N]
-    pcie_pacing: float | None = None  # GB/s; None = off
-    cpu_expert_threads: int | None = None  # Rust CPU kernels (experts, quantized projections), every strategy; None = physical cores - 1
-    cpu_kernels: str = "auto"  # auto | portable | avx2 | avx512: the Rust CPU kernels' family (ftrs doctor measures which is faster here)
-    torch_threads: int | None = None  # torch's CPU threads (process-wide); None = torch's default
-    max_prefill_length: int = 8192  # token budget of one step
-    decode_stall_target: float = 1.0  # s: a step with decodes takes the prompt tokens that fit, measured (engine/chunking.py); 0 = the budget
-    max_running_requests: int = 64
-    page_size: int = 16
-    kv_tokens: int | None = None  # KV pool capacity in tokens; None = from memory budget
-    kv_cache_dtype: str = "auto"  # auto (the compute dtype) | int8: rows in int8, one fp32 scale per token and kv head (kvcache/quant.py)
-    max_model_len: int | None = None
-    seed: int = 0
-    speculative_ngram: int = 0  # draft tokens per decode looked up in the request's own n-grams (engine/spec.py), 0..16; 0 = off
-    hang_timeout: float = 120.0  # s: work pending and no step finished -> EngineHang
-    on_device_lost: str = "exit"  # exit | restart | cpu: what the server does on a device error
-    step_fault_limit: int = 3  # failed steps in a row (not the device's) that restart the engine
-    engine_restarts: int = 3  # engine restarts within engine_restart_window; one more: exit 89
-    engine_restart_window: float = 600.0  # s
-    fault_inject: str | None = None  # drills: KIND@step=N or KIND@after=Ts (ftrs.engine.faults)
-    guard_relax_after: float = 600.0  # s of a quiet link before the adaptive guard steps back; 0 = never
-    guard_loss_max_age_days: float = 30.0  # older DeviceLost crash reports no longer cap the prefill
+    # Each field's help (`_opt`) is its one-line `--help` text; a field whose default is None
+    # says what unset means in it.
+    model: str = _opt("demo", "model directory, GGUF file, or 'demo'")
+    device: str = _opt("auto", "auto | cpu | cuda | cuda:N; auto: the GPU if there is one, else the CPU")
+    dtype: str = _opt("auto", "auto | float32 | bfloat16 | float16; auto: bfloat16 on a GPU, float32 on the CPU")
+    kernels: str = _opt("auto", "auto | torch | triton | cpu; auto: Triton on CUDA, the Rust ops on the CPU")
+    cuda_graphs: bool = _opt(True, "replay decode steps as CUDA graphs where possible")
+    moe_strategy: str = _opt("resident", "resident | offload | hybrid | auto; auto: the `ftrs bench strategy` profile's pick")
+    moe_cache_size: int | None = _opt(None, "device expert slots (offload, hybrid); unset: --moe-cache-rate, else sized from free memory")
+    moe_cache_rate: float | None = _opt(None, "fraction of all experts the device caches, (0, 1] (offload, hybrid); unset: sized from free memory")
+    moe_cache_policy: str = _opt("lrfu", "lrfu | lru | lfru: the expert cache's eviction (ftrs-core cache.rs)")
+    moe_prefetch: bool = _opt(True, "prefetch the experts a layer is predicted to route to (offload, hybrid)")
+    copy_backend: str = _opt("auto", "auto | host | simulated:GBPS[:LAT_US] | cuda[:N]; auto: cuda on a GPU, else host")
+    pcie_pacing: float | None = _opt(None, "GB/s the expert copies are paced to; unset or 0: off")
+    cpu_expert_threads: int | None = _opt(None, "threads of the Rust CPU kernels (experts, quantized projections); unset: physical cores - 1")
+    cpu_kernels: str = _opt("auto", "auto | portable | avx2 | avx512: the Rust CPU kernels' family (`ftrs doctor` measures)")
+    torch_threads: int | None = _opt(None, "torch's CPU threads (process-wide); unset: torch's default")
+    max_prefill_length: int = _opt(8192, "token budget of one step")
+    decode_stall_target: float = _opt(1.0, "seconds a step with decodes may take: the prompt tokens that fit, measured; 0: the budget")
+    max_running_requests: int = _opt(64, "requests running at once")
+    page_size: int = _opt(16, "tokens per KV page, a power of two")
+    kv_tokens: int | None = _opt(None, "KV pool capacity in tokens, at least --page-size; unset: sized from free memory")
+    kv_cache_dtype: str = _opt("auto", "auto | int8; auto: the compute dtype, int8: int8 rows with a scale per token and kv head")
+    max_model_len: int | None = _opt(None, "context of one request, at most the model's own; unset: the model's own")
+    seed: int = _opt(0, "seed of the sampled requests that bring none")
+    speculative_ngram: int = _opt(0, "draft tokens per decode from the request's own n-grams (engine/spec.py), 0..16; 0: off")
+    hang_timeout: float = _opt(120.0, "seconds of pending work with no step finished before EngineHang")
+    on_device_lost: str = _opt("exit", "exit | restart | cpu: what the server does on a device error")
+    step_fault_limit: int = _opt(3, "failed steps in a row (not the device's) that restart the engine")
+    engine_restarts: int = _opt(3, "engine restarts within --engine-restart-window; one more: exit 89")
+    engine_restart_window: float = _opt(600.0, "seconds within which --engine-restarts are counted")
+    fault_inject: str | None = _opt(None, "drill: KIND@step=N or KIND@after=Ts (ftrs.engine.faults); unset: none")
+    guard_relax_after: float = _opt(600.0, "seconds of a quiet link before the adaptive guard steps back; 0: never")
+    guard_loss_max_age_days: float = _opt(30.0, "days after which a DeviceLost crash report no longer caps the prefill")
 
     def __post_init__(self) -> None:
         self._check_types()
-        if self.hang_timeout <= 0:
-            raise ConfigError(f"hang_timeout: must be > 0, got {self.hang_timeout}")
+        if not 0 < self.hang_timeout < math.inf:  # nan too
+            raise ConfigError(f"hang_timeout: must be a finite number of seconds > 0, got "
+                              f"{self.hang_timeout}")
         if self.on_device_lost not in ("exit", "restart", "cpu"):
             raise ConfigError(f"on_device_lost: expected exit, restart or cpu, got {self.on_device_lost!r}")
         if self.step_fault_limit < 1:
@@ -73,10 +84,12 @@ class EngineConfig:
         if self.engine_restarts < 0:
             raise ConfigError(f"engine_restarts: must be >= 0 (0: exit on the first engine "
                               f"death), got {self.engine_restarts}")
-        if self.engine_restart_window <= 0:
-            raise ConfigError(f"engine_restart_window: must be > 0, got {self.engine_restart_window}")
-        if self.guard_relax_after < 0:
-            raise ConfigError(f"guard_relax_after: must be >= 0 (0: never relax), got {self.guard_relax_after}")
+        if not 0 < self.engine_restart_window < math.inf:
+            raise ConfigError(f"engine_restart_window: must be a finite number of seconds > 0, "
+                              f"got {self.engine_restart_window}")
+        if not 0 <= self.guard_relax_after < math.inf:
+            raise ConfigError(f"guard_relax_after: must be a finite number of seconds >= 0 (0: "
+                              f"never relax), got {self.guard_relax_after}")
         if not self.guard_loss_max_age_days > 0:  # nan too
             raise ConfigError(f"guard_loss_max_age_days: must be > 0, got {self.guard_loss_max_age_days}")
         if self.fault_inject is not None:
@@ -114,9 +127,10 @@ class EngineConfig:
                               f"{self.speculative_ngram}")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"page_size: must be a power of two, got {self.page_size}")
-        if self.kv_tokens is not None and self.kv_tokens < 1:
-            raise ConfigError(f"kv_tokens: must be >= 1 (unset: sized from free memory), got "
-                              f"{self.kv_tokens}")
+        if self.kv_tokens is not None and self.kv_tokens < self.page_size:
+            raise ConfigError(f"kv_tokens: --kv-tokens {self.kv_tokens} is less than one KV page "
+                              f"(--page-size {self.page_size} tokens): the pool needs at least "
+                              f"{self.page_size} tokens (unset: sized from free memory)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len: must be >= 1 (unset: the model's own), got "
                               f"{self.max_model_len}")
@@ -193,10 +207,21 @@ def add_engine_arguments(parser: Any, skip: tuple[str, ...] = ("model",)) -> Non
         typ, _ = _flag_type(f.type)
         if typ is bool:
             group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                               default=None, help=f"(default: {f.default})")
+                               default=None, help=option_help(f.name))
         else:
             group.add_argument(flag, dest=f.name, type=typ, default=None,
-                               metavar=f.name.upper(), help=f"(default: {f.default})")
+                               metavar=f.name.upper(), help=option_help(f.name))
+
+
+def option_help(name: str) -> str:
+    """The one-line `--help` of EngineConfig field `name`: its help (`_opt`) and its default,
+    `on`/`off` for a switch; a field unset by default says what unset means in its help."""
+    f = {f.name: f for f in fields(EngineConfig)}[name]
+    text = str(f.metadata.get("help", ""))
+    if f.default is None:
+        return text.replace("%", "%%")
+    default = ("on" if f.default else "off") if isinstance(f.default, bool) else f.default
+    return f"{text} (default: {default})".replace("%", "%%")
 
 
 def engine_config_from_args(args: Any) -> EngineConfig:
@@ -207,4 +232,7 @@ def engine_config_from_args(args: Any) -> EngineConfig:
         if value is not None:
             kwargs[f.name] = value
     return EngineConfig.from_kwargs(**kwargs)
-__all__ = ["EngineConfig", "add_engine_arguments", "engine_config_from_args", "env_flag", "ftrs_home"]
+
+
+__all__ = ["EngineConfig", "add_engine_arguments", "engine_config_from_args", "env_flag", "ftrs_home",
+           "option_help"]

@@ -89,3 +89,22 @@ def test_other_strategies_and_dense_models_are_left_alone(tiny_models: dict[str,
     assert resolve_auto_config(offload, home=home) is offload
     dense = EngineConfig(model=str(tiny_models["qwen3"]), device="cpu", moe_strategy="auto")
     assert resolve_auto_config(dense, home=home) is dense  # the engine runs it as resident
+
+
+@pytest.mark.parametrize(("given", "said"), [({"moe_cache_rate": 0.9}, "--moe-cache-rate 0.9"),
+                                             ({"moe_cache_size": 5}, "--moe-cache-size 5")])
+def test_a_given_cache_size_wins_over_the_profile(tiny_models: dict[str, Path], home: Path,
+                                                  caplog: pytest.LogCaptureFixture,
+                                                  given: dict[str, float], said: str) -> None:
+    """auto takes only the strategy from the profile when the cache was sized by the user."""
+    model = tiny_models["qwen3_moe"]
+    path = write_hybrid_profile(model, home)
+    config = EngineConfig(model=str(model), device="cpu", moe_strategy="auto",
+                          copy_backend=BACKEND, **given)  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="ftrs"):
+        resolved = resolve_auto_config(config, home=home)
+    assert resolved.moe_strategy == "hybrid"
+    assert (resolved.moe_cache_rate, resolved.moe_cache_size) == (
+        config.moe_cache_rate, config.moe_cache_size)
+    assert (f"auto: hybrid@0.5 from profile {path}" in caplog.text
+            and f"runs hybrid with the given {said}, not the cache rate 0.5" in caplog.text)

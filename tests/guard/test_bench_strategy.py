@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,16 @@ def test_slow_link_gguf_picks_hybrid_and_auto_serves_it(tmp_path: Path) -> None:
     assert decision is not None and decision.numbers["strategy"] == "hybrid"
     assert decision.cap_tokens is None and decision.warnings == ()
     assert "hybrid on the CPU device" in decision.reasons[0]
+
+
+def test_the_written_profile_names_its_own_path(tmp_path: Path) -> None:
+    def run(c: Candidate) -> BenchRow:
+        return BenchRow(c.label, c.strategy, c.cache_rate, 1.0, 1.0, 2.0 + (c.cache_rate or 0))
+
+    b = run_strategy_bench("m", cache_rates=(0.5,), copy_backend="simulated:1", home=tmp_path,
+                           runner=run)
+    assert b.profile_path is not None
+    assert json.loads(b.profile_path.read_text())["profile_path"] == str(b.profile_path)
+    unwritten = run_strategy_bench("m", cache_rates=(0.5,), copy_backend="simulated:1",
+                                   home=tmp_path, runner=run, write=False)
+    assert "profile_path" not in unwritten.to_dict()  # no empty path

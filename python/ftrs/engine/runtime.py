@@ -99,9 +99,16 @@ class Runtime:
                                kernels=self.kernels)
         self.max_model_len = min(config.max_model_len or self.spec.max_position_embeddings,
                                  self.spec.max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > self.max_model_len:
+            log.warning("--max-model-len %d is more than the model's context: using %d tokens",
+                        config.max_model_len, self.max_model_len)
         self.state_slots = config.max_running_requests  # one per running sequence
         kv_tokens = config.kv_tokens or self._kv_budget_tokens(config.kv_cache_dtype)
         self.num_pages = max(1, kv_tokens // config.page_size)
+        if self.num_pages * config.page_size < self.max_model_len:  # what Engine allows a request
+            log.info("context: %d tokens per request, limited by the KV pool (%s), not %d",
+                     self.num_pages * config.page_size, f"--kv-tokens {config.kv_tokens}"
+                     if config.kv_tokens else "sized from free memory", self.max_model_len)
         self.config = config
         self.kernels_name = self.kernels.name  # graphs need the Triton side (and CUDA)
         self.graphs_off = why_off(config, self.device, self.kernels_name, self.spec, self.moe)

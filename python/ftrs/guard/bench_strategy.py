@@ -49,9 +49,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ftrs.config import option_help
 from ftrs.errors import ConfigError, FtrsError, InvalidRequest, ModelLoadError
 from ftrs.guard.link import cuda_index
-from ftrs.guard.profile import profile_key, write_profile
+from ftrs.guard.profile import profile_key, profile_path, write_profile
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +112,9 @@ class StrategyBench:
             return {k: None if isinstance(v, float) and math.isinf(v) else v
                     for k, v in asdict(r).items()}
 
+        path = {} if self.profile_path is None else {"profile_path": str(self.profile_path)}
         return {"key": self.key, "workload": self.workload, "rows": [row(r) for r in self.rows],
-                "pick": asdict(self.pick), "failed": self.failed,
-                "profile_path": str(self.profile_path or ""), "notes": self.notes}
+                "pick": asdict(self.pick), "failed": self.failed, "notes": self.notes} | path
 
     def format_table(self) -> str:
         lines = [f"{'candidate':<16}{'prefill s':>11}{'decode s':>10}{'total s':>10}{'H2D MB':>10}"]
@@ -374,7 +375,8 @@ def run_strategy_bench(
     if key["device"].startswith("cpu:") and any(r.strategy == "hybrid" for r in ok):
         bench.notes.append(CPU_DEVICE_NOTE)
     if write:
-        bench.profile_path = write_profile(bench.to_dict(), key, home)
+        bench.profile_path = profile_path(key, home)  # the file says where it is
+        write_profile(bench.to_dict(), key, home)
         logger.info("bench strategy: picked %s (%.3f s); profile %s", pick.label, pick.total_s,
                     bench.profile_path)
     return bench
@@ -389,16 +391,21 @@ def _failures(rows: Sequence[BenchRow]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="demo", help="model directory or 'demo'")
-    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--model", default="demo",
+                        help="model directory, GGUF file, or 'demo' (default: demo)")
+    parser.add_argument("--prompt-tokens", type=int, default=256,
+                        help="prompt tokens of the measured request, one prefill (default: 256)")
     parser.add_argument("--decode-tokens", type=int, default=16,
                         help=f"tokens generated per candidate, >= {MIN_DECODE_TOKENS}: the first "
-                             "comes from the prefill, the decode time is the rest (default 16)")
-    parser.add_argument("--cache-rates", type=float, nargs="+", default=list(DEFAULT_CACHE_RATES))
+                             "comes from the prefill, the decode time is the rest (default: 16)")
+    parser.add_argument("--cache-rates", type=float, nargs="+", default=list(DEFAULT_CACHE_RATES),
+                        metavar="RATE", help="fractions of all experts cached, each in (0, 1], "
+                        "measured for each of --strategies (default: "
+                        f"{' '.join(f'{r:g}' for r in DEFAULT_CACHE_RATES)})")
     parser.add_argument("--copy-backend", default="auto",
-                        help="auto | host | cuda | simulated:GBPS[:LAT_US]")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
+                        help=option_help("copy_backend"))
+    parser.add_argument("--device", default="auto", help=option_help("device"))
+    parser.add_argument("--dtype", default="auto", help=option_help("dtype"))
     parser.add_argument("--strategies", nargs="+", default=list(CACHED_STRATEGIES),
                         choices=list(CACHED_STRATEGIES), help="measured at each cache rate")
     parser.add_argument("--no-resident", action="store_true", help="skip the resident candidate")

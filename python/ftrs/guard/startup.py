@@ -143,7 +143,8 @@ def resolve_auto_config(config: EngineConfig, *, home: Path | None = None,
                         fetch: FetchModel | None = None, link: LinkState | None = None,
                         sysfs_root: str | Path = "/sys") -> EngineConfig:
     """`config` with `--moe-strategy auto` replaced by what it runs (the profile's pick and
-    cache rate, else the assumption `resolve_auto_strategy` states), the choice logged. Any
+    cache rate, else the assumption `resolve_auto_strategy` states; a cache size or rate the
+    user gave is kept, and the log line says so), the choice logged. Any
     other strategy, a model with no routed experts, or one that does not load: unchanged (the
     engine runs auto as resident there). `fetch` and `link`: the caller's, when it has them
     (the link needs no bandwidth measurement here: only whether it is a GPU's)."""
@@ -154,10 +155,26 @@ def resolve_auto_config(config: EngineConfig, *, home: Path | None = None,
         return config
     link = link or current_link(config, sysfs_root=sysfs_root, measure=False)
     choice = resolve_auto(config, fetch, link, home or ftrs_home())
-    logger.info("%s", choice.message)
-    return dataclasses.replace(config, moe_strategy=choice.strategy,
-                               moe_cache_rate=choice.cache_rate
-                               if choice.cache_rate is not None else config.moe_cache_rate)
+    given = given_cache_option(config)
+    if given is None or choice.cache_rate is None:
+        logger.info("%s", choice.message)
+        return dataclasses.replace(config, moe_strategy=choice.strategy,
+                                   moe_cache_rate=choice.cache_rate
+                                   if choice.cache_rate is not None else config.moe_cache_rate)
+    logger.info("%s; runs %s with the given %s, not the cache rate %g", choice.message,
+                choice.strategy, given, choice.cache_rate)
+    return dataclasses.replace(config, moe_strategy=choice.strategy)
+
+
+def given_cache_option(config: EngineConfig) -> str | None:
+    """The expert cache size the user gave (`--moe-cache-size N` or `--moe-cache-rate R`), as
+    they wrote it; None when the cache is left to be sized. A given size or rate is kept under
+    `auto`: the profile then picks only the strategy."""
+    if config.moe_cache_size is not None:
+        return f"--moe-cache-size {config.moe_cache_size}"
+    if config.moe_cache_rate is not None:
+        return f"--moe-cache-rate {config.moe_cache_rate:g}"
+    return None
 
 
 def cache_hit_bound(config: EngineConfig, fetch: FetchModel) -> float:

@@ -151,8 +151,8 @@ class HybridStrategy(OffloadStrategy):
         self.step_counts = [0, 0, 0]  # this step: device (hits), fetched, CPU
         self._calls = 0  # MoE layer calls served in place (`_in_place`)
         self._mixed_shares = 0  # CPU shares whose experts fell in several buckets (`one_call`)
-        log.info("hybrid: CPU experts on %d kernel threads; link seed %.2f GB/s",
-                 self.threads, rate / 1e9)
+        log.info("hybrid: CPU experts on %d kernel thread%s; link seed %.2f GB/s",
+                 self.threads, "" if self.threads == 1 else "s", rate / 1e9)
 
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:

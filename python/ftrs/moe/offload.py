@@ -136,6 +136,9 @@ def cache_slots(config: EngineConfig, experts: HostExperts, device: torch.device
     top_k = experts.spec.top_k
     if slots < top_k:
         raise ConfigError(f"moe cache of {slots} slots is below top_k={top_k}: nothing could run")
+    if config.moe_cache_size is not None and slots > total:
+        log.warning("--moe-cache-size %d is more than the model's %d experts (all layers): "
+                    "using %d slots", slots, total, total)
     return min(slots, total)
 
 
