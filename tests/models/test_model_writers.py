@@ -10,7 +10,7 @@ import pytest
 from safetensors import safe_open
 
 from ftrs.cli import main
-from ftrs.errors import ConfigError
+from ftrs.errors import ConfigError, ModelLoadError
 from ftrs.models.tiny import make_tiny
 from ftrs.models.upcycle import upcycle
 
@@ -107,3 +107,46 @@ def test_upcycle_writes_into_a_new_or_empty_directory(dense: Path, tmp_path: Pat
         with safe_open(str(dst / shards.pop()), "pt") as sf:
             assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in sf.keys()
         assert json.loads((dst / "config.json").read_text())["num_local_experts"] == 4
+
+
+def test_make_tiny_refuses_a_directory_holding_a_model(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    # a sharded checkpoint there would be left beside the new model.safetensors: unloadable
+    sharded = tmp_path / "sharded"
+    upcycle(make_tiny("llama", tmp_path / "dense", seed=0), sharded, 4, 2)
+    dense = tmp_path / "dense"
+    for out in (dense, sharded):
+        before = _listing(out)
+        assert main(["models", "make-tiny", "--arch", "llama", "--out", str(out)]) == 2
+        _one_error_line(capsys, "--out", str(out), "is not empty (holds ",
+                        "give a new or empty directory")
+        assert _listing(out) == before
+    with pytest.raises(ConfigError, match=r"make-tiny: --out .* is not empty"):
+        make_tiny("qwen3", dense, seed=1)
+    assert json.loads((dense / "config.json").read_text())["model_type"] == "llama"
+    (tmp_path / "empty").mkdir()  # an empty directory is still fine
+    assert (make_tiny("llama", tmp_path / "empty") / "model.safetensors").is_file()
+
+
+def test_a_failing_upcycle_leaves_no_directory_behind(tiny_models: dict[str, Path], tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    dst = tmp_path / "new" / "moe"
+    assert main(["models", "upcycle", "--experts", "4", "--top-k", "2",
+                 str(tiny_models["mixtral"]), str(dst)]) == 3
+    _one_error_line(capsys, str(tiny_models["mixtral"]), "dense llama model, got 'mixtral'")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "empty").mkdir()  # a directory that was there stays, empty
+    with pytest.raises(ModelLoadError, match="dense llama"):
+        upcycle(tiny_models["qwen3"], tmp_path / "empty", 4, 2)
+    assert _listing(tmp_path / "empty") == {}
+
+
+def test_upcycle_names_a_config_that_does_not_parse(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "dense"
+    src.mkdir()
+    (src / "config.json").write_text("{bad")  # was a JSONDecodeError traceback
+    assert main(["models", "upcycle", "--experts", "4", "--top-k", "2", str(src),
+                 str(tmp_path / "out")]) == 3
+    _one_error_line(capsys, str(src / "config.json"), "cannot parse")
+    assert not (tmp_path / "out").exists()

@@ -17,7 +17,6 @@ dropped after it), a router with a bias that takes the softmax of the top-k logi
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -256,7 +255,7 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
         )
 
     def need(key: str) -> Any:
-        if key not in cfg:
+        if cfg.get(key) is None:
             raise ModelLoadError(source, f"missing field {key!r} for {arch}")
         return cfg[key]
 
@@ -285,8 +284,10 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
     moe_layers: tuple[int, ...] = ()
     norm_topk = True
     if arch in ("mixtral", "qwen3_moe", "gpt_oss", "minimax_m2", *_HYBRID):
-        num_experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
-        top_k = int(cfg.get("num_experts_per_tok") or 0)
+        spelled = [k for k in ("num_local_experts", "num_experts") if cfg.get(k) is not None]
+        num_experts = int(cfg[spelled[0]] if spelled else need(
+            "num_local_experts" if arch in ("mixtral", "gpt_oss", "minimax_m2") else "num_experts"))
+        top_k = int(need("num_experts_per_tok"))
         if num_experts < 1 or not 1 <= top_k <= num_experts:
             raise ModelLoadError(source, f"bad MoE shape: {num_experts} experts, top-{top_k}")
         if arch in ("mixtral", "gpt_oss", "minimax_m2"):
@@ -414,21 +415,7 @@ def _hybrid_fields(cfg: dict[str, Any], arch: str, layers: int, head_dim: int,
 
 
 def load_arch(model_dir: Path) -> ArchSpec:
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise ModelLoadError(str(path), "config.json not found")
-    try:
-        cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ModelLoadError(str(path), f"cannot parse: {e}") from e
-    hq = model_dir / "hf_quant_config.json"
-    if "quantization_config" not in cfg and hq.is_file():
-        # ModelOpt's exports name their quantization there, not in config.json
-        try:
-            q = json.loads(hq.read_text()).get("quantization")
-        except (OSError, json.JSONDecodeError, AttributeError) as e:
-            raise ModelLoadError(str(hq), f"cannot parse: {e}") from e
-        if not isinstance(q, dict):
-            raise ModelLoadError(str(hq), "no \"quantization\" object")
-        cfg["quantization_config"] = {"quant_method": "modelopt", **q}
-    return arch_from_config(cfg, str(path))
+    """The spec of a checkpoint directory's config.json (`models.config_file` reads it)."""
+    from ftrs.models.config_file import read_config
+
+    return arch_from_config(read_config(model_dir), str(model_dir / "config.json"))

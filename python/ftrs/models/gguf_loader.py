@@ -3,9 +3,10 @@
 Architectures: `llama` (dense, or Mixtral-style MoE when `llama.expert_count` is set), `qwen3`,
 `qwen3moe`, `gpt-oss`, `qwen3next`, `qwen35moe` (`models/gguf_archs.py`), `deepseek2`
 (DeepSeek-V2/V3), `glm4moe` (GLM-4.5) and `minimax-m2` (MiniMax-M2; these three
-`models/gguf_deepseek.py`). The config and the tokenizer come from the file's metadata. Tensor
-names are mapped to Hugging Face names; llama.cpp's row permutation of the llama q and k
-projections is undone (for quantized weights by moving whole rows of blocks, which is exact: the
+`models/gguf_deepseek.py`). The config and the tokenizer come from the file's metadata (a file
+without `tokenizer.*` metadata loads with a warning and serves token-id prompts, as a checkpoint
+directory without tokenizer.json does). Tensor names are mapped to Hugging Face names;
+llama.cpp's row permutation of the llama q and k projections is undone (for quantized weights by moving whole rows of blocks, which is exact: the
 permutation is over rows); llama3's rope scaling, stored as `rope_freqs.weight` (one divisor per
 frequency), is applied as it is. Routed experts come as 3-D tensors `blk.N.ffn_{gate,up,down}_exps.weight`
 (experts, rows, cols) beside the router `blk.N.ffn_gate_inp.weight`, gate and up possibly fused
@@ -135,7 +136,7 @@ class GGUFCheckpoint:
 
     path: Path
     config: dict[str, Any]
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None: the file has no tokenizer.* metadata
     dense: dict[str, GGUFTensor]
     #: layer -> {GATE|UP|DOWN: (E, rows, cols)}, and gpt-oss's biases {3|4|5: (E, rows)}
     experts: dict[int, dict[int, GGUFTensor]]
@@ -290,7 +291,12 @@ def open_gguf(path: Path) -> GGUFCheckpoint:
     src = str(path)
     names = {t.name for t in reader.tensors}
     cfg = gguf_config(meta, names, src)
-    tokenizer = Tokenizer.from_gguf_fields(meta, src)
+    tokenizer = None
+    if "tokenizer.ggml.model" in meta:
+        tokenizer = Tokenizer.from_gguf_fields(meta, src)
+    else:  # as a checkpoint directory without tokenizer.json: the model still serves
+        log.warning("%s has no tokenizer (tokenizer.ggml.model missing): only token-id "
+                    "prompts will work", src)
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is not None:  # llama3-style scaling: llama.cpp divides each frequency by its factor
         if freqs.tensor_type.name != "F32" or "rope_scaling" in cfg:
@@ -375,8 +381,9 @@ def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def read_gguf(path: Path, progress: bool = True
-              ) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer]:
-    """(HF config, fp32 tensors under HF names, tokenizer) of a dense GGUF file."""
+              ) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer | None]:
+    """(HF config, fp32 tensors under HF names, tokenizer: None where the file has none) of a
+    dense GGUF file."""
     ck = open_gguf(path)
     if ck.experts:
         raise ModelLoadError(str(path), "read_gguf dequantizes dense checkpoints only")

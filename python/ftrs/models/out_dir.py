@@ -4,11 +4,13 @@ A path the user gives that cannot hold a checkpoint (a regular file, a place no 
 made, a directory that already holds files when the writer needs it empty) is refused up front
 with a `ConfigError` that names the command, the flag and the path, so the CLI prints one
 `ftrs: error:` line instead of an `OSError` traceback. An `OSError` while writing becomes the
-same kind of error through `writing_into`.
+same kind of error through `writing_into`. `made_for` prepares the directory for a block and,
+when the block fails, removes the directories it made, so a failed command leaves no trace.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,3 +48,19 @@ def writing_into(path: Path, command: str, flag: str) -> Iterator[None]:
     except OSError as e:
         raise ConfigError(f"{command}: cannot write into {flag} {path} ({e.strerror or e}): give "
                           "a directory you can write to, with space for the checkpoint") from e
+
+
+@contextmanager
+def made_for(path: Path, command: str, flag: str, *, must_be_empty: bool = False
+             ) -> Iterator[None]:
+    """`prepare_out_dir`, then the block; if the block raises, the directories this call made
+    (`path` and any missing parents) are removed with what the block wrote into them. An
+    existing directory is left in place."""
+    made = [p for p in (path, *path.parents) if not p.exists() and not p.is_symlink()]
+    prepare_out_dir(path, command, flag, must_be_empty=must_be_empty)
+    try:
+        yield
+    except BaseException:
+        if made:
+            shutil.rmtree(made[-1], ignore_errors=True)  # the outermost one made here
+        raise

@@ -2,8 +2,9 @@
 
 Dense tensors are read through safetensors' mmap and cast to the model dtype; routed experts go
 straight from the files into the host expert pool by Rust (`ExpertPool.fill_from_safetensors`),
-in parallel, converting dtype on the way. Shapes are checked against the ArchSpec before any
-byte is copied, so a bad file fails with its name and the tensor at fault.
+in parallel, converting dtype on the way. Shapes and dtypes are checked before any byte is
+copied (shapes against the ArchSpec; dtypes a float type, or one a quantized format the config
+names keeps), so a bad file fails with its name and the tensor at fault.
 
 FP8 checkpoints (`quantization_config.quant_method == "fp8"`: `float8_e4m3fn` weights, each with
 a `weight_scale_inv` per `weight_block_size` tile) stay FP8: each weight and its scales become
@@ -189,6 +190,30 @@ def _quant_formats(files: list[Path], spec: ArchSpec) -> dict[int, ExpertFormat]
                       for t in range(3)) for la in spec.moe_layers}
 
 
+#: the dtypes a plain (unquantized) tensor may have, cast to the model's dtype at load (the
+#: expert pool's Rust reader converts these three)
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+
+
+def _check_dtype(st_dtype: str, qtype: str | None, key: str | ExpertKey | PackedExperts,
+                 source: str, name: str) -> None:
+    """ModelLoadError unless a tensor's safetensors dtype is a float type, or one a format the
+    config names keeps (FP8 E4M3 weights, NVFP4's uint8 codes, gpt_oss' MXFP4 blocks and scales)."""
+    if qtype or st_dtype in FLOAT_DTYPES:
+        return
+    if st_dtype == "F8_E4M3":
+        raise ModelLoadError(source, f"tensor {name} is FP8 but config.json has no fp8 "
+                             "quantization_config")
+    if isinstance(key, PackedExperts) and key.part.endswith(("_blocks", "_scales")):
+        return  # MXFP4 codes and exponents: bytes (`packed_experts` checks their shapes)
+    if st_dtype == "U8" and not isinstance(key, PackedExperts):
+        raise ModelLoadError(source, f"tensor {name} is uint8 (packed FP4?) but the config "
+                             "names no NVFP4 quantization (modelopt or compressed-tensors)")
+    raise ModelLoadError(source, f"tensor {name} has dtype {st_dtype}, expected a float type "
+                         "(F32, F16, BF16, or the quantized formats' own dtypes: FP8 E4M3 "
+                         "weights, U8/I8 blocks and scales where a format uses them)")
+
+
 def fp8_bytes(weight: torch.Tensor, scale: torch.Tensor | None, name: str, source: str,
               block: tuple[int, int]) -> torch.Tensor:
     """The FP8_BLOCK bytes of one weight: its fp8 bytes, then its scales as fp32."""
@@ -247,69 +272,64 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
     quant: dict[str, tuple[str, str, torch.Tensor]] = {}
     sides: dict[str, torch.Tensor] = {}
     layer_index = experts.layer_index if experts else {}
-    bar = tqdm(total=len(files), desc="loading weights", unit="file", disable=not progress,
-               leave=False)
-    for path in files:
-        try:
-            handle = safe_open(str(path), framework="pt")
-        except Exception as e:  # safetensors raises its own error types for truncated headers
-            raise ModelLoadError(str(path), f"cannot read safetensors: {e}") from e
-        with handle as f:
-            for file_name in f.keys():
-                if file_name.endswith(sides_named):
-                    sides[file_name] = f.get_tensor(file_name)
-                    continue
-                name = _weight_name(file_name, spec)
-                key = map_hf_name(name)
-                if key is None or _past_the_last_layer(key, spec):
-                    continue
-                shape = tuple(f.get_slice(file_name).get_shape())
-                st_dtype = f.get_slice(file_name).get_dtype()
-                qtype = _quantized(st_dtype, spec)
-                if st_dtype == "F8_E4M3" and not qtype:
-                    raise ModelLoadError(str(path), f"tensor {file_name} is FP8 but config.json "
-                                         "has no fp8 quantization_config")
-                if st_dtype == "U8" and not qtype and not isinstance(key, PackedExperts):
-                    raise ModelLoadError(str(path), f"tensor {file_name} is uint8 (packed FP4?) "
-                                         "but the config names no NVFP4 quantization "
-                                         "(modelopt or compressed-tensors)")
-                if qtype == "NVFP4" and len(shape) == 2:
-                    shape = (shape[0], 2 * shape[1])  # two values a byte
-                if isinstance(key, PackedExperts):
-                    check_part(key, shape, spec, str(path), file_name)
-                    continue
-                if isinstance(key, ExpertKey):
-                    if experts is None or key.layer not in layer_index or not 0 <= key.expert < spec.num_experts:
-                        raise ModelLoadError(str(path), f"unexpected expert tensor {file_name}")
-                    if shape != spec.expert_shapes[key.tensor]:
+    # a `with`: the bar is closed (its line cleared) before an error in the files propagates,
+    # which would otherwise print after the unfinished bar on the same terminal line
+    with tqdm(total=len(files), desc="loading weights", unit="file", disable=not progress,
+              leave=False) as bar:
+        for path in files:
+            try:
+                handle = safe_open(str(path), framework="pt")
+            except Exception as e:  # safetensors raises its own error types for truncated headers
+                raise ModelLoadError(str(path), f"cannot read safetensors: {e}") from e
+            with handle as f:
+                for file_name in f.keys():
+                    if file_name.endswith(sides_named):
+                        sides[file_name] = f.get_tensor(file_name)
+                        continue
+                    name = _weight_name(file_name, spec)
+                    key = map_hf_name(name)
+                    if key is None or _past_the_last_layer(key, spec):
+                        continue
+                    shape = tuple(f.get_slice(file_name).get_shape())
+                    st_dtype = f.get_slice(file_name).get_dtype()
+                    qtype = _quantized(st_dtype, spec)
+                    _check_dtype(st_dtype, qtype, key, str(path), file_name)
+                    if qtype == "NVFP4" and len(shape) == 2:
+                        shape = (shape[0], 2 * shape[1])  # two values a byte
+                    if isinstance(key, PackedExperts):
+                        check_part(key, shape, spec, str(path), file_name)
+                        continue
+                    if isinstance(key, ExpertKey):
+                        if experts is None or key.layer not in layer_index or not 0 <= key.expert < spec.num_experts:
+                            raise ModelLoadError(str(path), f"unexpected expert tensor {file_name}")
+                        if shape != spec.expert_shapes[key.tensor]:
+                            raise ModelLoadError(str(path), f"tensor {file_name} has shape "
+                                                 f"{list(shape)}, "
+                                                 f"expected {list(spec.expert_shapes[key.tensor])}")
+                        if qtype:
+                            quant[name] = (str(path), qtype, f.get_tensor(file_name))
+                        else:
+                            entries.append((str(path), file_name, layer_index[key.layer], key.expert,
+                                            key.tensor))
+                        seen_experts.add(key)
+                        continue
+                    if key not in want and key not in optional:
+                        raise ModelLoadError(str(path), f"unexpected tensor {file_name} for {spec.arch}")
+                    if key in want and shape != want[key]:
                         raise ModelLoadError(str(path), f"tensor {file_name} has shape "
                                              f"{list(shape)}, "
-                                             f"expected {list(spec.expert_shapes[key.tensor])}")
+                                             f"expected {list(want[key])}")
                     if qtype:
                         quant[name] = (str(path), qtype, f.get_tensor(file_name))
-                    else:
-                        entries.append((str(path), file_name, layer_index[key.layer], key.expert,
-                                        key.tensor))
-                    seen_experts.add(key)
-                    continue
-                if key not in want and key not in optional:
-                    raise ModelLoadError(str(path), f"unexpected tensor {file_name} for {spec.arch}")
-                if key in want and shape != want[key]:
-                    raise ModelLoadError(str(path), f"tensor {file_name} has shape "
-                                         f"{list(shape)}, "
-                                         f"expected {list(want[key])}")
-                if qtype:
-                    quant[name] = (str(path), qtype, f.get_tensor(file_name))
-                    dense[key] = torch.empty(0)  # placed below, once its scales are read
-                    continue
-                try:
-                    # copy=True: never leave a weight backed by the file's pages, which the
-                    # kernel may drop under memory pressure and fault back in on every step
-                    dense[key] = f.get_tensor(file_name).to(device=device, dtype=dtype, copy=True)
-                except Exception as e:
-                    raise ModelLoadError(str(path), f"cannot read tensor {file_name}: {e}") from e
-        bar.update(1)
-    bar.close()
+                        dense[key] = torch.empty(0)  # placed below, once its scales are read
+                        continue
+                    try:
+                        # copy=True: never leave a weight backed by the file's pages, which the
+                        # kernel may drop under memory pressure and fault back in on every step
+                        dense[key] = f.get_tensor(file_name).to(device=device, dtype=dtype, copy=True)
+                    except Exception as e:
+                        raise ModelLoadError(str(path), f"cannot read tensor {file_name}: {e}") from e
+            bar.update(1)
     missing = sorted(set(want) - set(dense))
     if missing:
         raise ModelLoadError(str(model_dir), f"missing tensors: {', '.join(missing[:5])}"

@@ -18,7 +18,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from ftrs.errors import ConfigError
-from ftrs.models.out_dir import prepare_out_dir, writing_into
+from ftrs.models.out_dir import made_for, writing_into
 from ftrs.models.tokenizer import Tokenizer
 
 ARCHS = ("llama", "qwen3", "mixtral", "qwen3_moe")
@@ -115,14 +115,15 @@ def tiny_tensors(cfg: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
 def make_tiny(arch: str, out_dir: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
               specials: Sequence[str] = ()) -> Path:
     """Write config.json, model.safetensors and a tokenizer (`specials` among its special
-    tokens, see `tiny_tokenizer`) to `out_dir`; returns it. Raises ConfigError where `out_dir`
-    cannot be a directory or cannot be written (see `out_dir.prepare_out_dir`)."""
+    tokens, see `tiny_tokenizer`) to `out_dir`, a new or empty directory; returns it. Raises
+    ConfigError where `out_dir` is a file, holds anything (another model's files would be
+    loaded with the new ones), cannot be made or cannot be written (`out_dir.prepare_out_dir`)."""
     cfg = tiny_config(arch)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
-    prepare_out_dir(out_dir, "make-tiny", "--out")
-    tensors = {k: v.to(dtype).contiguous() for k, v in tiny_tensors(cfg, seed).items()}
-    with writing_into(out_dir, "make-tiny", "--out"):
-        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-        (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
-        tiny_tokenizer(cfg["vocab_size"], specials).save(out_dir)
+    with made_for(out_dir, "make-tiny", "--out", must_be_empty=True):
+        tensors = {k: v.to(dtype).contiguous() for k, v in tiny_tensors(cfg, seed).items()}
+        with writing_into(out_dir, "make-tiny", "--out"):
+            save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+            (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+            tiny_tokenizer(cfg["vocab_size"], specials).save(out_dir)
     return out_dir

@@ -406,6 +406,8 @@ class Tokenizer:
     @classmethod
     def from_gguf_fields(cls, meta: dict[str, Any], source: str) -> Tokenizer:
         kind = meta.get("tokenizer.ggml.model")
+        if kind is None:
+            raise ModelLoadError(source, "has no tokenizer (tokenizer.ggml.model missing)")
         if kind != "gpt2":
             raise ModelLoadError(source, f"unsupported GGUF tokenizer {kind!r} (supported: gpt2)")
         tokens: list[str] = meta["tokenizer.ggml.tokens"]

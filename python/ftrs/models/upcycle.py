@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from ftrs.errors import ConfigError, ModelLoadError
 from ftrs.models.gguf_loader import read_gguf
-from ftrs.models.out_dir import prepare_out_dir, writing_into
+from ftrs.models.out_dir import made_for, writing_into
 from ftrs.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,11 @@ def _check_source(src: Path) -> None:
     raise ModelLoadError(str(src), f"{problem}: give a dense llama checkpoint directory or GGUF file")
 
 
+def _check_llama(cfg: dict[str, Any], source: str) -> None:
+    if cfg.get("model_type") != "llama":
+        raise ModelLoadError(source, f"upcycle takes a dense llama model, got {cfg.get('model_type')!r}")
+
+
 def read_dense(src: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Tokenizer | None]:
     """(config, tensors under HF names, tokenizer) of a dense llama checkpoint dir or GGUF file."""
     _check_source(src)
@@ -42,12 +47,11 @@ def read_dense(src: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Toke
         return read_gguf(src)
     from safetensors.torch import load_file
 
+    from ftrs.models.config_file import read_config
     from ftrs.models.safetensors_loader import checkpoint_files
 
-    cfg_path = src / "config.json"
-    if not cfg_path.is_file():
-        raise ModelLoadError(str(cfg_path), "config.json not found")
-    cfg = json.loads(cfg_path.read_text())
+    cfg = read_config(src)  # a missing or unparseable config.json: ModelLoadError naming it
+    _check_llama(cfg, str(src))  # before the tensors are read
     tensors: dict[str, torch.Tensor] = {}
     for f in checkpoint_files(src):
         tensors |= load_file(str(f))
@@ -82,8 +86,7 @@ def upcycle_tensors(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], exper
     is the same tensor object (no memory per expert)."""
     if not 1 <= top_k <= experts:
         raise ConfigError(f"upcycle: need 1 <= top-k <= experts, got top-k {top_k}, {experts} experts")
-    if cfg.get("model_type") != "llama":
-        raise ModelLoadError(source, f"upcycle takes a dense llama model, got {cfg.get('model_type')!r}")
+    _check_llama(cfg, source)
     g = torch.Generator().manual_seed(seed)
     hidden = int(cfg["hidden_size"])
     out: dict[str, torch.Tensor] = {}
@@ -110,20 +113,23 @@ def upcycle(src: Path, dst: Path, experts: int, top_k: int, seed: int = 0,
             router_std: float = 0.5) -> Path:
     """Write the upcycled `src` to `dst`, a new or empty directory (ConfigError otherwise: the
     files of a model already there, the source's own included, would be loaded with the new
-    shards); returns `dst`."""
+    shards); returns `dst`. A failure leaves no directory behind that this call made."""
     if not 1 <= top_k <= experts:
         raise ConfigError(f"upcycle: need 1 <= top-k <= experts, got top-k {top_k}, {experts} experts")
     _check_source(src)
     if dst.exists() and os.path.samefile(src, dst):
         raise ConfigError(f"upcycle: DST {dst} is SRC itself: upcycling in place would mix the "
                           "dense weights with the new shards; give a new or empty directory")
-    prepare_out_dir(dst, "upcycle", "DST", must_be_empty=True)  # before the (long) read
-    cfg, tensors, tokenizer = read_dense(src)
-    new_cfg, out = upcycle_tensors(cfg, tensors, experts, top_k, seed, router_std, source=str(src))
-    with writing_into(dst, "upcycle", "DST"):
-        _save_sharded(out, dst)
-        (dst / "config.json").write_text(json.dumps(new_cfg, indent=2))
-        if tokenizer is not None:
-            tokenizer.save(dst)
+    # made before the (long) read, so a DST that cannot be written fails at once; removed
+    # again when the source turns out not to be a dense llama (or anything else fails)
+    with made_for(dst, "upcycle", "DST", must_be_empty=True):
+        cfg, tensors, tokenizer = read_dense(src)
+        new_cfg, out = upcycle_tensors(cfg, tensors, experts, top_k, seed, router_std,
+                                       source=str(src))
+        with writing_into(dst, "upcycle", "DST"):
+            _save_sharded(out, dst)
+            (dst / "config.json").write_text(json.dumps(new_cfg, indent=2))
+            if tokenizer is not None:
+                tokenizer.save(dst)
     log.info("upcycled %s -> %s (%d experts, top-%d)", src, dst, experts, top_k)
     return dst
