@@ -9,7 +9,8 @@ apart, as drills: they are no device faults and the guard ignores them. Without 
 says so plainly and still reports the CPU-side figures (host copy bandwidth through the Rust
 host backend, RAM, fetch volumes). The CPU kernels: the family `auto` runs and, measured, the
 `--cpu-kernels` setting that is fastest here (`quant/host.py`). `--bundle` also writes a tar.gz
-(see `guard.bundle`).
+(see `guard.bundle`) into a directory that must exist; its path ends the text report, or is
+the `"bundle"` field of `--json` (stdout is then the JSON alone).
 """
 
 from __future__ import annotations
@@ -311,8 +312,8 @@ def run_cli(args: argparse.Namespace) -> int:
                           window_s=args.link_guard_window,
                           max_loss_age_days=args.guard_loss_max_age_days)
     text = format_text(report)
-    print(json.dumps(report, indent=2, default=str) if args.json else text)
-    if args.bundle:
+    path = None
+    if args.bundle:  # first: a bundle that cannot be written leaves stdout empty
         from ftrs.guard.bundle import write_bundle
 
         try:
@@ -320,13 +321,18 @@ def run_cli(args: argparse.Namespace) -> int:
         except OSError as e:
             raise ConfigError(f"doctor: cannot write --bundle {args.bundle} ({e.strerror or e}): "
                               "give a file path in a directory you can write to") from e
-        print(f"bundle: {path}")
+    if args.json:  # stdout is the JSON alone; the bundle's path is its "bundle" (null: none)
+        print(json.dumps(report | {"bundle": str(path) if path else None}, indent=2,
+                         default=str))
+    else:
+        print(text + (f"\n\nbundle: {path}" if path else ""))
     return 0
 
 
 def check_bundle_args(bundle: str | None, server_url: str | None) -> None:
     """ConfigError for `--bundle` / `--server-url` mistakes found before the (slow) report: a
-    directory given as the bundle's path, a parent that is a file, a URL with no bundle to go in."""
+    directory given as the bundle's path, a parent that is a file or does not exist (it is not
+    created), a URL with no bundle to go in."""
     if server_url is not None and not bundle:
         raise ConfigError("doctor: --server-url only snapshots /metrics into the bundle: add "
                           "--bundle PATH, or drop --server-url")
@@ -340,3 +346,6 @@ def check_bundle_args(bundle: str | None, server_url: str | None) -> None:
     if parent is not None and not parent.is_dir():
         raise ConfigError(f"doctor: --bundle {bundle}: {parent} is a file, not a directory: give "
                           "a file path in a directory")
+    if parent != path.absolute().parent:  # nothing is created on the user's behalf
+        raise ConfigError(f"doctor: --bundle {bundle}: the directory {path.parent} does not "
+                          "exist: create it first, or give a file path in an existing directory")

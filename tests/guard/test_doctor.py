@@ -135,6 +135,7 @@ def _cli_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     out = capsys.readouterr()
     err = out.err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("ftrs: error: doctor: "), err
+    assert out.out == ""  # no report: a bundle that cannot be written is written first
     return err
 
 
@@ -154,5 +155,46 @@ def test_bundle_and_server_url_mistakes_are_one_line_before_the_report(
 def test_an_unwritable_bundle_path_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FTRS_HOME", str(tmp_path / "home"))
-    err = _cli_error(capsys, "--bundle", "/proc/ftrs-nope/b.tar.gz")
-    assert "cannot write --bundle /proc/ftrs-nope/b.tar.gz" in err
+    err = _cli_error(capsys, "--bundle", "/proc/b.tar.gz")  # a directory no one writes in
+    assert "cannot write --bundle /proc/b.tar.gz" in err
+
+
+def test_a_bundle_in_a_missing_directory_is_refused_and_nothing_is_created(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FTRS_HOME", str(tmp_path / "home"))
+    missing = tmp_path / "no_such_dir" / "deeper"
+    err = _cli_error(capsys, "--bundle", str(missing / "b.tar.gz"))
+    assert f"the directory {missing} does not exist" in err and "create it first" in err
+    assert not (tmp_path / "no_such_dir").exists() and not (tmp_path / "home").exists()
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_the_bundle_path_is_said_once_and_json_stays_json(
+        as_json: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ftrs.cli import main
+
+    monkeypatch.setenv("FTRS_HOME", str(tmp_path / "home"))
+    bundle = tmp_path / "x.tar.gz"
+    with caplog.at_level("DEBUG", logger="ftrs"):
+        assert main(["doctor", "--no-measure", *(["--json"] if as_json else []),
+                     "--bundle", str(bundle)]) == 0
+    out = capsys.readouterr()
+    assert bundle.is_file()
+    if as_json:
+        report = json.loads(out.out)  # stdout is the JSON alone
+        assert report["bundle"] == str(bundle) and "crash_reports" in report
+    else:
+        assert out.out.rstrip().endswith(f"bundle: {bundle}")
+    said = out.out + out.err + "".join(r.getMessage() for r in caplog.records
+                                       if r.levelno >= 20)  # what a terminal shows
+    assert said.count(str(bundle)) == 1, said
+
+
+def test_json_without_a_bundle_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from ftrs.cli import main
+
+    monkeypatch.setenv("FTRS_HOME", str(tmp_path / "home"))
+    assert main(["doctor", "--no-measure", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["bundle"] is None

@@ -65,3 +65,18 @@ def test_a_bad_port_is_a_config_error_at_parse_time(port: str,
 def test_ports_in_range_are_accepted() -> None:
     assert _parse("--port", "1").port == 1
     assert _parse("--port", "65535").port == 65535
+
+
+def test_help_names_the_host_default_and_every_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    from ftrs.server.reasoning import REASONING_PARSERS
+    from ftrs.server.toolcalls import TOOL_PARSERS
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help's lines
+    assert "--host HOST address to listen on (default 127.0.0.1)" in text
+    # each option's help: after its last mention (the first is in the usage line)
+    tools = text.rsplit("--tool-parser TOOL_PARSER", 1)[1].split("--reasoning-parser", 1)[0]
+    reasoning = text.rsplit("--reasoning-parser REASONING_PARSER", 1)[1].split("--served", 1)[0]
+    assert len(TOOL_PARSERS) == 10 and all(name in tools for name in TOOL_PARSERS), tools
+    assert all(name in reasoning for name in REASONING_PARSERS), reasoning

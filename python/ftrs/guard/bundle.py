@@ -64,7 +64,9 @@ def fetch_metrics(server_url: str, timeout_s: float = 3.0) -> str:
 
 def write_bundle(path: str | Path, report: dict[str, Any], report_text: str, *, home: Path,
                  server_url: str | None = None, extra_secrets: Sequence[str] = ()) -> Path:
-    """Write the archive; returns its path. Never raises for a missing part (see manifest)."""
+    """Write the archive; returns its path (the caller says where it went). Never raises for a
+    missing part (see manifest); OSError when the file cannot be written: its directory must
+    exist, none is created."""
     path = Path(path)
     members: dict[str, str] = {}
     notes: list[str] = []
@@ -92,12 +94,11 @@ def write_bundle(path: str | Path, report: dict[str, Any], report_text: str, *, 
     manifest = {"created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "members": sorted(members),
                 "notes": notes, "redaction": "bearer tokens, keys, secret fields, URL credentials"}
     members["manifest.json"] = json.dumps(manifest, indent=2)
-    path.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(path, "w:gz") as tar:
         for name, text in members.items():
             data = redact(text, extra_secrets).encode("utf-8")
             info = tarfile.TarInfo(f"ftrs-doctor/{name}")
             info.size, info.mtime, info.mode = len(data), int(time.time()), 0o644
             tar.addfile(info, io.BytesIO(data))
-    logger.info("bundle written: %s (%d members)", path, len(members))
+    logger.debug("bundle written: %s (%d members)", path, len(members))
     return path

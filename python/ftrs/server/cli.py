@@ -13,6 +13,12 @@ stopped, and the exit code is 0, during the model's load too. uvicorn alone woul
 requests run for its graceful timeout, then cut them, and re-raise the signal at the end
 (a SIGTERM would end the process with -15).
 
+Before it binds or spawns anything, `run_serve` refuses what the engine would refuse at once
+(`preflight`: the device, the kernels, the CPU kernel family, a model path that is not there or
+not readable; exit 2 or 3, as `ftrs generate`) and binds the listening address itself
+(`bind_sockets`), handing the socket to uvicorn: an address in use or not on this host is one
+`cannot listen on HOST:PORT: ...` line and exit 1, and no engine starts.
+
 The API key comes from `--api-key`, else `--api-key-file` (first line), else `$FTRS_API_KEY`
 (read through `ftrs.config.env_flag`, the one place environment variables are read).
 """
@@ -23,7 +29,9 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -36,6 +44,9 @@ from ftrs.config import add_engine_arguments, engine_config_from_args, env_flag
 from ftrs.errors import ConfigError, FtrsError
 
 if TYPE_CHECKING:
+    import torch
+
+    from ftrs.config import EngineConfig
     from ftrs.server.engine_client import Classifier, EngineClient
 
 logger = logging.getLogger(__name__)
@@ -44,6 +55,7 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # larger request bodies get 413
 DEFAULT_MAX_TOKENS = 1024  # of a chat request without max_tokens (OpenAI: the context's rest)
 DEFAULT_MAX_N = 8  # choices one request may ask for (`n`)
 MAX_PORT = 65535
+EXIT_CANNOT_START = 1  # docs/device-loss.md "Exit codes": the server could not start
 
 
 def port_number(text: str) -> int:
@@ -62,7 +74,8 @@ def port_number(text: str) -> int:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of `ftrs serve`: server options, then one per EngineConfig field."""
     parser.add_argument("--model", default="demo", help="model directory, GGUF file, or 'demo'")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=port_number, default=8000,
                         help=f"port to listen on, 1-{MAX_PORT} (default 8000)")
     parser.add_argument("--api-key", default=None,
@@ -77,12 +90,17 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              f"context if less (default {DEFAULT_MAX_TOKENS})")
     parser.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
                         help=f"largest `n` (choices per request) accepted (default {DEFAULT_MAX_N})")
+    from ftrs.server.reasoning import REASONING_PARSERS
+    from ftrs.server.toolcalls import TOOL_PARSERS
+
     parser.add_argument("--tool-parser", default=None,
-                        help="how tool calls are read from the output: hermes, mistral, llama3_json "
-                             "(default: chosen from the chat template)")
+                        help="how tool calls are read from the output: "
+                             f"{', '.join(sorted(TOOL_PARSERS))} (default: chosen from the chat "
+                             "template)")
     parser.add_argument("--reasoning-parser", default=None,
-                        help="how reasoning is split from the answer: qwen3, deepseek_r1 "
-                             "(default: chosen from the chat template; none if it has no <think>)")
+                        help="how reasoning is split from the answer: "
+                             f"{', '.join(sorted(REASONING_PARSERS))} (default: chosen from the "
+                             "chat template; none if it has neither <think> nor channels)")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients use (default: the --model value)")
     parser.add_argument("--engine-backend", default=None, help=argparse.SUPPRESS)
@@ -99,30 +117,57 @@ def run_serve(args: argparse.Namespace, classifier: Classifier | None = None) ->
     `classifier(exit_code, last_error) -> FtrsError` decides what a dead engine means (the
     device supervisor passes one that reads the device); default `classify_engine_exit`.
     """
-    import uvicorn
-
-    from ftrs.server.app import ServeSettings, create_app
-    from ftrs.server.engine_client import DEFAULT_BACKEND, classify_engine_exit
+    from ftrs.guard.policy import check_window_s
+    from ftrs.server.engine_client import DEFAULT_BACKEND
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+    backend = args.engine_backend or DEFAULT_BACKEND
+    try:  # the cheap checks, before the address is bound
         engine = engine_config_from_args(args)
-        from ftrs.guard.startup import apply_link_guard
-
-        engine, link_guard = apply_link_guard(
-            engine, explicit_max_prefill=getattr(args, "max_prefill_length", None) is not None,
-            no_link_guard=getattr(args, "no_link_guard", False),
-            window_s=getattr(args, "link_guard_window", 0.5))
+        if backend == DEFAULT_BACKEND:  # another backend (tests' fakes) loads its own way
+            preflight(engine)
+        check_window_s(getattr(args, "link_guard_window", 0.5))
         api_key = resolve_api_key(args)
         limits = serve_limits(args)
         check_parser_flags(args)
     except FtrsError as err:
         logger.error("ftrs serve: %s", err.message)
         return err.exit_code
+    try:  # before the engine starts: a port in use costs no model load
+        sockets = bind_sockets(args.host, args.port)
+    except OSError as e:
+        why = e.strerror or str(e)
+        logger.error("ftrs serve: cannot listen on %s: %s", host_port(args.host, args.port),
+                     why[:1].lower() + why[1:])
+        return EXIT_CANNOT_START
+    try:
+        return _serve_on(sockets, args, engine, backend, api_key, limits, classifier)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _serve_on(sockets: list[socket.socket], args: argparse.Namespace, engine: EngineConfig,
+              backend: str, api_key: str | None, limits: dict[str, int],
+              classifier: Classifier | None) -> int:
+    """`run_serve` once the address is bound: the link guard, then uvicorn on `sockets`."""
+    import uvicorn
+
+    from ftrs.guard.startup import apply_link_guard
+    from ftrs.server.app import ServeSettings, create_app
+    from ftrs.server.engine_client import classify_engine_exit
+
+    try:
+        engine, link_guard = apply_link_guard(
+            engine, explicit_max_prefill=getattr(args, "max_prefill_length", None) is not None,
+            no_link_guard=getattr(args, "no_link_guard", False),
+            window_s=getattr(args, "link_guard_window", 0.5))
+    except FtrsError as err:  # a checkpoint whose header or config.json does not read
+        logger.error("ftrs serve: %s", err.message)
+        return err.exit_code
     settings = ServeSettings(engine=engine, host=args.host, port=args.port, api_key=api_key,
-                             served_model_name=args.served_model_name,
-                             backend=args.engine_backend or DEFAULT_BACKEND,
+                             served_model_name=args.served_model_name, backend=backend,
                              link_guard=link_guard.to_dict() if link_guard is not None else None,
                              tool_parser=getattr(args, "tool_parser", None),
                              reasoning_parser=getattr(args, "reasoning_parser", None),
@@ -139,12 +184,12 @@ def run_serve(args: argparse.Namespace, classifier: Classifier | None = None) ->
     async def main() -> None:
         progress = asyncio.ensure_future(_report_loading(client, settings.engine.model))
         try:
-            await server.serve()
+            await server.serve(sockets=sockets)
         finally:
             progress.cancel()
 
-    logger.info("ftrs serve: loading %s (http://%s:%d/health says 503 until ready)",
-                engine.model, settings.host, settings.port)
+    logger.info("ftrs serve: loading %s (http://%s/health says 503 until ready)",
+                engine.model, host_port(settings.host, settings.port))
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(main())
     if client.state != "stopped":  # a second Ctrl-C skipped the lifespan's shutdown
@@ -155,6 +200,87 @@ def run_serve(args: argparse.Namespace, classifier: Classifier | None = None) ->
         logger.info("ftrs serve: stopped (%s)", signal.Signals(server.stop_signal).name)
         return 0
     return 0 if server.started else 1
+
+
+def preflight(engine: EngineConfig) -> None:
+    """Refuse now what the engine process would refuse as it starts, before minutes of loading
+    (`ftrs generate` meets the same checks before its load): the device (`resolve_device`),
+    `--kernels` (`select_kernels`), `--cpu-kernels` (the core's families), and a model path
+    that is not there, not readable, or neither a directory nor a .gguf file. Raises
+    ConfigError (exit 2) or ModelLoadError (exit 3). Reads no weights, and makes no CUDA
+    context in this process."""
+    from ftrs import _core
+    from ftrs.kernels import select_kernels, triton_runs_on
+
+    device = preflight_device(engine.device)
+    if ((engine.kernels == "triton" and not triton_runs_on(device))
+            or (engine.kernels == "cpu" and device.type != "cpu")):
+        select_kernels(engine.kernels, device)  # raises the engine's own ConfigError
+    if engine.cpu_kernels not in ("auto", *_core.quant_kernels()):
+        _core.quant_set_kernel(engine.cpu_kernels)  # a family this CPU lacks: ConfigError
+    preflight_model(engine.model)
+
+
+def preflight_device(name: str) -> torch.device:
+    """The device `resolve_device` gives, without asking CUDA for its current device (that
+    would make a CUDA context in the API process): "cuda" and "auto" with CUDA are its first."""
+    import torch
+
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if name in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda", 0)
+    from ftrs.engine.runtime import resolve_device
+
+    return resolve_device(name)  # "cuda" without CUDA, cuda:N past the count, a bad name
+
+
+def preflight_model(model: str) -> None:
+    """ModelLoadError for a model path the loader would refuse before reading a weight."""
+    from ftrs.errors import ModelLoadError
+    from ftrs.models.load import resolve_model
+
+    if model == "demo":  # built on first use, by the engine
+        return
+    path = resolve_model(model)  # "no such file or directory"
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(str(path), "a model is a checkpoint directory or a .gguf file")
+        try:
+            path.open("rb").close()
+        except OSError as e:
+            raise ModelLoadError(str(path), f"cannot read: {e.strerror or e}") from e
+    elif not path.is_dir():
+        raise ModelLoadError(str(path), "neither a checkpoint directory nor a .gguf file")
+    elif not os.access(path, os.R_OK | os.X_OK):
+        raise ModelLoadError(str(path), "cannot read the directory: permission denied")
+
+
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """The listening sockets of `host:port`, bound as asyncio's `create_server` binds them (each
+    address the host resolves to, SO_REUSEADDR, IPv6 only on an IPv6 socket); uvicorn listens
+    on them. OSError (or socket.gaierror) when one cannot be bound; none is left open then."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                               flags=socket.AI_PASSIVE)
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def host_port(host: str, port: int) -> str:
+    """`host:port`, an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def stoppable_server(config: Any, client: EngineClient) -> Any:
@@ -265,5 +391,5 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
 
 
-__all__ = ["add_serve_arguments", "check_parser_flags", "engine_config_from_args", "main", "port_number",
-           "resolve_api_key", "run_serve", "serve_limits"]
+__all__ = ["add_serve_arguments", "bind_sockets", "check_parser_flags", "engine_config_from_args",
+           "main", "port_number", "preflight", "resolve_api_key", "run_serve", "serve_limits"]
