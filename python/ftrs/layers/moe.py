@@ -1,6 +1,7 @@
 """MoE routing and the expert computation every strategy shares.
 
-Routing follows the reference: router logits, softmax in fp32 over all experts, top-k, then
+Routing follows the reference: router logits (`router_logits`: on the CPU rounded from float64,
+so a row routes the same whatever rows share its step), softmax in fp32 over all experts, top-k, then
 (when the architecture says so) renormalisation of the k weights to sum to one. gpt_oss routes
 otherwise (`topk_softmax`): router logits with a bias, top-k of the logits, softmax over those k;
 deepseek_v3 too (`route_grouped`): sigmoid scores, biased choice within the best expert groups.
@@ -56,16 +57,32 @@ class ExpertAct(NamedTuple):
 SILU = ExpertAct()
 
 
+def router_logits(x: torch.Tensor, router: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ router.T (+ bias)` rounded to `x`'s dtype (as the reference's GEMM in that dtype),
+    returned in fp32. On the CPU it is computed in float64 and rounded: a
+    GEMM's fp32 sums change with the number of rows it is given (its blocking), so a prompt
+    batched with others was routed with weights ~1e-7 apart from the same prompt alone, and
+    the quantized experts' rounded activations made that 1e-3 in the logits, enough to change a
+    seeded sample. Rounded from float64 a row's logits do not depend on the rows beside it
+    (unless a sum lands within float64's error of an fp32 rounding boundary: about one value
+    in 10^8). On a GPU: the fp32 (or model dtype) GEMM, unchanged."""
+    if x.device.type != "cpu":
+        return F.linear(x, router, bias).float()
+    wide = F.linear(x.double(), router.double(), None if bias is None else bias.double())
+    return wide.to(x.dtype).float()
+
+
 def route(
     x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
     bias: torch.Tensor | None = None, kind: str = "softmax",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`x`: (tokens, hidden). Returns top-k ids (tokens, k) int64 and weights (tokens, k) x.dtype."""
-    logits = F.linear(x, router, bias)
+    logits = router_logits(x, router, bias)
     if kind == "topk_softmax":
-        top, ids = torch.topk(logits.float(), top_k, dim=-1)
+        top, ids = torch.topk(logits, top_k, dim=-1)
         return ids, torch.softmax(top, dim=-1).to(x.dtype)
-    probs = torch.softmax(logits.float(), dim=-1)
+    probs = torch.softmax(logits, dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -82,7 +99,7 @@ def route_grouped(x: torch.Tensor, router: torch.Tensor, correction: torch.Tenso
     highest ("group_limited_greedy"; one group: "greedy"). The weights are the chosen experts'
     scores, renormalised (+1e-20) when asked, times `scaling`."""
     n_group, topk_group = groups
-    logits = F.linear(x.float(), router.float())
+    logits = router_logits(x.float(), router.float())
     if correction is None:
         scores = choice = torch.softmax(logits, dim=-1)
     else:
