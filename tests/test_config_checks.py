@@ -55,6 +55,18 @@ def test_a_kv_pool_under_one_page_is_refused(capsys: pytest.CaptureFixture[str])
     assert EngineConfig(kv_tokens=8, page_size=8).kv_tokens == 8
 
 
+@pytest.mark.parametrize(("argv", "said"), [
+    (["--max-tokens", "0", "hi"], "max_tokens:"), (["--temperature", "nan", "hi"], "temperature:"),
+    (["--raw", ""], "prompt: empty"),
+])
+def test_generate_refuses_bad_sampling_flags_as_usage_errors(
+        argv: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # exit 2 like every other bad flag (was 1), and before the model: it does not exist here
+    assert main(["generate", "--model", "/nonexistent/model", *argv]) == ConfigError.exit_code
+    err = capsys.readouterr().err
+    assert said in err and "nonexistent" not in err, err
+
+
 def test_clamps_are_said(tiny_models: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
     from ftrs.llm import LLM
 

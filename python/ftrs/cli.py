@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from ftrs.config import add_engine_arguments, engine_config_from_args
-from ftrs.errors import FtrsError
+from ftrs.errors import ConfigError, FtrsError, InvalidRequest
 
 log = logging.getLogger("ftrs")
 
@@ -25,8 +25,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from ftrs.sampling import SamplingParams
 
     config = engine_config_from_args(args)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            seed=args.seed_sampling).validate()  # before minutes of loading
+    try:  # a bad flag is a usage error (exit 2), found before minutes of loading
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                seed=args.seed_sampling).validate()
+        if args.raw and not args.prompt:
+            raise InvalidRequest("prompt: empty (with --raw nothing is added to it)")
+    except InvalidRequest as err:
+        raise ConfigError(err.message, evidence=err.evidence) from None
     llm = LLM(progress=True, **asdict(config))
     prompt = args.prompt
     if not args.raw and llm.engine.tokenizer is not None and llm.tokenizer.chat_template:
