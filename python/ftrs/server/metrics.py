@@ -86,7 +86,7 @@ class ServerMetrics:
             self.requests.labels(s)
         self.running = Gauge(p + "requests_running", "Requests being decoded or prefilled.", registry=r)
         self.waiting = Gauge(p + "requests_waiting", "Requests admitted to the queue, not yet running.", registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests, aborted ones included (whether or not their prefill ran).", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens.", registry=r)
         self.prefix_hits = Counter(p + "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", registry=r)
         self.spec_drafted = Counter(p + "spec_draft_tokens", "Draft tokens verified by n-gram speculative decoding.", registry=r)
