@@ -36,6 +36,23 @@ def test_router_logits_of_a_row_do_not_depend_on_the_rows_beside_it(experts: int
     torch.testing.assert_close(alone, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
+def test_the_float64_router_follows_its_tensor() -> None:
+    """The float64 copy is made once per tensor: an in-place change (a reload into the same
+    tensor) must not be routed with the old copy, and the copy goes with its tensor."""
+    import gc
+
+    from ftrs.layers import moe
+
+    w, x = torch.randn(8, 16), torch.randn(3, 16)
+    before = router_logits(x, w)
+    w.mul_(2)
+    torch.testing.assert_close(router_logits(x, w), 2 * before)
+    held = len(moe._WIDE)
+    del w
+    gc.collect()
+    assert len(moe._WIDE) == held - 1
+
+
 @pytest.fixture(scope="module")
 def quantized_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # every matrix in blocks the Rust kernels compute from (the dense MLP of layer 1 and the
