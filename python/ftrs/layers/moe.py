@@ -81,11 +81,12 @@ def _wide(t: torch.Tensor) -> torch.Tensor:
     """`t` in float64, converted once per tensor and version (a decode step would otherwise
     convert every router: 0.33 ms a layer at 128 x 2048, against 0.07 ms for the float64
     product), dropped with the tensor; an in-place change of `t` converts it again."""
+    version = -1 if t.is_inference() else t._version  # inference tensors keep none
     got = _WIDE.get(id(t))
-    if got is None or got[0] != t._version:
+    if got is None or got[0] != version:
         if got is None:
             weakref.finalize(t, _WIDE.pop, id(t), None)
-        got = _WIDE[id(t)] = (t._version, t.double())
+        got = _WIDE[id(t)] = (version, t.double())
     return got[1]
 
 
