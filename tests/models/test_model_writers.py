@@ -150,3 +150,17 @@ def test_upcycle_names_a_config_that_does_not_parse(tmp_path: Path,
                  str(tmp_path / "out")]) == 3
     _one_error_line(capsys, str(src / "config.json"), "cannot parse")
     assert not (tmp_path / "out").exists()
+
+
+def test_upcycle_names_a_truncated_safetensors_file(dense: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "cut"
+    src.mkdir()
+    for f in dense.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    weights = src / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4000])  # was a SafetensorError traceback
+    assert main(["models", "upcycle", "--experts", "4", "--top-k", "2", str(src),
+                 str(tmp_path / "out")]) == 3
+    _one_error_line(capsys, str(weights), "cannot read")
+    assert not (tmp_path / "out").exists()

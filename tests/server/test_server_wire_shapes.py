@@ -252,6 +252,34 @@ def test_only_a_tool_message_carries_a_tool_call_id(client: Any, role: str) -> N
     assert e.value.body["param"] == "messages[1].tool_call_id"  # type: ignore[index]
 
 
+def test_chat_tool_call_ids_are_unique_and_answered_once(client: Any) -> None:
+    """As /v1/messages refuses a reused tool_use id and a second result for one call."""
+    def call(cid: str) -> dict[str, Any]:
+        return {"id": cid, "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+
+    def result(cid: str) -> dict[str, Any]:
+        return {"role": "tool", "tool_call_id": cid, "content": "18C"}
+
+    user = {"role": "user", "content": "Weather?"}
+    cases = {
+        "messages[1].tool_calls[1].id": [user, {"role": "assistant", "content": None,
+                                                "tool_calls": [call("a"), call("a")]}, result("a")],
+        "messages[3].tool_calls[0].id": [user, {"role": "assistant", "content": None,
+                                                "tool_calls": [call("a")]}, result("a"),
+                                         {"role": "assistant", "content": None,
+                                          "tool_calls": [call("a")]}, result("a")],
+        "messages[3].tool_call_id": [user, {"role": "assistant", "content": None,
+                                            "tool_calls": [call("a"), call("b")]},
+                                     result("a"), result("a")],
+    }
+    for param, messages in cases.items():
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="fake", max_tokens=4, tools=[WEATHER],
+                                           messages=messages)
+        assert e.value.body["param"] == param  # type: ignore[index]
+
+
 # ---------------------------------------------------------------- Responses: stream = body
 
 

@@ -45,6 +45,7 @@ def read_dense(src: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Toke
     _check_source(src)
     if src.is_file():
         return read_gguf(src)
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     from ftrs.models.config_file import read_config
@@ -54,7 +55,10 @@ def read_dense(src: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], Toke
     _check_llama(cfg, str(src))  # before the tensors are read
     tensors: dict[str, torch.Tensor] = {}
     for f in checkpoint_files(src):
-        tensors |= load_file(str(f))
+        try:
+            tensors |= load_file(str(f))
+        except (OSError, SafetensorError) as e:  # truncated, a bad header: named, not a traceback
+            raise ModelLoadError(str(f), f"cannot read: {e}") from e
     tok = Tokenizer.from_dir(src) if (src / "tokenizer.json").is_file() else None
     return cfg, tensors, tok
 

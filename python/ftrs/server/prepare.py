@@ -263,6 +263,7 @@ def _template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The request's messages as chat templates take them (OpenAI shape, arguments as objects)."""
     messages: list[dict[str, Any]] = []
     known: set[str] = set()  # the ids of the calls of the assistant turns so far
+    answered: set[str] = set()  # ... and those a tool message answered
     for i, m in enumerate(req.messages):
         if m.has_non_text_parts():
             raise _bad(f"messages[{i}].content", "only text content parts are supported")
@@ -273,7 +274,11 @@ def _template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             if role != "assistant":
                 raise _bad(f"messages[{i}].tool_calls", "only assistant messages carry tool calls")
             msg["tool_calls"] = [_history_call(i, j, c) for j, c in enumerate(m.tool_calls)]
-            known.update(c["id"] for c in msg["tool_calls"])
+            for j, c in enumerate(msg["tool_calls"]):
+                if c["id"] in known:
+                    raise _bad(f"messages[{i}].tool_calls[{j}].id",
+                               f"tool call ids must be unique: {c['id']!r} is used before")
+                known.add(c["id"])
         if role == "assistant" and m.reasoning_content:
             # An earlier turn's reasoning, for templates that show it again in a tool loop:
             # Qwen3, GLM-4.5 and MiniMax-M2 read `reasoning_content`; gpt-oss reads `thinking`
@@ -289,6 +294,10 @@ def _template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             if m.tool_call_id not in known:
                 raise _bad(f"messages[{i}].tool_call_id",
                            f"no earlier assistant tool call has the id {m.tool_call_id!r}")
+            if m.tool_call_id in answered:
+                raise _bad(f"messages[{i}].tool_call_id",
+                           f"the tool call {m.tool_call_id!r} has a result before")
+            answered.add(m.tool_call_id)
             msg["tool_call_id"] = m.tool_call_id
             if m.name is not None:
                 msg["name"] = m.name
