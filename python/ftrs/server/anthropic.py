@@ -210,6 +210,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (400, "invalid_request_error (the message names the field)"),
         (401, "authentication_error: missing or wrong key (x-api-key or Bearer)"),
         (404, "not_found_error: unknown model"),
+        (413, "request_too_large: body over --max-request-bytes"),
         (503, "overloaded_error: engine loading, failed or overloaded"),
     )
 }

@@ -89,6 +89,15 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     503: {"model": ErrorResponse, "description": "Engine loading, failed or overloaded"},
 }
 
+# /health's 503 is its own body (not an error shape): `status` says which, `reason` why.
+_HEALTH_503: dict[int | str, dict[str, Any]] = {503: {
+    "description": "Loading, restarting, failed or stopping (`status`; after a failure also "
+                   "`code`, `classification`, `error`, `evidence`)",
+    "content": {"application/json": {"schema": {
+        "type": "object", "required": ["status"],
+        "properties": {"status": {"type": "string"}, "reason": {"type": "string"}}}}},
+}}
+
 
 @dataclass(frozen=True)
 class ServeSettings:
@@ -197,7 +206,7 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
     async def docs() -> HTMLResponse:
         return HTMLResponse(_swagger_page(app.openapi()))
 
-    @app.get("/health")
+    @app.get("/health", responses=_HEALTH_503)
     async def health() -> JSONResponse:
         status, body = client.health()
         if client.failure is not None:  # class and message only: evidence may hold a traceback
