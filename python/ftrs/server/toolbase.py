@@ -1,8 +1,7 @@
-"""The machinery under the tool-call parsers (`toolcalls`): the call and delta types, one call
-streamed from its JSON (`CallStream`), the `ToolParser` base (content shown with whitespace held
-before a possible call, malformed calls back to content), and the schemas of forced calls: a
-tool's `parameters` must be an object schema (or absent / `{}`: no arguments), so a forced call
-always writes an arguments object the parsers accept."""
+"""The machinery under the tool-call parsers (`toolcalls`): call and delta types, one call streamed
+from its JSON (`CallStream`), the `ToolParser` base (whitespace held before a possible call,
+malformed calls back to content), and forced calls' schemas: `parameters` must be an object schema
+(absent or `{}`: no arguments), so a forced call always writes arguments the parsers accept."""
 
 from __future__ import annotations
 
