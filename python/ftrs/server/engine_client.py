@@ -343,6 +343,11 @@ class EngineClient:
                 msg = inbox.recv()
             except (EOFError, OSError):
                 break
+            except Exception as exc:  # unpickling failed: a message cut by the engine's death,
+                # or this interpreter exiting under the thread (an import in `loads` fails);
+                # either way the pipe is done, and a traceback is noise
+                logger.debug("engine message unreadable: %r", exc)
+                break
             if isinstance(msg, EngineFailed):
                 last_error = msg.error
             self._call(self._on_message, msg, gen)

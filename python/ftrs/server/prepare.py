@@ -263,7 +263,7 @@ def _template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The request's messages as chat templates take them (OpenAI shape, arguments as objects)."""
     messages: list[dict[str, Any]] = []
     known: set[str] = set()  # the ids of the calls of the assistant turns so far
-    answered: set[str] = set()  # ... and those a tool message answered
+    unanswered: set[str] = set()  # ... and those no tool message has answered yet
     for i, m in enumerate(req.messages):
         if m.has_non_text_parts():
             raise _bad(f"messages[{i}].content", "only text content parts are supported")
@@ -274,11 +274,14 @@ def _template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             if role != "assistant":
                 raise _bad(f"messages[{i}].tool_calls", "only assistant messages carry tool calls")
             msg["tool_calls"] = [_history_call(i, j, c) for j, c in enumerate(m.tool_calls)]
+            turn: set[str] = set()
             for j, c in enumerate(msg["tool_calls"]):
-                if c["id"] in known:
+                if c["id"] in turn:  # its results could not say which call they answer
                     raise _bad(f"messages[{i}].tool_calls[{j}].id",
-                               f"tool call ids must be unique: {c['id']!r} is used before")
-                known.add(c["id"])
+                               f"tool call ids must be unique in a turn: {c['id']!r} is used before")
+                turn.add(c["id"])
+            known |= turn
+            unanswered |= turn  # an id reused by a later turn (call_0 each turn) opens again
         if role == "assistant" and m.reasoning_content:
             # An earlier turn's reasoning, for templates that show it again in a tool loop:
             # Qwen3, GLM-4.5 and MiniMax-M2 read `reasoning_content`; gpt-oss reads `thinking`
@@ -294,10 +297,10 @@ def _template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
             if m.tool_call_id not in known:
                 raise _bad(f"messages[{i}].tool_call_id",
                            f"no earlier assistant tool call has the id {m.tool_call_id!r}")
-            if m.tool_call_id in answered:
+            if m.tool_call_id not in unanswered:
                 raise _bad(f"messages[{i}].tool_call_id",
                            f"the tool call {m.tool_call_id!r} has a result before")
-            answered.add(m.tool_call_id)
+            unanswered.discard(m.tool_call_id)
             msg["tool_call_id"] = m.tool_call_id
             if m.name is not None:
                 msg["name"] = m.name
