@@ -152,15 +152,17 @@ class LLM:
                 c.num_cached_tokens = ev.num_cached_tokens
                 if ev.logprobs and c.logprobs is not None:
                     c.logprobs.extend(ev.logprobs)
-                if params.stop and ev.finish_reason is None and self._hit_stop(c.token_ids, params):
+                if params.stop and ev.error is None and self._hit_stop(c.token_ids, params):
                     # several tokens in one event (accepted drafts): keep them up to the one
-                    # that completes the stop string, as if they had come one at a time
+                    # that completes the stop string, as if they had come one at a time, even
+                    # when the event also finished the request (max_tokens, EOS)
                     while (len(c.token_ids) > before + 1
                            and self._hit_stop(c.token_ids[:-1], params)):
                         c.token_ids.pop()
                     if c.logprobs is not None:  # one record per token kept
                         del c.logprobs[len(c.token_ids):]
-                    self.engine.abort(ev.request_id)
+                    if ev.finish_reason is None:
+                        self.engine.abort(ev.request_id)
                     c.finish_reason = "stop"
                     pending.discard(ev.request_id)
                 elif ev.finish_reason is not None:

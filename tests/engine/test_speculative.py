@@ -102,6 +102,23 @@ def test_step_cost_is_estimated_optimistically_where_unseen() -> None:
     assert cost(1) is None
 
 
+def test_one_slow_step_stops_drafts_only_until_its_size_is_forgotten() -> None:
+    """A 2-row step slowed tenfold by another process on the host makes every draft look
+    unprofitable; drafts resume once that size is forgotten: within 48 one-row steps
+    (docs/speculative.md), not hundreds."""
+    cost = StepCost()
+    cost.observe(1, 1.0)
+    cost.observe(2, 10.0)  # the spike
+    assert best_draft(0.95, 4, 1, 1.0, cost) == 0
+    resumed = None
+    for step in range(1, 1000):
+        cost.observe(1, 1.0)  # one-row steps only: no draft ran, size 2 is not measured again
+        if best_draft(0.95, 4, 1, 1.0, cost) > 0:
+            resumed = step
+            break
+    assert resumed is not None and resumed <= 48
+
+
 def test_best_draft_weighs_the_tokens_expected_against_the_step_cost() -> None:
     def linear(rows: int) -> float:
         return float(rows)
@@ -308,6 +325,13 @@ def test_a_stop_string_mid_draft_keeps_the_tokens_one_at_a_time_keeps(demo_model
     assert c.logprobs is not None and ref.logprobs is not None  # a record per token kept
     assert [r.token_id for r in c.logprobs] == [r.token_id for r in ref.logprobs] == c.token_ids
     assert llm.engine.speculative_stats()["accepted_tokens"] > 0
+    # a step that completes the stop string and also reaches max_tokens: the stop still cuts
+    for extra in range(4):
+        cut = SamplingParams(max_tokens=len(ref.token_ids) + extra, temperature=0, logprobs=1,
+                             stop=params.stop)
+        c = llm.generate([prompt], cut)[0]
+        assert (c.token_ids, c.text, c.finish_reason) == (ref.token_ids, ref.text, "stop"), extra
+        assert c.logprobs is not None and len(c.logprobs) == len(c.token_ids)
 
 
 def test_the_context_limit_is_kept_mid_draft(moe_path: str) -> None:

@@ -54,7 +54,7 @@ MIN_NGRAM, MAX_NGRAM = 2, 4
 MAX_DRAFT = 16  # `EngineConfig.speculative_ngram`'s upper bound
 DECAY = 0.8  # weight of a request's older draft outcomes at each new one
 COST_DECAY = 0.7  # weight of a size's older steps in its cost, at each new one
-STALE_STEPS = 256  # a size not seen in this many decode steps is forgotten (measured again)
+STALE_STEPS = 32  # a size not seen in this many decode steps is forgotten (measured again)
 
 
 @dataclass(slots=True)
@@ -117,7 +117,8 @@ class StepCost:
     rows, then in proportion to the rows, so larger steps are tried in doublings, each at most
     twice the cost of the largest seen. A size not seen for `STALE_STEPS` decode steps is
     forgotten: costs drift (contexts grow, batches change, the guard paces the link), and a
-    stale high cost would stop drafts for good."""
+    stale high cost (one step slowed by another process on a busy host) would stop drafts until
+    then; a size that really costs too much is tried once per `STALE_STEPS` steps."""
 
     def __init__(self) -> None:
         self.seconds: dict[int, float] = {}
