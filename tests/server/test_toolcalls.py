@@ -27,12 +27,16 @@ WEATHER = {"type": "function", "function": {
                    "required": ["city"]}}}
 NOW = {"type": "function", "function": {"name": "now"}}
 TOOLS = [WEATHER, NOW]
+#: tools of any arguments, for outputs that call `f` and `g`
+ANY = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}}
+       for n in ("f", "g")]
 
 
-def run(parser: str, text: str, chunk: int) -> tuple[str, list[tuple[str, str, str]],
-                                                      list[ToolCallDelta]]:
-    """(content, calls as (id, name, arguments), deltas) of `text` fed in `chunk`-sized pieces."""
-    p = TOOL_PARSERS[parser](TOOLS)
+def run(parser: str, text: str, chunk: int, tools: list[dict[str, Any]] | None = None
+        ) -> tuple[str, list[tuple[str, str, str]], list[ToolCallDelta]]:
+    """(content, calls as (id, name, arguments), deltas) of `text` fed in `chunk`-sized pieces,
+    `tools` offered (default TOOLS and ANY)."""
+    p = TOOL_PARSERS[parser](TOOLS + ANY if tools is None else tools)
     content, deltas = "", []
     for i in range(0, len(text), chunk):
         c, d = p.feed(text[i:i + chunk])
@@ -541,7 +545,7 @@ def test_tagged_member_grammars_bound_a_strings_length(lltok: llguidance.LLToken
     assert accepts(lltok, grammar, call("a", "xyz"))
     assert not accepts(lltok, grammar, call("abcdef", "xy"))  # over maxLength
     assert not accepts(lltok, grammar, call("abc", "x"))  # under minLength
-    _, calls, _ = run(parser, call("abcde", "xy"), 3)
+    _, calls, _ = run(parser, call("abcde", "xy"), 3, [note])
     assert [json.loads(a) for _, _, a in calls] == [{"text": "abcde", "tag": "xy"}]
 
 
@@ -627,3 +631,26 @@ def test_a_call_cut_off_by_max_tokens_is_dropped_not_content(parser: str) -> Non
             assert (got + more).strip() == content, (parser, got + more)
         else:  # not cut: what did not parse is shown, not lost
             assert (got + more).strip() != ""
+
+
+# --- every family: a call of a tool that was not offered --------------------------------------
+
+@pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
+def test_a_call_of_a_tool_not_offered_is_content_and_never_streamed(parser: str) -> None:
+    """A model that calls a name it was not given (the system prompt's example, a tool of its
+    training) produces text, not a call an agent cannot dispatch; a call beside it of a tool
+    offered still counts."""
+    cls = TOOL_PARSERS[parser]
+    if cls.format_calls is ToolParser.format_calls:
+        pytest.skip(f"{parser} writes no calls of its own")
+    alone = cls.format_calls([("delete_everything", {"path": "/"})])
+    for chunk in CHUNKS:
+        content, calls, deltas = run(parser, alone, chunk, TOOLS)
+        assert (calls, deltas) == ([], []), (parser, chunk)
+        assert "delete_everything" in content, (parser, chunk, content)
+    both = cls.format_calls([("delete_everything", {"path": "/"}), ("now", {})])
+    for chunk in CHUNKS:
+        content, calls, deltas = run(parser, both, chunk, TOOLS)
+        assert [n for _, n, _ in calls] == ["now"], (parser, chunk)
+        assert assemble(deltas, re.compile(".+")) == calls, (parser, chunk)
+        assert "delete_everything" in content, (parser, chunk, content)

@@ -89,6 +89,7 @@ class CallStream:
 
     def __init__(self, take_index: Callable[[], int], name: str | None = None) -> None:
         self._take_index = take_index
+        self.known: frozenset[str] | None = None  # the names offered (set by the parser)
         self.id = new_call_id()
         self.index = -1  # given when the first delta is sent
         self.echo = JsonEcho()
@@ -133,8 +134,9 @@ class CallStream:
         return "".join(self._raw)
 
     def _flush(self) -> list[ToolCallDelta]:
-        if not self.name or self.echo.error:
-            return []
+        if not self.name or self.echo.error or (self.known is not None
+                                                and self.name not in self.known):
+            return []  # a call of a tool not offered is held: it becomes content
         if self.index < 0 and not self._bare_args and self._args_kind != "{":
             return []  # a call is announced with its arguments object: until then, it may be none
         pending = "".join(self._pending)
@@ -292,6 +294,9 @@ class ToolParser:
 
     def __init__(self, tools: list[dict[str, Any]]) -> None:
         self.tools = tools
+        fns = [t.get("function") for t in tools if isinstance(t, dict)]
+        self.names = frozenset(f["name"] for f in fns if isinstance(f, dict)
+                               and isinstance(f.get("name"), str))
         self.calls: list[ToolCall] = []
         self._buf = ""  # text received, not yet decided
         self._ws = ""  # whitespace held at the end of the content shown so far
@@ -364,7 +369,12 @@ class ToolParser:
 
     def _finish_call(self, stream: CallStream, parsed: tuple[str, str] | None,
                      raw: str) -> bool:
-        """Record the call if it parsed, else show its raw text as content."""
+        """Record the call if it parsed and names a tool offered, else show its raw text as
+        content (a call of another tool: as the format writes it, when `raw` is not given)."""
+        if parsed is not None and parsed[0] not in self.names:
+            log.info("a call of %r, not among the tools offered, is content", parsed[0])
+            self._malformed(raw or self.format_calls([(parsed[0], json.loads(parsed[1]))]))
+            return False
         if parsed is None:
             self._malformed(raw)
             return False
@@ -375,6 +385,7 @@ class ToolParser:
         return True
 
     def _stream(self, stream: CallStream, text: str) -> int:
+        stream.known = self.names
         used, deltas = stream.feed(text)
         self._deltas.extend(deltas)
         return used
@@ -411,71 +422,6 @@ class ToolParser:
         raise NotImplementedError
 
 
-class StateToolParser(ToolParser):
-    """A family read by a state machine: `_st_<state>` methods consume the buffer and say
-    whether they progressed; `_raw` is the current call section's text, shown as content if it
-    turns out malformed; the "bad" state keeps it to the end."""
-
-    SECTION = ""  # the tag a call section opens with (`_st_out`)
-    FIRST = ""  # the state after it
-
-    def __init__(self, tools: list[dict[str, Any]]) -> None:
-        super().__init__(tools)
-        self._state = "out"
-        self._raw: list[str] = []
-        self._call: CallStream | None = None  # the call being read
-
-    def _stream_args(self) -> bool | None:
-        """Feed the buffer to the current call's arguments object: None while it goes on, True
-        once it is complete, False when it is malformed (the state is then "bad")."""
-        assert self._call is not None
-        self._take(self._stream(self._call, self._buf))
-        if self._call.error:
-            self._state = "bad"
-            return False
-        return True if self._call.done else None
-
-    def _st_out(self) -> bool:
-        """Content up to the section's tag, then its first state."""
-        before, after, held = split_at_tag(self._buf, self.SECTION)
-        self._show(before)
-        if after is None:
-            self._buf = held
-            return False
-        self._enter_call()
-        self._raw, self._buf, self._state = [self.SECTION], after, self.FIRST
-        return True
-
-    def _advance(self) -> None:
-        while self._buf or self._state == "bad":
-            if self._state == "bad":
-                self._raw.append(self._buf)
-                self._buf = ""
-                return
-            if not getattr(self, "_st_" + self._state)():
-                return
-
-    def _take(self, n: int) -> str:
-        """The next `n` characters, consumed into the section's text."""
-        taken, self._buf = self._buf[:n], self._buf[n:]
-        self._raw.append(taken)
-        return taken
-
-    def _bad(self) -> bool:
-        self._state = "bad"
-        return True
-
-    def _after_space(self, *tags: str) -> str | None:
-        """The tag of `tags` the buffer starts with after whitespace (both consumed); "" while
-        it may still become one; None when it cannot."""
-        stripped = self._buf.lstrip()
-        for tag in tags:
-            if stripped.startswith(tag):
-                self._take(len(self._buf) - len(stripped) + len(tag))
-                return tag
-        return "" if any(tag.startswith(stripped) for tag in tags) else None
-
-
-__all__ = ["NO_ARGUMENTS", "CallStream", "StateToolParser", "ToolCall", "ToolCallDelta", "ToolParser", "args_schema",
+__all__ = ["NO_ARGUMENTS", "CallStream", "ToolCall", "ToolCallDelta", "ToolParser", "args_schema",
            "arguments_of", "arguments_schema", "call_schema", "chosen_functions", "lark_literal", "new_call_id",
            "parse_object_call", "split_at_tag", "standalone", "tool_functions"]

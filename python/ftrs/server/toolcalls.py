@@ -46,7 +46,6 @@ from typing import Any
 from ftrs.errors import ConfigError
 from ftrs.server.toolbase import (
     CallStream,
-    StateToolParser,
     ToolCall,
     ToolCallDelta,
     ToolParser,
@@ -65,6 +64,7 @@ from ftrs.server.toolcalls_deepseek import (
 )
 from ftrs.server.toolcalls_harmony import HarmonyToolParser
 from ftrs.server.toolcalls_xml import GlmToolParser, MiniMaxToolParser, QwenCoderToolParser
+from ftrs.server.toolstate import StateToolParser
 
 
 class HermesToolParser(ToolParser):

@@ -24,12 +24,12 @@ from typing import Any
 
 from ftrs.server.toolbase import (
     CallStream,
-    StateToolParser,
     args_schema,
     arguments_of,
     chosen_functions,
     lark_literal,
 )
+from ftrs.server.toolstate import StateToolParser
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"

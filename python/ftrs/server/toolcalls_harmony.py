@@ -31,12 +31,12 @@ from ftrs.server.reasoning import (
 )
 from ftrs.server.toolbase import (
     CallStream,
-    StateToolParser,
     args_schema,
     arguments_of,
     chosen_functions,
     lark_literal,
 )
+from ftrs.server.toolstate import StateToolParser
 
 
 class HarmonyToolParser(StateToolParser):

@@ -32,13 +32,13 @@ from typing import Any, ClassVar
 
 from ftrs.server.toolbase import (
     CallStream,
-    StateToolParser,
     args_schema,
     arguments_of,
     chosen_functions,
     lark_literal,
     standalone,
 )
+from ftrs.server.toolstate import StateToolParser
 
 START, END = "<tool_call>", "</tool_call>"
 KEY, KEY_END, VALUE, VALUE_END = "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"
