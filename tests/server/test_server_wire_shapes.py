@@ -138,6 +138,25 @@ def test_a_body_that_is_not_utf8_is_an_openai_400_that_says_so(fake_server: Serv
                  {"model": "fake", "prompt": "SAY:ok", "max_tokens": 5}).status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/messages"])
+@pytest.mark.parametrize("content, headers, says", [
+    (b'{"model":"fake","max_tokens":2,"prompt":"hi"}',  # curl -d without -H
+     {"content-type": "application/x-www-form-urlencoded"}, "not read as JSON"),
+    (b"", {"content-type": "application/json"}, "has no body"),
+    (b'["model"]', {"content-type": "application/json"}, "not a JSON object"),
+])
+def test_a_body_that_is_no_json_object_says_what_to_send(fake_server: ServerProcess, path: str,
+                                                         content: bytes, headers: dict[str, str],
+                                                         says: str) -> None:
+    """Not pydantic's "Input should be a valid dictionary or object to extract fields from"
+    nor a bare "field required": the client is told what the body must be."""
+    r = httpx.post(fake_server.url + path, content=content, timeout=30,
+                   headers={**fake_server.headers, **headers})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert says in message and "Content-Type: application/json" in message, message
+
+
 # ------------------------------------------------------------ tools: an object schema, or none
 
 _NOT_OBJECTS = [{"type": "string"}, {"type": "array", "items": {"type": "integer"}},

@@ -132,6 +132,12 @@ def validation_error(exc: RequestValidationError) -> InvalidRequest:
         return InvalidRequest(f"invalid JSON body: {errors[0].get('msg', '')}")
     # Of a union's alternatives, the deepest error says most (`messages[0].content[0].text`).
     first = max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {}
+    if tuple(first.get("loc", ())) == ("body",):  # no body, or one that is not an object
+        what = ("the request has no body" if first.get("type") == "missing" else
+                "the request body is not a JSON object" if isinstance(exc.body, (list, str, int,
+                                                                                  float, bool))
+                else "the request body was not read as JSON")
+        return InvalidRequest(f"{what}: send a JSON object with Content-Type: application/json")
     missing = first.get("type") == "missing"
     param = param_name(first.get("loc", ()), exc.body, missing=missing)
     msg = "field required" if missing else str(first.get("msg", "invalid request"))
