@@ -103,6 +103,11 @@ _RESULT_T = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": 
      "messages[2].content[1].tool_use_id"),  # a call is answered once
     ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": [
         {"type": "tool_use", "id": "t", "name": "f", "input": {"x": "a\udc80"}}]}]}, "messages[1].content"),
+    # Anthropic: every message has content but an optional final assistant one
+    ({"messages": [{"role": "user", "content": ""}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""},
+                   {"role": "user", "content": "b"}]}, "messages[1].content"),
 ])
 def test_bad_fields_are_named(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as info:
@@ -618,3 +623,9 @@ def test_a_lone_surrogate_anywhere_in_the_json_is_a_400(
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and param in err["message"], err
+
+
+def test_only_a_final_assistant_message_may_be_empty() -> None:
+    body = to_chat(_req(messages=[{"role": "user", "content": "a"},
+                                  {"role": "assistant", "content": ""}])).chat
+    assert [m.role for m in body.messages] == ["user", "assistant"]

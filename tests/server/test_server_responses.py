@@ -92,6 +92,10 @@ def test_the_chat_paths_fields_are_named_as_the_responses_request_names_them() -
     tr = to_chat(ResponsesRequest.model_validate({"model": "m", "input": "hi"}))
     assert tr.rename("messages") == "input"  # a prompt past the context: the input is too long
     assert tr.rename("max_completion_tokens") == "max_output_tokens"
+    # text.format holds json_schema's fields itself: a bad schema is text.format.schema
+    assert tr.rename("response_format.json_schema.schema") == "text.format.schema"
+    assert tr.rename("response_format.type") == "text.format.type"
+    assert tr.rename("response_format") == "text.format"
     assert _chat(input="hi", reasoning={"effort": "none"}).get("reasoning_effort") is None
 
 

@@ -216,10 +216,12 @@ def _accepts(lltok: llguidance.LLTokenizer, grammar: str, text: str) -> bool:
 
 
 @pytest.mark.parametrize("parser", sorted(TOOL_PARSERS))
-@pytest.mark.parametrize("params", [{}, None])
+@pytest.mark.parametrize("params", [{}, None, {"type": "object", "properties": {}},
+                                    {"type": "object", "properties": {}, "required": []}])
 def test_a_forced_call_of_a_function_without_parameters_writes_empty_arguments(
         lltok: llguidance.LLTokenizer, parser: str, params: Any) -> None:
-    """OpenAI's `parameters: {}` (or none) is a function without arguments: the forced grammar
+    """OpenAI's `parameters: {}` (or none), and Anthropic's object schema without properties,
+    are a function without arguments: the forced grammar
     allows `{}` and nothing else, where an empty schema used to allow any JSON value, which the
     parser then refused (the "forced" call came back as text)."""
     fn: dict[str, Any] = {"name": "now"} if params is None else {"name": "now", "parameters": params}

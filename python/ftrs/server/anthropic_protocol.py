@@ -228,6 +228,9 @@ def _messages(req: CountTokensRequest) -> tuple[list[dict[str, Any]], list[str]]
     answered: set[str] = set()  # ... and those a tool_result answered
     for i, msg in enumerate(req.messages):
         where = f"messages[{i}]"
+        if not msg.content and not (msg.role == "assistant" and i == len(req.messages) - 1):
+            raise _bad(f"{where}.content", "must not be empty (only a final assistant message "
+                       "may be)")
         if isinstance(msg.content, str):
             out.append({"role": msg.role, "content": msg.content})
             origins.append(f"{where}.content")

@@ -81,8 +81,9 @@ class Translation:
         m = re.match(r"tools\[(\d+)\](?:\.function)?(\.\w+)?", param)
         if m:
             return f"tools[{m.group(1)}]{m.group(2) or ''}"
-        if param.startswith("response_format"):
-            return "text.format"
+        if param.startswith("response_format"):  # text.format holds json_schema's fields flat
+            rest = param.removeprefix("response_format").removeprefix(".json_schema")
+            return "text.format" + rest
         return {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                 "reasoning_effort": "reasoning.effort", "messages": "input"}.get(param, param)
 

@@ -174,10 +174,16 @@ NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalP
 def arguments_schema(params: Any, param: str) -> dict[str, Any]:
     """The JSON Schema of a function's arguments object: `params` itself when it is an object
     schema (`"type": "object"`); `NO_ARGUMENTS` when it is absent or `{}` (OpenAI's form of a
-    function without arguments). Any other schema is a 400 naming `param`, as OpenAI and
-    Anthropic refuse it: arguments are an object, and a forced call of a schema that allowed
-    another value would be made to write what the tool parser then refuses."""
-    if params is None or params == {}:
+    function without arguments) or an object schema with no properties and nothing else that
+    admits one (`{"type": "object", "properties": {}}`, Anthropic's form). Any other schema is a
+    400 naming `param`, as OpenAI and Anthropic refuse it: arguments are an object, and a forced
+    call of a schema that allowed another value would be made to write what the tool parser
+    then refuses."""
+    if params is None or params == {} or (
+            isinstance(params, dict) and params.get("type") == "object"
+            and params.get("properties") == {} and not params.get("required")
+            and set(params) <= {"type", "properties", "required", "title", "description",
+                                "$schema"}):
         return dict(NO_ARGUMENTS)
     kind = params.get("type") if isinstance(params, dict) else None
     if kind != "object":
