@@ -14,7 +14,8 @@ the sampler's arithmetic stays finite for any finite fp32 logit:
   way, which keeps it finite for any logit below 3.4e36 and is far past the point where the
   penalty decides the draw.
 - `presence_penalty`, `frequency_penalty` in [-2, 2] (OpenAI's range).
-- `logit_bias`: (token id, bias) pairs, bias in [-100, 100] (OpenAI's range), added to the raw
+- `logit_bias`: (token id, bias) pairs (or a dict id -> bias, ids as ints or OpenAI's digit
+  strings), bias in [-100, 100] (OpenAI's range), added to the raw
   logits before anything else; -100 bans a token in practice, +100 all but forces it.
 - `reasoning_budget`: at most so many tokens of reasoning (`ReasoningBudget`); then the
   engine writes the end of the reasoning block itself (`ftrs.engine.budget`).
@@ -116,6 +117,13 @@ class SamplingParams:
         elif isinstance(ids, list):
             ids = tuple(ids)
         object.__setattr__(self, "stop_token_ids", ids)
+        bias: Any = self.logit_bias  # OpenAI's {"id": bias} (ids as JSON keys), pair lists
+        if isinstance(bias, dict):
+            bias = tuple((int(k) if isinstance(k, str) and k.isdigit() else k, v)
+                         for k, v in bias.items())
+        elif isinstance(bias, list):
+            bias = tuple(tuple(p) if isinstance(p, list) else p for p in bias)
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def greedy(self) -> bool:

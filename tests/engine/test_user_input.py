@@ -60,6 +60,13 @@ def test_stop_forms_mean_what_they_say() -> None:
     assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)  # type: ignore[arg-type]
 
 
+def test_logit_bias_forms_mean_what_they_say() -> None:
+    pairs = ((3, -100.0), (7, 2.5))
+    for form in ({3: -100.0, 7: 2.5}, {"3": -100.0, "7": 2.5}, [[3, -100.0], [7, 2.5]],
+                 [(3, -100.0), (7, 2.5)], pairs):
+        assert SamplingParams(logit_bias=form).validate(100).logit_bias == pairs  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(("params", "field"), [
     ({"stop": ""}, "stop"),
     ({"stop": 5}, "stop"),
@@ -76,6 +83,10 @@ def test_stop_forms_mean_what_they_say() -> None:
     ({"logprobs": True}, "logprobs"),
     ({"seed": True}, "seed"),
     ({"top_k": 2.0}, "top_k"),
+    ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+    ({"logit_bias": {3: 101.0}}, "logit_bias"),
+    ({"logit_bias": {100: 1.0}}, "logit_bias"),
+    ({"logit_bias": [[3]]}, "logit_bias"),
 ])
 def test_bad_sampling_params_are_refused_by_name(params: dict[str, Any], field: str) -> None:
     with pytest.raises(InvalidRequest) as e:
