@@ -259,13 +259,18 @@ def main(argv: list[str] | None = None) -> int:
         health = httpx.get(url + "/health", timeout=10).json()
         max_len, vocab = int(health["max_model_len"]), int(health["vocab_size"])
         levels_out: list[dict[str, Any]] = []
-        report: dict[str, Any] = {"model": args.model, "url": url, "workload": {
-            "prompt_len": prange, "max_tokens": orange, "seed": args.seed}, "levels": levels_out}
+        report: dict[str, Any] = {"model": model if args.url else args.model, "url": url,
+                                  "workload": {"prompt_len": prange, "max_tokens": orange,
+                                               "seed": args.seed}, "levels": levels_out}
+        # one seeded pool: every level runs a prefix of the same requests, so the levels'
+        # tokens/s are measured on the same kind of work (the first 16 are the same requests)
+        sizes = {c: args.num_requests or max(16, 4 * c) for c in levels}
+        pool = make_workload(max(sizes.values()), args.seed,
+                             (prange[0], min(prange[1], max_len - orange[1] - 1)), orange, vocab)
         workloads = {}
         for c in levels:
-            n = args.num_requests or max(16, 4 * c)
-            reqs = make_workload(n, args.seed + c, (prange[0], min(prange[1], max_len - orange[1] - 1)),
-                                 orange, vocab)
+            n = sizes[c]
+            reqs = pool[:n]
             workloads[c] = reqs
             asyncio.run(run_clients(url, model, reqs[: min(2, n)], 1))  # warm-up
             results, wall = asyncio.run(run_clients(url, model, reqs, c))

@@ -23,6 +23,7 @@ import torch
 
 from ftrs.config import EngineConfig, add_engine_arguments, engine_config_from_args
 from ftrs.engine.graphs import (
+    NOT_CUDA,
     DecodeGraphs,
     DecodeRows,
     EagerGraphs,
@@ -104,10 +105,9 @@ def test_why_graphs_are_off(tiny_models: dict[str, Path]) -> None:
 
 def test_off_on_the_cpu_and_with_the_flag_says_why_once(
         tiny_models: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
-    for options, why in (({}, "the device is cpu, not CUDA"),
-                         ({"cuda_graphs": False}, "--no-cuda-graphs")):
-        caplog.clear()
-        with caplog.at_level(logging.INFO, logger="ftrs.engine.graphs"):
+    for options, why in (({}, NOT_CUDA), ({"cuda_graphs": False}, "--no-cuda-graphs")):
+        caplog.clear()  # (the CPU's reason at DEBUG: test_graphs_off_on_a_cpu_is_not_news)
+        with caplog.at_level(logging.DEBUG, logger="ftrs.engine.graphs"):
             llm = _llm(tiny_models["llama"], **options)
         lines = [r.getMessage() for r in caplog.records if "cuda graphs" in r.getMessage()]
         assert lines == [f"cuda graphs: off: {why}"]
@@ -436,3 +436,14 @@ def test_resident_is_one_graph_only_on_the_fused_kernel(tiny_models: dict[str, P
     assert resident(select_kernels("triton", cpu)).graph_support() == GraphSupport("step")
     loop = resident(None).graph_support()
     assert loop.mode == "off" and "reads the routing on the host" in loop.why
+
+
+def test_graphs_off_on_a_cpu_is_not_news(caplog: pytest.LogCaptureFixture) -> None:
+    """`ftrs generate` on a CPU printed "cuda graphs: off" on every run; a reason the user
+    chose or can act on (--no-cuda-graphs, the model's layers) is still said."""
+    caplog.set_level(logging.INFO, logger="ftrs.engine.graphs")
+    off_args: Any = (None, None, 1, 16, 64, 0)
+    assert build_graphs(NOT_CUDA, *off_args) is None
+    assert not [r for r in caplog.records if r.levelno >= logging.INFO]
+    assert build_graphs("--no-cuda-graphs", *off_args) is None
+    assert [r.getMessage() for r in caplog.records] == ["cuda graphs: off: --no-cuda-graphs"]

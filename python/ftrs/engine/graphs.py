@@ -75,13 +75,16 @@ def pick_bucket(rows: int, buckets: Sequence[int]) -> int | None:
     return next((b for b in sorted(buckets) if b >= rows), None)
 
 
+NOT_CUDA = "the device is not CUDA"
+
+
 def why_off(config: EngineConfig, device: torch.device, kernels: str, spec: ArchSpec,
             moe: MoEStrategy | None) -> str | None:
     """Why decode steps cannot run as CUDA graphs here; None when they can."""
     if not config.cuda_graphs:
         return "--no-cuda-graphs"
     if device.type != "cuda":
-        return f"the device is {device}, not CUDA"
+        return NOT_CUDA
     if kernels != "triton":
         return (f"the torch reference kernels are in use (--kernels {config.kernels}): their "
                 "decode attention pads to the longest context, so shapes change every step")
@@ -455,8 +458,8 @@ def build_graphs(why: str | None, decoder: Decoder, kv: KVCache, max_running: in
     """Capture the decode graphs when `why` (from `why_off`) is None; log why not otherwise,
     or when capture fails (the engine then runs every step eagerly). `kind`: tests pass the
     CPU stand-in."""
-    if why is not None:
-        log.info("cuda graphs: off: %s", why)
+    if why is not None:  # off on a CPU goes without saying
+        (log.debug if why == NOT_CUDA else log.info)("cuda graphs: off: %s", why)
         return None
     buckets = graph_buckets(max_running)
     graphs = kind(decoder, kv, buckets, page_size, -(-max_model_len // page_size), scratch_page)
