@@ -141,7 +141,8 @@ def model_section(model: str, device: str, window_s: float, link: LinkState,
             "prefill_ceiling_if_offload": offload.to_dict()}
     return {"fetch": fetch.to_dict(), "link_gbps": gbps, "link_gbps_source": source,
             "kv_cache": kv_section(model, device), "prefill_chunks": rows,
-            "decode_bytes_per_token": {str(h): fetch.decode_bytes_per_token(h) for h in HIT_RATES},
+            "decode_bytes_per_token": {str(h): round(fetch.decode_bytes_per_token(h))
+                                       for h in HIT_RATES},
             "recommendation": rec}
 
 

@@ -23,6 +23,9 @@ def test_doctor_without_gpu_says_so_and_reports_cpu_figures(empty_sysfs: Path,
     r = build_report(str(model), sysfs_root=empty_sysfs, home=tmp_path / "home")
     text = format_text(r)
     assert r["device"]["gpu"] is False and "no GPU found" in text
+    assert r["link"]["speed_under_load"] is None  # no link was read: not "true"
+    per_token = r["model"]["decode_bytes_per_token"]
+    assert all(isinstance(b, int) for b in per_token.values()), per_token  # bytes, no noise
     assert r["bandwidth"]["h2d_backend"] == "host" and r["bandwidth"]["h2d_gbps"] > 0
     assert r["bandwidth"]["host_copy_gbps"] > 0
     assert r["memory"]["ram_total_bytes"] > 0

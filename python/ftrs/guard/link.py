@@ -109,6 +109,8 @@ class LinkState:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if self.device != "cuda":  # no link was read: nothing was or was not under load
+            d["speed_under_load"] = None
         gbps, source = self.effective_gbps()
         d |= {"below_max": self.below_max, "nominal_gbps": self.nominal_gbps,
               "nominal_max_gbps": self.nominal_max_gbps, "effective_gbps": gbps,
