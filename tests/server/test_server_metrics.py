@@ -114,3 +114,51 @@ def test_speculative_draft_and_accepted_tokens_are_counted() -> None:
     s = _samples(m)
     assert s["ftrs_spec_draft_tokens_total"] == 11
     assert s["ftrs_spec_accepted_tokens_total"] == 5
+
+
+def test_preemptions_are_counted_from_the_schedulers_cumulative_count() -> None:
+    m = ServerMetrics()
+    assert _samples(m)["ftrs_preemptions_total"] == 0  # declared before the first preemption
+    for total in (0, 2, 2, 5):
+        st = _stats(1)
+        st.preemptions = total
+        m.observe_step(st)
+    assert _samples(m)["ftrs_preemptions_total"] == 5
+    m.engine_gone()  # a new engine counts from 0 again: its count is added whole
+    st = _stats(1)
+    st.preemptions = 1
+    m.observe_step(st)
+    assert _samples(m)["ftrs_preemptions_total"] == 6
+
+
+def test_device_readings_have_no_sample_until_read() -> None:
+    """A host without a GPU reads no power, temperature, replays or link: no sample, not 0."""
+    m = ServerMetrics()
+    readings = ("ftrs_gpu_power_watts", "ftrs_gpu_temperature_celsius", "ftrs_pcie_replay_total")
+    s = _samples(m)
+    assert not [k for k in s if k.startswith((*readings, "ftrs_pcie_link_"))]
+    families = {f.name for f in text_string_to_metric_families(m.render().decode())}
+    assert {"ftrs_gpu_power_watts", "ftrs_gpu_temperature_celsius"} <= families  # HELP, TYPE
+    m.observe_device({"power_watts": 210.5, "temperature_celsius": 71, "replay_total": 3,
+                      "link_gen_current": 4, "link_gen_max": 4})
+    s = _samples(m)
+    assert s["ftrs_gpu_power_watts"] == 210.5 and s["ftrs_gpu_temperature_celsius"] == 71
+    assert s["ftrs_pcie_replay_total"] == 3 and s["ftrs_pcie_link_gen{kind=current}"] == 4
+    # a later sample that could not read power or the link's generation: those go absent,
+    # what it does not mention stays
+    m.observe_device({"power_watts": None, "link_gen_current": None, "temperature_celsius": 70})
+    s = _samples(m)
+    assert "ftrs_gpu_power_watts" not in s and "ftrs_pcie_link_gen{kind=current}" not in s
+    assert s["ftrs_gpu_temperature_celsius"] == 70 and s["ftrs_pcie_link_gen{kind=max}"] == 4
+    assert s["ftrs_pcie_replay_total"] == 3
+
+
+def test_prefill_fetch_bytes_are_observed_for_steps_with_prompt_tokens_only() -> None:
+    m = ServerMetrics()
+    m.observe_step(_stats(1, prefill_fetch_bytes=3 << 20))
+    decode = _stats(2, prefill_fetch_bytes=1 << 20)
+    decode.prefill_tokens = 0
+    m.observe_step(decode)
+    s = _samples(m)
+    assert s["ftrs_prefill_chunk_fetch_bytes_count"] == 1
+    assert s["ftrs_prefill_chunk_fetch_bytes_sum"] == 3 << 20

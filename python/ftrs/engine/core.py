@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ftrs.config import EngineConfig
-from ftrs.engine import budget, probes
+from ftrs.engine import budget, fetch, probes
 from ftrs.engine.batch import build_batch
 from ftrs.engine.chunking import PrefillChunker
 from ftrs.engine.grammar import GrammarCache, MaskFiller, advance
@@ -192,6 +192,7 @@ class EngineCore:
         if not work:
             return admitted, self._stats(t0, "idle", 0, 0)
         self.rt.use_device()  # the thread that runs steps may not be the one that loaded
+        h2d_before = fetch.h2d_bytes(self.expert_stats())  # `fetch.note_prefill_fetch`
         batch = build_batch(work, self.pool.page_size, self.rt.device, states=self.has_states,
                             paged=self.rt.decoder.uses_paged_kernel)
         # the grammar masks of this step's constrained rows, computed while the forward runs
@@ -226,6 +227,7 @@ class EngineCore:
         stats = self._stats(t0, kind, batch.num_prefill_tokens, batch.num_decode_tokens,
                             prefix_hit=batch.prefix_hit_tokens)
         stats.draft_tokens, stats.accepted_tokens = drafted, accepted
+        fetch.note_prefill_fetch(stats, h2d_before)
         self._chunker.observe(batch.num_prefill_tokens, batch.num_decode_tokens, stats.duration_s)
         if self._drafter is not None and kind == "decode":
             self._drafter.observe(len(batch.input_ids), stats.duration_s)
@@ -307,6 +309,7 @@ class EngineCore:
             prefill_tokens=prefill, decode_tokens=decode,
             kv_usage_ratio=self.scheduler.kv_usage(), prefix_hit_tokens=prefix_hit,
             prefill_with_decodes=self.scheduler.prefill_with_decodes,
+            preemptions=self.scheduler.num_preemptions,
             experts=moe.stats() if moe is not None else {})
 
     def close(self) -> None:

@@ -76,6 +76,9 @@ class StepStats:
     #: Speculative decoding (`engine/spec.py`): draft tokens this step computed, and accepted.
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    #: Requests the scheduler preempted for KV pages since the engine started (cumulative, like
+    #: the copy engine's counters in `experts`; `ftrs_preemptions_total` adds the difference).
+    preemptions: int = 0
     #: Prompt tokens a step with decodes could take (`engine.chunking`); None: the budget only.
     prefill_with_decodes: int | None = None
     #: The device monitor's latest verdict (`server.supervision.EngineSupervisor`):

@@ -10,6 +10,8 @@ engine from the measured step cost, `engine.chunking`; None: only the budget).
 KV pages come from the free pool, then from evicting unreferenced prefix-cache pages; when both
 are exhausted a running request is preempted (newest first): its pages are released and it goes
 back to the head of the queue with its generated tokens, to be recomputed later. Never dropped.
+`num_preemptions` counts them since the scheduler started (`StepStats.preemptions`,
+`ftrs_preemptions_total`).
 
 Models with linear attention layers also hold a state slot per running sequence (`StateSlots`):
 taken when the sequence starts running, given back with its pages when it finishes or is
@@ -57,6 +59,7 @@ class Scheduler:
         self.max_running = max_running
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.num_preemptions = 0  # requests preempted for KV pages since the start
         # running prefills whose prompt pages are not all published, by their first page
         self._prefilling: dict[tuple[int, ...], Sequence] = {}
 
@@ -120,6 +123,7 @@ class Scheduler:
         seq.draft = []
         seq.status = Status.WAITING
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     # --- shared prompts ---------------------------------------------------------------------

@@ -11,12 +11,14 @@ observed by the request handlers, which see the tokens arrive.
             fill_issued, fill_used, fill_wasted (ftrs_expert_fill_total{outcome})
             (without h2d_bytes: (demand_fetches + prefetch_issued - prefetch_cancelled
              + fill_issued - fill_dropped) * expert_bytes, the names `ftrs._core`
-             TransferEngine.stats() uses)
+             TransferEngine.stats() uses: `engine.fetch.h2d_bytes`)
   gauges:   slots, queue_depth, inflight_bytes, prefill_cap_tokens
-  per step: prefill_fetch_bytes (histogram, observed when the step had prefill tokens)
+  per step: prefill_fetch_bytes (histogram ftrs_prefill_chunk_fetch_bytes, observed when the
+            step had prefill tokens: the engine's `engine.fetch.note_prefill_fetch`)
   hybrid:   cpu_computed (counter ftrs_expert_cpu_compute_total: experts computed on the CPU);
             the split's estimates as gauges: split_link_bytes_per_s, split_link_latency_s,
             split_cpu_s_per_token ({"FORMAT/TOKENS": s per token}, labels format and tokens)
+`StepStats.preemptions` (cumulative, like the counters above) adds to ftrs_preemptions_total.
 `StepStats.prefill_with_decodes` (the engine's measured prompt chunk beside decodes,
 `engine.chunking`) sets ftrs_prefill_with_decodes_tokens.
 `StepStats.guard` (the adaptive guard, `guard.live`) sets ftrs_prefill_cap_tokens to the live
@@ -30,16 +32,22 @@ When the engine process dies, `engine_gone()` sets every gauge the dead engine r
 (requests running and waiting, KV usage, expert slots, transfer queue and bytes in flight) to
 0 until the next engine reports, and forgets its cumulative counters, so the new engine's are
 added whole; counters never go down. `ftrs_engine_restarts_total` counts new engine processes.
+
+Device readings (`observe_device`: GPU power and temperature, PCIe replays, link generation and
+width) have no sample until one is read: a host without a GPU, or a probe that cannot read a
+figure, shows the metric's HELP and TYPE only, never a made-up 0.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from importlib import metadata
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ftrs.engine.fetch import h2d_bytes
 from ftrs.engine.protocol import StepStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -74,6 +82,32 @@ def ftrs_version() -> str:
         return str(getattr(ftrs, "__version__", "0+unknown"))
 
 
+class Reading:
+    """An unlabelled gauge with no sample until a value is set (prometheus_client's `Gauge`
+    starts at 0): a device figure nobody could read is absent, not 0. `clear()` makes it absent
+    again."""
+
+    def __init__(self, name: str, documentation: str, registry: CollectorRegistry) -> None:
+        self.name, self.documentation = name, documentation
+        self.value: float | None = None
+        registry.register(self)
+
+    def set(self, value: float) -> None:
+        self.value = float(value)
+
+    def clear(self) -> None:
+        self.value = None
+
+    def describe(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily(self.name, self.documentation)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(self.name, self.documentation)
+        if self.value is not None:
+            family.add_metric([], self.value)
+        yield family
+
+
 class ServerMetrics:
     """All `ftrs_*` metrics; `render()` is the `/metrics` body."""
 
@@ -88,6 +122,7 @@ class ServerMetrics:
         self.waiting = Gauge(p + "requests_waiting", "Requests admitted to the queue, not yet running.", registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests, aborted ones included (whether or not their prefill ran).", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens.", registry=r)
+        self.preemptions = Counter(p + "preemptions", "Requests preempted by the scheduler to free KV pages (each recomputed later, never dropped).", registry=r)
         self.prefix_hits = Counter(p + "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", registry=r)
         self.spec_drafted = Counter(p + "spec_draft_tokens", "Draft tokens verified by n-gram speculative decoding.", registry=r)
         self.spec_accepted = Counter(p + "spec_accepted_tokens", "Draft tokens accepted (each one a token generated without a step of its own).", registry=r)
@@ -117,11 +152,11 @@ class ServerMetrics:
         self.device_state = Gauge(p + "device_state", "1 for the current device state.", ["state"], registry=r)
         self.device_lost = Counter(p + "device_lost", "Times the device was declared lost.", registry=r)
         self.engine_restarts = Counter(p + "engine_restarts", "Engine processes started after the first (any cause).", registry=r)
-        self.gpu_power = Gauge(p + "gpu_power_watts", "GPU power draw.", registry=r)
-        self.gpu_temperature = Gauge(p + "gpu_temperature_celsius", "GPU temperature.", registry=r)
+        self.gpu_power = Reading(p + "gpu_power_watts", "GPU power draw (no sample: not read).", r)
+        self.gpu_temperature = Reading(p + "gpu_temperature_celsius", "GPU temperature (no sample: not read).", r)
         self.link_gen = Gauge(p + "pcie_link_gen", "PCIe link generation.", ["kind"], registry=r)
         self.link_width = Gauge(p + "pcie_link_width", "PCIe link width.", ["kind"], registry=r)
-        self.pcie_replays = Gauge(p + "pcie_replay_total", "PCIe replay counter of the device.", registry=r)
+        self.pcie_replays = Reading(p + "pcie_replay_total", "PCIe replay counter of the device (no sample: not read).", r)
         self.prefill_cap = Gauge(p + "prefill_cap_tokens", "Token budget of one step (prefill cap).", registry=r)
         self.prefill_with_decodes = Gauge(p + "prefill_with_decodes_tokens", "Prompt tokens a step that carries decodes may take, from the measured step cost and --decode-stall-target (0: no bound but the step budget, or no step yet).", registry=r)
         self.pcie_pacing = Gauge(p + "pcie_pacing_bytes_per_second", "Expert-copy pacing rate set by the adaptive guard (0: off).", registry=r)
@@ -148,6 +183,7 @@ class ServerMetrics:
         if stats.prefill_tokens > 0:
             self.prefill_chunk_tokens.observe(stats.prefill_tokens)
         self.prefill_with_decodes.set(stats.prefill_with_decodes or 0)
+        self._add_cumulative("preemptions", stats.preemptions, self.preemptions)
         if stats.draft_tokens > 0:
             self.spec_drafted.inc(stats.draft_tokens)
             self.spec_accepted.inc(stats.accepted_tokens)
@@ -181,7 +217,7 @@ class ServerMetrics:
                 gauge.set(value)
 
     def observe_experts(self, experts: Mapping[str, object], had_prefill: bool = False) -> None:
-        experts = {**experts, "h2d_bytes": _h2d_bytes(experts)}
+        experts = {**experts, "h2d_bytes": h2d_bytes(experts)}
         for key, (attr, label) in _EXPERT_COUNTERS.items():
             value = _number(experts.get(key))
             if value is None:
@@ -204,13 +240,7 @@ class ServerMetrics:
 
     def _observe_split(self, experts: Mapping[str, object]) -> None:
         """The hybrid strategy's CPU-compute counter and its split's estimates."""
-        value = _number(experts.get("cpu_computed"))
-        if value is not None:
-            last = self._last_counters.get("cpu_computed", 0.0)
-            delta = value - last if value >= last else value
-            if delta > 0:
-                self.cpu_compute.inc(delta)
-            self._last_counters["cpu_computed"] = value
+        self._add_cumulative("cpu_computed", experts.get("cpu_computed"), self.cpu_compute)
         for key, gauge in (("split_link_bytes_per_s", self.split_link_rate),
                            ("split_link_latency_s", self.split_link_latency)):
             value = _number(experts.get(key))
@@ -224,6 +254,18 @@ class ServerMetrics:
                 if value is not None:
                     self.split_cpu_rate.labels(fmt, tokens).set(value)
 
+    def _add_cumulative(self, key: str, total: object, counter: Counter) -> None:
+        """Add what an engine counter `total` (cumulative since the engine started) grew by
+        since its last value; a smaller value means a new engine: added whole."""
+        value = _number(total)
+        if value is None:
+            return
+        last = self._last_counters.get(key, 0.0)
+        delta = value - last if value >= last else value
+        if delta > 0:
+            counter.inc(delta)
+        self._last_counters[key] = value
+
     def set_device_state(self, state: str, up: bool) -> None:
         for s in DEVICE_STATES:
             self.device_state.labels(s).set(1 if s == state else 0)
@@ -231,19 +273,30 @@ class ServerMetrics:
 
     def observe_device(self, sample: Mapping[str, object]) -> None:
         """A device-probe sample (health monitor): power_watts, temperature_celsius,
-        link_gen_current/max, link_width_current/max, replay_total; missing keys are skipped."""
-        for key, setter in (
-            ("power_watts", self.gpu_power.set),
-            ("temperature_celsius", self.gpu_temperature.set),
-            ("link_gen_current", self.link_gen.labels("current").set),
-            ("link_gen_max", self.link_gen.labels("max").set),
-            ("link_width_current", self.link_width.labels("current").set),
-            ("link_width_max", self.link_width.labels("max").set),
-            ("replay_total", self.pcie_replays.set),
+        link_gen_current/max, link_width_current/max, replay_total. A missing key leaves its
+        metric as it was; a key whose value is not a number (None: the probe could not read
+        it) removes the metric's sample."""
+        for key, gauge, label in (
+            ("power_watts", self.gpu_power, None),
+            ("temperature_celsius", self.gpu_temperature, None),
+            ("link_gen_current", self.link_gen, "current"),
+            ("link_gen_max", self.link_gen, "max"),
+            ("link_width_current", self.link_width, "current"),
+            ("link_width_max", self.link_width, "max"),
+            ("replay_total", self.pcie_replays, None),
         ):
-            value = _number(sample.get(key))
-            if value is not None:
-                setter(value)
+            if key not in sample:
+                continue
+            value = _number(sample[key])
+            if isinstance(gauge, Reading):
+                if value is None:
+                    gauge.clear()
+                else:
+                    gauge.set(value)
+            elif value is None:
+                gauge.remove(label)
+            else:
+                gauge.labels(label).set(value)
 
     # ------------------------------------------------------------------------ request side
 
@@ -261,21 +314,6 @@ class ServerMetrics:
 
     def request_failed(self, http_status: int) -> None:
         self.requests.labels("rejected" if http_status < 500 else "failed").inc()
-
-
-def _h2d_bytes(experts: Mapping[str, object]) -> object:
-    """`h2d_bytes` if the core reports it; else copies started times `expert_bytes` (the
-    offload strategy's view: demand fetches plus prefetches and fills that were not dropped)."""
-    if "h2d_bytes" in experts:
-        return experts["h2d_bytes"]
-    parts = [_number(experts.get(k)) for k in ("demand_fetches", "prefetch_issued", "expert_bytes")]
-    if any(p is None for p in parts):
-        return None
-    demand, issued, size = (float(p or 0) for p in parts)
-    cancelled = _number(experts.get("prefetch_cancelled")) or 0.0
-    fills = (_number(experts.get("fill_issued")) or 0.0) - (_number(experts.get("fill_dropped"))
-                                                           or 0.0)
-    return (demand + issued - cancelled + fills) * size
 
 
 def _number(value: object) -> float | None:
