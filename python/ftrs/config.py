@@ -148,8 +148,10 @@ class EngineConfig:
                 raise ConfigError(f"copy_backend: {e}") from None
         try:
             check_cache_policy(self.moe_cache_policy)
-        except ConfigError as e:
-            raise ConfigError(f"moe_cache_policy: {e}") from None
+        except ConfigError as e:  # the core also knows `belady`, an offline oracle only
+            why = str(e) if "offline" in str(e) else (
+                f"expected lrfu, lru or lfru, got {self.moe_cache_policy!r}")
+            raise ConfigError(f"moe_cache_policy: {why}") from None
 
     def _check_types(self) -> None:
         """Each field holds its annotation's type (an int where a float is expected, not a

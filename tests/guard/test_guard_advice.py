@@ -100,14 +100,14 @@ def test_a_bad_link_guard_window_is_a_config_error(window: float, tiny_models: d
                                                    tmp_path: Path) -> None:
     config = EngineConfig(model=str(tiny_models["qwen3_moe"]), device="cpu",
                           moe_strategy="offload")
-    with pytest.raises(ConfigError, match="--link-guard-window: must be a number of seconds > 0"):
+    with pytest.raises(ConfigError, match="--link-guard-window: must be a finite number of seconds > 0"):
         apply_link_guard(config, explicit_max_prefill=False, window_s=window, home=tmp_path,
                          measure=False)
 
 
 @pytest.mark.parametrize(("flags", "says"), [
-    (("--link-guard-window", "-1"), "--link-guard-window: must be a number of seconds > 0"),
-    (("--link-guard-window", "nan"), "--link-guard-window: must be a number of seconds > 0"),
+    (("--link-guard-window", "-1"), "--link-guard-window: must be a finite number of seconds > 0"),
+    (("--link-guard-window", "nan"), "--link-guard-window: must be a finite number of seconds > 0"),
     (("--guard-loss-max-age-days", "-5"), "--guard-loss-max-age-days: must be > 0, got -5"),
     (("--guard-loss-max-age-days", "0"), "--guard-loss-max-age-days: must be > 0, got 0"),
     (("--guard-loss-max-age-days", "nan"), "--guard-loss-max-age-days: must be > 0, got nan"),

@@ -27,7 +27,7 @@ from typing import Any
 
 from ftrs.config import EngineConfig
 from ftrs.engine.protocol import GenerateRequest, StepStats, TokenEvent, TokenLogprob
-from ftrs.errors import CapacityError, ContextLengthExceeded, ModelLoadError
+from ftrs.errors import CapacityError, ConfigError, ContextLengthExceeded, ModelLoadError
 from ftrs.server.engine_process import LoadedEngine
 
 BOS, EOS = 256, 257
@@ -176,6 +176,8 @@ class FakeEngine:
 def load(config: EngineConfig) -> LoadedEngine:
     if config.model == "fail-load":
         raise ModelLoadError(config.model, "fake load failure for tests")
+    if config.model == "bad-config":  # a setting only the load can judge (as a cache < top_k)
+        raise ConfigError("fake setting refused by the engine at load")
     if config.model == "slow-load":
         time.sleep(3.0)
     return LoadedEngine(FakeEngine(), config.model)

@@ -109,3 +109,61 @@ def test_the_server_serves_on_the_socket_it_bound() -> None:
         assert server.exit_code() == 0
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from ftrs.models.tiny import make_tiny
+
+    return make_tiny("mixtral", tmp_path_factory.mktemp("tiny") / "mixtral", seed=0)  # top-2
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (("--moe-strategy", "offload", "--moe-cache-size", "1"),
+     "moe cache of 1 slots (--moe-cache-size 1) is below top_k=2"),
+    (("--moe-strategy", "hybrid", "--moe-cache-size", "1"),
+     "moe cache of 1 slots (--moe-cache-size 1) is below top_k=2"),
+    (("--moe-strategy", "offload", "--moe-cache-rate", "0.001"),
+     "moe cache of 1 slots (--moe-cache-rate 0.001 of 24 experts) is below top_k=2"),
+    pytest.param(("--moe-strategy", "offload", "--copy-backend", "cuda"),
+                 "copy_backend=cuda needs a CUDA device", marks=NO_CUDA),
+    pytest.param(("--moe-strategy", "hybrid", "--copy-backend", "cuda:5"),
+                 "copy_backend=cuda:5 needs a CUDA device", marks=NO_CUDA),
+], ids=["cache-size", "hybrid-cache-size", "cache-rate", "cuda-copy", "cuda-n-copy"])
+def test_an_expert_cache_the_engine_would_refuse_exits_2_before_listening(
+        tiny_moe: Path, argv: tuple[str, ...], says: str) -> None:
+    """Read from config.json, not found by the engine after the bind and the load."""
+    proc = serve("--model", str(tiny_moe), "--device", "cpu", *argv)
+    assert proc.returncode == 2, proc.stderr
+    assert says in one_line(proc)
+
+
+def test_a_resident_model_ignores_the_cache_flags_at_preflight(tiny_moe: Path) -> None:
+    from ftrs.config import EngineConfig
+    from ftrs.server.cli import preflight
+
+    preflight(EngineConfig(model=str(tiny_moe), device="cpu", moe_cache_size=1))  # resident
+
+
+def test_a_config_error_of_the_first_engine_exits_2_at_once() -> None:
+    """The backstop: a setting only the engine's load refuses ends the server with its code and
+    one `ftrs serve:` line, rather than a server that listens and can never serve."""
+    proc = serve("--model", "bad-config", "--engine-backend", "fake_backend", timeout=40)
+    assert proc.returncode == 2, proc.stderr
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert "ftrs serve: fake setting refused by the engine at load" in lines, lines
+    assert not any("the engine failed" in line for line in lines), lines
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (("--port", "0"), "ftrs serve: --port: 0 is out of range; give a port 1-65535"),
+    (("--port", "http"), "ftrs serve: --port: 'http' is not a number; give a port 1-65535"),
+    (("--link-guard-window", "inf"),
+     "ftrs serve: --link-guard-window: must be a finite number of seconds > 0, got inf"),
+    (("--moe-cache-policy", "x"),
+     "ftrs serve: moe_cache_policy: expected lrfu, lru or lfru, got 'x'"),
+], ids=["port-0", "port-text", "window-inf", "cache-policy"])
+def test_option_refusals_are_one_ftrs_serve_line(argv: tuple[str, ...], line: str) -> None:
+    proc = serve("--model", "fake", "--engine-backend", "fake_backend", *argv)
+    assert proc.returncode == 2
+    assert one_line(proc) == line

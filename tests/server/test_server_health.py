@@ -95,21 +95,16 @@ def test_engine_death_fails_requests_with_a_typed_error_and_health_says_why() ->
         server.stop()
 
 
-def test_load_failure_is_reported_on_health() -> None:
+def test_a_model_that_fails_its_first_load_exits_3_at_once() -> None:
+    """A load that failed with a report fails the same way on every start: the server does not
+    stay up unable to serve (docs/device-loss.md "Exit codes"), it exits with the code of a
+    model that did not load, saying why in one line."""
     server = ServerProcess(["--model", "fail-load"], api_key=None)
     try:
-        body = server.wait("failed")
-        assert body["code"] == "model_load_error"
-        assert "fake load failure" in str(body["reason"])
-        r = httpx.get(server.url + "/health", timeout=5)
-        assert r.status_code == 503
-        chat = {"model": "fail-load", "messages": [{"role": "user", "content": "hi"}]}
-        r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=5)
-        assert r.status_code == 503 and r.json()["error"]["code"] == "model_load_error"
-        assert body["error"]["type"] == "ModelLoadError", body  # rebuilt as its own class
+        assert server.exit_code(timeout=30) == 3
     finally:
         server.stop()
-    assert server.proc.returncode == 3  # the documented exit code of a model that did not load
+    assert "ftrs serve: fail-load: fake load failure for tests" in server.log.read_text()
 
 
 def test_health_is_503_with_a_reason_while_loading_then_200() -> None:

@@ -22,7 +22,7 @@ import torch
 from ftrs.config import EngineConfig
 from ftrs.errors import DeviceLost
 from ftrs.quant.formats import QuantTensor
-from ftrs.server.supervision import install_policy
+from ftrs.server.restart_policy import install_policy
 
 from .fakes import FakeClient
 

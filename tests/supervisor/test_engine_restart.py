@@ -147,6 +147,43 @@ def test_kill_9_of_the_engine_restarts_it_then_past_the_bound_exits_89(tmp_path:
         server.stop()
 
 
+def test_a_kernel_fault_drill_with_on_device_lost_restart_restarts(tmp_path: Path) -> None:
+    """`--on-device-lost restart` can be drilled: a kernel fault leaves the (fake) device
+    answering, as the crash report says, so the engine restarts on it and serves again; the
+    drill is not repeated by the new engine."""
+    server = Server(tmp_path, "--fault-inject", "kernel_fault@step=2", "--on-device-lost",
+                    "restart")
+    try:
+        server.wait_ok()
+        failed = server.post("fault me")
+        assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_fault"
+        server.wait_ok(timeout=60)
+        assert server.post("after the restart").status_code == 200
+        body = server.health().json()
+        assert body["degraded_reason"]["mode"] == "restart", body
+        assert server.metric("ftrs_engine_restarts_total") == 1
+        assert server.proc.poll() is None
+    finally:
+        server.stop()
+    log = server.log.read_text()
+    assert "the device does not answer" not in log and "on-device-lost restart: restarting" in log
+    (report,) = (tmp_path / "crash").glob("*-KernelFault.json")
+    assert "pci=ok" in json.loads(report.read_text())["evidence"]["decided_by"]
+
+
+def test_an_engine_killed_logs_its_exit_once(tmp_path: Path) -> None:
+    server = Server(tmp_path)
+    try:
+        server.wait_ok()
+        os.kill(server.engine_pid(), signal.SIGKILL)
+        server.wait_ok(timeout=60)
+    finally:
+        server.stop()
+    lines = [line for line in server.log.read_text().splitlines() if "code -9" in line]
+    assert "engine process exited with code -9" in lines, lines
+    assert not any(line.count("code -9") > 1 for line in lines), lines
+
+
 @pytest.mark.slow  # a real model load in a fresh server: ~45 s on a loaded 2-core host
 def test_the_real_engine_fails_a_poisoned_step_and_serves_the_next_request(
         tmp_path: Path) -> None:

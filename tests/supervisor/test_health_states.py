@@ -26,7 +26,7 @@ from ftrs.errors import DeviceLost, EngineRestarted
 from ftrs.server.engine_client import EngineClient
 from ftrs.server.engine_process import EngineReady, StepOutput
 from ftrs.server.errors import EngineUnavailable
-from ftrs.server.supervision import install_policy
+from ftrs.server.restart_policy import cpu_fallback, install_policy
 
 
 def _app() -> tuple[Any, EngineClient, TestClient]:
@@ -71,15 +71,64 @@ def test_a_degraded_device_shows_on_health_and_metrics_and_recovers() -> None:
     assert m['ftrs_device_state{state="degraded"}'] == 0 and m['ftrs_device_state{state="ok"}'] == 1
 
 
-def test_a_cpu_fallback_stays_degraded_whatever_its_monitor_says() -> None:
+@pytest.mark.parametrize(("classification", "state"), [("DeviceLost", "lost"),
+                                                       ("KernelFault", "unknown")])
+def test_a_cpu_fallback_keeps_the_device_as_its_error_left_it(classification: str,
+                                                             state: str) -> None:
+    """docs/device-loss.md: `degraded` is a device that serves with `ftrs_device_up` 1; after
+    `--on-device-lost cpu` the GPU does not serve: its state stays the error's, up 0, whatever
+    the CPU engine's monitor (which watches no device) says; /health says degraded."""
     _, client, http = _app()
-    client.degraded = {"mode": "cpu", "classification": "DeviceLost"}
-    _app_metrics = http.app.state.metrics  # type: ignore[attr-defined]
-    _app_metrics.set_device_state("degraded", up=False)  # on_ready of the CPU engine
+    client.degraded = {"mode": "cpu", "classification": classification}
+    assert client.on_ready is not None
+    client.on_ready(client.info)  # type: ignore[arg-type]  # the CPU engine is ready
     client._on_message(StepOutput([], _step({"state": "ok", "reason": "", "bdf": None})),
                        client._generation)
     m = _device_metrics(http)
-    assert m['ftrs_device_state{state="degraded"}'] == 1 and m["ftrs_device_up"] == 0
+    assert m[f'ftrs_device_state{{state="{state}"}}'] == 1 and m["ftrs_device_up"] == 0
+    assert m['ftrs_device_state{state="degraded"}'] == 0, m
+    assert http.get("/health").json()["degraded"] is True
+
+
+def test_a_restart_on_the_same_device_reads_its_monitor_again() -> None:
+    _, client, http = _app()
+    client.degraded = {"mode": "restart", "classification": "KernelFault"}
+    assert client.on_ready is not None
+    client.on_ready(client.info)  # type: ignore[arg-type]
+    assert _device_metrics(http)["ftrs_device_up"] == 1
+    client._on_message(StepOutput([], _step({"state": "degraded", "reason": "aer",
+                                             "bdf": "0000:01:00.0"})), client._generation)
+    m = _device_metrics(http)
+    assert m['ftrs_device_state{state="degraded"}'] == 1 and m["ftrs_device_up"] == 1
+
+
+def test_health_link_guard_names_no_path_and_follows_a_cpu_fallback(tmp_path: Path) -> None:
+    """/health is unauthenticated: the guard's drill reports are shown by file name only. After
+    `--on-device-lost cpu` the guard is re-run for the resident CPU engine, so it no longer
+    describes the offload link."""
+    from ftrs.models.tiny import make_tiny
+    from ftrs.server.app import ServeSettings, create_app
+
+    model = make_tiny("mixtral", tmp_path / "mixtral", seed=0)
+    report = str(tmp_path / "crash" / "20261207T200916.629Z-DeviceLost.json")
+    guard = {"requested": 64, "cap_tokens": None, "reasons": [f"1 drill report: {report}"],
+             "warnings": ["no chunk size fixes this link"],
+             "numbers": {"strategy": "offload", "link_gbps": 1.0, "drill_reports": [report]}}
+    app = create_app(ServeSettings(engine=EngineConfig(
+        model=str(model), device="cpu", moe_strategy="offload", moe_cache_rate=0.5,
+        copy_backend="simulated:1"), link_guard=guard))
+    client: EngineClient = app.state.engine
+    client.state, client.info = "ready", EngineReady("tiny", None, 128, 100, 1)
+    http = TestClient(app)
+    shown = http.get("/health").json()["link_guard"]
+    assert shown["numbers"]["drill_reports"] == ["20261207T200916.629Z-DeviceLost.json"]
+    assert str(tmp_path) not in str(shown)
+    client.config = cpu_fallback(client.config)
+    client.degraded = {"mode": "cpu", "classification": "DeviceLost"}
+    assert client.on_ready is not None
+    client.on_ready(client.info)
+    shown = http.get("/health").json()["link_guard"]
+    assert shown["numbers"]["strategy"] == "resident" and shown["warnings"] == [], shown
 
 
 def test_the_supervisor_carries_the_monitors_verdict_in_each_step(

@@ -6,10 +6,21 @@ import asyncio
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from ftrs.config import EngineConfig
-from ftrs.errors import DeviceLost, FtrsError, InvalidRequest, ModelLoadError
+from ftrs.errors import (
+    ConfigError,
+    DeviceError,
+    DeviceLost,
+    EngineHang,
+    FtrsError,
+    InvalidRequest,
+    KernelFault,
+    ModelLoadError,
+)
 from ftrs.server.errors import EngineUnavailable
-from ftrs.server.supervision import RestartBudget, backoff_s, install_policy
+from ftrs.server.restart_policy import RestartBudget, backoff_s, install_policy
 
 from .fakes import FakeClient
 
@@ -34,12 +45,66 @@ def test_restart_when_the_device_answers_again() -> None:
 
 
 def test_restart_refused_when_the_device_does_not_answer() -> None:
-    # a fault drill stands for a device that is still gone: exit with the error's code instead
+    # a device_lost drill leaves its fake device off the bus: exit with the error's code instead
     client = FakeClient(EngineConfig(device="cpu", fault_inject="device_lost@step=3"))
     server = SimpleNamespace(should_exit=False)
     install_policy(client, server, "restart", grace_s=0.01)
-    _fail(client, server, DeviceLost("gone"))
+    _fail(client, server, DeviceLost("gone", evidence={"decided_by": ["pci_config_vendor=0xffff"],
+                                                       "bdf": "0000:01:00.0"}))
     assert server.should_exit and client.restarts == []
+
+
+@pytest.mark.parametrize("err", [
+    KernelFault("injected kernel_fault", evidence={"device_answers": ["pci"],
+                                                   "decided_by": ["engine_error=KernelFault",
+                                                                  "pci=ok"]}),
+    EngineHang("no progress", evidence={"device_answers": ["pci"], "decided_by": ["watchdog"]}),
+], ids=["kernel_fault", "hang"])
+def test_a_drill_whose_device_still_answers_restarts(err: DeviceError) -> None:
+    # the drill's classification read the fake device answering: so does the restart's probe
+    client = FakeClient(EngineConfig(device="cpu", fault_inject="kernel_fault@step=2"))
+    server = SimpleNamespace(should_exit=False)
+    install_policy(client, server, "restart", grace_s=0.01)
+    _fail(client, server, err)
+    assert not server.should_exit
+    (config, degraded), = client.restarts
+    assert config.fault_inject is None and degraded["mode"] == "restart"
+
+
+def test_a_drill_whose_device_answered_no_probe_exits() -> None:
+    client = FakeClient(EngineConfig(device="cpu", fault_inject="kernel_fault@step=2"))
+    server = SimpleNamespace(should_exit=False)
+    install_policy(client, server, "restart", grace_s=0.01)
+    _fail(client, server, KernelFault("fault", evidence={"device_answers": []}))
+    assert server.should_exit and client.restarts == []
+
+
+def test_restart_probes_the_engines_own_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two GPUs, the engine's (cuda:1, 0000:02:00.0) answers and the first is gone: the probe
+    asks the card the classification names, not the host's first."""
+    from ftrs.health import sysfs
+    from ftrs.health.result import Status
+
+    probed: list[str] = []
+
+    def probe_pci(bdf: str, **_: Any) -> Any:
+        probed.append(bdf)
+        return SimpleNamespace(status=Status.OK if bdf == "0000:02:00.0" else Status.LOST)
+
+    monkeypatch.setattr(sysfs, "probe_pci", probe_pci)
+    monkeypatch.setattr(sysfs, "discover_nvidia_gpus",
+                        lambda *_: ["0000:01:00.0", "0000:02:00.0"])
+    client = FakeClient(EngineConfig(device="cuda:1"))
+    server = SimpleNamespace(should_exit=False)
+    install_policy(client, server, "restart", grace_s=0.01)
+    _fail(client, server, KernelFault("CUDA error 700", evidence={"bdf": "0000:02:00.0",
+                                                                 "device_answers": ["pci"]}))
+    assert probed == ["0000:02:00.0"] and len(client.restarts) == 1 and not server.should_exit
+    # no address in the evidence and two GPUs: which one failed cannot be told
+    client2, server2 = FakeClient(EngineConfig(device="cuda:1")), SimpleNamespace(should_exit=False)
+    install_policy(client2, server2, "restart", grace_s=0.01)
+    _fail(client2, server2, KernelFault("CUDA error 700"))
+    assert server2.should_exit and client2.restarts == []
 
 
 def test_a_device_error_while_stopping_on_request_restarts_nothing() -> None:
@@ -98,13 +163,26 @@ def test_an_engine_death_restarts_with_backoff_then_past_the_bound_exits_89() ->
     assert client.final is not None and client.final.exit_code == 89 and server.should_exit
 
 
-def test_a_first_load_failure_is_not_restarted() -> None:
+@pytest.mark.parametrize("err", [ModelLoadError("m", "no such file"),
+                                 ConfigError("moe cache of 1 slots is below top_k=2")],
+                         ids=["model", "config"])
+def test_a_first_load_failure_exits_with_its_code_at_once(err: FtrsError) -> None:
     client = RestartingClient(EngineConfig(device="cpu"))
     client.ever_ready = False  # the engine never served: a restart would fail the same way
     server = SimpleNamespace(should_exit=False)
+    install_policy(client, server, "exit", grace_s=30.0)  # not the grace: no client waits
+    _fail(client, server, err)
+    assert client.scheduled == [] and client.final is None and server.should_exit
+
+
+def test_a_restarted_engine_that_fails_to_load_does_not_exit_as_a_first_start() -> None:
+    # the CPU fallback's engine refuses a setting: the server does not exit 2 for it
+    client = RestartingClient(EngineConfig(device="cpu"))
+    client.ever_ready, client.restarts = False, 1  # EngineClient's count: one restart ran
+    server = SimpleNamespace(should_exit=False)
     install_policy(client, server, "exit", grace_s=0.01)
-    _fail(client, server, ModelLoadError("m", "no such file"))
-    assert client.scheduled == [] and client.final is None and not server.should_exit
+    _fail(client, server, ConfigError("copy_backend=cuda needs a CUDA device"))
+    assert not server.should_exit
 
 
 def test_an_engine_killed_during_its_first_load_is_restarted() -> None:
@@ -144,3 +222,17 @@ def test_metrics_forget_the_dead_engine() -> None:
     m.observe_step(step(3000, 1))  # the new engine's counter counts from its own start
     assert m.pcie_bytes.labels("h2d")._value.get() == 4000.0
     assert m.running._value.get() == 1.0
+
+
+def test_the_cpu_fallback_drops_the_link_options_resident_would_warn_about() -> None:
+    """The operator set the cache and link flags for the GPU's offload; the CPU fallback runs
+    resident, which would warn that it ignores them: a combination nobody asked for."""
+    from ftrs.engine.runtime import offload_options_set
+    from ftrs.server.restart_policy import cpu_fallback
+
+    served = EngineConfig(device="cuda", moe_strategy="offload", moe_cache_rate=0.5,
+                          moe_cache_policy="lru", copy_backend="simulated:1", pcie_pacing=2.0,
+                          fault_inject="device_lost@step=2", max_prefill_length=512)
+    config = cpu_fallback(served)
+    assert (config.device, config.moe_strategy, config.fault_inject) == ("cpu", "resident", None)
+    assert offload_options_set(config) == [] and config.max_prefill_length == 512

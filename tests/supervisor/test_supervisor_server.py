@@ -323,4 +323,9 @@ def test_on_device_lost_cpu_keeps_serving(fleet: dict[str, Server]) -> None:
     assert r2.status_code == 200, r2.text
     m = _metrics(server.url)
     assert _metric(m, "ftrs_device_up") == 0 and _metric(m, "ftrs_device_lost_total") == 1
+    # the GPU stays lost (docs/device-loss.md): `degraded` is a device that serves, up 1
+    assert _metric(m, 'ftrs_device_state{state="lost"}') == 1
+    assert _metric(m, 'ftrs_device_state{state="degraded"}') == 0
+    # the CPU engine runs resident: the offload flags are not warned about as ignored
+    assert "ignores them" not in server.log.read_text()
     assert server.proc.poll() is None

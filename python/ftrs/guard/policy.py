@@ -102,7 +102,7 @@ def check_window_s(window_s: float, flag: str = "--link-guard-window") -> float:
     """The guard window `W`, seconds: a finite number > 0, else ConfigError."""
     if isinstance(window_s, bool) or not isinstance(window_s, (int, float)) or not (
             math.isfinite(window_s) and window_s > 0):
-        raise ConfigError(f"{flag}: must be a number of seconds > 0, got {window_s}")
+        raise ConfigError(f"{flag}: must be a finite number of seconds > 0, got {window_s}")
     return float(window_s)
 
 

@@ -110,6 +110,7 @@ class ServeSettings:
     served_model_name: str | None = None
     backend: str = DEFAULT_BACKEND  # module with load() and load_tokenizer(); see backend.py
     link_guard: dict[str, Any] | None = None  # the startup guard's decision, shown on /health
+    link_guard_window: float = 0.5  # its `--link-guard-window`, to re-run it on a CPU fallback
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # chat requests without max_tokens
     max_n: int = DEFAULT_MAX_N  # largest `n` accepted
@@ -136,12 +137,24 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
         state = "lost" if isinstance(err, DeviceLost) else "degraded" if isinstance(err, DeviceUnhealthy) else "unknown"
         metrics.set_device_state(state, up=False)
 
+    def on_cpu_fallback() -> bool:
+        """The engine runs on the CPU since a device error (`--on-device-lost cpu`)."""
+        return (client.degraded or {}).get("mode") == "cpu"
+
+    link_guard: dict[str, Any] = {"decision": settings.link_guard}
+
     def on_ready(ready: EngineReady) -> None:
         # the expert cache's slots from the ready message (a field only engines with an
         # expert cache send), so /metrics has them before the first step
         metrics.engine_ready(getattr(ready, "experts", None))
-        degraded = client.degraded is not None  # restarted on the CPU after a device error
-        metrics.set_device_state("degraded" if degraded else "ok", up=not degraded)
+        if on_cpu_fallback():  # the device stays as its error left it: lost, or unknown
+            assert client.degraded is not None
+            lost = client.degraded.get("classification") == "DeviceLost"
+            metrics.set_device_state("lost" if lost else "unknown", up=False)
+            if settings.link_guard is not None:  # the startup guard, re-run for the new engine
+                link_guard["decision"] = _guard_for(client.config, settings.link_guard_window)
+        else:
+            metrics.set_device_state("ok", up=True)
         logger.info("ftrs ready: serving %s at http://%s:%d/v1", settings.model_names[0],
                     settings.host, settings.port)
         tok = client.tokenizer
@@ -160,8 +173,8 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
         metrics.observe_step(stats)
         device = stats.device or {}
         # the engine's device monitor: degraded while it finds the device unhealthy, ok again
-        # when it no longer does (an engine restarted on the CPU stays "degraded": on_ready)
-        if device.get("state") in ("ok", "degraded") and client.degraded is None:
+        # when it no longer does (an engine restarted on the CPU watches no device: on_ready)
+        if device.get("state") in ("ok", "degraded") and not on_cpu_fallback():
             metrics.set_device_state(str(device["state"]), up=True)
         if stats.guard:
             adaptive_guard.clear()
@@ -212,8 +225,8 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
         if client.failure is not None:  # class and message only: evidence may hold a traceback
             body = {**body, "reason": scrub_paths(client.failure.message),
                     "error": public_error(client.failure)}
-        if settings.link_guard is not None:
-            body = {**body, "link_guard": settings.link_guard}
+        if link_guard["decision"] is not None:  # its reasons name crash reports by path
+            body = {**body, "link_guard": _scrubbed(link_guard["decision"])}
         if adaptive_guard:
             body = {**body, "adaptive_guard": dict(adaptive_guard)}
         return JSONResponse(body, status_code=status)
@@ -253,6 +266,30 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def _guard_for(config: EngineConfig, window_s: float) -> dict[str, Any] | None:
+    """The startup link guard's decision for `config` (a restarted engine's), or None when it
+    makes none or cannot read the model now."""
+    from ftrs.guard.startup import apply_link_guard
+
+    try:
+        _, decision = apply_link_guard(config, explicit_max_prefill=True, window_s=window_s)
+    except FtrsError as err:
+        logger.warning("link guard: not re-run for the restarted engine: %s", err.message)
+        return None
+    return None if decision is None else decision.to_dict()
+
+
+def _scrubbed(value: Any) -> Any:
+    """`value` (JSON) with absolute paths in its strings cut to their last component."""
+    if isinstance(value, str):
+        return scrub_paths(value)
+    if isinstance(value, dict):
+        return {k: _scrubbed(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_scrubbed(v) for v in value]
+    return value
 
 
 def _pick(*statuses: int) -> dict[int | str, dict[str, Any]]:

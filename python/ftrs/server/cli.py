@@ -15,7 +15,8 @@ requests run for its graceful timeout, then cut them, and re-raise the signal at
 
 Before it binds or spawns anything, `run_serve` refuses what the engine would refuse at once
 (`preflight`: the device, the kernels, the CPU kernel family, a model path that is not there or
-not readable; exit 2 or 3, as `ftrs generate`) and binds the listening address itself
+not readable, an expert cache smaller than the model's top_k, a CUDA copy backend off CUDA;
+exit 2 or 3, as `ftrs generate`) and binds the listening address itself
 (`bind_sockets`), handing the socket to uvicorn: an address in use or not on this host is one
 `cannot listen on HOST:PORT: ...` line and exit 1, and no engine starts.
 
@@ -29,6 +30,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import signal
 import socket
@@ -58,10 +60,10 @@ MAX_PORT = 65535
 EXIT_CANNOT_START = 1  # docs/device-loss.md "Exit codes": the server could not start
 
 
-def port_number(text: str) -> int:
+def port_number(text: str | int) -> int:
     """`--port`: a TCP port, 1-65535. 0 (any free port) is refused: the server names its URL
-    before it binds, so it would name the wrong one. Raises ConfigError, which argparse passes
-    through, so `ftrs` prints one `ftrs: error:` line instead of its usage."""
+    before it binds, so it would name the wrong one. Raises ConfigError; `run_serve` checks the
+    option (argparse keeps its text), so a refusal is one `ftrs serve:` line like the others."""
     try:
         port = int(text)
     except ValueError:
@@ -76,7 +78,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="demo", help="model directory, GGUF file, or 'demo'")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=port_number, default=8000,
+    parser.add_argument("--port", default=8000,
                         help=f"port to listen on, 1-{MAX_PORT} (default 8000)")
     parser.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer KEY` (all endpoints but /health and "
@@ -107,7 +109,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-link-guard", action="store_true",
                         help="with an explicit --max-prefill-length, do not cap it")
     parser.add_argument("--link-guard-window", type=float, default=0.5,
-                        help="seconds of expert fetch one prefill chunk may take (default 0.5)")
+                        help="seconds of expert fetch one prefill chunk may take, finite and > 0 "
+                             "(default 0.5)")
     add_engine_arguments(parser)
 
 
@@ -124,10 +127,15 @@ def run_serve(args: argparse.Namespace, classifier: Classifier | None = None) ->
         logging.basicConfig(level=logging.INFO, format="%(message)s")
     backend = args.engine_backend or DEFAULT_BACKEND
     try:  # the cheap checks, before the address is bound
+        args.port = port_number(args.port)
+        window_s = getattr(args, "link_guard_window", 0.5)
+        if isinstance(window_s, float) and not math.isfinite(window_s):
+            raise ConfigError(f"--link-guard-window: must be a finite number of seconds > 0, "
+                              f"got {window_s}")
+        check_window_s(window_s)
         engine = engine_config_from_args(args)
         if backend == DEFAULT_BACKEND:  # another backend (tests' fakes) loads its own way
             preflight(engine)
-        check_window_s(getattr(args, "link_guard_window", 0.5))
         api_key = resolve_api_key(args)
         limits = serve_limits(args)
         check_parser_flags(args)
@@ -169,6 +177,7 @@ def _serve_on(sockets: list[socket.socket], args: argparse.Namespace, engine: En
     settings = ServeSettings(engine=engine, host=args.host, port=args.port, api_key=api_key,
                              served_model_name=args.served_model_name, backend=backend,
                              link_guard=link_guard.to_dict() if link_guard is not None else None,
+                             link_guard_window=getattr(args, "link_guard_window", 0.5),
                              tool_parser=getattr(args, "tool_parser", None),
                              reasoning_parser=getattr(args, "reasoning_parser", None),
                              **limits)
@@ -177,7 +186,7 @@ def _serve_on(sockets: list[socket.socket], args: argparse.Namespace, engine: En
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=5)
     server = stoppable_server(config, client)
-    from ftrs.server.supervision import install_policy
+    from ftrs.server.restart_policy import install_policy
 
     install_policy(client, server, engine.on_device_lost)
 
@@ -205,8 +214,9 @@ def _serve_on(sockets: list[socket.socket], args: argparse.Namespace, engine: En
 def preflight(engine: EngineConfig) -> None:
     """Refuse now what the engine process would refuse as it starts, before minutes of loading
     (`ftrs generate` meets the same checks before its load): the device (`resolve_device`),
-    `--kernels` (`select_kernels`), `--cpu-kernels` (the core's families), and a model path
-    that is not there, not readable, or neither a directory nor a .gguf file. Raises
+    `--kernels` (`select_kernels`), `--cpu-kernels` (the core's families), a model path
+    that is not there, not readable, or neither a directory nor a .gguf file, and the expert
+    cache and copy backend of offload or hybrid (`preflight_experts`). Raises
     ConfigError (exit 2) or ModelLoadError (exit 3). Reads no weights, and makes no CUDA
     context in this process."""
     from ftrs import _core
@@ -219,6 +229,37 @@ def preflight(engine: EngineConfig) -> None:
     if engine.cpu_kernels not in ("auto", *_core.quant_kernels()):
         _core.quant_set_kernel(engine.cpu_kernels)  # a family this CPU lacks: ConfigError
     preflight_model(engine.model)
+    preflight_experts(engine, device)
+
+
+def preflight_experts(engine: EngineConfig, device: torch.device) -> None:
+    """ConfigError for what `moe.offload` refuses as offload or hybrid build their slots, read
+    from config.json or the GGUF header: a `--copy-backend cuda[:N]` off CUDA, and fewer slots
+    (`--moe-cache-size`, or `--moe-cache-rate` of all experts) than the model's top_k. The demo
+    is a MoE; before it is built its figures are not known, so only its copy backend is."""
+    if engine.moe_strategy not in ("offload", "hybrid"):
+        return  # resident uses neither; `auto` is resolved after the bind (the link guard)
+    from ftrs.guard.startup import expert_fetch
+    from ftrs.models.demo import demo_dir
+
+    built = engine.model != "demo" or (demo_dir() / ".complete").is_file()
+    fetch = expert_fetch(engine) if built else None
+    if fetch is not None and not fetch.num_experts:
+        return  # a dense model: no strategy is built, no flag acts
+    spec = engine.copy_backend
+    if spec.split(":")[0] == "cuda" and device.type != "cuda":
+        raise ConfigError(f"copy_backend={spec} needs a CUDA device (--moe-strategy "
+                          f"{engine.moe_strategy} on {device.type})")
+    if fetch is None:
+        return
+    total = fetch.num_experts * fetch.num_moe_layers
+    slots = engine.moe_cache_size if engine.moe_cache_size is not None else (
+        math.ceil(engine.moe_cache_rate * total) if engine.moe_cache_rate is not None else None)
+    if slots is not None and slots < fetch.top_k:  # the message of `moe.offload.cache_slots`
+        given = (f"--moe-cache-size {slots}" if engine.moe_cache_size is not None else
+                 f"--moe-cache-rate {engine.moe_cache_rate:g} of {total} experts")
+        raise ConfigError(f"moe cache of {slots} slots ({given}) is below top_k={fetch.top_k}: "
+                          "nothing could run")
 
 
 def preflight_device(name: str) -> torch.device:
@@ -366,7 +407,8 @@ def check_parser_flags(args: argparse.Namespace) -> None:
 
 
 async def _report_loading(client: EngineClient, model: str) -> None:
-    """Log elapsed time (and engine progress) every few seconds until the engine is up or fails."""
+    """Log elapsed time (and engine progress) every few seconds until the engine is up or fails
+    (the restart policy says what a failure does, in its own line)."""
     start = time.monotonic()
     while client.state in ("starting", "loading"):
         await asyncio.sleep(5.0)
@@ -376,8 +418,6 @@ async def _report_loading(client: EngineClient, model: str) -> None:
         frac = client.progress.fraction if client.progress else None
         pct = f" {frac * 100:.0f}%" if frac is not None else ""
         logger.info("  %s%s ... %.0f s", msg, pct, time.monotonic() - start)
-    if client.state == "failed" and client.failure is not None:
-        logger.error("ftrs serve: the engine failed: %s (%s)", client.failure.message, client.failure.code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -392,4 +432,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["add_serve_arguments", "bind_sockets", "check_parser_flags", "engine_config_from_args",
-           "main", "port_number", "preflight", "resolve_api_key", "run_serve", "serve_limits"]
+           "main", "port_number", "preflight", "preflight_experts", "resolve_api_key", "run_serve",
+           "serve_limits"]

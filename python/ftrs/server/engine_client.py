@@ -6,7 +6,7 @@ that receives everything the engine sends. Token events are routed, on the event
 without one), every in-flight request receives the same typed error, `/health` reports it,
 and new requests are refused with it.
 
-When the engine dies after it served, the restart policy (`server.supervision.install_policy`)
+When the engine dies after it served, the restart policy (`server.restart_policy.install_policy`)
 may call `schedule_restart` (so does `--on-device-lost cpu|restart`, with another config): the
 requests in flight are then told `EngineRestarted` (503, `engine_restarted`; of a device error,
 that error), state is "restarting" (/health 503 with the cause and the restart count, new
@@ -400,7 +400,9 @@ class EngineClient:
         if self.state in ("stopping", "stopped") or gen != self._generation:
             return  # stopped on request (a service manager signals the engine too)
         err = self.failure or self.classifier(exit_code, last_error)
-        logger.error("engine process exited with code %s: %s", exit_code, err.message)
+        said = f"engine process exited with code {exit_code}"
+        # an exit without a report is classified by its code alone: its message says just that
+        logger.error("%s", err.message if err.message.startswith(said) else f"{said}: {err.message}")
         if self.failure is None:
             self._fail(err)
 

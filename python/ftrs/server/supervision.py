@@ -1,6 +1,7 @@
-"""Device supervision of the server (issue 5): the engine side and the API side.
+"""Device supervision of the server (issue 5), the engine side; the API side, what `ftrs serve`
+does once the engine died, is `server.restart_policy`.
 
-Engine side, `EngineSupervisor` (runs in the engine process, wraps every `step()`):
+`EngineSupervisor` (runs in the engine process, wraps every `step()`):
 - a flight recorder (`health.flight.FlightLog`, last 512 steps) records every step, and the
   step in progress when one fails or hangs; each step's StepStats carries the monitor's
   latest verdict on the device (`device`: ok, or degraded and why) to the API process;
@@ -24,27 +25,10 @@ A step that raises anything else (an engine bug, an input validation missed) is 
 `step()` re-raises it and the engine process fails that step's requests and goes on
 (`engine_process.StepRunner`). A CUDA error torch raises untyped counts as the device's; a
 CUDA out-of-memory fails only the step's requests, like DeviceOutOfMemory.
-
-API side, `install_policy(client, server, policy)`: what `ftrs serve` does once the engine
-died. Of a device error, per `policy`: `exit`: stop serving (in-flight clients already have
-their typed error) and exit with the error's code (86/87/88). `cpu`: restart the engine on
-the CPU (`cpu_fallback`) and keep serving; /health then says `"degraded": true`. `restart`: restart on the
-same device only when a fresh probe says the device answers; otherwise behave as `exit`. Both
-restart through `schedule_restart` like any other restart: the requests in flight keep the
-device error they met, and until the new engine is ready /health says "restarting" (the cause,
-the restart count) and new requests get 503 `engine_restarted`.
-Of anything else, once the engine had served (any exit, kill -9, `--step-fault-limit` failed
-steps in a row, a restarted engine that fails to load), or of an exit without a report while
-it first loads (not a load error it reported: that would fail again): restart it on the same config after a
-backoff, the requests in flight told `engine_restarted`. Every restart, of either kind, takes
-one from `RestartBudget` (`--engine-restarts` within `--engine-restart-window` s); with none
-left a device error exits with its own code and anything else with `EngineRestarted`'s, 89.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import linecache
 import logging
 import tempfile
@@ -57,10 +41,9 @@ from typing import Any
 from ftrs.config import EngineConfig, ftrs_home
 from ftrs.engine.faults import FAKE_BDF, StepFaults, make_fake_sysfs, parse_fault_spec
 from ftrs.engine.protocol import StepStats, TokenEvent
-from ftrs.errors import DeviceError, DeviceOutOfMemory, EngineHang, EngineRestarted, FtrsError
+from ftrs.errors import DeviceError, DeviceOutOfMemory, EngineHang, FtrsError
 from ftrs.guard.live import LiveGuard
 from ftrs.server.device_probes import cuda_bdf, cuda_child_probe
-from ftrs.server.errors import EngineUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -295,159 +278,4 @@ def _raised_at(exc: BaseException) -> str | None:
     return f"{path}:{tb.tb_lineno} in {code.co_name}: {line}"
 
 
-# -------------------------------------------------------------------------------- API side
-
-
-BACKOFF_FIRST_S = 0.5  # the first restart's delay; doubled per restart in the window
-BACKOFF_MAX_S = 8.0
-
-
-class RestartBudget:
-    """At most `limit` restarts within any `window_s` seconds; `take()` claims one."""
-
-    def __init__(self, limit: int, window_s: float) -> None:
-        self.limit = limit
-        self.window_s = window_s
-        self._times: list[float] = []
-
-    def take(self, now: float | None = None) -> int | None:
-        """Claim a restart: its number within the window (1-based), or None when none is left."""
-        now = time.monotonic() if now is None else now
-        self._times = [t for t in self._times if now - t < self.window_s]
-        if len(self._times) >= self.limit:
-            return None
-        self._times.append(now)
-        return len(self._times)
-
-
-def backoff_s(attempt: int) -> float:
-    """Delay before restart number `attempt` of the window: 0.5 s, 1 s, 2 s, ... at most 8 s."""
-    return float(min(BACKOFF_FIRST_S * 2 ** (attempt - 1), BACKOFF_MAX_S))
-
-
-def install_policy(client: Any, server: Any, policy: str, grace_s: float = 1.0) -> None:
-    """Chain onto `client.on_failure`: act on a device error per `policy` (exit|restart|cpu),
-    restart the engine after any other death of an engine that had served, both within the
-    restart budget of `client.config`.
-
-    `server` is the uvicorn.Server; an exit sets `server.should_exit` after `grace_s`, so the
-    clients in flight receive their typed errors first.
-    """
-    previous = client.on_failure
-    config = client.config
-    budget = RestartBudget(getattr(config, "engine_restarts", 3),
-                           getattr(config, "engine_restart_window", 600.0))
-
-    def on_failure(err: FtrsError) -> None:
-        if previous is not None:
-            previous(err)
-        if getattr(client, "state", None) in ("stopping", "stopped"):
-            return  # stopped on request: no restart, the exit code stays the stop's
-        if not isinstance(err, DeviceError):
-            # A load that failed with a report fails the same way again: /health says why.
-            # A process that vanished mid-load (the OOM killer) is worth another try.
-            served = getattr(client, "ever_ready", False)
-            if getattr(client, "state", None) == "failed" and (
-                    served or isinstance(err, EngineUnavailable)):
-                _restart_or_exit(client, server, budget, err, grace_s)
-            return
-        loop = asyncio.get_running_loop()
-        action = policy
-        if action == "restart" and not _device_answers(client.config):
-            logger.error("on-device-lost restart: the device does not answer; exiting")
-            action = "exit"
-        attempt = budget.take() if action != "exit" else None
-        if action != "exit" and attempt is None:
-            logger.error("on-device-lost %s: %d restarts within %.0f s already; exiting", action,
-                         budget.limit, budget.window_s)
-            action = "exit"
-        if action == "exit" or attempt is None:
-            logger.error("ftrs serve: %s (%s); exiting with code %d", err.message, err.code,
-                         err.exit_code)
-            loop.call_later(grace_s, _stop, server)
-            return
-        config = client.config
-        if action == "cpu":
-            config = cpu_fallback(config)
-        else:
-            config = dataclasses.replace(config, fault_inject=None)
-        delay = backoff_s(attempt)
-        told = EngineRestarted(
-            f"the device failed ({type(err).__name__}: {err.message}); restarting the engine on "
-            f"{config.device} (restart {attempt} of at most {budget.limit} within "
-            f"{budget.window_s:g} s)", evidence={"cause": _cause(err), "attempt": attempt,
-                                                 "limit": budget.limit, "mode": action})
-        logger.warning("on-device-lost %s: restarting the engine on %s in %.1f s", action,
-                       config.device, delay)
-        client.schedule_restart(told, delay, config=config, degraded={
-            "reason": err.message, "code": err.code, "classification": type(err).__name__,
-            "mode": action, "device": config.device})
-
-    client.on_failure = on_failure
-
-
-def cpu_fallback(config: EngineConfig) -> EngineConfig:
-    """The config `--on-device-lost cpu` restarts with: the CPU device, no drill, and the
-    `resident` strategy for a MoE: every expert is computed where the host pool holds it, in the
-    checkpoint's own encoding (a quantized file's experts and projections stay quantized and run
-    on the Rust kernels; `models.load`), with no slot cache or copy beside it (offload would copy
-    host memory into host memory; hybrid on a CPU device computes as resident does). `dtype`
-    stays as given ("auto" resolves to float32 on the CPU)."""
-    return dataclasses.replace(config, device="cpu", fault_inject=None, moe_strategy="resident",
-                               copy_backend="auto")
-
-
-def _restart_or_exit(client: Any, server: Any, budget: RestartBudget, err: FtrsError,
-                     grace_s: float) -> None:
-    """The engine died of something not the device's: restart it after a backoff, or, with
-    no restart left, exit 89 (`EngineRestarted`) so a service manager starts a fresh server."""
-    cause = _cause(err)
-    attempt = budget.take()
-    if attempt is None:
-        final = EngineRestarted(
-            f"the engine failed ({type(err).__name__}: {err.message}) after {budget.limit} "
-            f"restart(s) within {budget.window_s:g} s (--engine-restarts); the server exits",
-            evidence={"cause": cause, "restarts": budget.limit})
-        logger.error("ftrs serve: %s; exiting with code %d", final.message, final.exit_code)
-        client.give_up(final)
-        asyncio.get_running_loop().call_later(grace_s, _stop, server)
-        return
-    delay = backoff_s(attempt)
-    told = EngineRestarted(
-        f"the engine failed ({type(err).__name__}: {err.message}); restarting it "
-        f"(restart {attempt} of at most {budget.limit} within {budget.window_s:g} s)",
-        evidence={"cause": cause, "attempt": attempt, "limit": budget.limit})
-    logger.error("engine failed: %s; restarting it in %.1f s (restart %d of at most %d)",
-                 err.message, delay, attempt, budget.limit)
-    client.schedule_restart(told, delay)
-
-
-def _cause(err: FtrsError) -> dict[str, Any]:
-    return {"type": type(err).__name__, "message": err.message, "code": err.code}
-
-
-def _stop(server: Any) -> None:
-    server.should_exit = True
-
-
-def _device_answers(config: EngineConfig) -> bool:
-    """Restart only when a fresh probe says the device is back (a fault drill never is)."""
-    if config.fault_inject is not None:
-        return False
-    if not config.device.startswith(("cuda", "auto")):
-        return True
-    from ftrs.health.result import Status
-    from ftrs.health.sysfs import discover_nvidia_gpus, probe_pci
-
-    gpus = discover_nvidia_gpus()
-    return bool(gpus) and probe_pci(gpus[0]).status in (Status.OK, Status.DEGRADED)
-
-
-def exit_code_for(client: Any) -> int | None:
-    """The code `ftrs serve` exits with: the failure's, unless the engine was restarted."""
-    failure = getattr(client, "failure", None)
-    return None if failure is None else int(failure.exit_code)
-
-
-__all__ = ["EngineSupervisor", "RestartBudget", "backoff_s", "cuda_bdf", "exit_code_for",
-           "install_policy"]
+__all__ = ["EngineSupervisor", "cuda_bdf"]
