@@ -208,7 +208,7 @@ def test_demo_template_merges_the_tools_into_its_system_message(demo_model: Path
 def test_calls_written_in_a_format_parse_back(parser: str) -> None:
     fmt = TOOL_PARSERS[parser]
     calls = [("get_weather", {"city": "Zürich"}), ("now", {})]
-    p = fmt([WEATHER])
+    p = fmt([WEATHER, {"type": "function", "function": {"name": "now"}}])
     content, _ = p.feed(fmt.format_calls(calls))
     content += p.finish()[0]
     assert content == ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from dataclasses import fields
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from ftrs.cli import main
 from ftrs.config import EngineConfig
 from ftrs.errors import ConfigError
-from ftrs.server.cli import add_serve_arguments, engine_config_from_args
+from ftrs.server.cli import add_serve_arguments, engine_config_from_args, port_number
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -53,18 +54,18 @@ def test_bad_values_raise_typed_config_errors() -> None:
 
 
 @pytest.mark.parametrize("port", ["99999", "65536", "0", "-1", "abc"])
-def test_a_bad_port_is_a_config_error_at_parse_time(port: str,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_bad_port_is_a_config_error_before_any_load(port: str,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
     with pytest.raises(ConfigError, match="--port"):
-        _parse("--port", port)
+        port_number(port)
     assert main(["serve", "--port", port]) == 2  # before any model is loaded
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("ftrs: error: --port: ") and "1-65535" in err and "\n" not in err
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(said) == 1 and said[0].startswith("ftrs serve: --port: "), said
+    assert "1-65535" in said[0] and "\n" not in said[0]
 
 
 def test_ports_in_range_are_accepted() -> None:
-    assert _parse("--port", "1").port == 1
-    assert _parse("--port", "65535").port == 65535
+    assert port_number("1") == 1 and port_number("65535") == 65535 and port_number(8000) == 8000
 
 
 def test_help_names_the_host_default_and_every_parser(capsys: pytest.CaptureFixture[str]) -> None:

@@ -128,11 +128,7 @@ def run_serve(args: argparse.Namespace, classifier: Classifier | None = None) ->
     backend = args.engine_backend or DEFAULT_BACKEND
     try:  # the cheap checks, before the address is bound
         args.port = port_number(args.port)
-        window_s = getattr(args, "link_guard_window", 0.5)
-        if isinstance(window_s, float) and not math.isfinite(window_s):
-            raise ConfigError(f"--link-guard-window: must be a finite number of seconds > 0, "
-                              f"got {window_s}")
-        check_window_s(window_s)
+        check_window_s(getattr(args, "link_guard_window", 0.5))
         engine = engine_config_from_args(args)
         if backend == DEFAULT_BACKEND:  # another backend (tests' fakes) loads its own way
             preflight(engine)
