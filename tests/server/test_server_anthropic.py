@@ -108,6 +108,10 @@ _RESULT_T = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": 
     ({"messages": [{"role": "user", "content": []}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""},
                    {"role": "user", "content": "b"}]}, "messages[1].content"),
+    ({"messages": [{"role": "user", "content": " \n"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                {"type": "text", "text": ""}]}]},
+     "messages[0].content[1].text"),
 ])
 def test_bad_fields_are_named(fields: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidRequest) as info:

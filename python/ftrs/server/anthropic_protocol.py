@@ -228,9 +228,13 @@ def _messages(req: CountTokensRequest) -> tuple[list[dict[str, Any]], list[str]]
     answered: set[str] = set()  # ... and those a tool_result answered
     for i, msg in enumerate(req.messages):
         where = f"messages[{i}]"
-        if not msg.content and not (msg.role == "assistant" and i == len(req.messages) - 1):
-            raise _bad(f"{where}.content", "must not be empty (only a final assistant message "
-                       "may be)")
+        if not (msg.role == "assistant" and i == len(req.messages) - 1):  # it may be empty
+            if not msg.content or (isinstance(msg.content, str) and not msg.content.strip()):
+                raise _bad(f"{where}.content", "must not be empty or blank (only a final "
+                           "assistant message may be)")
+            for j, b in enumerate(msg.content if isinstance(msg.content, list) else ()):
+                if isinstance(b, TextBlock) and not b.text.strip():
+                    raise _bad(f"{where}.content[{j}].text", "a text block must not be blank")
         if isinstance(msg.content, str):
             out.append({"role": msg.role, "content": msg.content})
             origins.append(f"{where}.content")
