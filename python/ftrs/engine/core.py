@@ -192,9 +192,10 @@ class EngineCore:
         if not work:
             return admitted, self._stats(t0, "idle", 0, 0)
         self.rt.use_device()  # the thread that runs steps may not be the one that loaded
-        h2d_before = fetch.h2d_bytes(self.expert_stats())  # `fetch.note_prefill_fetch`
         batch = build_batch(work, self.pool.page_size, self.rt.device, states=self.has_states,
                             paged=self.rt.decoder.uses_paged_kernel)
+        h2d_before = (fetch.h2d_bytes(self.expert_stats()) if batch.num_prefill_tokens
+                      else None)  # `fetch.note_prefill_fetch`: prefill steps only
         # the grammar masks of this step's constrained rows, computed while the forward runs
         g_rows = [r for r, s in enumerate(batch.sample_seqs) if s.request_id in self._matchers]
         masks = self._start_masks([batch.sample_seqs[r] for r in g_rows]) if g_rows else None

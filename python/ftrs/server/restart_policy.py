@@ -93,7 +93,8 @@ def install_policy(client: Any, server: Any, policy: str, grace_s: float = 1.0) 
             served = getattr(client, "ever_ready", False)
             if (not served and not getattr(client, "restarts", 0)
                     and isinstance(err, (ConfigError, ModelLoadError))):
-                # the first engine refused its settings or its model: every start would
+                # the first engine refused its settings or its model: every start would do
+                # the same, so exit with its code (2 or 3) rather than serve nothing
                 logger.error("ftrs serve: %s", err.message)
                 asyncio.get_running_loop().call_soon(_stop, server)
                 return
