@@ -154,3 +154,26 @@ def test_a_stop_on_request_while_the_model_loads_exits_0(tmp_path: Path, how: st
     assert stopped_s < 8.0, log  # the engine is terminated, not waited for
     assert "KeyboardInterrupt" not in log and "engine load failed" not in log, log
     assert "leaked semaphore" not in log, log
+
+
+def test_the_engine_process_draws_progress_bars_without_a_named_semaphore() -> None:
+    """An engine killed outright (SIGKILL, the OOM killer) runs no finalizer: a semaphore it made
+    is left to the resource tracker, which reports it as leaked when the server stops. The
+    engine's bars (the loader's tqdm) must make none; a fresh interpreter shows what it makes."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\n"
+             "from tqdm import tqdm\n"
+             "from tqdm.std import TqdmDefaultWriteLock as L\n"
+             "if sys.argv[1] == 'engine':\n"
+             "    from ftrs.server.engine_process import bars_without_semaphore\n"
+             "    bars_without_semaphore()\n"
+             "for _ in tqdm(range(3), disable=False, file=sys.stderr):\n"
+             "    pass\n"
+             "print(type(getattr(L, 'mp_lock', None)).__name__)\n")
+    made = {who: subprocess.run([sys.executable, "-c", probe, who], capture_output=True,
+                                text=True, check=True).stdout.strip()
+            for who in ("plain", "engine")}
+    assert made["plain"] == "RLock", made  # tqdm's default: the probe sees the semaphore
+    assert made["engine"] == "NoneType", made

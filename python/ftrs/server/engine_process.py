@@ -20,8 +20,10 @@ the exit code still knows what happened. The API side then restarts the engine o
 Stopping is the API process's business: the engine process ignores SIGINT (Ctrl-C in a
 terminal reaches the whole process group; the API process stops the engine with `Shutdown`,
 or with SIGTERM while it loads and reads no messages: it exits 143 then), and every exit runs
-multiprocessing's finalizers first, so a semaphore some library made here (tqdm's lock) is
-unlinked rather than reported leaked by the resource tracker.
+multiprocessing's finalizers first, so a semaphore some library made here is unlinked rather
+than reported leaked by the resource tracker. The loader's progress bars (tqdm) write under a
+thread lock here, not tqdm's default named semaphore, so an engine killed outright (SIGKILL,
+the OOM killer) leaves no semaphore behind either.
 
 The engine is built by a *backend*: a module with `load(config) -> LoadedEngine`. The default,
 `ftrs.server.backend`, builds `ftrs.engine.core.EngineCore`; tests pass a fake one.
@@ -172,6 +174,16 @@ def _exit(code: int) -> None:
         os._exit(code)
 
 
+def bars_without_semaphore() -> None:
+    """Progress bars in this process take a thread lock: tqdm's default also makes a named
+    multiprocessing semaphore, which a process killed before its finalizers run leaves to the
+    resource tracker ("leaked semaphore objects" when the server stops). No other process
+    draws bars with this one."""
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
+
+
 def _on_sigterm(signum: int, _frame: object) -> None:
     _exit(128 + signum)
 
@@ -184,6 +196,7 @@ def engine_main(
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process owns stopping
         signal.signal(signal.SIGTERM, _on_sigterm)
     logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
+    bars_without_semaphore()
     code = 0
     try:
         code = _run(config, backend, inbox, outbox)
