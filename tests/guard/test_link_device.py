@@ -87,3 +87,25 @@ def test_a_transfer_pass_is_timed_on_one_warm_engine_and_moves_one_layer(
     with pytest.raises(ValueError, match="two layers"):
         link.transfer_pass_s(_core.ExpertPool(_core.ExpertLayout(1, 4, [1 << 20]), "float32"),
                              dst, "host")
+
+
+def test_the_measured_transfer_reads_a_written_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`measure_transfer_gbps` streams memory that holds data: a fresh pool's untouched pages
+    all read as the kernel's one zero page, cached, and overstate the host backend's rate."""
+    import numpy as np
+
+    from ftrs.guard import link
+
+    seen: list[np.ndarray] = []
+    timed = link.transfer_pass_s
+
+    def inspecting(pool: object, dst: object, backend: str, reps: int = 1) -> object:
+        seen.append(np.frombuffer(memoryview(pool), dtype=np.uint8).copy())  # type: ignore[arg-type]
+        return timed(pool, dst, backend, reps)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(link, "transfer_pass_s", inspecting)
+    gbps, name = link.measure_transfer_gbps("host", block_bytes=64 << 10, blocks=4)
+    assert name == "host" and gbps > 0
+    assert len(seen) == 1 and seen[0].size >= 2 * 4 * (64 << 10)
+    blocks = seen[0][: 2 * 4 * (64 << 10)].reshape(8, -1)
+    assert (blocks != 0).all(axis=1).all(), "a block of the measured pool was never written"
