@@ -85,3 +85,32 @@ def test_preemptions_reach_the_step_stats_and_the_counter(
         m.observe_step(stats)
     assert _samples(m)["ftrs_preemptions_total"] == logged
     llm.close()
+
+
+def test_cached_tokens_count_prompt_tokens_only_after_a_preemption(
+        tiny_models: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+    """A preempted request's pages go back to the prefix cache, generated tokens included; its
+    re-admission matches them. Usage's `cached_tokens` and the prefix-hit counter count prompt
+    tokens (OpenAI's meaning, the metric's help): never more than the prompt has."""
+    llm = LLM(str(tiny_models["qwen3_moe"]), kv_tokens=96, page_size=8)
+    prompts = [[5, 9, 100, 200, 300, 400, 17, 33, 64, 128, 256, 7, 8, 9, 10, 11, 12, 13],
+               [40, 41, 42], list(range(100, 140)), [7] * 25]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        llm.engine.add_request(GenerateRequest(f"r{i}", p, params))
+    cached: dict[str, int] = {}
+    hits = 0
+    with caplog.at_level(logging.INFO, logger="ftrs.scheduler.scheduler"):
+        while llm.engine.has_work():
+            events, stats = llm.engine.step()
+            hits += stats.prefix_hit_tokens
+            for e in events:
+                cached[e.request_id] = max(cached.get(e.request_id, 0), e.num_cached_tokens)
+    preempted = {r.getMessage().split()[1] for r in caplog.records
+                 if "preempting" in r.getMessage()}
+    assert preempted  # the case under test happened
+    sizes = {f"r{i}": len(p) for i, p in enumerate(prompts)}
+    assert all(cached[rid] <= sizes[rid] for rid in sizes), (cached, sizes)
+    assert any(cached[rid] > 0 for rid in preempted), cached  # its pages came back
+    assert 0 < hits <= sum(sizes[rid] for rid in preempted)
+    llm.close()

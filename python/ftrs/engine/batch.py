@@ -136,7 +136,7 @@ def build_batch(work: list[Work], page_size: int, device: torch.device,
         pos_parts.append(torch.arange(start, end, dtype=torch.long))
         slot_parts.append(ctx[start:end])
         if start == seq.num_cached and seq.num_cached:
-            hit += seq.num_cached  # first chunk after admission: the prefix cache served the rest
+            hit += seq.cached_prompt  # first chunk after admission: the cache served the rest
         if seq.num_output > 0 and start == len(seq.tokens) - 1:
             n_decode += 1
             n_draft += drafted

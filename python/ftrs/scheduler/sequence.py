@@ -34,7 +34,9 @@ class Sequence:
     arrival: float
     status: Status = Status.WAITING
     num_computed: int = 0
-    num_cached: int = 0  # prompt tokens served from the prefix cache at (last) admission
+    #: tokens served from the prefix cache at (last) admission; after a preemption the match
+    #: may run past the prompt into the request's own generated tokens (`cached_prompt`)
+    num_cached: int = 0
     pages: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -70,6 +72,12 @@ class Sequence:
     @property
     def output_tokens(self) -> list[int]:
         return self.tokens[self.num_prompt:]
+
+    @property
+    def cached_prompt(self) -> int:
+        """Prompt tokens the prefix cache served at (last) admission: what usage's
+        `cached_tokens` and `ftrs_prefix_cache_hit_tokens_total` count (never generated ones)."""
+        return min(self.num_cached, self.num_prompt)
 
     @property
     def num_uncomputed(self) -> int:
