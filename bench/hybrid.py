@@ -88,9 +88,8 @@ def make(llm: LLM, name: str, link: float, rate: float) -> MoEStrategy:
     cfg = dataclasses.replace(llm.config, moe_strategy=name if name == "offload" else "hybrid",
                               moe_cache_rate=rate, cpu_expert_threads=int(_core.quant_threads()),
                               moe_cache_size=None, moe_prefetch=name != "all_cpu", **link_cfg)
-    routers = {layer: w for layer, w in parts.routers.items() if isinstance(w, torch.Tensor)}
     cls = OffloadStrategy if name == "offload" else HybridStrategy
-    strat = cls(experts=parts.experts, device=parts.device, config=cfg, routers=routers,
+    strat = cls(experts=parts.experts, device=parts.device, config=cfg, routers=parts.routers,
                 kernels=parts.kernels)  # the engine's (on a GPU: the fused Triton MoE)
     if name == "all_cpu":  # the link priced out: every miss to the CPU, no slot ever filled
         assert isinstance(strat, HybridStrategy)
