@@ -53,8 +53,12 @@ rm -f "$out"/wheels/numpy-*.whl  # a dependency of gguf: the host's own stays in
 echo "offline-bundle: building the extension for $py"
 if command -v maturin >/dev/null 2>&1; then
   maturin build --quiet --release --interpreter "$py" --out "$out/ext"
+elif "$py" -m pip --version >/dev/null 2>&1; then
+  # maturin as the build backend; $py's own pip, so the extension is built for $py's version
+  "$py" -m pip wheel --quiet --no-deps --wheel-dir "$out/ext" .
 else
-  python3 -m pip wheel --quiet --no-deps --wheel-dir "$out/ext" .  # maturin as the build backend
+  echo "offline-bundle: neither maturin nor $py's pip here to build the extension with" >&2
+  exit 2
 fi
 cat > "$out/env.sh" <<'EOF'
 # Source from the checkout's root on the offline host (scripts/offline-bundle.sh made this).

@@ -164,3 +164,47 @@ def test_upcycle_names_a_truncated_safetensors_file(dense: Path, tmp_path: Path,
                  str(tmp_path / "out")]) == 3
     _one_error_line(capsys, str(weights), "cannot read")
     assert not (tmp_path / "out").exists()
+
+
+def _disk_full(*args: object, **kwargs: object) -> None:
+    from safetensors import SafetensorError
+
+    raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                          "(os error 28)")  # what save_file raises on a full disk
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(dense: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    import ftrs.models.tiny as tiny
+    import ftrs.models.upcycle as up
+
+    monkeypatch.setattr(tiny, "save_file", _disk_full)
+    monkeypatch.setattr(up, "save_file", _disk_full)
+    out = tmp_path / "t1"
+    assert main(["models", "make-tiny", "--arch", "llama", "--out", str(out)]) == 2
+    _one_error_line(capsys, "make-tiny: cannot write into --out", str(out),
+                    "No space left on device")
+    assert not out.exists()
+    dst = tmp_path / "u1"
+    assert main(["models", "upcycle", str(dense), str(dst)]) == 2
+    _one_error_line(capsys, "upcycle: cannot write into DST", str(dst), "No space left on device")
+    assert not dst.exists()
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 99999999999999999999999])
+def test_a_seed_torch_cannot_take_is_one_line(dense: Path, tmp_path: Path, seed: int,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "t"
+    assert main(["models", "make-tiny", "--arch", "llama", "--out", str(out),
+                 "--seed", str(seed)]) == 2
+    _one_error_line(capsys, f"make-tiny: --seed {seed} is out of range")
+    dst = tmp_path / "u"
+    assert main(["models", "upcycle", str(dense), str(dst), "--seed", str(seed)]) == 2
+    _one_error_line(capsys, f"upcycle: --seed {seed} is out of range")
+    assert not out.exists() and not dst.exists()
+
+
+def test_the_widest_seeds_still_work(tmp_path: Path) -> None:
+    for i, seed in enumerate((2**64 - 1, -(2**63))):
+        assert make_tiny("llama", tmp_path / str(i), seed=seed).is_dir()

@@ -259,11 +259,19 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
             raise ModelLoadError(source, f"missing field {key!r} for {arch}")
         return cfg[key]
 
-    hidden = int(need("hidden_size"))
-    heads = int(need("num_attention_heads"))
-    layers = int(need("num_hidden_layers"))
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    def count(key: str, value: Any) -> int:
+        """`value` of `key` as an integer of at least 1 (`config_file` checks a config.json
+        first; this holds for the configs built from GGUF metadata and by callers)."""
+        n = int(value)
+        if n < 1:
+            raise ModelLoadError(source, f"field {key!r} must be >= 1, got {n}")
+        return n
+
+    hidden = count("hidden_size", need("hidden_size"))
+    heads = count("num_attention_heads", need("num_attention_heads"))
+    layers = count("num_hidden_layers", need("num_hidden_layers"))
+    kv_heads = count("num_key_value_heads", cfg.get("num_key_value_heads") or heads)
+    head_dim = count("head_dim", cfg.get("head_dim") or hidden // heads)
     if heads % kv_heads:
         raise ModelLoadError(source, f"num_attention_heads {heads} not a multiple of kv heads {kv_heads}")
     theta, scaling = _rope(cfg)
@@ -310,7 +318,7 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
     layer_types, window = ((), 0) if arch in _HYBRID else _layer_types(cfg, layers, source)
     spec = ArchSpec(
         arch=arch,
-        vocab_size=int(need("vocab_size")),
+        vocab_size=count("vocab_size", need("vocab_size")),
         hidden_size=hidden,
         num_layers=layers,
         num_heads=heads,
@@ -319,7 +327,8 @@ def arch_from_config(cfg: dict[str, Any], source: str = "config.json") -> ArchSp
         intermediate_size=0 if gpt_oss else int(cfg.get("intermediate_size") or 0),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        max_position_embeddings=count("max_position_embeddings", 4096 if cfg.get(
+            "max_position_embeddings") is None else cfg["max_position_embeddings"]),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qk_norm=arch in ("qwen3", "qwen3_moe", *_HYBRID),
         attention_bias=bool(cfg.get("attention_bias", gpt_oss)),

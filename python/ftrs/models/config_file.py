@@ -2,7 +2,9 @@
 
 What is wrong with the file itself is said here, naming it: no such file (with the GGUF file to
 pass instead where the directory holds GGUF files), not JSON, a shape field that is not an
-integer (`"hidden_size": "64"` would otherwise be cast, or fail later as a traceback). ModelOpt
+integer (`"hidden_size": "64"` would otherwise be cast, or fail later as a traceback), a size
+or count that is not at least 1 (`POSITIVE_FIELDS`: zero heads would end in a
+ZeroDivisionError, zero layers in a model that fails on its first step). ModelOpt
 exports name their quantization in `hf_quant_config.json`, merged in as `quantization_config`.
 """
 
@@ -27,10 +29,18 @@ INT_FIELDS = (
     "moe_layer_freq", "rotary_dim",
 )
 
+#: of `INT_FIELDS`, the shape fields that must be at least 1 where they are set
+POSITIVE_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size",
+    "max_position_embeddings",
+)
+
 
 def check_int_fields(cfg: dict[str, Any], source: str) -> None:
     """ModelLoadError naming the first of `INT_FIELDS` in `cfg` (or its `text_config`) whose
-    value is neither an integer nor null; a bool is no integer here."""
+    value is neither an integer nor null (a bool is no integer here), or the first of
+    `POSITIVE_FIELDS` below 1."""
     text = cfg.get("text_config")
     for part in (cfg, text) if isinstance(text, dict) else (cfg,):
         for key in INT_FIELDS:
@@ -38,6 +48,8 @@ def check_int_fields(cfg: dict[str, Any], source: str) -> None:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ModelLoadError(source, f"field {key!r} must be an integer, got "
                                      f"{json.dumps(v)}")
+            if v is not None and key in POSITIVE_FIELDS and v < 1:
+                raise ModelLoadError(source, f"field {key!r} must be >= 1, got {v}")
 
 
 def _gguf_hint(model_dir: Path) -> str:

@@ -11,6 +11,10 @@ each type's block size (`tests/models/test_gguf_file.py` holds the two readers e
 fixture). A file this reader does not take (the other byte order, arrays of arrays) is read by
 `gguf.GGUFReader` and converted, so every file `gguf` reads opens here too.
 
+Tensor data is laid out as llama.cpp's `gguf_init_from_file` demands (`check_layout`): each
+tensor at a multiple of `general.alignment` from the data section, no two overlapping. A file
+edited off that layout is refused (`LayoutError`) rather than read as shifted, garbage weights.
+
 `read_gguf_set` opens a split GGUF (llama.cpp's `gguf-split` output, how files past 50 GB are
 published) from any of its shards: the first shard's metadata, every shard's tensors, each
 shard's mapping (`Mapped`) so the expert pool is filled from each file by its offsets.
@@ -95,6 +99,27 @@ def file_offset(shards: list[Mapped], view: np.ndarray) -> tuple[Path, int] | No
         if 0 <= at <= m.size - view.nbytes:
             return m.path, at
     return None
+
+
+class LayoutError(ValueError):
+    """Tensor data off llama.cpp's layout: misaligned, or overlapping another tensor's."""
+
+
+def check_layout(tensors: list[TensorInfo], data_offset: int, alignment: int) -> None:
+    """LayoutError naming the first tensor (by offset) whose data does not start at a multiple
+    of `alignment` from `data_offset`, or starts before the previous tensor's data ends.
+    llama.cpp asks more (each tensor where the one before it ends, padded); a gap or another
+    order is no misreading, so it is let through here."""
+    end, last = 0, ""
+    for t in sorted(tensors, key=lambda t: (t.data_offset, t.n_bytes)):
+        at = t.data_offset - data_offset
+        if at % alignment:
+            raise LayoutError(f"tensor {t.name}: data offset {at} is not a multiple of "
+                              f"general.alignment {alignment}")
+        if at < end:
+            raise LayoutError(f"tensor {t.name}: data [{at}, {at + t.n_bytes}) overlaps tensor "
+                              f"{last}'s, which ends at {end}")
+        end, last = at + t.n_bytes, t.name
 
 
 class ShardError(ValueError):
@@ -203,7 +228,8 @@ def _text(v: Any) -> Any:
 
 
 def read_gguf_file(path: Path) -> GGUFFile:
-    """The header of `path`; ValueError for a file that is not GGUF or is cut short."""
+    """The header of `path`; ValueError for a file that is not GGUF or is cut short,
+    `LayoutError` for tensor data off llama.cpp's layout."""
     try:
         return _read(path)
     except Unsupported:
@@ -274,6 +300,7 @@ def _read(path: Path) -> GGUFFile:
             data = arr[start:start + n_bytes].view(dtype).reshape(np_dims)
         tensors.append(TensorInfo(name, qtype, np.array(dims, dtype=np.uint64), n_elems, n_bytes,
                                   start, data))
+    check_layout(tensors, data_offset, alignment)
     return GGUFFile(path, meta, tensors, data_offset, [Mapped(path, int(arr.ctypes.data), size)])
 
 
@@ -284,6 +311,7 @@ def _from_gguf_reader(path: Path) -> GGUFFile:
     meta = reader_metadata(reader)
     tensors = [TensorInfo(t.name, t.tensor_type, t.shape, t.n_elements, t.n_bytes,
                           t.data_offset, t.data) for t in reader.tensors]
+    check_layout(tensors, int(reader.data_offset), int(reader.alignment))
     return GGUFFile(path, meta, tensors, int(reader.data_offset),
                     [Mapped(path, int(reader.data.ctypes.data), int(reader.data.nbytes))])
 

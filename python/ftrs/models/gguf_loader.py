@@ -60,6 +60,7 @@ from ftrs.models.gguf_deepseek import (
 )
 from ftrs.models.gguf_file import (
     GGUFFile,
+    LayoutError,
     Mapped,
     ShardError,
     file_offset,
@@ -154,7 +155,7 @@ def _reader(path: Path) -> GGUFFile:
         raise ModelLoadError(str(path), "GGUF file not found")
     try:
         return read_gguf_set(path)
-    except ShardError as e:
+    except (ShardError, LayoutError) as e:
         raise ModelLoadError(str(path), str(e)) from e
     except Exception as e:  # a truncated file fails here: its tensors run past the end
         raise ModelLoadError(str(path), f"cannot read GGUF (truncated or corrupt?): {e}") from e
@@ -178,21 +179,28 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
             raise ModelLoadError(source, f"missing GGUF metadata {arch}.{key}")
         return v
 
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    vocab = len(meta.get("tokenizer.ggml.tokens") or []) or int(get("vocab_size"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length")
-                   or get("rope.dimension_count", hidden // heads))
+    def count(key: str, default: Any = None) -> int:
+        """`get(key)` as an integer of at least 1 (a size, a count of heads or positions)."""
+        n = int(get(key, default))
+        if n < 1:
+            raise ModelLoadError(source, f"GGUF metadata {arch}.{key} must be >= 1, got {n}")
+        return n
+
+    heads = count("attention.head_count")
+    hidden = count("embedding_length")
+    vocab = len(meta.get("tokenizer.ggml.tokens") or []) or count("vocab_size")
+    head_dim = (count("attention.key_length") if meta.get(f"{arch}.attention.key_length")
+                else count("rope.dimension_count", hidden // heads))
     cfg: dict[str, Any] = {
         "model_type": _ARCH_TYPE[arch],
         "vocab_size": vocab, "hidden_size": hidden,
         "num_hidden_layers": _layers(meta, arch, source), "num_attention_heads": heads,
-        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "num_key_value_heads": count("attention.head_count_kv", heads),
         "head_dim": head_dim,
         "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon",
                                   1e-5 if arch == "llama" else 1e-6)),
         "rope_theta": float(get("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(get("context_length", 2048)),
+        "max_position_embeddings": count("context_length", 2048),
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
@@ -215,7 +223,7 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
                                  "(blk.N.ffn_gate_inp.weight)")
         if arch == "llama":
             cfg |= {"model_type": "mixtral", "num_local_experts": experts,
-                    "intermediate_size": int(get("feed_forward_length"))}
+                    "intermediate_size": count("feed_forward_length")}
         elif arch in DELTANET:
             cfg |= deltanet_config(meta, arch, cfg, experts, source)
         elif arch == "deepseek2":
@@ -227,19 +235,19 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], source: str) -> di
         elif arch == "gpt-oss":
             layers = cfg["num_hidden_layers"]
             cfg |= {"num_local_experts": experts, "attention_bias": True, "swiglu_limit": 7.0,
-                    "intermediate_size": int(get("expert_feed_forward_length")),
+                    "intermediate_size": count("expert_feed_forward_length"),
                     "sliding_window": int(get("attention.sliding_window")),
                     "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
                                     for i in range(layers)]}
         else:
             cfg |= {"num_experts": experts, "norm_topk_prob": True, "decoder_sparse_step": 1,
-                    "moe_intermediate_size": int(get("expert_feed_forward_length")),
+                    "moe_intermediate_size": count("expert_feed_forward_length"),
                     "intermediate_size": int(ff or 0),
                     "mlp_only_layers": sorted(set(range(cfg["num_hidden_layers"])) - moe_layers)}
     elif arch in ("gpt-oss", "minimax-m2", *_SHARED_EXPERTS):
         raise ModelLoadError(source, f"{arch} file without {arch}.expert_count")
     else:
-        cfg["intermediate_size"] = int(get("feed_forward_length"))
+        cfg["intermediate_size"] = count("feed_forward_length")
     scaling = rope_scaling(meta, arch, source)
     if scaling is not None:
         cfg["rope_scaling"] = scaling | ({"truncate": False} if arch == "gpt-oss" else {})
@@ -254,7 +262,12 @@ def _layers(meta: dict[str, Any], arch: str, source: str) -> int:
     blocks = meta.get(f"{arch}.block_count")
     if blocks is None:
         raise ModelLoadError(source, f"missing GGUF metadata {arch}.block_count")
-    return int(blocks) - int(meta.get(f"{arch}.nextn_predict_layers") or 0)
+    nextn = int(meta.get(f"{arch}.nextn_predict_layers") or 0)
+    if int(blocks) - nextn < 1:
+        less = f" less {arch}.nextn_predict_layers {nextn}" if nextn else ""
+        raise ModelLoadError(source, f"GGUF metadata {arch}.block_count{less} must be >= 1, "
+                             f"got {int(blocks) - nextn}")
+    return int(blocks) - nextn
 
 
 def _hf_name(name: str, arch: str) -> str | tuple[int, int] | None:

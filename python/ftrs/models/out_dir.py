@@ -4,7 +4,8 @@ A path the user gives that cannot hold a checkpoint (a regular file, a place no 
 made, a directory that already holds files when the writer needs it empty) is refused up front
 with a `ConfigError` that names the command, the flag and the path, so the CLI prints one
 `ftrs: error:` line instead of an `OSError` traceback. An `OSError` while writing becomes the
-same kind of error through `writing_into`. `made_for` prepares the directory for a block and,
+same kind of error through `writing_into`, and so does safetensors' `SafetensorError`, which
+is how `save_file` reports a full disk (it is no `OSError`). `made_for` prepares the directory for a block and,
 when the block fails, removes the directories it made, so a failed command leaves no trace.
 """
 
@@ -14,6 +15,8 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+from safetensors import SafetensorError
 
 from ftrs.errors import ConfigError
 
@@ -41,12 +44,13 @@ def prepare_out_dir(path: Path, command: str, flag: str, *, must_be_empty: bool 
 
 @contextmanager
 def writing_into(path: Path, command: str, flag: str) -> Iterator[None]:
-    """Turn an `OSError` of the writes in the block (disk full, no permission) into a
-    ConfigError naming `flag` and `path`."""
+    """Turn an `OSError` or a `SafetensorError` of the writes in the block (disk full, no
+    permission) into a ConfigError naming `flag` and `path`."""
     try:
         yield
-    except OSError as e:
-        raise ConfigError(f"{command}: cannot write into {flag} {path} ({e.strerror or e}): give "
+    except (OSError, SafetensorError) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        raise ConfigError(f"{command}: cannot write into {flag} {path} ({why}): give "
                           "a directory you can write to, with space for the checkpoint") from e
 
 

@@ -25,6 +25,15 @@ ARCHS = ("llama", "qwen3", "mixtral", "qwen3_moe")
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 INIT_STD = 0.1
+SEEDS = (-(2**63), 2**64 - 1)  # what `torch.Generator.manual_seed` takes
+
+
+def check_seed(seed: int, command: str) -> None:
+    """ConfigError unless torch's generator takes `seed` (a 64-bit integer, signed or not):
+    a bigger one would end in torch's `ValueError` traceback."""
+    if not SEEDS[0] <= seed <= SEEDS[1]:
+        raise ConfigError(f"{command}: --seed {seed} is out of range: give an integer from "
+                          f"{SEEDS[0]} to {SEEDS[1]}")
 
 
 def tiny_config(arch: str) -> dict[str, Any]:
@@ -119,6 +128,7 @@ def make_tiny(arch: str, out_dir: Path, seed: int = 0, dtype: torch.dtype = torc
     ConfigError where `out_dir` is a file, holds anything (another model's files would be
     loaded with the new ones), cannot be made or cannot be written (`out_dir.prepare_out_dir`)."""
     cfg = tiny_config(arch)
+    check_seed(seed, "make-tiny")
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     with made_for(out_dir, "make-tiny", "--out", must_be_empty=True):
         tensors = {k: v.to(dtype).contiguous() for k, v in tiny_tensors(cfg, seed).items()}

@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from ftrs.errors import ConfigError, ModelLoadError
 from ftrs.models.gguf_loader import read_gguf
 from ftrs.models.out_dir import made_for, writing_into
+from ftrs.models.tiny import check_seed
 from ftrs.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,7 @@ def upcycle_tensors(cfg: dict[str, Any], tensors: dict[str, torch.Tensor], exper
     if not 1 <= top_k <= experts:
         raise ConfigError(f"upcycle: need 1 <= top-k <= experts, got top-k {top_k}, {experts} experts")
     _check_llama(cfg, source)
+    check_seed(seed, "upcycle")
     g = torch.Generator().manual_seed(seed)
     hidden = int(cfg["hidden_size"])
     out: dict[str, torch.Tensor] = {}
@@ -120,6 +122,7 @@ def upcycle(src: Path, dst: Path, experts: int, top_k: int, seed: int = 0,
     shards); returns `dst`. A failure leaves no directory behind that this call made."""
     if not 1 <= top_k <= experts:
         raise ConfigError(f"upcycle: need 1 <= top-k <= experts, got top-k {top_k}, {experts} experts")
+    check_seed(seed, "upcycle")
     _check_source(src)
     if dst.exists() and os.path.samefile(src, dst):
         raise ConfigError(f"upcycle: DST {dst} is SRC itself: upcycling in place would mix the "
