@@ -61,7 +61,7 @@ class EngineConfig:
     kv_tokens: int | None = _opt(None, "KV pool capacity in tokens, at least --page-size; unset: sized from free memory")
     kv_cache_dtype: str = _opt("auto", "auto | int8; auto: the compute dtype, int8: int8 rows with a scale per token and kv head")
     max_model_len: int | None = _opt(None, "context of one request, at most the model's own; unset: the model's own")
-    seed: int = _opt(0, "seed of the sampled requests that bring none")
+    seed: int = _opt(0, "seeds the engine's generator of seeds, which draws one for each request that brings none (a sampled request uses it); identical unseeded requests still differ")
     speculative_ngram: int = _opt(0, "draft tokens per decode from the request's own n-grams (engine/spec.py), 0..16; 0: off")
     hang_timeout: float = _opt(120.0, "seconds of pending work with no step finished before EngineHang")
     on_device_lost: str = _opt("exit", "exit | restart | cpu: what the server does on a device error")

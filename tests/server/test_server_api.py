@@ -120,6 +120,30 @@ def test_logprobs_have_the_openai_shape(client: Any) -> None:
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 3
 
 
+def test_logprobs_end_where_a_stop_string_cuts_the_text(client: Any) -> None:
+    """The entries of the tokens of the matched stop string (and of those held back as a
+    possible one) were returned: 20 entries for 14 characters of content. `usage` still counts
+    every token generated."""
+    said = "SAY:one two three four five"  # fake engine: these bytes, one token each
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 40, "temperature": 0, "stop": ["four f"]}
+    r = _chat(client, said, logprobs=True, **{k: v for k, v in kw.items() if k != "model"})
+    assert r.choices[0].message.content == "one two three "
+    assert "".join(t.token for t in r.choices[0].logprobs.content) == "one two three "
+    assert r.usage.completion_tokens == len("one two three four f")
+    chunks = list(_chat(client, said, logprobs=True, stream=True,
+                        **{k: v for k, v in kw.items() if k != "model"}))
+    streamed = [t.token for c in chunks if c.choices and c.choices[0].logprobs
+                for t in c.choices[0].logprobs.content or []]
+    assert "".join(streamed) == "one two three "
+    c = client.completions.create(prompt=said, logprobs=1, **kw)
+    assert c.choices[0].text == "one two three "
+    assert "".join(c.choices[0].logprobs.tokens) == "one two three "
+    assert c.choices[0].logprobs.text_offset == list(range(len("one two three ")))
+    assert c.usage.completion_tokens == len("one two three four f")
+    parts = [p.choices[0] for p in client.completions.create(prompt=said, logprobs=1, stream=True, **kw)]
+    assert "".join(t for p in parts if p.logprobs for t in p.logprobs.tokens) == "one two three "
+
+
 def test_greedy_outputs_are_the_same_alone_and_among_16_concurrent(client: Any) -> None:
     prompts = [f"concurrent {i} {uuid.uuid4().hex}" for i in range(16)]
 

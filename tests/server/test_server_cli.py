@@ -81,3 +81,7 @@ def test_help_names_the_host_default_and_every_parser(capsys: pytest.CaptureFixt
     reasoning = text.rsplit("--reasoning-parser REASONING_PARSER", 1)[1].split("--served", 1)[0]
     assert len(TOOL_PARSERS) == 10 and all(name in tools for name in TOOL_PARSERS), tools
     assert all(name in reasoning for name in REASONING_PARSERS), reasoning
+    # `--seed` seeds the generator the engine draws unseeded requests' seeds from
+    # (engine/core.py); it read as if every such request got that seed
+    seed = text.rsplit("--seed SEED", 1)[1].split(" --", 1)[0]
+    assert "generator of seeds" in seed and "identical unseeded requests still differ" in seed, seed

@@ -8,7 +8,12 @@ from fake_backend import ByteTokenizer
 
 from ftrs.engine.protocol import TokenLogprob
 from ftrs.models.tiny import tiny_tokenizer
-from ftrs.server.detokenize import IncrementalDetokenizer, StopChecker, push_until_stop
+from ftrs.server.detokenize import (
+    IncrementalDetokenizer,
+    LogprobCut,
+    StopChecker,
+    push_until_stop,
+)
 from ftrs.server.responses import chat_logprobs, completion_logprobs
 
 TEXT = "héllo wörld 你好 🙂!"
@@ -87,6 +92,47 @@ def test_an_event_of_several_tokens_is_cut_after_the_token_that_completes_a_stop
     assert bytes(kept).decode() == "say ST then STOP"  # the tokens one at a time would give
     detok, stop = IncrementalDetokenizer(ByteTokenizer()), StopChecker([])
     assert push_until_stop(ids, True, detok, stop) == (ids, "say ST then STOP, and more")
+
+
+class _Words:
+    """A tokenizer whose tokens are several characters long: id i is WORDS[i]."""
+
+    WORDS = ("ab", "cd", "ef", "c", "d", "e", "x")
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(self.WORDS[i] for i in ids)
+
+
+@pytest.mark.parametrize(("ids", "stop", "text", "kept"), [
+    ([0, 1, 2, 6], "de", "abc", [0, 1]),  # "cd" straddles the cut: "c" is returned
+    ([0, 3, 4, 5, 6], "cde", "ab", [0]),  # "c", "d" were held back, "e" completed the match
+    ([0, 3, 4, 6], "cde", "abcdx", [0, 3, 4, 6]),  # no match: the held entries go out
+    ([3, 0], "cab", "", []),  # the stop string from the first character
+])
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_logprobs_describe_only_the_text_before_a_stop_string(
+        ids: list[int], stop: str, text: str, kept: list[int], chunk: int) -> None:
+    """The entries of the tokens that lie wholly after the cut are dropped (streamed too: an
+    entry waits while its token's text is held back); a token that straddles it keeps its."""
+    detok, checker = IncrementalDetokenizer(_Words()), StopChecker([stop])
+    cut = LogprobCut(detok, checker)
+    out, lps = "", []
+    for i in range(0, len(ids), chunk):
+        last = i + chunk >= len(ids)
+        part, delta = push_until_stop(ids[i:i + chunk], last, detok, checker)
+        out += delta + (checker.flush() if last else "")  # as `Generation.run` does
+        lps += cut.take(part, _lps(ids[i:i + chunk]), last or checker.stopped)
+        if checker.stopped:
+            break
+    assert (out, [lp.token_id for lp in lps]) == (text, kept)
+
+
+def test_without_stop_strings_logprobs_pass_at_once() -> None:
+    detok, checker = IncrementalDetokenizer(ByteTokenizer()), StopChecker([])
+    cut = LogprobCut(detok, checker)
+    ids = list("é".encode())  # the first byte alone is no text yet
+    part, _ = push_until_stop(ids[:1], False, detok, checker)
+    assert [lp.token_id for lp in cut.take(part, _lps(ids[:1]), False)] == ids[:1]
 
 
 # ------------------------------------------------------------- logprobs: a token's own bytes

@@ -130,6 +130,9 @@ def test_a_plain_answer(server: Any) -> None:
     assert r.usage is not None and r.usage.output_tokens == len(b"Hello there.") + 1  # and EOS
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
     assert r.id.startswith("resp_") and r.store is False
+    raw = _client(server).responses.with_raw_response.create(model="fake", input="SAY:Hi.")
+    created = json.loads(raw.text)["created_at"]
+    assert isinstance(created, int), created  # whole seconds, as OpenAI's (it was time.time())
 
 
 def test_reasoning_text_and_a_call_whole_and_streamed(server: Any) -> None:

@@ -10,7 +10,10 @@ answers a call; `thinking.type: "enabled"` needs `budget_tokens`.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 import anthropic
@@ -18,10 +21,14 @@ import httpx
 import llguidance
 import openai
 import pytest
+from fake_backend import ByteTokenizer
 from ftrs_server_harness import ServerProcess
 
 from ftrs.models.tiny import tiny_tokenizer
 from ftrs.server.anthropic_protocol import MessagesRequest, to_chat
+from ftrs.server.metrics import ServerMetrics
+from ftrs.server.protocol import ChatCompletionRequest, CompletionRequest, Usage
+from ftrs.server.serving import ChoiceEvent
 from ftrs.server.toolcalls import TOOL_PARSERS
 
 WEATHER = {"type": "function", "function": {
@@ -120,6 +127,80 @@ def test_streamed_usage_is_null_on_every_chunk_but_the_last(fake_server: ServerP
                                              + last["usage"]["completion_tokens"])
     plain = _chunks(fake_server, path, body)
     assert plain and all("usage" not in c for c in plain), plain
+
+
+class _Run:
+    """A finished run of one choice for `responses.*_response`: its events, stamped `created`."""
+
+    request_id, n, created = "chatcmpl-1", 1, 1_000
+
+    def __init__(self, texts: list[str]) -> None:
+        self._events = [ChoiceEvent(0, t, token_ids=[1]) for t in texts]
+        self._events[-1].finish_reason = "stop"
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        async def gen() -> AsyncIterator[ChoiceEvent]:
+            for e in self._events:
+                yield e
+        return gen()
+
+    def usage(self) -> Usage:
+        return Usage.of(3, len(self._events), 0)
+
+    def finish_reason(self, index: int) -> str:
+        return "stop"
+
+    def calls(self, index: int) -> list[Any]:
+        return []
+
+    def token_ids(self, index: int) -> list[int]:
+        return [1] * len(self._events)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+@pytest.mark.parametrize("stream", [True, False])
+def test_every_chunk_and_the_body_carry_the_runs_created(monkeypatch: pytest.MonkeyPatch,
+                                                         chat: bool, stream: bool) -> None:
+    """`created` is stamped once per request, as OpenAI's: each chunk built its own from the
+    clock, so one stream that crossed a second changed its creation time."""
+    import time
+
+    from ftrs.server import responses
+
+    ticks = iter(range(2_000, 3_000))
+    monkeypatch.setattr(time, "time", lambda: float(next(ticks)))  # a second per reading
+    ctx = SimpleNamespace(client=SimpleNamespace(tokenizer=ByteTokenizer()), metrics=ServerMetrics())
+    body: dict[str, Any] = {"model": "fake", "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    run = _Run(["a", "b", "c"])
+    if chat:
+        req = ChatCompletionRequest.model_validate({**body, "messages": _say("abc")})
+        resp = asyncio.run(responses.chat_response(ctx, req, run))  # type: ignore[arg-type]
+    else:
+        creq = CompletionRequest.model_validate({**body, "prompt": "abc"})
+        resp = asyncio.run(responses.completion_response(ctx, creq, run))  # type: ignore[arg-type]
+    if not stream:
+        assert json.loads(bytes(resp.body))["created"] == 1_000
+        return
+
+    async def drain() -> list[str]:
+        return [c if isinstance(c, str) else bytes(c).decode() async for c in resp.body_iterator]
+
+    data = [c.removeprefix("data: ").strip() for c in asyncio.run(drain())]
+    chunks = [json.loads(d) for d in data if d != "[DONE]"]
+    assert len(chunks) >= 4  # (the role chunk,) three deltas, the usage chunk
+    assert [c["created"] for c in chunks] == [1_000] * len(chunks), chunks
+
+
+def test_one_streams_chunks_share_one_created_that_is_the_clocks(fake_server: ServerProcess) -> None:
+    import time
+
+    before = int(time.time())
+    chunks = _chunks(fake_server, "/v1/chat/completions", {"model": "fake", "max_tokens": 30,
+                                                           "messages": _say("Hello there.")})
+    assert len({c["created"] for c in chunks}) == 1, chunks
+    assert before <= chunks[0]["created"] <= time.time()
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/responses"])

@@ -9,6 +9,8 @@ does not advance. The concatenation of what
 
 Stop strings: matched on the detokenized text; the text is cut *before* the stop string, and the
 tail that could still become a stop string is held back, so a client never sees part of one.
+Logprobs follow the text (`LogprobCut`): a token's entry waits while its text starts in held-back
+text, and a stop string drops the entries of the tokens that start at or past the cut.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import json
 import re
 from typing import Any, Protocol, cast
+
+from ftrs.engine.protocol import TokenLogprob
 
 
 class Decoder(Protocol):
@@ -91,6 +95,8 @@ class IncrementalDetokenizer:
         self._read_offset = 0  # ids before this index are already emitted as text
         self._partial = 0  # chars emitted past `read_offset` while a character was incomplete
         self.text = ""
+        #: per id of `ids`: where its text starts in `text` (len(text) before the push that added it)
+        self.starts: list[int] = []
 
     def _decode(self, ids: list[int]) -> str:
         if self._keep:
@@ -101,6 +107,7 @@ class IncrementalDetokenizer:
     def push(self, new_ids: list[int]) -> str:
         """Add tokens; return the newly stable text (possibly "")."""
         self.ids.extend(new_ids)
+        self.starts.extend([len(self.text)] * len(new_ids))
         prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
         full = self._decode(self.ids[self._prefix_offset :])
         start = len(prefix) + self._partial
@@ -135,6 +142,7 @@ class StopChecker:
     def __init__(self, stop: tuple[str, ...] | list[str]) -> None:
         self._stop = tuple(s for s in stop if s)
         self._buf = ""  # text received but not yet released
+        self.released = 0  # chars released so far; after a match, where the text was cut
         self.stopped = False
         self.matched: str | None = None
 
@@ -148,6 +156,7 @@ class StopChecker:
         if self.stopped:
             return ""
         if not self._stop:
+            self.released += len(delta)
             return delta
         self._buf += delta
         hit = -1
@@ -158,15 +167,18 @@ class StopChecker:
         if hit != -1:
             self.stopped = True
             out, self._buf = self._buf[:hit], ""
+            self.released += len(out)
             return out
         keep = self._held_back()
         out = self._buf[: len(self._buf) - keep]
         self._buf = self._buf[len(self._buf) - keep :]
+        self.released += len(out)
         return out
 
     def flush(self) -> str:
         """No more text will come: release what was held back."""
         out, self._buf = ("" if self.stopped else self._buf), ""
+        self.released += len(out)
         return out
 
     def _held_back(self) -> int:
@@ -198,4 +210,36 @@ def push_until_stop(ids: list[int], last: bool, detok: IncrementalDetokenizer,
     return ids, out
 
 
-__all__ = ["Decoder", "IncrementalDetokenizer", "KeepingDecoder", "StopChecker", "push_until_stop"]
+class LogprobCut:
+    """The logprob entries of released text only, so that they describe the text a client gets.
+
+    With stop strings, a token's entry waits while its text starts at or past what `stop` has
+    released (text held back as a possible stop string, or not yet emitted by `detok`). When a
+    stop string matches, the waiting entries are dropped: their tokens lie wholly in the stop
+    string or after it. A token that straddles the cut (part of its text returned) started
+    before it, so its entry was released. Without stop strings, entries pass at once."""
+
+    def __init__(self, detok: IncrementalDetokenizer, stop: StopChecker) -> None:
+        self._detok = detok
+        self._stop = stop
+        self._held: list[tuple[int, TokenLogprob]] = []  # (start of the token's text, entry)
+
+    def take(self, ids: list[int], lps: list[TokenLogprob], finished: bool) -> list[TokenLogprob]:
+        """The entries that go out now: `ids` are the tokens `push_until_stop` just kept (the
+        last ones pushed to `detok`), `lps` their entries (the event's; [] without logprobs);
+        call it after the event's text went through `stop`. `finished`: no tokens follow."""
+        if not self._stop.active:
+            return lps[:len(ids)]
+        starts = self._detok.starts[len(self._detok.starts) - len(ids):]
+        self._held.extend(zip(starts, lps[:len(ids)], strict=False))
+        if finished and not self._stop.stopped:
+            out, self._held = [lp for _, lp in self._held], []
+            return out
+        cut = self._stop.released
+        out = [lp for s, lp in self._held if s < cut]
+        self._held = [] if self._stop.stopped else [(s, lp) for s, lp in self._held if s >= cut]
+        return out
+
+
+__all__ = ["Decoder", "IncrementalDetokenizer", "KeepingDecoder", "LogprobCut", "StopChecker",
+           "push_until_stop"]

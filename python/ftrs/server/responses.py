@@ -81,11 +81,11 @@ async def completion_response(ctx: ServeContext, req: CompletionRequest, run: Ch
                 choice = CompletionChoice(index=e.index, text=e.text, logprobs=lp,
                                           finish_reason=e.finish_reason,
                                           token_ids=e.token_ids if want_ids else None)
-                yield _chunk(CompletionResponse(id=run.request_id, model=model, choices=[choice]),
-                             include_usage)
+                yield _chunk(CompletionResponse(id=run.request_id, created=run.created, model=model,
+                                                choices=[choice]), include_usage)
             if include_usage:
-                yield _sse(CompletionResponse(id=run.request_id, model=model, choices=[],
-                                              usage=run.usage()))
+                yield _sse(CompletionResponse(id=run.request_id, created=run.created, model=model,
+                                              choices=[], usage=run.usage()))
 
         return _stream(chunks(), ctx.metrics)
     texts: list[list[str]] = [[] for _ in range(n)]
@@ -99,7 +99,8 @@ async def completion_response(ctx: ServeContext, req: CompletionRequest, run: Ch
                          token_ids=run.token_ids(i) if want_ids else None)
         for i in range(n)
     ]
-    return _json(CompletionResponse(id=run.request_id, model=model, choices=choices, usage=run.usage()))
+    return _json(CompletionResponse(id=run.request_id, created=run.created, model=model,
+                                    choices=choices, usage=run.usage()))
 
 
 def _delta_calls(deltas: list[ToolCallDelta]) -> list[DeltaToolCall] | None:
@@ -129,8 +130,8 @@ async def chat_response(ctx: ServeContext, req: ChatCompletionRequest, run: Chat
         async def chunks() -> AsyncIterator[str]:
             for i in range(n):
                 first = ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
-                yield _chunk(ChatCompletionChunk(id=run.request_id, model=model, choices=[first]),
-                             include_usage)
+                yield _chunk(ChatCompletionChunk(id=run.request_id, created=run.created,
+                                                 model=model, choices=[first]), include_usage)
             async for e in events:
                 lp = chat_logprobs(tokenizer, e.logprobs) if req.logprobs else None
                 if not (e.text or e.reasoning or e.tool_calls or e.finish_reason
@@ -141,11 +142,11 @@ async def chat_response(ctx: ServeContext, req: ChatCompletionRequest, run: Chat
                 choice = ChatChunkChoice(index=e.index, delta=delta, logprobs=lp,
                                          finish_reason=e.finish_reason,
                                          token_ids=e.token_ids if want_ids else None)
-                yield _chunk(ChatCompletionChunk(id=run.request_id, model=model, choices=[choice]),
-                             include_usage)
+                yield _chunk(ChatCompletionChunk(id=run.request_id, created=run.created,
+                                                 model=model, choices=[choice]), include_usage)
             if include_usage:
-                yield _sse(ChatCompletionChunk(id=run.request_id, model=model, choices=[],
-                                               usage=run.usage()))
+                yield _sse(ChatCompletionChunk(id=run.request_id, created=run.created, model=model,
+                                               choices=[], usage=run.usage()))
 
         return _stream(chunks(), ctx.metrics)
     texts: list[list[str]] = [[] for _ in range(n)]
@@ -165,7 +166,8 @@ async def chat_response(ctx: ServeContext, req: ChatCompletionRequest, run: Chat
         choices.append(ChatChoice(index=i, message=message, finish_reason=run.finish_reason(i),
                                   logprobs=chat_logprobs(tokenizer, lps[i]) if req.logprobs else None,
                                   token_ids=run.token_ids(i) if want_ids else None))
-    return _json(ChatCompletionResponse(id=run.request_id, model=model, choices=choices, usage=run.usage()))
+    return _json(ChatCompletionResponse(id=run.request_id, created=run.created, model=model,
+                                        choices=choices, usage=run.usage()))
 
 
 def _stream(events: AsyncIterator[str], metrics: ServerMetrics) -> StreamingResponse:

@@ -19,7 +19,6 @@ tokens of the steps that produced reasoning and nothing else (a step's tokens ar
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -134,7 +133,7 @@ class ItemEncoder:
                 "content_index": 0, "delta": text}
 
 
-def _response(resp_id: str, req: ResponsesRequest, tr: Translation, created: float,
+def _response(resp_id: str, req: ResponsesRequest, tr: Translation, created: int,
               status: str, output: list[dict[str, Any]], run: ChatRun | None = None,
               reasoning_tokens: int = 0, error: dict[str, Any] | None = None) -> dict[str, Any]:
     """The response object (`status`: in_progress, completed, incomplete or failed)."""
@@ -173,7 +172,7 @@ def install_responses(app: FastAPI, ctx: ServeContext,
         tr = to_chat(req)
         run, events = await start_adapted(ctx, tr.chat, request, "resp", tr.rename)
         resp_id = "resp_" + run.request_id.removeprefix("resp-")
-        created = time.time()
+        created = run.created  # whole seconds, as OpenAI writes `created_at`
         if req.stream:
             return _stream(ctx, req, tr, run, events, resp_id, created)
         items = ItemEncoder(_sealed(req))
@@ -197,7 +196,7 @@ def _sse(event: dict[str, Any], seq: list[int]) -> str:
 
 
 def _stream(ctx: ServeContext, req: ResponsesRequest, tr: Translation, run: ChatRun,
-            events: AsyncIterator[ChoiceEvent], resp_id: str, created: float) -> StreamingResponse:
+            events: AsyncIterator[ChoiceEvent], resp_id: str, created: int) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         seq = [0]
         items = ItemEncoder(_sealed(req))

@@ -27,7 +27,7 @@ from typing import Any
 from ftrs.engine.protocol import GenerateRequest, TokenLogprob
 from ftrs.errors import FtrsError, error_from_dict
 from ftrs.server.cli import DEFAULT_MAX_N
-from ftrs.server.detokenize import IncrementalDetokenizer, StopChecker, push_until_stop
+from ftrs.server.detokenize import IncrementalDetokenizer, LogprobCut, StopChecker, push_until_stop
 from ftrs.server.engine_client import EngineClient
 from ftrs.server.errors import renamed
 from ftrs.server.metrics import ServerMetrics
@@ -138,6 +138,7 @@ class Generation:
         assert queue is not None
         detok = IncrementalDetokenizer(self.client.tokenizer or _NoText(), keep=self.keep)
         stop = StopChecker(self.params.stop)
+        cut = LogprobCut(detok, stop)  # logprobs of the released text only
         status: str | None = "aborted"
         last = self._arrival
         try:
@@ -171,12 +172,13 @@ class Generation:
                 elif item.finish_reason is not None:
                     out += stop.flush()
                     self.finish_reason = item.finish_reason
+                lps = cut.take(ids, item.logprobs or [], self.finish_reason is not None)
                 if self.finish_reason is not None:
                     status = "success"
-                    yield Delta(out, ids, (item.logprobs or [])[:len(ids)], self.finish_reason)
+                    yield Delta(out, ids, lps, self.finish_reason)
                     return
                 if out or ids:
-                    yield Delta(out, ids, item.logprobs or [])
+                    yield Delta(out, ids, lps)
         except FtrsError:
             status = None  # counted where the error is answered (HTTP error or SSE event)
             raise
@@ -279,6 +281,7 @@ class ChatRun:
     def __init__(self, ctx: ServeContext, request_id: str, plan: Plan,
                  wait_disconnect: WaitDisconnect | None = None) -> None:
         self.request_id = request_id
+        self.created = int(time.time())  # every chunk's and the body's `created`, stamped once
         self.n = len(plan.params)
         self.plan = plan
         keep = kept_special_ids(ctx.client.tokenizer, plan)
