@@ -56,6 +56,9 @@ from ftrs.engine.protocol import GenerateRequest
 from ftrs.llm import LLM
 from ftrs.sampling import SamplingParams
 
+# transformers probes for a `kernels` package, and this folder's kernels.py is not it
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
 
 class StepClock:
     """A transformers logits processor that only records when each generation step happened."""

@@ -33,6 +33,8 @@ import httpx
 
 log = logging.getLogger("bench.serve")
 ROOT = Path(__file__).resolve().parents[1]
+# transformers probes for a `kernels` package, and this folder's kernels.py is not it
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 
 @dataclass
