@@ -16,8 +16,9 @@ with `--device cuda` in bf16 (the plain cache bf16) through the Triton kernels, 
 - Decode tok/s at each context length of `--contexts` (a prompt of that many corpus tokens,
   then `--tokens` greedy tokens, EOS ignored; only the steps without a prefill token timed),
   the two caches taking turns for `--rounds` rounds, median; `int8_vs_auto`: the ratio paired
-  by round, median. On the CPU the int8 rows go through torch (gather, scale, two matmuls),
-  the plain ones through the Rust decode attention.
+  by round, median. On the CPU both caches' decode rows go through the Rust decode attention
+  (`kernels/cpu.decode_attention_cpu`: int8 codes widened as loaded, each row's scale applied
+  to its dot products and weights).
 
     .venv/bin/python bench/kv_cache.py
     .venv/bin/python bench/kv_cache.py --rounds 2 --contexts 128 --text-tokens 256
