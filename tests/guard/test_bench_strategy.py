@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from ftrs.errors import ConfigError
 from ftrs.guard.bench_strategy import BenchRow, Candidate, run_strategy_bench
 from ftrs.guard.profile import load_profile, resolve_auto_strategy
 from ftrs.models.tiny import make_tiny
@@ -128,3 +129,45 @@ def test_the_written_profile_names_its_own_path(tmp_path: Path) -> None:
     unwritten = run_strategy_bench("m", cache_rates=(0.5,), copy_backend="simulated:1",
                                    home=tmp_path, runner=run, write=False)
     assert "profile_path" not in unwritten.to_dict()  # no empty path
+
+
+def test_rounds_rotate_the_order_and_keep_each_candidates_median_run(tmp_path: Path) -> None:
+    """With --rounds 3 no candidate always runs first (a cold host's first run is slower: the
+    fake charges the first run of each round double), and each keeps its median run, so one
+    unlucky run does not decide the pick."""
+    order: list[str] = []
+    base = {"resident": 1.0, "offload@0.5": 1.1, "hybrid@0.5": 1.2}
+
+    def run(c: Candidate) -> BenchRow:
+        first = len(order) % 3 == 0
+        order.append(c.label)
+        t = base[c.label] * (2.0 if first else 1.0)
+        return BenchRow(c.label, c.strategy, c.cache_rate, t / 2, t / 2, t)
+
+    b = run_strategy_bench("m", cache_rates=(0.5,), copy_backend="simulated:1", home=tmp_path,
+                           runner=run, write=False, rounds=3)
+    assert [order[i] for i in (0, 3, 6)] == ["resident", "offload@0.5", "hybrid@0.5"]
+    assert sorted(order) == sorted(list(base) * 3)
+    assert {r.label: r.total_s for r in b.rows} == base  # the medians: no doubled run
+    assert b.pick.label == "resident" and b.workload["rounds"] == 3
+    one = run_strategy_bench("m", cache_rates=(0.5,), copy_backend="simulated:1",
+                             home=tmp_path, runner=run, write=False)
+    assert one.rows[0].total_s == 2.0  # one round: resident first and charged for it
+    with pytest.raises(ConfigError, match="--rounds"):
+        run_strategy_bench("m", cache_rates=(0.5,), runner=run, write=False, rounds=0)
+
+
+def test_a_candidate_that_fails_in_any_round_is_a_failed_row(tmp_path: Path) -> None:
+    calls: list[str] = []
+
+    def run(c: Candidate) -> BenchRow:
+        calls.append(c.label)
+        if c.strategy == "offload" and calls.count(c.label) == 2:
+            raise RuntimeError("device fault")
+        return BenchRow(c.label, c.strategy, c.cache_rate, 1.0, 1.0, 2.0)
+
+    b = run_strategy_bench("m", cache_rates=(0.5,), copy_backend="simulated:1", home=tmp_path,
+                           runner=run, write=False, strategies=("offload", "hybrid"), rounds=3)
+    assert calls.count("offload@0.5") == 2  # not run again once it failed
+    assert b.failed == {"offload@0.5": "RuntimeError: device fault"}
+    assert b.pick.label in ("resident", "hybrid@0.5")

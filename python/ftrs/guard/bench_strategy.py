@@ -5,7 +5,8 @@ The workload, per candidate (resident; offload and hybrid at each cache rate), o
 loaded engine: one warm-up request (8 prompt tokens, 2 decoded), then one request of
 `prompt_tokens` random prompt tokens (one prefill chunk) and `decode_tokens` greedy tokens
 (EOS ignored). Prefill time is arrival to first token, decode time the rest. The score is the
-total: the candidate with the smallest measured total is the pick. Nothing is estimated from bandwidth ratios: a host whose
+total: the candidate with the smallest measured total is the pick. `--rounds N` runs the
+candidates N times, each round starting one candidate later, and keeps each one's median run. Nothing is estimated from bandwidth ratios: a host whose
 link or cache behaves unlike the model of it is measured as it is.
 
 Profiles live in `$FTRS_HOME/profiles/<hash of key>.json`; the key is (device, host, model,
@@ -330,11 +331,16 @@ def run_strategy_bench(
     device: str = "auto", dtype: str = "auto", resident: bool = True,
     home: Path | None = None, write: bool = True, link_desc: str | None = None,
     runner: Runner | None = None, strategies: Sequence[str] = CACHED_STRATEGIES,
+    rounds: int = 1,
 ) -> StrategyBench:
     """Check the input, measure every candidate, pick the fastest measured total, write the
     profile (module doc: what is refused, what a failed candidate does). A custom `runner`
     runs candidates its own way: the flags are checked then, not the device, copy backend or
-    checkpoint."""
+    checkpoint. `rounds` > 1 measures every candidate that many times, each round starting
+    one candidate later (none always runs first, on the coldest host), and keeps each one's
+    median run by total; a candidate that fails once is a failed row."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ConfigError(f"bench strategy: --rounds must be an integer >= 1, got {rounds!r}")
     cands = candidates(cache_rates, resident, strategies)
     check_inputs(model, cands, prompt_tokens=prompt_tokens, decode_tokens=decode_tokens,
                  copy_backend=copy_backend, device=device, dtype=dtype,
@@ -342,19 +348,15 @@ def run_strategy_bench(
     run = runner or engine_runner(model, prompt_tokens=prompt_tokens,
                                   decode_tokens=decode_tokens, copy_backend=copy_backend,
                                   device=device, dtype=dtype)
-    rows: list[BenchRow] = []
-    for c in cands:
-        logger.info("bench strategy: %s", c.label)
-        try:
-            rows.append(run(c))
-        except INPUT_ERRORS:
-            logger.warning("bench strategy: %s refused its input; no profile written", c.label)
-            raise
-        except Exception as e:  # a candidate that cannot run here is a row, not the end
-            why = " ".join(f"{type(e).__name__}: {e}".split())  # one line, for the table
-            logger.warning("bench strategy: %s failed: %s", c.label, why)
-            rows.append(BenchRow(c.label, c.strategy, c.cache_rate, float("inf"),
-                                 float("inf"), float("inf"), error=why))
+    runs: dict[str, list[BenchRow]] = {c.label: [] for c in cands}
+    for r in range(rounds):
+        for c in cands[r % len(cands):] + cands[:r % len(cands)]:
+            if any(row.error is not None for row in runs[c.label]):
+                continue  # failed in an earlier round: its row says why
+            logger.info("bench strategy: %s%s", c.label,
+                        f" (round {r + 1} of {rounds})" if rounds > 1 else "")
+            runs[c.label].append(_measure(run, c))
+    rows = [_median_run(runs[c.label]) for c in cands]
     ok = [r for r in rows if r.error is None]
     failed = [r for r in rows if r.error is not None]
     if not ok:
@@ -365,7 +367,7 @@ def run_strategy_bench(
     key = profile_key(device=device_name(device), host=socket.gethostname(),
                       model=model_id(model),
                       link=link_id(copy_backend, link_desc))
-    workload = {"prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens,
+    workload = {"prompt_tokens": prompt_tokens, "decode_tokens": decode_tokens, "rounds": rounds,
                 "copy_backend": copy_backend, "device": device, "dtype": dtype,
                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     bench = StrategyBench(rows, pick, key, workload)
@@ -380,6 +382,28 @@ def run_strategy_bench(
         logger.info("bench strategy: picked %s (%.3f s); profile %s", pick.label, pick.total_s,
                     bench.profile_path)
     return bench
+
+
+def _measure(run: Runner, c: Candidate) -> BenchRow:
+    """One run of `c`; a failure that is not bad input becomes a row saying why."""
+    try:
+        return run(c)
+    except INPUT_ERRORS:
+        logger.warning("bench strategy: %s refused its input; no profile written", c.label)
+        raise
+    except Exception as e:  # a candidate that cannot run here is a row, not the end
+        why = " ".join(f"{type(e).__name__}: {e}".split())  # one line, for the table
+        logger.warning("bench strategy: %s failed: %s", c.label, why)
+        return BenchRow(c.label, c.strategy, c.cache_rate, float("inf"), float("inf"),
+                        float("inf"), error=why)
+
+
+def _median_run(rows: Sequence[BenchRow]) -> BenchRow:
+    """The failed run if one failed, else the run of median total (the lower of two)."""
+    failed = [r for r in rows if r.error is not None]
+    if failed:
+        return failed[0]
+    return sorted(rows, key=lambda r: r.total_s)[(len(rows) - 1) // 2]
 
 
 def _failures(rows: Sequence[BenchRow]) -> str:
@@ -408,6 +432,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", help=option_help("dtype"))
     parser.add_argument("--strategies", nargs="+", default=list(CACHED_STRATEGIES),
                         choices=list(CACHED_STRATEGIES), help="measured at each cache rate")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every candidate this many times, each round starting one "
+                             "candidate later, and keep each one's median run (default: 1)")
     parser.add_argument("--no-resident", action="store_true", help="skip the resident candidate")
     parser.add_argument("--no-write", action="store_true", help="do not write a profile")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -419,7 +446,7 @@ def run_cli(args: argparse.Namespace) -> int:
         args.model, prompt_tokens=args.prompt_tokens, decode_tokens=args.decode_tokens,
         cache_rates=args.cache_rates, copy_backend=args.copy_backend, device=args.device,
         dtype=args.dtype, resident=not args.no_resident, write=not args.no_write,
-        strategies=args.strategies)
+        strategies=args.strategies, rounds=args.rounds)
     text = json.dumps(bench.to_dict(), indent=2) if args.json else (
         bench.format_table() + f"\npick: {bench.pick.label}"
         + "".join(f"\nnote: {n}" for n in bench.notes)
