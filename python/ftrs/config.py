@@ -59,6 +59,7 @@ class EngineConfig:
     max_running_requests: int = _opt(64, "requests running at once")
     page_size: int = _opt(16, "tokens per KV page, a power of two")
     kv_tokens: int | None = _opt(None, "KV pool capacity in tokens, at least --page-size; unset: sized from free memory")
+    prefix_cache: bool = _opt(True, "reuse the KV pages of a prompt prefix served before (off always for models with linear attention layers)")
     kv_cache_dtype: str = _opt("auto", "auto | int8; auto: the compute dtype, int8: int8 rows with a scale per token and kv head")
     max_model_len: int | None = _opt(None, "context of one request, at most the model's own; unset: the model's own")
     seed: int = _opt(0, "seeds the engine's generator of seeds, which draws one for each request that brings none (a sampled request uses it); identical unseeded requests still differ")

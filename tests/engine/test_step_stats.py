@@ -114,3 +114,17 @@ def test_cached_tokens_count_prompt_tokens_only_after_a_preemption(
     assert any(cached[rid] > 0 for rid in preempted), cached  # its pages came back
     assert 0 < hits <= sum(sizes[rid] for rid in preempted)
     llm.close()
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_the_prefix_cache_is_a_setting(tiny_models: dict[str, Path], prefix_cache: bool) -> None:
+    """`prefix_cache=False` (`--no-prefix-cache`) prefills a prompt served before in full: a
+    benchmark that replays the same prompts under several settings starts each from the same
+    state. On (the default), the second run of a 40-token prompt reuses its first 32."""
+    llm = LLM(str(tiny_models["qwen3_moe"]), kv_tokens=256, page_size=8, prefix_cache=prefix_cache)
+    prompt = list(range(100, 140))
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    first, second = (llm.generate([prompt], params)[0] for _ in range(2))
+    assert first.num_cached_tokens == 0 and second.token_ids == first.token_ids
+    assert second.num_cached_tokens == (32 if prefix_cache else 0)
+    llm.close()

@@ -69,7 +69,7 @@ class EngineCore:
                      "prefix is not kept", self.spec.arch)
         self.scheduler = Scheduler(
             self.pool, config.max_prefill_length, config.max_running_requests,
-            prefix_cache=not self.has_states,
+            prefix_cache=config.prefix_cache and not self.has_states,
             states=StateSlots(self.rt.state_slots) if self.has_states else None)
         self._seqs: dict[str, Sequence] = {}
         self._prompt_logits: dict[str, dict[int, torch.Tensor]] = {}  # `probes.prompt_logits`
