@@ -10,9 +10,9 @@ layer's host work costs beside the CPU experts it saves. It cannot show a GPU's 
 and launches, only the host's share; the fused kernel runs under Triton's interpreter, so the
 captured device step is not called (nothing here waits for it).
 
-Three host-step variants per layer, interleaved step by step over the same routed inputs
+Four host-step variants per layer, interleaved step by step over the same routed inputs
 (one decode token, each layer's own router): `cpu` (the layer mode "cpu"), `split` (the split,
-its CPU share in one call: a GPU's path) and `split_by_expert` (the same split, its CPU share
+its CPU share in one call: a GPU's path), `split_by_expert` (the same split, its CPU share
 expert by expert: a CPU device's path) and `split_no_fill` (the split without the fill of its
 CPU share on the idle link, `HybridStrategy.fill`: the cache then holds only what the router's
 prefetch guessed). Prints, per variant, the median host-step time per layer and its ratio to

@@ -150,7 +150,12 @@ def main() -> int:
     p.add_argument("--progress-every", type=float, default=30.0, help="seconds between log lines")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s")
+    with tempfile.TemporaryDirectory(prefix="ftrs-bench-sysfs-") as tmp:  # the fake tree
+        return run(args, Path(tmp))
 
+
+def run(args: argparse.Namespace, tmp: Path) -> int:
+    """The measurement; the fake device's sysfs tree is built under `tmp`."""
     llm = LLM(args.model, device=args.device, dtype=args.dtype, moe_strategy=args.moe_strategy)
     engine = llm.engine
     prompt = (llm.tokenizer.encode("Explain how a PCIe link trains, step by step.")
@@ -158,7 +163,7 @@ def main() -> int:
     driver = Driver(engine, args.clients, prompt, args.max_tokens)
 
     gpus = discover_nvidia_gpus()
-    fake_root = fake_gpu_tree(Path(tempfile.mkdtemp(prefix="ftrs-bench-sysfs-")))
+    fake_root = fake_gpu_tree(tmp)
     common: dict[str, Any] = {"fast_interval_s": args.fast_interval,
                               "hang_timeout_s": args.hang_timeout}
     watched = [

@@ -19,6 +19,13 @@ ready count as hits), the bytes copied, misses, prefetches issued and prefetches
 per token, all forwards and decode forwards alone.
 Routing does not depend on the strategy, so every policy serves the same lookups.
 
+The prefix cache is off for the whole run (recording and every replay): each prompt is
+prefilled in full every time, so the trace and each policy's `engine` run cover the same work,
+the whole prompt of every chat plus its decode (`workload.tokens`: prompt tokens + the
+`max_tokens - 1` decode forwards of each chat; `engine.<policy>.all.tokens` equals it). With it
+on, a replay would prefill only the tail of each prompt that the recording (or an earlier
+policy's replay) had not already cached, and the policies would start from different states.
+
     python bench/policies.py            # 8 prompts x 64 tokens
     python bench/policies.py --quick    # 3 prompts x 16 tokens
 """
@@ -93,19 +100,24 @@ def engine_run(common: Any, llm: LLM, chats: list[str], policy: str, rate: float
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--quick", action="store_true", help="3 prompts x 16 tokens")
+    ap.add_argument("--prompts", type=int, default=None, help="chats (default 8; --quick 3)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="tokens per chat (default 64; --quick 16)")
+    ap.add_argument("--quick", action="store_true",
+                    help="3 prompts x 16 tokens, unless --prompts or --max-tokens says otherwise")
     ap.add_argument("--engine-rate", type=float, default=0.5,
                     help="expert cache of the engine runs, a fraction of all experts")
     ap.add_argument("--no-engine", action="store_true", help="replay the trace only")
     args = ap.parse_args()
-    if args.quick:
-        args.prompts, args.max_tokens = 3, 16
+    if args.prompts is None:
+        args.prompts = 3 if args.quick else 8
+    if args.max_tokens is None:
+        args.max_tokens = 16 if args.quick else 64
     import _common as common
 
     t0 = time.perf_counter()
-    llm = LLM(args.model or common.demo_path(), kv_tokens=8192, device="cpu")
+    # the prefix cache off: every run below prefills each prompt in full
+    llm = LLM(args.model or common.demo_path(), kv_tokens=8192, device="cpu", prefix_cache=False)
     moe = llm.engine.moe_strategy()
     assert moe is not None, "the model has no routed experts"
     parts = llm.engine.moe_parts()
@@ -113,7 +125,8 @@ def main() -> None:
     common.use_strategy(llm, rec)
     chats = [llm.chat_prompt([{"role": "user", "content": p}])
              for p in (common.PROMPTS * 4)[: args.prompts]]
-    for text in chats:  # one request after another: the cache lives across requests
+    prompt_tokens = sum(len(llm.tokenizer.encode(text)) for text in chats)
+    for text in chats:  # one request after another: the expert cache lives across requests
         common.run_steps(llm, [llm.tokenizer.encode(text)], args.max_tokens)
     record_s = time.perf_counter() - t0
     engine = {} if args.no_engine else {
@@ -133,6 +146,8 @@ def main() -> None:
         "top_k": parts.spec.top_k,
         "experts_total": total,
         "workload": {"prompts": len(chats), "max_tokens": args.max_tokens, "batch": 1,
+                     "prefix_cache": False, "prompt_tokens": prompt_tokens,
+                     "tokens": sum(f.num_tokens for f in rec.forwards),
                      "forwards": len(rec.forwards),
                      "prefill_forwards": sum(f.num_tokens > 1 for f in rec.forwards),
                      "layer_steps_all": len(all_steps), "layer_steps_decode": len(decode_steps),

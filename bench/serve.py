@@ -7,9 +7,22 @@ TTFT and inter-token latency p50/p90/p99. Then the same requests go through tran
 `generate` in static batches of C (left padding; each batch runs until its longest request),
 and the ratio ftrs/transformers of useful output tokens/s is printed per C. JSON on stdout.
 
+The two are not interleaved: every level runs against ftrs first, then the server is stopped
+(its KV pool would otherwise hold the device's memory; a `--url` server is left idle) and
+every level runs through transformers, one after the other in the same run. The JSON's `note`
+says so: a host whose speed drifts during the run favours one side.
+
+`--quick` only changes the defaults (1,4 clients, 8 requests, prompts 16..128, outputs
+16..32): `--concurrency`, `--num-requests`, `--prompt-len` and `--max-tokens` given explicitly
+win. With `--url` the bench does not guess which checkpoint the server holds (the path it
+loaded may be another machine's), so the transformers baseline needs `--model DIR` naming it,
+or `--no-hf`; `transformers_model` in the JSON is what transformers loaded. Without `--url`,
+`--model` (default: the demo) is what the started server serves and transformers loads.
+
     python bench/serve.py                      # the demo model, full workload
     python bench/serve.py --model DIR --quick  # a small run (CI, laptops)
     python bench/serve.py --url http://127.0.0.1:8000 --served-model-name demo --no-hf
+    python bench/serve.py --url http://127.0.0.1:8000 --model DIR  # DIR: what the server serves
 """
 
 from __future__ import annotations
@@ -223,31 +236,49 @@ def hf_static_batches(model_dir: Path, reqs: list[Req], batch: int, device: str,
 # ------------------------------------------------------------------------------------ main
 
 
+# (full, --quick) defaults of the workload options; an option given explicitly wins over both
+DEFAULTS = {"concurrency": ("1,8,32", "1,4"), "num_requests": (None, 8),
+            "prompt_len": ("16,1024", "16,128"), "max_tokens": ("16,256", "16,32")}
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="demo")
+    p.add_argument("--model", default=None,
+                   help="checkpoint the started server serves and transformers loads (default: "
+                        "the demo); with --url, required unless --no-hf")
     p.add_argument("--url", default=None, help="use a running server instead of starting one")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--concurrency", default="1,8,32")
-    p.add_argument("--num-requests", type=int, default=None, help="per concurrency (default 4*C, >= 16)")
-    p.add_argument("--prompt-len", default="16,1024", help="min,max prompt tokens")
-    p.add_argument("--max-tokens", default="16,256", help="min,max output tokens")
+    p.add_argument("--concurrency", default=None, help="clients per level (default 1,8,32; --quick 1,4)")
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="per concurrency (default 4*C, >= 16; --quick 8)")
+    p.add_argument("--prompt-len", default=None,
+                   help="min,max prompt tokens (default 16,1024; --quick 16,128)")
+    p.add_argument("--max-tokens", default=None,
+                   help="min,max output tokens (default 16,256; --quick 16,32)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="1,4 clients, 8 requests, short prompts/outputs")
+    p.add_argument("--quick", action="store_true",
+                   help="smaller defaults: 1,4 clients, 8 requests, short prompts/outputs; "
+                        "the options above given explicitly win")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--device", default="auto", help="for transformers (and passed to the server)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--out", default=None, help="also write the JSON here")
-    return p.parse_known_args(argv)  # unknown options go to `ftrs serve`
+    args, rest = p.parse_known_args(argv)  # unknown options go to `ftrs serve`
+    for name, (full, quick) in DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    if args.model is None:
+        if args.url is not None and not args.no_hf:
+            p.error("--url: which checkpoint the server holds is not assumed; pass --model DIR "
+                    "(the checkpoint it serves, for the transformers baseline) or --no-hf")
+        args.model = "demo"
+    return args, rest
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     args, engine_args = parse_args(argv)
-    if args.quick:
-        args.concurrency, args.num_requests = "1,4", args.num_requests or 8
-        args.prompt_len, args.max_tokens = "16,128", "16,32"
     levels = [int(c) for c in args.concurrency.split(",")]
     prange, orange = pair(args.prompt_len), pair(args.max_tokens)
     engine_args += ["--device", args.device, "--dtype", args.dtype]
@@ -285,6 +316,11 @@ def main(argv: list[str] | None = None) -> int:
             stop_server(proc)
     if not args.no_hf:
         from ftrs.models import resolve_model
+
+        report["transformers_model"] = args.model
+        server = "the server at --url idle" if args.url else "the server stopped"
+        report["note"] = (f"not interleaved: every level ran against ftrs, then ({server}) "
+                          "every level through transformers, one after the other in this run")
 
         device = args.device if args.device != "auto" else ("cuda" if _has_cuda() else "cpu")
         model_dir = resolve_model(args.model)

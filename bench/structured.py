@@ -12,14 +12,16 @@ bitmasks into a bool mask and applying it to (8, vocab) logits.
 
 `decode`: the demo model, greedy, exactly `--max-tokens` tokens per request, batch 1 and 8,
 unconstrained and with a JSON schema that cannot complete before then (so both arms decode the
-same number of tokens), alternating within one process (`--reps` rounds, medians). tok/s is
-over the pure decode steps (`StepStats`, forward + masks + sampling). `ratio` = constrained /
+same number of tokens), alternating within one process (`--reps` rounds, medians; the first
+round runs the unconstrained arm first, the second the constrained one, and so on, so neither
+is always second: `runs.first` names each round's first arm). tok/s is over the pure decode
+steps (`StepStats`, forward + masks + sampling). `ratio` = constrained /
 unconstrained (target >= 0.9). `mask_fill_ms` is the time the mask worker spent per step
 (`EngineCore.grammar_stats`), `mask_wait_ms` the time a step waited for it after its forward
 (near 0 when the fill finished under the forward).
 
     python bench/structured.py           # 16 tokens, 3 rounds
-    python bench/structured.py --quick   # 12 tokens, 1 round
+    python bench/structured.py --quick   # 12 tokens, 1 round (--max-tokens, --reps given win)
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ LONG_SCHEMA: dict[str, Any] = {
         "required": ["name", "qty"], "additionalProperties": False}}},
     "required": ["items"], "additionalProperties": False,
 }
+ARMS = ("unconstrained", "json_schema")  # decode's two arms, in its first round's order
 PROMPT = ("List the items of a small grocery order as JSON: an object with an array `items` of "
           "objects with `name` and `qty`.")
 
@@ -182,15 +185,22 @@ def decode(llm: LLM, batches: list[int], n: int, reps: int) -> list[dict[str, An
         run(llm, prompts, 3, None, "warm")
         run(llm, prompts, 3, spec, "warm")
         free, con, fill, wait = [], [], [], []
-        for _ in range(reps):
-            free.append(common.decode_summary(run(llm, prompts, n, None, "free"))["tok_per_s"])
-            before = eng.grammar_stats()
-            steps = run(llm, prompts, n, spec, "json")
-            after = eng.grammar_stats()
-            con.append(common.decode_summary(steps)["tok_per_s"])
-            fills = after["fills"] - before["fills"]
-            fill.append((after["fill_s"] - before["fill_s"]) / fills)
-            wait.append((after["wait_s"] - before["wait_s"]) / fills)
+        first: list[str] = []
+        for r in range(reps):  # each round starts with the other arm: no fixed order
+            order = ARMS if r % 2 == 0 else ARMS[::-1]
+            first.append(order[0])
+            for arm in order:
+                if arm == "unconstrained":
+                    steps = run(llm, prompts, n, None, "free")
+                    free.append(common.decode_summary(steps)["tok_per_s"])
+                    continue
+                before = eng.grammar_stats()
+                steps = run(llm, prompts, n, spec, "json")
+                after = eng.grammar_stats()
+                con.append(common.decode_summary(steps)["tok_per_s"])
+                fills = after["fills"] - before["fills"]
+                fill.append((after["fill_s"] - before["fill_s"]) / fills)
+                wait.append((after["wait_s"] - before["wait_s"]) / fills)
         rows.append({
             "batch": b, "unconstrained_tok_per_s": round(statistics.median(free), 2),
             "json_schema_tok_per_s": round(statistics.median(con), 2),
@@ -198,7 +208,7 @@ def decode(llm: LLM, batches: list[int], n: int, reps: int) -> list[dict[str, An
             "mask_fill_ms": round(1e3 * statistics.median(fill), 3),
             "mask_wait_ms": round(1e3 * statistics.median(wait), 3),
             "runs": {"unconstrained": [round(x, 2) for x in free],
-                     "json_schema": [round(x, 2) for x in con]}})
+                     "json_schema": [round(x, 2) for x in con], "first": first}})
     return rows
 
 
@@ -206,14 +216,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="tokens per request (default 16; --quick 12)")
+    ap.add_argument("--reps", type=int, default=None, help="rounds (default 3; --quick 1)")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--quick", action="store_true", help="12 tokens, 1 round")
+    ap.add_argument("--quick", action="store_true",
+                    help="12 tokens, 1 round, unless --max-tokens or --reps says otherwise")
     ap.add_argument("--no-decode", action="store_true", help="only the engines section")
     args = ap.parse_args()
-    if args.quick:
-        args.max_tokens, args.reps = 12, 1
+    if args.max_tokens is None:
+        args.max_tokens = 12 if args.quick else 16
+    if args.reps is None:
+        args.reps = 1 if args.quick else 3
     path = args.model or common.demo_path()
     llm = LLM(path, device=args.device, dtype="float32", kv_tokens=8192)
     report: dict[str, Any] = {"bench": "structured", "model": args.model or "demo",
@@ -222,6 +236,7 @@ def main() -> None:
                               "engines": engines(llm)}
     if not args.no_decode:
         batches = [int(x) for x in args.batches.split(",")]
+        report |= {"max_tokens": args.max_tokens, "reps": args.reps}
         report["decode"] = decode(llm, batches, args.max_tokens, args.reps)
     print(json.dumps(report, indent=2))
     llm.close()

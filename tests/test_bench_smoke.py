@@ -6,9 +6,9 @@ Figures are not checked, a tiny model's speed says nothing: each script's exit s
 shape of the JSON it promises are. hybrid.py has its own test (tests/moe/test_bench_hybrid.py).
 
 Not here: what needs the demo (quantized.py, kv_cache.py, gguf_open.py, quant_kernels.py
---demo), a server (serve.py, soak.py, abuse.py; serve.py's transformers side is imported below),
-a GPU (gpu_check.py beyond its no-GPU line) or minutes (mla.py: transformers' DeepSeek-V2 at
-V2-Lite's widths)."""
+--demo), a server (serve.py, soak.py, abuse.py; serve.py's transformers side and its options
+are imported below), a GPU (gpu_check.py beyond its no-GPU line) or minutes (mla.py:
+transformers' DeepSeek-V2 at V2-Lite's widths)."""
 
 from __future__ import annotations
 
@@ -27,10 +27,13 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 
 
-def bench(script: str, *args: object, home: Path) -> Any:
-    """Run bench/`script` as `python bench/SCRIPT ARGS` runs it; its stdout's JSON."""
+def bench(script: str, *args: object, home: Path, tmpdir: Path | None = None) -> Any:
+    """Run bench/`script` as `python bench/SCRIPT ARGS` runs it (its temporary files under
+    `tmpdir` when given); its stdout's JSON."""
     # one OpenMP thread: on a shared 2-core host a second one mostly waits for its core
     env = dict(os.environ, FTRS_HOME=str(home), OMP_NUM_THREADS="1")
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
     done = subprocess.run([sys.executable, str(BENCH / script), *map(str, args)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -81,6 +84,31 @@ def test_serve_finds_the_kernels_package_transformers_imports_not_the_bench() ->
     assert done.stdout.strip() != str(BENCH / "kernels.py")
 
 
+def test_serve_options_given_win_over_quick_and_url_needs_the_model() -> None:
+    code = ("import json, runpy, sys\n"
+            f"sys.path.insert(0, {str(BENCH)!r})\n"
+            f"parse = runpy.run_path({str(BENCH / 'serve.py')!r}, run_name='bench_serve')"
+            "['parse_args']\n"
+            "given, _ = parse(['--quick', '--concurrency', '2', '--num-requests', '3',\n"
+            "                  '--prompt-len', '8,9', '--max-tokens', '3,4'])\n"
+            "quick, _ = parse(['--quick'])\n"
+            "full, _ = parse([])\n"
+            "url, _ = parse(['--url', 'http://127.0.0.1:1', '--no-hf'])\n"
+            "rows = [[a.concurrency, a.num_requests, a.prompt_len, a.max_tokens, a.model]\n"
+            "        for a in (given, quick, full, url)]\n"
+            "print(json.dumps(rows))\n"
+            "parse(['--url', 'http://127.0.0.1:1'])  # transformers would load the demo\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert done.returncode == 2, done.stderr[-3000:]  # argparse's error
+    assert "--model" in done.stderr.splitlines()[-1], done.stderr[-3000:]
+    given, quick, full, url = json.loads(done.stdout)
+    assert given == ["2", 3, "8,9", "3,4", "demo"]
+    assert quick == ["1,4", 8, "16,128", "16,32", "demo"]
+    assert full == ["1,8,32", None, "16,1024", "16,256", "demo"]
+    assert url[-1] == "demo"  # --no-hf: nothing loads it
+
+
 def test_hybrid_host_step_times_each_variant(tmp_path: Path) -> None:
     out = bench("hybrid_host_step.py", "--layers", "2", "--steps", "8", "--rounds", "1",
                 home=tmp_path)
@@ -108,7 +136,9 @@ def test_kernels_times_every_reference_and_the_decode_step(tmp_path: Path) -> No
 def test_monitor_probes_under_load_without_false_alarms(tiny_models: dict[str, Path],
                                                         tmp_path: Path) -> None:
     out = bench("monitor.py", "--model", tiny_models["mixtral"], "--device", "cpu",
-                "--minutes", "0.03", "--clients", "2", "--max-tokens", "8", home=tmp_path)
+                "--minutes", "0.03", "--clients", "2", "--max-tokens", "8", home=tmp_path,
+                tmpdir=tmp_path)
+    assert not list(tmp_path.glob("ftrs-bench-sysfs-*"))  # the fake tree is removed when done
     assert out["false_alarms"] == 0 and out["device_up_throughout"] is True
     assert out["steps"] > 0
     assert set(out["monitors"]) == {"real", "fake"}
@@ -139,7 +169,12 @@ def test_policies_replays_the_trace_and_serves_each_policy(deep_moe: Path,
                                                            tmp_path: Path) -> None:
     out = bench("policies.py", "--model", deep_moe, "--prompts", "2", "--max-tokens", "4",
                 home=tmp_path)
-    assert out["experts_total"] == 12 * 8 and out["workload"]["prompts"] == 2
+    work = out["workload"]
+    assert out["experts_total"] == 12 * 8 and work["prompts"] == 2
+    # every prompt prefilled in full, in the recording and in each replay: no run is served
+    # from pages an earlier one left in the prefix cache (each chat fills 2+ pages of 16)
+    assert work["prompt_tokens"] >= 2 * 2 * 16, work
+    assert work["tokens"] == work["prompt_tokens"] + 2 * 3, work
     for trace in ("all", "decode"):
         rows = out["hit_rate"][trace]
         assert [rows[r]["slots"] for r in ("25%", "50%", "75%")] == [24, 48, 72]
@@ -150,7 +185,7 @@ def test_policies_replays_the_trace_and_serves_each_policy(deep_moe: Path,
         run = out["engine"][policy]
         assert run["slots"] == 48
         assert run["decode"]["tokens"] == 2 * 3, run  # the first token comes from the prefill
-        assert run["all"]["tokens"] > run["decode"]["tokens"], run
+        assert run["all"]["tokens"] == work["tokens"], (policy, run)
 
 
 def test_quant_kernels_times_each_type_at_n_1_and_8(tmp_path: Path) -> None:
@@ -188,12 +223,15 @@ def test_stall_bounds_each_target(deep_moe: Path, tmp_path: Path) -> None:
 
 def test_structured_times_masks_and_constrained_decode(tiny_models: dict[str, Path],
                                                        tmp_path: Path) -> None:
-    out = bench("structured.py", "--model", tiny_models["mixtral"], "--max-tokens", "6",
-                "--reps", "1", "--batches", "2", home=tmp_path)
+    # --quick's 12 tokens and 1 round lose to the options given
+    out = bench("structured.py", "--model", tiny_models["mixtral"], "--quick", "--max-tokens",
+                "6", "--reps", "2", "--batches", "2", home=tmp_path)
+    assert out["max_tokens"] == 6 and out["reps"] == 2
     ll = out["engines"][0]
     assert ll["engine"] == "llguidance" and ll["tokens"] > 0
     assert {"mask", "consume", "batch8_fill_unpack", "batch8_apply"} <= set(ll)
     [row] = out["decode"]
     assert row["batch"] == 2
     assert row["unconstrained_tok_per_s"] > 0 and row["json_schema_tok_per_s"] > 0
-    assert row["mask_fill_ms"] >= 0 and len(row["runs"]["json_schema"]) == 1
+    assert row["mask_fill_ms"] >= 0 and len(row["runs"]["json_schema"]) == 2
+    assert row["runs"]["first"] == ["unconstrained", "json_schema"]  # each round the other
