@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from cli_checks import one_error_line
 from ftrs.cli import main
 from ftrs.errors import ConfigError, DeviceOutOfMemory, FtrsError, ModelLoadError
 from ftrs.guard import bench_strategy
@@ -55,13 +56,6 @@ def truncated_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return cut
 
 
-def _one_error_line(capsys: pytest.CaptureFixture[str], *needles: str) -> str:
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("ftrs: error: "), err
-    for n in needles:
-        assert n in err, (n, err)
-    return err
-
 
 BAD_FLAGS = [
     (("--device", "bogus"), "device: unsupported 'bogus'"),
@@ -90,7 +84,7 @@ def test_a_bad_flag_is_one_line_before_any_candidate_runs(
     argv = ["bench", "strategy", "--model", str(tiny_models["qwen3_moe"]), "--device", "cpu",
             "--cache-rates", "0.5", *SMALL, *flags]  # a later flag overrides an earlier one
     assert main(argv) == ConfigError.exit_code
-    _one_error_line(capsys, says)
+    one_error_line(capsys, says)
     assert ran == [] and not home.exists()
 
 
@@ -101,7 +95,7 @@ def test_a_missing_or_truncated_model_is_one_line_before_any_candidate_runs(
                         (truncated_gguf, "runs past the end of the file")):
         assert main(["bench", "strategy", "--model", str(model), "--device", "cpu", *SMALL]) == \
             ModelLoadError.exit_code
-        _one_error_line(capsys, str(model), says)
+        one_error_line(capsys, str(model), says)
     assert ran == [] and not home.exists()
 
 
@@ -109,7 +103,7 @@ def test_a_dense_model_is_refused(tiny_models: dict[str, Path], home: Path, ran:
                                   capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "strategy", "--model", str(tiny_models["qwen3"]), "--device", "cpu",
                  *SMALL]) == ConfigError.exit_code
-    _one_error_line(capsys, "dense model (qwen3, no routed experts)",
+    one_error_line(capsys, "dense model (qwen3, no routed experts)",
                     "no expert strategy to measure or pick")
     assert ran == [] and not home.exists()
 
@@ -156,7 +150,7 @@ def test_every_candidate_failing_is_one_line(tiny_models: dict[str, Path], home:
     rc = main(["bench", "strategy", "--model", str(tiny_models["qwen3_moe"]), "--device", "cpu",
                "--cache-rates", "0.5", *SMALL])
     assert rc == FtrsError.exit_code and rc != 0
-    _one_error_line(capsys, "every candidate failed, no profile written",
+    one_error_line(capsys, "every candidate failed, no profile written",
                     "resident, offload@0.5: DeviceOutOfMemory: out of memory",
                     "hybrid@0.5: RuntimeError: kernel bug")
     assert not home.exists()

@@ -19,6 +19,7 @@ from safetensors import SafetensorError
 
 import ftrs.models.gguf_write as gguf_write
 import ftrs.models.upcycle as upcycle_mod
+from cli_checks import one_error_line
 from ftrs.cli import main
 from ftrs.errors import ConfigError
 from ftrs.models import demo
@@ -122,13 +123,6 @@ def test_a_running_build_keeps_its_directory(models_dir: Path) -> None:
     assert _temporaries(models_dir) == [live.name]
 
 
-def _one_error_line(capsys: pytest.CaptureFixture[str], *needles: str) -> str:
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("ftrs: error: "), err
-    for n in needles:
-        assert n in err, (n, err)
-    return err
-
 
 def _disk_full_safetensors(*args: Any, **kwargs: Any) -> None:
     raise SafetensorError("Error while serializing: I/O error: No space left on device "
@@ -140,7 +134,7 @@ def test_a_full_disk_building_the_demo_is_one_line(models_dir: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(upcycle_mod, "save_file", _disk_full_safetensors)
     assert main(["models", "demo"]) == 2
-    _one_error_line(capsys, "No space left on device")
+    one_error_line(capsys, "No space left on device")
     assert sorted(p.name for p in models_dir.iterdir()) == [f"{demo.DEMO_NAME}.lock"]
 
 
@@ -153,7 +147,7 @@ def test_a_full_disk_building_the_quant_demo_is_one_line(models_dir: Path,
 
     monkeypatch.setattr(gguf_write, "write_gguf", disk_full)
     assert main(["models", "demo", "--quant", "q8_0"]) == 2
-    _one_error_line(capsys, "No space left on device", str(models_dir))
+    one_error_line(capsys, "No space left on device", str(models_dir))
     assert sorted(p.name for p in models_dir.iterdir()) == [f"{demo.DEMO_NAME}.Q8_0.gguf.lock"]
 
 
@@ -164,7 +158,7 @@ def test_ftrs_home_that_is_a_file_is_one_line(tmp_path: Path, models_dir: Path,
     home.write_text("")
     monkeypatch.setenv("FTRS_HOME", str(home))
     assert main(["models", "demo", "--quant", "q8_0"]) == 2
-    _one_error_line(capsys, str(home / "models"), "cannot create")
+    one_error_line(capsys, str(home / "models"), "cannot create")
     with pytest.raises(ConfigError, match="cannot create"):
         demo.ensure_demo()
 

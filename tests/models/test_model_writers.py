@@ -9,19 +9,11 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+from cli_checks import one_error_line
 from ftrs.cli import main
 from ftrs.errors import ConfigError, ModelLoadError
 from ftrs.models.tiny import make_tiny
 from ftrs.models.upcycle import upcycle
-
-
-def _one_error_line(capsys: pytest.CaptureFixture[str], *needles: str) -> str:
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("ftrs: error: "), err
-    assert "Traceback" not in err
-    for n in needles:
-        assert n in err, (n, err)
-    return err
 
 
 def _listing(d: Path) -> dict[str, int]:
@@ -38,7 +30,7 @@ def test_make_tiny_refuses_a_regular_file_and_leaves_it(tmp_path: Path,
     f = tmp_path / "notmodel.txt"
     f.write_text("keep me")
     assert main(["models", "make-tiny", "--arch", "llama", "--out", str(f)]) == 2
-    _one_error_line(capsys, "--out", str(f), "is a file")
+    one_error_line(capsys, "--out", str(f), "is a file")
     assert f.read_text() == "keep me"
 
 
@@ -48,7 +40,7 @@ def test_make_tiny_says_which_out_cannot_be_created(tmp_path: Path,
     f.write_text("")
     out = f / "sub"  # no directory can be made under a regular file
     assert main(["models", "make-tiny", "--arch", "llama", "--out", str(out)]) == 2
-    _one_error_line(capsys, "--out", str(out), "cannot create")
+    one_error_line(capsys, "--out", str(out), "cannot create")
 
 
 def test_upcycle_refuses_its_source_and_leaves_it_dense(dense: Path,
@@ -59,7 +51,7 @@ def test_upcycle_refuses_its_source_and_leaves_it_dense(dense: Path,
     for dst in (dense, alias):
         assert main(["models", "upcycle", "--experts", "4", "--top-k", "2", str(dense),
                      str(dst)]) == 2
-        _one_error_line(capsys, "DST", "is SRC itself")
+        one_error_line(capsys, "DST", "is SRC itself")
     assert _listing(dense) == before
     assert json.loads((dense / "config.json").read_text())["model_type"] == "llama"
 
@@ -70,7 +62,7 @@ def test_upcycle_refuses_a_directory_holding_another_model(dense: Path, tmp_path
     before = _listing(other)
     assert main(["models", "upcycle", "--experts", "4", "--top-k", "2", str(dense),
                  str(other)]) == 2
-    _one_error_line(capsys, str(other), "is not empty", "config.json")
+    one_error_line(capsys, str(other), "is not empty", "config.json")
     assert _listing(other) == before
 
 
@@ -83,7 +75,7 @@ def test_upcycle_refuses_a_file_or_an_uncreatable_dst(dense: Path, tmp_path: Pat
             upcycle(dense, dst, 4, 2)
         assert main(["models", "upcycle", "--experts", "4", "--top-k", "2", str(dense),
                      str(dst)]) == 2
-        _one_error_line(capsys, str(dst), why)
+        one_error_line(capsys, str(dst), why)
     assert f.read_text() == "keep me"
 
 
@@ -92,7 +84,7 @@ def test_upcycle_names_a_source_that_is_no_checkpoint(tmp_path: Path,
     f = tmp_path / "notmodel.txt"
     f.write_text("")
     assert main(["models", "upcycle", str(f), str(tmp_path / "out")]) == 3
-    _one_error_line(capsys, str(f), "not a GGUF")
+    one_error_line(capsys, str(f), "not a GGUF")
     assert not (tmp_path / "out").exists()  # nothing made for a source that cannot be read
 
 
@@ -118,7 +110,7 @@ def test_make_tiny_refuses_a_directory_holding_a_model(tmp_path: Path,
     for out in (dense, sharded):
         before = _listing(out)
         assert main(["models", "make-tiny", "--arch", "llama", "--out", str(out)]) == 2
-        _one_error_line(capsys, "--out", str(out), "is not empty (holds ",
+        one_error_line(capsys, "--out", str(out), "is not empty (holds ",
                         "give a new or empty directory")
         assert _listing(out) == before
     with pytest.raises(ConfigError, match=r"make-tiny: --out .* is not empty"):
@@ -133,7 +125,7 @@ def test_a_failing_upcycle_leaves_no_directory_behind(tiny_models: dict[str, Pat
     dst = tmp_path / "new" / "moe"
     assert main(["models", "upcycle", "--experts", "4", "--top-k", "2",
                  str(tiny_models["mixtral"]), str(dst)]) == 3
-    _one_error_line(capsys, str(tiny_models["mixtral"]), "dense llama model, got 'mixtral'")
+    one_error_line(capsys, str(tiny_models["mixtral"]), "dense llama model, got 'mixtral'")
     assert not (tmp_path / "new").exists()
     (tmp_path / "empty").mkdir()  # a directory that was there stays, empty
     with pytest.raises(ModelLoadError, match="dense llama"):
@@ -148,7 +140,7 @@ def test_upcycle_names_a_config_that_does_not_parse(tmp_path: Path,
     (src / "config.json").write_text("{bad")  # was a JSONDecodeError traceback
     assert main(["models", "upcycle", "--experts", "4", "--top-k", "2", str(src),
                  str(tmp_path / "out")]) == 3
-    _one_error_line(capsys, str(src / "config.json"), "cannot parse")
+    one_error_line(capsys, str(src / "config.json"), "cannot parse")
     assert not (tmp_path / "out").exists()
 
 
@@ -162,7 +154,7 @@ def test_upcycle_names_a_truncated_safetensors_file(dense: Path, tmp_path: Path,
     weights.write_bytes(weights.read_bytes()[:4000])  # was a SafetensorError traceback
     assert main(["models", "upcycle", "--experts", "4", "--top-k", "2", str(src),
                  str(tmp_path / "out")]) == 3
-    _one_error_line(capsys, str(weights), "cannot read")
+    one_error_line(capsys, str(weights), "cannot read")
     assert not (tmp_path / "out").exists()
 
 
@@ -183,12 +175,12 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(dense: Path, tmp_path: Path,
     monkeypatch.setattr(up, "save_file", _disk_full)
     out = tmp_path / "t1"
     assert main(["models", "make-tiny", "--arch", "llama", "--out", str(out)]) == 2
-    _one_error_line(capsys, "make-tiny: cannot write into --out", str(out),
+    one_error_line(capsys, "make-tiny: cannot write into --out", str(out),
                     "No space left on device")
     assert not out.exists()
     dst = tmp_path / "u1"
     assert main(["models", "upcycle", str(dense), str(dst)]) == 2
-    _one_error_line(capsys, "upcycle: cannot write into DST", str(dst), "No space left on device")
+    one_error_line(capsys, "upcycle: cannot write into DST", str(dst), "No space left on device")
     assert not dst.exists()
 
 
@@ -198,10 +190,10 @@ def test_a_seed_torch_cannot_take_is_one_line(dense: Path, tmp_path: Path, seed:
     out = tmp_path / "t"
     assert main(["models", "make-tiny", "--arch", "llama", "--out", str(out),
                  "--seed", str(seed)]) == 2
-    _one_error_line(capsys, f"make-tiny: --seed {seed} is out of range")
+    one_error_line(capsys, f"make-tiny: --seed {seed} is out of range")
     dst = tmp_path / "u"
     assert main(["models", "upcycle", str(dense), str(dst), "--seed", str(seed)]) == 2
-    _one_error_line(capsys, f"upcycle: --seed {seed} is out of range")
+    one_error_line(capsys, f"upcycle: --seed {seed} is out of range")
     assert not out.exists() and not dst.exists()
 
 
