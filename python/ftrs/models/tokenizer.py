@@ -23,6 +23,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from ftrs.errors import InvalidRequest, ModelLoadError
+from ftrs.models.token_bound import max_chars_per_token
 
 _CONTROL = 3  # llama.cpp token type of special tokens such as <|im_start|>
 _USER_DEFINED = 4  # of added tokens that are text (Qwen3's <think>, <tool_call>): one token each
@@ -232,6 +233,8 @@ class Tokenizer:
         self.eos_token_ids = frozenset(int(i) for i in eos_token_ids)
         self.add_bos = add_bos
         self.bos_token_id = tk.token_to_id(bos_token) if bos_token else None
+        #: no token stands for more characters of a text than this; None: no bound holds
+        self.max_chars_per_token = max_chars_per_token(tk)
         #: the tool-call format (a `ftrs.server.toolcalls` parser name) that a template without
         #: tools is taught in a system message; None: the one the template suggests.
         self.tool_parser: str | None = None
@@ -260,7 +263,9 @@ class Tokenizer:
         return int(self.tk.get_vocab_size(with_added_tokens=True))
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = self.tk.encode(text, add_special_tokens=False).ids
+        # `encode` holds the GIL throughout (seconds for a megabyte); a batch of one releases it
+        batch = getattr(self.tk, "encode_batch_fast", self.tk.encode_batch)
+        ids = batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return list(ids)

@@ -4,19 +4,22 @@
 without waiting for it, so `/health` answers 503 "loading" while the model loads. Every error,
 including FastAPI's own validation errors and unknown routes, leaves in the OpenAI error shape
 `{"error": {"message", "type", "param", "code"}}` with the status of its `FtrsError` class;
-the OpenAPI document says so (400, not FastAPI's 422). Bodies over `max_request_bytes` are
-refused with 413 before they are parsed (`limits.BodyLimit`); tokenization and chat-template
-rendering run in a worker thread, so a large prompt never stalls `/health` or another stream;
-a request whose client disconnects is aborted in the engine at once, streamed or not.
-With an API key set, everything but `/health` and `/metrics` needs it, `/openapi.json` and
-`/docs` included; `/health` shows a failure's class and message and a short evidence summary
-(`health.classify.evidence_summary`: decided_by, PCI address, Xid, hint), never the rest.
+the OpenAPI document says so (400, not FastAPI's 422). `limits.BodyLimit` answers before the
+body is parsed: 401 without the API key (before a byte of the body is read), 413 for a body
+over `max_request_bytes`, 408 for one not whole within `request_body_timeout_s`. Chat-template
+rendering and tokenization run in a worker thread, and the tokenizer releases the GIL, so a
+large prompt does not stall `/health` or another stream (a prompt longer than the context's
+worth of the vocabulary's longest tokens is refused untokenized, `prepare.check_fits`); a
+request whose client has left is refused before it is tokenized, and aborted in the engine at
+once when it leaves later, streamed or not.
+With an API key set, everything but `/health` and `/metrics` needs it, `/openapi.json`, `/docs`
+and unknown paths included; `/health` shows a failure's class and message and a short evidence
+summary (`health.classify.evidence_summary`: decided_by, PCI address, Xid, hint), never the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -39,7 +42,12 @@ from ftrs.config import EngineConfig
 from ftrs.engine.protocol import StepStats
 from ftrs.errors import DeviceLost, DeviceUnhealthy, FtrsError
 from ftrs.server.anthropic import install_anthropic
-from ftrs.server.cli import DEFAULT_MAX_N, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_MAX_TOKENS
+from ftrs.server.cli import (
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_REQUEST_BYTES,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_REQUEST_BODY_TIMEOUT_S,
+)
 from ftrs.server.engine_client import (
     DEFAULT_BACKEND,
     Classifier,
@@ -49,14 +57,13 @@ from ftrs.server.engine_client import (
 from ftrs.server.engine_process import EngineReady
 from ftrs.server.errors import (
     ModelNotFound,
-    Unauthorized,
     error_response,
     http_error,
     public_error,
     scrub_paths,
     validation_error,
 )
-from ftrs.server.limits import BodyLimit
+from ftrs.server.limits import BodyLimit, require_key
 from ftrs.server.metrics import CONTENT_TYPE, ServerMetrics
 from ftrs.server.protocol import (
     ChatCompletionRequest,
@@ -85,6 +92,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "Invalid request (the `param` names the field)"},
     401: {"model": ErrorResponse, "description": "Missing or wrong API key"},
     404: {"model": ErrorResponse, "description": "Unknown model"},
+    408: {"model": ErrorResponse, "description": "Body not whole within --request-body-timeout"},
     413: {"model": ErrorResponse, "description": "Request body over --max-request-bytes"},
     503: {"model": ErrorResponse, "description": "Engine loading, failed or overloaded"},
 }
@@ -112,6 +120,7 @@ class ServeSettings:
     link_guard: dict[str, Any] | None = None  # the startup guard's decision, shown on /health
     link_guard_window: float = 0.5  # its `--link-guard-window`, to re-run it on a CPU fallback
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger bodies get 413
+    request_body_timeout_s: float = DEFAULT_REQUEST_BODY_TIMEOUT_S  # a body not whole by then: 408
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # chat requests without max_tokens
     max_n: int = DEFAULT_MAX_N  # largest `n` accepted
     tool_parser: str | None = None  # None: chosen from the chat template
@@ -200,16 +209,12 @@ def create_app(settings: ServeSettings, classifier: Classifier = classify_engine
                        settings.max_n, settings.tool_parser, settings.reasoning_parser)
     app.state.ctx = ctx
     install_anthropic(app, ctx, settings.api_key)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes,
+                       timeout_s=settings.request_body_timeout_s, api_key=settings.api_key)
     _install_error_handlers(app, metrics)
 
-    async def authorize(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
-            raise Unauthorized("Incorrect or missing API key: send `Authorization: Bearer <key>`")
+    async def authorize(request: Request) -> None:  # BodyLimit checked it first; kept per route
+        require_key(settings.api_key, request.url.path, request.headers)
 
     @app.get("/openapi.json", dependencies=[Depends(authorize)], include_in_schema=False)
     async def openapi_document() -> JSONResponse:

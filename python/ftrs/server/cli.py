@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # larger request bodies get 413
+DEFAULT_REQUEST_BODY_TIMEOUT_S = 30  # a request body not whole this long after its headers: 408
 DEFAULT_MAX_TOKENS = 1024  # of a chat request without max_tokens (OpenAI: the context's rest)
 DEFAULT_MAX_N = 8  # choices one request may ask for (`n`)
 MAX_PORT = 65535
@@ -87,6 +88,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="read the API key from the first line of this file")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help=f"larger request bodies get 413 (default {DEFAULT_MAX_REQUEST_BYTES})")
+    parser.add_argument("--request-body-timeout", type=int, default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
+                        help="seconds a request body may take to arrive whole, from its headers; "
+                             f"later: 408 (default {DEFAULT_REQUEST_BODY_TIMEOUT_S})")
     parser.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
                         help="max_tokens of a chat request that sets none, or what is left of the "
                              f"context if less (default {DEFAULT_MAX_TOKENS})")
@@ -380,17 +384,22 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
 
 
 def serve_limits(args: argparse.Namespace) -> dict[str, int]:
-    """`max_request_bytes`, `default_max_tokens` and `max_n` of ServeSettings, checked."""
+    """`max_request_bytes`, `request_body_timeout_s`, `default_max_tokens` and `max_n` of
+    ServeSettings, checked."""
     max_bytes = getattr(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES)
+    body_timeout = getattr(args, "request_body_timeout", DEFAULT_REQUEST_BODY_TIMEOUT_S)
     default_max = getattr(args, "default_max_tokens", DEFAULT_MAX_TOKENS)
     max_n = getattr(args, "max_n", DEFAULT_MAX_N)
     if max_bytes < 1024:
         raise ConfigError(f"max_request_bytes: must be >= 1024, got {max_bytes}")
+    if body_timeout < 1:
+        raise ConfigError(f"request_body_timeout: must be >= 1, got {body_timeout}")
     if default_max < 1:
         raise ConfigError(f"default_max_tokens: must be >= 1, got {default_max}")
     if max_n < 1:
         raise ConfigError(f"max_n: must be >= 1, got {max_n}")
-    return {"max_request_bytes": max_bytes, "default_max_tokens": default_max, "max_n": max_n}
+    return {"max_request_bytes": max_bytes, "request_body_timeout_s": body_timeout,
+            "default_max_tokens": default_max, "max_n": max_n}
 
 
 def check_parser_flags(args: argparse.Namespace) -> None:

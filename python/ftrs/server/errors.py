@@ -47,6 +47,21 @@ class RequestTooLarge(InvalidRequest):
     code = "request_too_large"
 
 
+class RequestTimeout(InvalidRequest):
+    """The request body did not arrive whole within `--request-body-timeout` seconds."""
+
+    http_status = 408
+    code = "request_timeout"
+
+
+class ClientDisconnected(InvalidRequest):
+    """The client left before its request was tokenized; the answer reaches no one (nginx's
+    499), it only counts the request as rejected."""
+
+    http_status = 499
+    code = "client_disconnected"
+
+
 class EngineUnavailable(FtrsError):
     """The engine process is still loading, failed to load, or exited."""
 
@@ -180,8 +195,10 @@ def error_response(err: FtrsError) -> JSONResponse:
 
 
 __all__ = [
+    "ClientDisconnected",
     "EngineUnavailable",
     "ModelNotFound",
+    "RequestTimeout",
     "RequestTooLarge",
     "Unauthorized",
     "error_body",

@@ -143,23 +143,31 @@ def _params(req: _SamplingFields, max_tokens: int, logprobs: int | None, vocab: 
         raise _bad("max_completion_tokens", e.message.split(": ", 1)[-1]) from None
 
 
+def _too_long(max_model_len: int, has: str, param: str, **evidence: int) -> ContextLengthExceeded:
+    return ContextLengthExceeded(
+        f"This model's maximum context length is {max_model_len} tokens; the prompt has {has}",
+        evidence={"param": param, **evidence, "max_model_len": max_model_len})
+
+
 def _check_context(prompt_len: int, max_tokens: int, max_model_len: int, prompt_param: str) -> None:
     if prompt_len == 0:
         raise _bad("prompt", "the prompt is empty")
     if prompt_len >= max_model_len:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{prompt_len} tokens",
-            evidence={"param": prompt_param,
-                      "prompt_tokens": prompt_len, "max_model_len": max_model_len},
-        )
+        raise _too_long(max_model_len, f"{prompt_len} tokens", prompt_param, prompt_tokens=prompt_len)
     if prompt_len + max_tokens > max_model_len:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{prompt_len} tokens and max_tokens is {max_tokens}",
-            evidence={"param": "max_tokens", "prompt_tokens": prompt_len,
-                      "max_model_len": max_model_len},
-        )
+        raise _too_long(max_model_len, f"{prompt_len} tokens and max_tokens is {max_tokens}",
+                        "max_tokens", prompt_tokens=prompt_len)
+
+
+def check_fits(text: str, tokenizer: Any, max_model_len: int, param: str) -> None:
+    """Refuse, untokenized, a text that is more than `max_model_len` tokens whatever it holds:
+    longer than that many of the tokenizer's longest tokens (`max_chars_per_token`). The same
+    400 as `_check_context`'s, saying how many tokens the prompt has at least."""
+    per_token = getattr(tokenizer, "max_chars_per_token", None)
+    if per_token is None or len(text) <= max_model_len * per_token:
+        return
+    least = -(-len(text) // per_token)  # > max_model_len
+    raise _too_long(max_model_len, f"at least {least} tokens", param, prompt_tokens_at_least=least)
 
 
 def choice_seed(seed: int, index: int) -> int:
@@ -193,7 +201,8 @@ def prepare_completion(req: CompletionRequest, tokenizer: Any, limits: Limits) -
             raise _bad("prompt", f"one prompt per request is supported, got {len(prompt)}")
         prompt, param = prompt[0], "prompt[0]"
     if isinstance(prompt, str):
-        ids = list(_require_tokenizer(tokenizer, param).encode(prompt, add_special_tokens=True))
+        check_fits(prompt, _require_tokenizer(tokenizer, param), limits.max_model_len, "prompt")
+        ids = list(tokenizer.encode(prompt, add_special_tokens=True))
     else:
         ids = [int(t) for t in prompt]
         if any(not 0 <= t < limits.vocab_size for t in ids):
@@ -328,9 +337,10 @@ def _history_call(i: int, j: int, call: MessageToolCall) -> dict[str, Any]:
 
 
 def render_chat(req: ChatCompletionRequest, tokenizer: Any, options: Limits,
-                setup: ChatSetup | None = None) -> tuple[list[int], str]:
+                setup: ChatSetup | None = None, fit: bool = False) -> tuple[list[int], str]:
     """The prompt (ids, text) of a chat request: its messages, tools and `chat_template_kwargs`
-    through the model's chat template."""
+    through the model's chat template; with `fit`, a text that cannot fit the context is refused
+    before it is tokenized (`check_fits`)."""
     _require_tokenizer(tokenizer, "messages")
     setup = setup or chat_setup(req, tokenizer, options)
     messages = _template_messages(req)
@@ -355,6 +365,8 @@ def render_chat(req: ChatCompletionRequest, tokenizer: Any, options: Limits,
             raise _bad("continue_final_message", "the chat template does not render the final "
                        "assistant message as sent, so it cannot be continued")
         text = text[:at + len(prefill)]
+    if fit:
+        check_fits(text, tokenizer, options.max_model_len, "messages")
     return list(tokenizer.encode(text, add_special_tokens=False)), text
 
 
@@ -380,7 +392,7 @@ def prepare_chat(req: ChatCompletionRequest, tokenizer: Any, options: Limits) ->
     _unsupported_chat_fields(req)
     _require_tokenizer(tokenizer, "messages")
     setup = chat_setup(req, tokenizer, options)
-    ids, text = render_chat(req, tokenizer, options, setup)
+    ids, text = render_chat(req, tokenizer, options, setup, fit=True)
     if req.top_logprobs is not None and not req.logprobs:
         raise _bad("top_logprobs", "requires logprobs to be true")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
@@ -424,5 +436,5 @@ def _reasoning_budget(tokens: int | None, parser: str | None, tokenizer: Any,
     return ReasoningBudget(tokens, open_id, close_id, end, opened)
 
 
-__all__ = ["ChatSetup", "Limits", "Plan", "chat_setup", "check_model", "choice_seed", "prepare_chat",
+__all__ = ["ChatSetup", "Limits", "Plan", "chat_setup", "check_fits", "check_model", "choice_seed", "prepare_chat",
            "prepare_completion", "render_chat"]

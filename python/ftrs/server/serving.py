@@ -5,9 +5,11 @@ into a `ChatCompletionRequest` or `CompletionRequest`, call `start_chat` / `star
 and encode the `ChoiceEvent`s that `ChatRun.events()` yields in their own wire format. The
 engine sees one request type, `GenerateRequest`, one per choice.
 
-`start_*` checks the model, renders and tokenizes in a worker thread (`prepare.py`), then
-submits the request's choices to the engine together, so the engine may prefill their shared
-prompt once. `Generation` runs one choice: it feeds each `TokenEvent` through the incremental
+`start_*` checks the model, refuses a request whose client already left (before tokenizing it,
+which costs seconds of CPU for megabytes), renders and tokenizes in a worker thread
+(`prepare.py`; the tokenizer releases the GIL, so the event loop runs meanwhile), then submits
+the request's choices to the engine together, so the engine may prefill their shared prompt
+once. `Generation` runs one choice: it feeds each `TokenEvent` through the incremental
 detokenizer and the stop-string checker and yields `Delta`s; it aborts its engine request when
 a stop string matches, when its consumer goes away, or when the client disconnects (the abort
 reaches the engine before its next step), and records the request's metrics exactly once: a
@@ -29,7 +31,7 @@ from ftrs.errors import FtrsError, error_from_dict
 from ftrs.server.cli import DEFAULT_MAX_N
 from ftrs.server.detokenize import IncrementalDetokenizer, LogprobCut, StopChecker, push_until_stop
 from ftrs.server.engine_client import EngineClient
-from ftrs.server.errors import renamed
+from ftrs.server.errors import ClientDisconnected, renamed
 from ftrs.server.metrics import ServerMetrics
 from ftrs.server.prepare import (
     Limits,
@@ -391,6 +393,7 @@ async def start_chat(ctx: ServeContext, req: ChatCompletionRequest, request: Any
     watched for a disconnect, which aborts the run."""
     check_model(req, ctx.model_names)
     eng = ctx.ready()
+    await _refuse_if_gone(request)
     plan = await asyncio.to_thread(prepare_chat, req, eng.tokenizer, ctx.limits())
     run = ChatRun(ctx, new_id(id_prefix), plan, disconnect_waiter(request))
     run.start()
@@ -414,6 +417,7 @@ async def start_completion(ctx: ServeContext, req: CompletionRequest, request: A
     """`start_chat` for /v1/completions: the prompt is used as given, the output is not parsed."""
     check_model(req, ctx.model_names)
     eng = ctx.ready()
+    await _refuse_if_gone(request)
     plan = await asyncio.to_thread(prepare_completion, req, eng.tokenizer, ctx.limits())
     run = ChatRun(ctx, new_id(id_prefix), plan, disconnect_waiter(request))
     run.start()
@@ -424,6 +428,14 @@ def render_chat_prompt(ctx: ServeContext, req: ChatCompletionRequest) -> list[in
     """The prompt ids `start_chat` would submit (for count_tokens). Tokenizes: call it from a
     worker thread (`asyncio.to_thread`)."""
     return render_chat(req, ctx.ready().tokenizer, ctx.limits())[0]
+
+
+async def _refuse_if_gone(request: Any) -> None:
+    """Raise `ClientDisconnected` when the client of `request` (a Starlette `Request` or None)
+    has already left: a look at the connection's next message, no wait."""
+    is_disconnected = getattr(request, "is_disconnected", None)
+    if is_disconnected is not None and await is_disconnected():
+        raise ClientDisconnected("the client disconnected before its request was tokenized")
 
 
 def disconnect_waiter(request: Any) -> WaitDisconnect | None:
