@@ -162,3 +162,18 @@ def test_prefill_fetch_bytes_are_observed_for_steps_with_prompt_tokens_only() ->
     s = _samples(m)
     assert s["ftrs_prefill_chunk_fetch_bytes_count"] == 1
     assert s["ftrs_prefill_chunk_fetch_bytes_sum"] == 3 << 20
+
+
+def test_a_request_whose_client_left_before_it_ran_counts_as_aborted() -> None:
+    """`ClientDisconnected` (499: refused before tokenizing because its client had gone) is an
+    abort, as a client leaving while its request runs is; other 4xx are rejections."""
+    from ftrs.server.errors import ClientDisconnected, InvalidRequest
+
+    m = ServerMetrics()
+    m.request_failed(ClientDisconnected("gone").http_status)
+    m.request_failed(InvalidRequest("bad").http_status)
+    m.request_failed(500)
+    s = _samples(m)
+    assert s["ftrs_requests_total{status=aborted}"] == 1
+    assert s["ftrs_requests_total{status=rejected}"] == 1
+    assert s["ftrs_requests_total{status=failed}"] == 1

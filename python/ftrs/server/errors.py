@@ -56,7 +56,7 @@ class RequestTimeout(InvalidRequest):
 
 class ClientDisconnected(InvalidRequest):
     """The client left before its request was tokenized; the answer reaches no one (nginx's
-    499), it only counts the request as rejected."""
+    499), it only counts the request as aborted (`ftrs_requests_total{status="aborted"}`)."""
 
     http_status = 499
     code = "client_disconnected"

@@ -313,7 +313,11 @@ class ServerMetrics:
 
 
     def request_failed(self, http_status: int) -> None:
-        self.requests.labels("rejected" if http_status < 500 else "failed").inc()
+        """Count a request answered with an error: 499 (its client left before it ran:
+        `ClientDisconnected`) as aborted, like a client that leaves while it runs; any other
+        4xx as rejected; 5xx as failed."""
+        status = "aborted" if http_status == 499 else "rejected" if http_status < 500 else "failed"
+        self.requests.labels(status).inc()
 
 
 def _number(value: object) -> float | None:
