@@ -230,6 +230,12 @@ def test_bad_tool_input_is_a_400_naming_the_field_and_the_server_serves_on(clien
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
             "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}}, "response_format.json_schema.schema"),
         ({"tool_choice": "required"}, "tool_choice"),
+        # a schema the engine cannot compile is refused offered under "auto", not only forced
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "nosuchtype"}}}}}]},
+         "tools[0].function.parameters"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}},
+                    {"type": "function", "function": {"name": "f"}}]}, "tools[1].function.name"),
     ]
     for extra, param in cases:
         body = {"messages": MSGS, **extra}

@@ -28,8 +28,7 @@ from ftrs.server.reasoning import (
     choose_reasoning_parser,
     opens_reasoning,
 )
-from ftrs.server.structured import check_grammar, structured_spec
-from ftrs.server.toolbase import tool_functions
+from ftrs.server.structured import check_grammar, check_tool_schemas, structured_spec
 from ftrs.server.toolcalls import choose_tool_parser
 
 
@@ -233,7 +232,7 @@ class ChatSetup:
 
 def chat_setup(req: ChatCompletionRequest, tokenizer: Any, options: Limits) -> ChatSetup:
     tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
-    tool_functions(tools)  # each one's parameters an object schema, offered or not
+    check_tool_schemas(tools, tokenizer)  # each one's parameters a compilable object schema
     choice: str | dict[str, Any]
     if req.tool_choice is None:
         choice = "auto" if tools else "none"

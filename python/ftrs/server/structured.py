@@ -5,7 +5,8 @@ calls over the chosen tools' schemas; `response_format` is a JSON object or sche
 follow the model's reasoning where its reasoning parser offers a lead (gpt-oss's analysis).
 Both are compiled as the engine will compile them (`engine.grammar.check`), so a bad schema is a
 400 naming its field: a forced call's grammar that fails names the first tool whose schema
-fails alone.
+fails alone. Every offered tool's schema is compiled too (`check_tool_schemas`), forced or not:
+a client learns its tool definition is broken on its first request, not its first forced call.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ftrs.errors import InvalidRequest
 from ftrs.sampling import StructuredSpec
 from ftrs.server.reasoning import REASONING_PARSERS, opens_reasoning
-from ftrs.server.toolbase import chosen_functions
+from ftrs.server.toolbase import NO_ARGUMENTS, chosen_functions, tool_functions
 from ftrs.server.toolcalls import TOOL_PARSERS
 
 if TYPE_CHECKING:
@@ -95,4 +96,17 @@ def check_grammar(spec: StructuredSpec, tokenizer: Any, setup: ChatSetup) -> Non
         raise
 
 
-__all__ = ["check_grammar", "special_tag_ids", "structured_spec"]
+def check_tool_schemas(tools: list[dict[str, Any]], tokenizer: Any) -> None:
+    """Compile each tool's arguments schema as a forced call would, so a schema the engine
+    cannot compile is a 400 naming `tools[i].function.parameters` whatever `tool_choice` says,
+    not only when a call is forced. A forced call's grammar is compiled by `check_grammar`."""
+    from ftrs.engine import grammar
+
+    tok = tokenizer if hasattr(tokenizer, "tk") else None
+    for i, (_, schema) in enumerate(tool_functions(tools)):
+        if schema != NO_ARGUMENTS:
+            grammar.check(StructuredSpec("json_schema", json.dumps(schema),
+                                         f"tools[{i}].function.parameters"), tok)
+
+
+__all__ = ["check_grammar", "check_tool_schemas", "special_tag_ids", "structured_spec"]

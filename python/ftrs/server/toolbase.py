@@ -195,14 +195,19 @@ def arguments_schema(params: Any, param: str) -> dict[str, Any]:
 
 def tool_functions(tools: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
     """(name, arguments schema) of each OpenAI-shaped tool; typed errors for bad ones (a missing
-    name, parameters that are not an object schema: see `arguments_schema`)."""
+    or repeated name, parameters that are not an object schema: see `arguments_schema`)."""
     out: list[tuple[str, dict[str, Any]]] = []
+    seen: dict[str, int] = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str) or not name:
             raise InvalidRequest(f"tools[{i}].function.name: a tool needs a name",
                                  evidence={"param": f"tools[{i}].function.name"})
+        if name in seen:  # a call names its tool: two of one name could not be told apart
+            raise InvalidRequest(f"tools[{i}].function.name: {name!r} is already the name of "
+                                 f"tools[{seen[name]}]", evidence={"param": f"tools[{i}].function.name"})
+        seen[name] = i
         params = fn.get("parameters") if isinstance(fn, dict) else None
         out.append((name, arguments_schema(params, f"tools[{i}].function.parameters")))
     return out
