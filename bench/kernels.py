@@ -188,10 +188,10 @@ def bench_decode_steps(model: str, cuda: bool, reps: int, batches: tuple[int, ..
         llm = LLM(model, device="cuda" if cuda else "cpu", kv_tokens=16384,
                   max_running_requests=max(batches), cuda_graphs=graphs)
         try:
-            rt = llm.engine.rt
-            if graphs and rt.graphs is None:
+            off = llm.engine.cuda_graphs_off()
+            if graphs and off is not None:
                 for row in rows.values():
-                    row["graphs"] = f"off: {rt.graphs_off or 'capture failed (see the log)'}"
+                    row["graphs"] = f"off: {off}"
                 continue
             for b in batches:
                 rows[b]["graphs_ms" if graphs else "eager_ms"] = round(

@@ -76,9 +76,8 @@ def ftrs_ms_per_token(path: Path, prompt: list[int], steps: int) -> tuple[float,
     llm = LLM(str(path), kv_tokens=len(prompt) + steps + 64, dtype="float32")
     try:
         stats = run_steps(llm, [prompt], steps + 1)
-        kv = llm.engine.rt.kv
-        row_bytes = kv.k.shape[-2] * kv.k.shape[-1] * kv.k.element_size()
-        per_layer = row_bytes * (1 if kv.v is kv.k else 2)
+        eng = llm.engine  # a token's keys and values (MLA: one latent row) in one layer
+        per_layer = eng.kv_cache_bytes() // eng.kv_slots() // len(eng.spec.kv_layers)
         dec = [s.duration_s for s in stats if s.kind == "decode"]
         return 1e3 * statistics.median(dec), per_layer
     finally:

@@ -362,9 +362,7 @@ class EngineCore:
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV cache on the compute device: keys, values and, with
         `--kv-cache-dtype int8`, their scales (MLA's one latent tensor counted once)."""
-        kv = self.rt.kv
-        parts = {id(t): t for t in (kv.k, kv.v, kv.k_scale, kv.v_scale) if t is not None}
-        return sum(t.numel() * t.element_size() for t in parts.values())
+        return self.rt.kv.nbytes()
 
     def kv_cache_info(self) -> dict[str, Any]:
         """What `/health` tells of the KV cache: the dtype its rows are stored in, the tokens
@@ -377,6 +375,10 @@ class EngineCore:
     def kv_slots(self) -> int:
         """Token slots of the KV cache (its pages, and the graphs' scratch page if any)."""
         return int(self.rt.kv.k.shape[1])
+
+    def cuda_graphs_off(self) -> str | None:
+        """None when decode steps replay CUDA graphs, else why they do not."""
+        return self.rt.graphs_off or (None if self.rt.graphs else "capture failed (see the log)")
 
     def warm_grammar(self) -> None:
         """Build the grammar engine's view of the tokenizer now (1-2 s for a 50k vocabulary,

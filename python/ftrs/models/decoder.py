@@ -88,6 +88,11 @@ class KVCache:
         v, v_scale = (k, k_scale) if spec.mla is not None else tensors()
         return cls(k, v, state, k_scale, v_scale)
 
+    def nbytes(self) -> int:
+        """Bytes of keys, values and their scales (MLA's one latent tensor counted once)."""
+        parts = {id(t): t for t in (self.k, self.v, self.k_scale, self.v_scale) if t is not None}
+        return sum(t.numel() * t.element_size() for t in parts.values())
+
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                      torch.Tensor | None]:
         """Attention layer `i`'s (keys, values, key scales, value scales)."""
