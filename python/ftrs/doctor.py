@@ -5,9 +5,11 @@ measured copy bandwidth, host RAM, the model's fetch volumes, the recommended st
 size and prefill ceiling each with its reason, and the recent crash reports (each with its age;
 those past the loss age window, `--guard-loss-max-age-days`, are marked "expired, ignored": the
 link guard no longer caps for them); the reports of fault drills (`--fault-inject`) are listed
-apart, as drills: they are no device faults and the guard ignores them. Without a GPU it
-says so plainly and still reports the CPU-side figures (host copy bandwidth through the Rust
-host backend, RAM, fetch volumes). The CPU kernels: the family `auto` runs and, measured, the
+apart, as drills: they are no device faults and the guard ignores them; a report that does
+not read is skipped with one warning. Under a recommendation other than offload, the guard's
+warnings about offload are marked `if offload:`; a dense model is said to have no routed
+experts, with no fetch table. Without a GPU it says so plainly and still reports the CPU-side
+figures (host copy bandwidth through the Rust host backend, RAM, fetch volumes). The CPU kernels: the family `auto` runs and, measured, the
 `--cpu-kernels` setting that is fastest here (`quant/host.py`). `--bundle` also writes a tar.gz
 (see `guard.bundle`) into a directory that must exist; its path ends the text report, or is
 the `"bundle"` field of `--json` (stdout is then the JSON alone).
@@ -19,6 +21,7 @@ import argparse
 import datetime as dt
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +39,7 @@ from ftrs.guard.policy import (
     report_age_days,
     report_bdf,
 )
-from ftrs.health.crash import host_info
+from ftrs.health.crash import CrashReport, host_info
 
 logger = logging.getLogger(__name__)
 
@@ -82,22 +85,25 @@ def device_section(link: LinkState) -> dict[str, Any]:
     return d
 
 
-def crash_section(home: Path, now: dt.datetime, max_age_days: float = DEFAULT_LOSS_MAX_AGE_DAYS,
-                  *, drills: bool = False) -> list[dict[str, Any]]:
+def crash_section(reports: Sequence[CrashReport], now: dt.datetime,
+                  max_age_days: float = DEFAULT_LOSS_MAX_AGE_DAYS, *,
+                  drills: bool = False) -> list[dict[str, Any]]:
     """The latest real reports (with `drills`: the latest fault-drill reports); `expired`:
     older than the loss age window, ignored by the guard."""
-    from ftrs.guard.startup import load_reports
-
     return [{"file": r.path.name, "created_at": r.created_at, "classification": r.classification,
              "message": r.message, "bdf": report_bdf(r), "largest_chunk_tokens": lost_chunk_tokens(r),
              "age_days": report_age_days(r, now), "expired": is_expired(r, now, max_age_days),
              "drill": r.drill}
-            for r in [r for r in load_reports(home) if r.drill == drills][-RECENT_CRASHES:]]
+            for r in [r for r in reports if r.drill == drills][-RECENT_CRASHES:]]
 
 
 def recommend(fetch: Any, link: LinkState, device: dict[str, Any]) -> dict[str, Any]:
     """Strategy and cache size, each with its reason (the prefill ceiling is the guard's)."""
     total = fetch.total_expert_bytes
+    if is_dense(fetch.to_dict()):
+        return {"strategy": "resident", "strategy_reason": (
+                    "a dense model: no routed experts, so no expert strategy to choose"),
+                "cache_slots": None, "cache_reason": "no routed experts: no expert cache"}
     if not device["gpu"] or "memory_free_bytes" not in device:
         return {"strategy": "resident", "strategy_reason": (
                     "no usable GPU: experts stay in host memory and run on the CPU; nothing "
@@ -119,10 +125,16 @@ def recommend(fetch: Any, link: LinkState, device: dict[str, Any]) -> dict[str, 
                 f"memory: {slots / all_slots:.0%} of the {all_slots} experts")}
 
 
+def is_dense(fetch: dict[str, Any]) -> bool:
+    """A model with no routed experts (its fetch figures are all zero)."""
+    return not fetch["num_moe_layers"] or not fetch["num_experts"]
+
+
 def model_section(model: str, device: str, window_s: float, link: LinkState,
-                  dev: dict[str, Any], home: Path, requested: int, now: dt.datetime,
+                  dev: dict[str, Any], reports: Sequence[CrashReport], requested: int,
+                  now: dt.datetime,
                   max_age_days: float = DEFAULT_LOSS_MAX_AGE_DAYS) -> dict[str, Any]:
-    from ftrs.guard.startup import load_reports, model_fetch
+    from ftrs.guard.startup import model_fetch
 
     fetch = model_fetch(model, device, "auto")
     gbps, source = link.effective_gbps()
@@ -130,7 +142,6 @@ def model_section(model: str, device: str, window_s: float, link: LinkState,
     for r in rows:
         r["fetch_s"] = r["chunk_bytes"] / (gbps * 1e9) if gbps else None
     rec = recommend(fetch, link, dev)
-    reports = load_reports(home)
     offload = decide_prefill_cap(link, fetch, requested=requested, crash_reports=reports,
                                  window_s=window_s, strategy="offload", now=now,
                                  max_loss_age_days=max_age_days)
@@ -169,8 +180,11 @@ def build_report(model: str | None = None, *, sysfs_root: str | Path = "/sys",
                  max_loss_age_days: float = DEFAULT_LOSS_MAX_AGE_DAYS,
                  now: dt.datetime | None = None) -> dict[str, Any]:
     """The doctor report as a JSON-ready dict; crash reports are aged at `now` (default: the
-    wall clock)."""
+    wall clock). They are read once: one that does not read is one warning."""
+    from ftrs.guard.startup import load_reports
+
     home = home or ftrs_home()
+    reports = load_reports(home)
     now = now or dt.datetime.now(dt.timezone.utc)
     link = probe_link(sysfs_root=sysfs_root, under_load=False)
     if measure:
@@ -183,14 +197,14 @@ def build_report(model: str | None = None, *, sysfs_root: str | Path = "/sys",
                    "ram_available_bytes": mem.get("MemAvailable")},
         "bandwidth": {"h2d_gbps": link.measured_h2d_gbps, "h2d_backend": link.measured_backend,
                       "d2h_gbps": link.measured_d2h_gbps, "host_copy_gbps": link.host_copy_gbps},
-        "crash_reports": crash_section(home, now, max_loss_age_days),
-        "drill_reports": crash_section(home, now, max_loss_age_days, drills=True),
+        "crash_reports": crash_section(reports, now, max_loss_age_days),
+        "drill_reports": crash_section(reports, now, max_loss_age_days, drills=True),
         "crash_report_max_age_days": max_loss_age_days}
     report["cpu_kernels"] = cpu_kernels_section(measure)
     if model is not None:
         report["model"] = {"name": model} | model_section(
-            model, "cuda" if dev["gpu"] else "cpu", window_s, link, dev, home, requested, now,
-            max_loss_age_days)
+            model, "cuda" if dev["gpu"] else "cpu", window_s, link, dev, reports, requested,
+            now, max_loss_age_days)
     return report
 
 
@@ -206,6 +220,11 @@ def cpu_kernels_section(measure: bool) -> dict[str, Any]:
         out["timings_us"] = kernel_timings()
         out["recommendation"] = recommend_kernels(out["timings_us"], out["auto"])
     return out
+
+
+def _named(c: dict[str, Any]) -> str:
+    """`DeviceLost: message`, or the classification alone for a report with no message."""
+    return f"{c['classification']}: {c['message']}" if c["message"] else c["classification"]
 
 
 def _fmt_bytes(n: float | None) -> str:
@@ -246,7 +265,9 @@ def format_text(r: dict[str, Any]) -> str:
         lines.append(f"CPU kernels: auto runs {ck['auto']} (not measured)")
     if "model" in r:
         m, f = r["model"], r["model"]["fetch"]
-        lines += ["", f"model {m['name']}: {f['num_moe_layers']} MoE layers x {f['num_experts']} "
+        lines += ["", f"model {m['name']}: no routed experts (a dense model): nothing to "
+                  "offload, no expert crosses a link" if is_dense(f) else
+                  f"model {m['name']}: {f['num_moe_layers']} MoE layers x {f['num_experts']} "
                   f"experts, top-{f['top_k']}, {f['expert_bytes'] / 2**20:.2f} MiB per expert "
                   f"({f['dtype']}), {_fmt_bytes(f['total_expert_bytes'])} of experts"]
         kv = m["kv_cache"]
@@ -255,9 +276,9 @@ def format_text(r: dict[str, Any]) -> str:
             f"({kv['compute_dtype']}), {kv['bytes_per_token']['int8'] / 1024:.1f} KiB with "
             f"--kv-cache-dtype int8; a full {kv['context_tokens']}-token context: "
             f"{_fmt_bytes(kv['context_bytes']['auto'])} / {_fmt_bytes(kv['context_bytes']['int8'])}")
-        for h, b in m["decode_bytes_per_token"].items():
+        for h, b in ({} if is_dense(f) else m["decode_bytes_per_token"]).items():
             lines.append(f"  decode at hit rate {h}: {b / 1e6:.1f} MB per token")
-        for row in m["prefill_chunks"]:
+        for row in [] if is_dense(f) else m["prefill_chunks"]:
             t = f", {row['fetch_s']:.3f} s at {m['link_gbps']:.1f} GB/s" if row["fetch_s"] else ""
             lines.append(f"  prefill chunk {row['chunk_tokens']:>5}: "
                          f"{row['distinct_experts_per_layer']:.2f} experts/layer, "
@@ -266,8 +287,10 @@ def format_text(r: dict[str, Any]) -> str:
         lines += ["", f"recommended strategy: {rec['strategy']} — {rec['strategy_reason']}",
                   f"recommended cache: {rec['cache_slots'] or '-'} — {rec['cache_reason']}",
                   f"prefill ceiling: {rec['prefill_ceiling']} — {rec['prefill_reason']}"]
+        # the guard's warnings are of offload: under another pick they are said to be
+        hypothetical = "" if rec["strategy"] == "offload" else "if offload: "
         for w in rec["prefill_ceiling_if_offload"]["warnings"]:
-            lines.append(f"  warning: {w}")
+            lines.append(f"  {hypothetical}warning: {w}")
     crashes = r["crash_reports"]
     expired = sum(1 for c in crashes if c.get("expired"))
     lines += ["", f"crash reports: {len(crashes)}" + (
@@ -275,13 +298,14 @@ def format_text(r: dict[str, Any]) -> str:
         "by the link guard)" if expired else "")]
     for c in crashes:
         age = f" ({c['age_days']:.0f} days old)" if c.get("age_days") is not None else ""
-        lines.append(f"  {c['file']}: {c['classification']}: {c['message']}{age}"
+        lines.append(f"  {c['file']}: {_named(c)}{age}"
                      + (" — expired, ignored" if c.get("expired") else ""))
     drills = r.get("drill_reports") or []
     if drills:
         lines += ["", f"fault drills: {len(drills)} (--fault-inject; no device faults, ignored "
                   "by the link guard)"]
-        lines += [f"  {c['file']}: {c['classification']} drill: {c['message']}" for c in drills]
+        lines += [f"  {c['file']}: {c['classification']} drill" + (
+            f": {c['message']}" if c["message"] else "") for c in drills]
     return "\n".join(lines)
 
 

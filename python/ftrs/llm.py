@@ -41,14 +41,18 @@ class LLM:
 
     Every engine option (`EngineConfig` field, i.e. every CLI flag of `ftrs serve`) is a keyword.
     `moe_strategy="auto"` runs what `ftrs serve` runs: the `ftrs bench strategy` profile's pick
-    for this device, host, model and link, else the stated assumption, logged (`auto: ...`);
-    `self.config` holds the resolved strategy.
+    for this device, host, model and link, else the stated assumption. `self.config` holds the
+    resolved strategy and cache rate, and `self.auto_line` the line that says why (`auto: ...`;
+    None for any other strategy). The line is also logged at INFO on `ftrs.guard.startup`,
+    which Python's default logging (WARNING and up) does not show; a profile that is there but
+    unusable is a WARNING, which it does.
     """
 
     def __init__(self, model: str = "demo", progress: bool = False, **options: Any) -> None:
-        from ftrs.guard.startup import resolve_auto_config
+        from ftrs.guard.startup import resolve_auto_line
 
-        self.config = resolve_auto_config(EngineConfig.from_kwargs(model=model, **options))
+        self.config, self.auto_line = resolve_auto_line(
+            EngineConfig.from_kwargs(model=model, **options))
         self.engine = EngineCore(self.config, progress=progress)
         self._ids = itertools.count()
         self._closed = False

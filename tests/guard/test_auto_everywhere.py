@@ -14,7 +14,7 @@ from ftrs.cli import main
 from ftrs.config import EngineConfig
 from ftrs.guard.bench_strategy import device_name, link_id, model_id
 from ftrs.guard.profile import profile_key, write_profile
-from ftrs.guard.startup import apply_link_guard, resolve_auto_config
+from ftrs.guard.startup import apply_link_guard, resolve_auto_config, resolve_auto_line
 
 BACKEND = "simulated:0.1"
 
@@ -46,8 +46,23 @@ def test_llm_runs_the_profile_pick_and_logs_it(tiny_models: dict[str, Path], hom
         assert (llm.config.moe_strategy, llm.config.moe_cache_rate) == ("hybrid", 0.5)
         assert llm.engine.config.moe_strategy == "hybrid"  # the engine built is the pick
         assert f"auto: hybrid@0.5 from profile {path}" in caplog.text
+        # without logging at INFO a library user reads the line off the LLM
+        assert llm.auto_line is not None
+        assert llm.auto_line.startswith(f"auto: hybrid@0.5 from profile {path} (measured 1.250 s")
     finally:
         llm.close()
+
+
+def test_auto_line_is_none_for_any_other_strategy(tiny_models: dict[str, Path],
+                                                  home: Path) -> None:
+    config = EngineConfig(model=str(tiny_models["qwen3_moe"]), device="cpu",
+                          moe_strategy="offload")
+    assert resolve_auto_line(config, home=home) == (config, None)
+    auto = EngineConfig(model=str(tiny_models["qwen3_moe"]), device="cpu", moe_strategy="auto",
+                        copy_backend=BACKEND)
+    resolved, line = resolve_auto_line(auto, home=home)
+    assert resolved.moe_strategy == "resident"
+    assert line is not None and line.startswith("auto: no profile for ")
 
 
 def test_generate_says_auto_picked_the_profile(tiny_models: dict[str, Path], home: Path,

@@ -52,6 +52,25 @@ def test_a_half_cache_halves_the_bytes_and_may_still_grow(tiny_models: dict[str,
     assert any("use a larger --moe-cache-rate" in w for w in half.warnings), half.warnings
 
 
+def test_a_cache_sized_at_load_is_not_told_to_grow(tiny_models: dict[str, Path],
+                                                   tmp_path: Path) -> None:
+    """No --moe-cache-rate or --moe-cache-size: the engine sizes the cache from free memory
+    (it may hold every expert), so the guard says it counted no hits and does not advise a
+    larger cache rate."""
+    _, d = guard(tiny_models["qwen3_moe"], tmp_path, moe_strategy="offload")
+    assert d is not None and d.numbers["hits_unknown"] is True
+    [w] = [w for w in d.warnings if "no chunk size fixes this link" in w]
+    assert "a larger --moe-cache-rate" not in w, w
+    assert " with no cache hits counted (" in w, w
+    assert w.endswith("no chunk size fixes this link; the cache is sized from free memory at "
+                      "load, so its hits are not counted here: give --moe-cache-rate or "
+                      "--moe-cache-size to count them, or use the resident strategy or a faster "
+                      "link"), w
+    _, given = guard(tiny_models["qwen3_moe"], tmp_path, moe_strategy="offload",
+                     moe_cache_size=1)
+    assert given is not None and given.numbers["hits_unknown"] is False
+
+
 def test_the_hit_bound_is_the_cache_share() -> None:
     base = EngineConfig(moe_strategy="offload")
     assert cache_hit_bound(base, DEMO) == 0.0  # sized from free memory: nothing known

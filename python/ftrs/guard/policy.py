@@ -8,7 +8,9 @@ bandwidth (measured H2D over a real link, else the nominal figure of the current
 width), `H` the hit rate and `bytes(C)` the fetch model's prefill-chunk bytes at `H`,
 `L_moe · D(C) · (1 − H) · B` (`guard.fetch`). `H` is a bound the caller knows, not a
 measurement: the fraction of all experts the device cache has slots for (`--moe-cache-rate`,
-or `--moe-cache-size` over every expert; 0 when the cache is sized from free memory). A chunk
+or `--moe-cache-size` over every expert). When neither is given the cache is sized from free
+memory at load and its share is not known here: `H = 0`, the reasons say no cache hits were
+counted, and a larger cache rate is never advised (that cache may hold every expert). A chunk
 past a few dozen tokens touches every expert of a layer, so at most that fraction of its experts
 can be hits: `bytes(C)` is what such a chunk moves once the cache is warm. At `H = 1` every
 expert has a slot and a warm cache moves nothing; the first fill after start moves every expert
@@ -24,7 +26,7 @@ once whatever the chunk size, so no cap shortens it.
    `F`, no useful chunk fits: capping would not shorten the fetch (bytes(C) saturates at every
    expert of every layer after a few dozen tokens), so the guard warns with the numbers and
    leaves `cap = L`; the warning names only remedies that change `bytes(C)` (a larger cache
-   rate only while `H < 1`).
+   rate only while `H < 1` and the cache's size was given; one sized at load is told to give it).
 2. Down-shift: the link runs below its maximum gen or width → `cap = max(F, cap // 2)`.
 3. Device loss: the DeviceLost crash reports for this device (or naming no device) that are
    at most `A` old count; fault drills (`--fault-inject`: the report says `"drill": true`) are
@@ -118,10 +120,14 @@ def _gb(n: float) -> str:
 
 
 def report_bdf(report: CrashReport) -> str | None:
-    """The PCI address a crash report is about, if it names one."""
-    probes = report.data.get("probes") or {}
-    for candidate in (report.evidence.get("bdf"), *(
-            (probes.get(k) or {}).get("bdf") for k in ("pci", "nvml", "kernel_log"))):
+    """The PCI address a crash report is about, if it names one (a field of another type names
+    none: `CrashReport` may be built from any dict)."""
+    probes = report.data.get("probes")
+    found = [probes.get(k) for k in ("pci", "nvml", "kernel_log")] if isinstance(
+        probes, dict) else []
+    evidence = report.evidence if isinstance(report.evidence, dict) else {}
+    for candidate in (evidence.get("bdf"), *(p.get("bdf") for p in found
+                                             if isinstance(p, dict))):
         if isinstance(candidate, str) and candidate:
             try:
                 return normalize_bdf(candidate)
@@ -131,10 +137,12 @@ def report_bdf(report: CrashReport) -> str | None:
 
 
 def lost_chunk_tokens(report: CrashReport) -> int | None:
-    """The largest prefill chunk in the report's flight recorder (None if none recorded)."""
-    sizes = [int(s.get("chunk_tokens") or 0) for s in report.data.get("flight_recorder") or []
-             if isinstance(s, dict)]
-    sizes = [s for s in sizes if s > 0]
+    """The largest prefill chunk in the report's flight recorder (None if none recorded). A
+    step's `chunk_tokens` counts when it is a whole number > 0; anything else records none."""
+    steps = report.data.get("flight_recorder")
+    chunks = [s.get("chunk_tokens") for s in steps if isinstance(s, dict)] if isinstance(
+        steps, list) else []
+    sizes = [c for c in chunks if isinstance(c, int) and not isinstance(c, bool) and c > 0]
     return max(sizes) if sizes else None
 
 
@@ -191,16 +199,18 @@ def decide_prefill_cap(
     window_s: float = DEFAULT_WINDOW_S, floor: int = DEFAULT_FLOOR, strategy: str = "offload",
     explicit_request: bool = False, no_link_guard: bool = False, hit_rate: float = 0.0,
     now: dt.datetime | None = None, max_loss_age_days: float | None = DEFAULT_LOSS_MAX_AGE_DAYS,
-    device_is_cpu: bool = False,
+    device_is_cpu: bool = False, hits_unknown: bool = False,
 ) -> GuardDecision:
     """Apply the rule of the module doc. `explicit_request`: `--max-prefill-length` was given.
     `hit_rate`: `H`, in [0, 1]. `now`: the time the crash reports' ages are measured at (None:
-    no report expires). `device_is_cpu`: the engine computes on the CPU (rule 0 for hybrid)."""
+    no report expires). `device_is_cpu`: the engine computes on the CPU (rule 0 for hybrid).
+    `hits_unknown`: the cache is sized from free memory at load, so `H` (0) is not its share:
+    the reasons say no hits were counted, and no larger cache rate is advised."""
     reasons: list[str] = []
     warnings: list[str] = []
     numbers: dict[str, Any] = {"requested": requested, "window_s": window_s, "floor": floor,
                                "strategy": strategy, "link": link.describe(),
-                               "hit_rate": hit_rate}
+                               "hit_rate": hit_rate, "hits_unknown": hits_unknown}
     if strategy not in OFFLOAD_STRATEGIES or fetch.num_experts == 0:
         reasons.append(f"strategy {strategy}: no experts cross the link while serving; no cap")
         return GuardDecision(requested, None, tuple(reasons), (), numbers)
@@ -225,9 +235,11 @@ def decide_prefill_cap(
         budget = gbps * 1e9 * window_s
         need = fetch.prefill_chunk_bytes(requested, hit_rate)
         numbers |= {"window_budget_bytes": budget, "fetch_time_s_at_requested": need / (gbps * 1e9)}
-        cached = f" once the cache ({hit_rate:.0%} of the experts) is warm" if hit_rate else ""
+        cached = (f" once the cache ({hit_rate:.0%} of the experts) is warm" if hit_rate else
+                  " with no cache hits counted" if hits_unknown else "")
+        sized = " (the cache is sized from free memory at load)" if hits_unknown else ""
         if need <= budget:
-            reasons.append(f"a {requested}-token chunk moves {_gb(need)} of experts{cached}: "
+            reasons.append(f"a {requested}-token chunk moves {_gb(need)} of experts{cached}{sized}: "
                            f"{need / (gbps * 1e9):.3f} s at {gbps:.3g} GB/s ({source}), within "
                            f"the {window_s:g} s window")
         else:
@@ -235,18 +247,22 @@ def decide_prefill_cap(
             numbers["window_chunk_tokens"] = fit
             if fit >= floor:
                 cap = fit
-                reasons.append(f"a {requested}-token chunk moves {_gb(need)}{cached}: "
+                reasons.append(f"a {requested}-token chunk moves {_gb(need)}{cached}{sized}: "
                                f"{need / (gbps * 1e9):.3f} s at {gbps:.3g} GB/s ({source}), over "
                                f"the {window_s:g} s window ({_gb(budget)}); {fit} tokens fit")
             else:
                 at_floor = fetch.prefill_chunk_bytes(floor, hit_rate)
-                remedies = ("a larger --moe-cache-rate, " if hit_rate < 1 else "") + (
-                    "the resident strategy, or a faster link")
+                remedies = (
+                    "the cache is sized from free memory at load, so its hits are not counted "
+                    "here: give --moe-cache-rate or --moe-cache-size to count them, or use the "
+                    "resident strategy or a faster link" if hits_unknown else
+                    "use " + ("a larger --moe-cache-rate, " if hit_rate < 1 else "")
+                    + "the resident strategy, or a faster link")
                 warnings.append(
                     f"a {requested}-token chunk moves {_gb(need)}{cached} "
                     f"({need / (gbps * 1e9):.3f} s at {gbps:.3g} GB/s), over the {window_s:g} s "
                     f"window, and even {floor} tokens move {_gb(at_floor)}: no chunk size "
-                    f"fixes this link; use {remedies}")
+                    f"fixes this link; {remedies}")
     if link.below_max:
         new = max(floor, cap // 2)
         reasons.append(f"link runs below its maximum ({link.describe()}; nominal "
@@ -286,7 +302,8 @@ def _loss_cap(cap: int, lost: list[CrashReport], *, floor: int, now: dt.datetime
     chunks = [lost_chunk_tokens(r) for r in recent]
     recorded = [c for c in chunks if c is not None]
     unrecorded = len(chunks) - len(recorded)
-    window = f" in the last {max_age_days:g} days" if now is not None and max_age_days else ""
+    window = "" if now is None or not max_age_days else (
+        f" in the last {max_age_days:g} days" if math.isfinite(max_age_days) else " at any age")
     if recorded:
         c_lost = min(recorded)
         k = recorded.count(c_lost) + unrecorded

@@ -1,14 +1,16 @@
 """The link guard at `ftrs serve` start: resolve `--moe-strategy auto`, then cap the prefill.
 
 `resolve_auto_config(config)` is the one resolution of `--moe-strategy auto`: the matching
-`ftrs bench strategy` profile's pick, else a stated assumption, logged either way (`auto: ...`).
-`ftrs serve` runs it inside `apply_link_guard`; `ftrs generate` and `ftrs.LLM` run it before
-the engine is built, so all three run what the profile picked.
+`ftrs bench strategy` profile's pick, else a stated assumption, logged at INFO either way
+(`auto: ...`; `resolve_auto_line` also returns the line, which `ftrs.LLM` keeps as
+`auto_line`). `ftrs serve` runs it inside `apply_link_guard`; `ftrs generate` and `ftrs.LLM`
+run it before the engine is built, so all three run what the profile picked.
 
 `apply_link_guard(config, ...)` returns the config to run with and the guard's decision; the
 server logs the decision, puts `decision.to_dict()` in `/health` and sets
 `ftrs_prefill_cap_tokens` from `config.max_prefill_length`. The expert cache's share of all
-experts is the rule's hit-rate bound `H` (`cache_hit_bound`), and a hybrid engine on a CPU
+experts is the rule's hit-rate bound `H` (`cache_hit_bound`; a cache sized from free memory
+at load counts no hits, and the guard says so), and a hybrid engine on a CPU
 device moves nothing over a link (`guard.policy`, rule 0). Only the model's config.json is
 read (no weights), the link is probed through sysfs/NVML, and on a GPU the H2D bandwidth is
 measured once through the copy engine. With `copy_backend=simulated:GBPS` the simulated
@@ -98,13 +100,22 @@ def current_link(config: EngineConfig, *, sysfs_root: str | Path = "/sys",
     return link
 
 
+#: The unreadable crash reports already warned about, as their warnings: once each a process
+#: (a restarted engine's guard and the doctor's sections read the same files again).
+_SKIPPED: set[str] = set()
+
+
 def load_reports(home: Path) -> list[CrashReport]:
+    """The crash reports under `home`, oldest first; one that does not read (`load_crash_report`)
+    is skipped with a warning, given once a process."""
     out = []
     for p in list_crash_reports(home):
         try:
             out.append(load_crash_report(p))
         except ValueError as e:
-            logger.warning("skipping %s", e)
+            if str(e) not in _SKIPPED:
+                _SKIPPED.add(str(e))
+                logger.warning("skipping %s", e)
     return out
 
 
@@ -142,17 +153,27 @@ def expert_fetch(config: EngineConfig) -> FetchModel | None:
 def resolve_auto_config(config: EngineConfig, *, home: Path | None = None,
                         fetch: FetchModel | None = None, link: LinkState | None = None,
                         sysfs_root: str | Path = "/sys") -> EngineConfig:
-    """`config` with `--moe-strategy auto` replaced by what it runs (the profile's pick and
-    cache rate, else the assumption `resolve_auto_strategy` states; a cache size or rate the
-    user gave is kept, and the log line says so), the choice logged. Any
-    other strategy, a model with no routed experts, or one that does not load: unchanged (the
-    engine runs auto as resident there). `fetch` and `link`: the caller's, when it has them
-    (the link needs no bandwidth measurement here: only whether it is a GPU's)."""
+    """`config` with `--moe-strategy auto` replaced by what it runs, the choice logged
+    (`resolve_auto_line`)."""
+    return resolve_auto_line(config, home=home, fetch=fetch, link=link,
+                             sysfs_root=sysfs_root)[0]
+
+
+def resolve_auto_line(config: EngineConfig, *, home: Path | None = None,
+                      fetch: FetchModel | None = None, link: LinkState | None = None,
+                      sysfs_root: str | Path = "/sys") -> tuple[EngineConfig, str | None]:
+    """(`config` with `--moe-strategy auto` replaced by what it runs, the `auto: ...` line
+    logged at INFO). It runs the profile's pick and cache rate, else the assumption
+    `resolve_auto_strategy` states; a cache size or rate the user gave is kept, and the line
+    says so. Any other strategy, a model with no routed experts, or one that does not load:
+    (config unchanged, None); the engine runs auto as resident there. `fetch` and `link`: the
+    caller's, when it has them (the link needs no bandwidth measurement here: only whether it
+    is a GPU's)."""
     if config.moe_strategy != "auto":
-        return config
+        return config, None
     fetch = fetch or expert_fetch(config)
     if fetch is None or not fetch.num_experts:
-        return config
+        return config, None
     link = link or current_link(config, sysfs_root=sysfs_root, measure=False)
     choice = resolve_auto(config, fetch, link, home or ftrs_home())
     given = given_cache_option(config)
@@ -160,10 +181,12 @@ def resolve_auto_config(config: EngineConfig, *, home: Path | None = None,
         logger.info("%s", choice.message)
         return dataclasses.replace(config, moe_strategy=choice.strategy,
                                    moe_cache_rate=choice.cache_rate
-                                   if choice.cache_rate is not None else config.moe_cache_rate)
-    logger.info("%s; runs %s with the given %s, not the cache rate %g", choice.message,
-                choice.strategy, given, choice.cache_rate)
-    return dataclasses.replace(config, moe_strategy=choice.strategy)
+                                   if choice.cache_rate is not None
+                                   else config.moe_cache_rate), choice.message
+    line = (f"{choice.message}; runs {choice.strategy} with the given {given}, not the cache "
+            f"rate {choice.cache_rate:g}")
+    logger.info("%s", line)
+    return dataclasses.replace(config, moe_strategy=choice.strategy), line
 
 
 def given_cache_option(config: EngineConfig) -> str | None:
@@ -179,7 +202,8 @@ def given_cache_option(config: EngineConfig) -> str | None:
 
 def cache_hit_bound(config: EngineConfig, fetch: FetchModel) -> float:
     """The policy's `H`: the share of all experts the device cache has slots for, from
-    `--moe-cache-size` or `--moe-cache-rate`; 0 when the cache is sized from free memory."""
+    `--moe-cache-size` or `--moe-cache-rate`; 0 when the cache is sized from free memory at
+    load (not known here: the guard is told so, `hits_unknown`, and says it counted no hits)."""
     total = fetch.num_moe_layers * fetch.num_experts
     if config.moe_cache_size is not None and total:
         return min(1.0, config.moe_cache_size / total)
@@ -217,7 +241,8 @@ def apply_link_guard(
         window_s=window_s, strategy=config.moe_strategy, explicit_request=explicit_max_prefill,
         no_link_guard=no_link_guard, now=now or dt.datetime.now(dt.timezone.utc),
         max_loss_age_days=config.guard_loss_max_age_days,
-        hit_rate=cache_hit_bound(config, fetch), device_is_cpu=runs_on_cpu(config.device))
+        hit_rate=cache_hit_bound(config, fetch), device_is_cpu=runs_on_cpu(config.device),
+        hits_unknown=given_cache_option(config) is None)
     decision.log(logger)
     if decision.cap_tokens is not None:
         config = dataclasses.replace(config, max_prefill_length=decision.cap_tokens)

@@ -12,6 +12,11 @@ A report of a fault drill (`--fault-inject`: the error's evidence, or a probe's,
 `"injected": true`) carries a top-level `"drill": true`; the link guard does not count drills as
 device losses and `ftrs doctor` lists them apart. Reports are strict JSON: a non-finite float
 (the flight recorder's NaN for "not sampled") is written as null.
+
+`load_crash_report` checks what it reads: a file that is not a report, or one whose fields
+have the wrong types (hand-edited, corrupted, another version's), is a ValueError that names
+the file and the field, and every reader (the link guard, `ftrs doctor`, the bundle) skips it
+with that one line.
 """
 
 from __future__ import annotations
@@ -194,15 +199,61 @@ def _order(path: Path) -> tuple[str, int]:
 
 
 def load_crash_report(path: str | Path) -> CrashReport:
-    """Read one report. Raises ValueError when the file is not a crash report."""
+    """Read one report. Raises ValueError, `PATH: not a readable crash report (why)`, for a file
+    that is not one: unreadable, not UTF-8 JSON, not an object, or with a field a reader relies
+    on of the wrong type (`_problem`), so no reader of a report sees a malformed field. A
+    missing or null `message`, `evidence`, `probes` or `flight_recorder` is empty; a
+    `created_at` that is no string is "" (the guard then takes the time from the file name)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a readable crash report: {e}") from e
-    if not isinstance(data, dict) or "schema_version" not in data or "classification" not in data:
-        raise ValueError(f"{path}: not a crash report (no schema_version/classification)")
-    return CrashReport(path=path, created_at=str(data.get("created_at", "")),
-                       classification=str(data["classification"]),
-                       message=str(data.get("message", "")),
-                       evidence=dict(data.get("evidence") or {}), data=data)
+    except OSError as e:
+        raise ValueError(f"{path}: not a readable crash report ({e.strerror or e})") from e
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a readable crash report (not UTF-8 text: {e.reason} at "
+                         f"byte {e.start})") from e
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not a readable crash report (not valid JSON: {e})") from e
+    why = _problem(data)
+    if why is not None:
+        raise ValueError(f"{path}: not a readable crash report ({why})")
+    created = data.get("created_at")
+    return CrashReport(path=path, created_at=created if isinstance(created, str) else "",
+                       classification=data["classification"], message=data.get("message") or "",
+                       evidence=data.get("evidence") or {}, data=data)
+
+
+def _problem(data: Any) -> str | None:
+    """What makes `data` no crash report a reader can trust, or None. A flight-recorder step's
+    `chunk_tokens` is a whole number of tokens, -1 (the recorder's "not known") or null."""
+    if not isinstance(data, dict):
+        return f"{_shown(data)} is not a JSON object"
+    if "schema_version" not in data:
+        return "no schema_version"
+    name = data.get("classification")
+    if not isinstance(name, str) or not name:
+        return f"classification is {_shown(name)}, not a name"
+    for field, kind in (("message", str), ("evidence", dict), ("probes", dict),
+                        ("flight_recorder", list)):
+        if data.get(field) is not None and not isinstance(data[field], kind):
+            return f"{field} is {_shown(data[field])}, not {_KINDS[kind]}"
+    for which, probe in (data.get("probes") or {}).items():
+        if probe is not None and not isinstance(probe, dict):
+            return f"probes.{which} is {_shown(probe)}, not an object"
+    for i, step in enumerate(data.get("flight_recorder") or []):
+        if not isinstance(step, dict):
+            return f"flight_recorder[{i}] is {_shown(step)}, not an object"
+        chunk = step.get("chunk_tokens")
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int)
+                                  or chunk < -1):
+            return f"flight_recorder[{i}].chunk_tokens is {_shown(chunk)}, not a token count"
+    return None
+
+
+_KINDS = {str: "a string", dict: "an object", list: "a list"}
+
+
+def _shown(value: Any) -> str:
+    """`value` as JSON (NaN as NaN), cut to 40 characters."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:39] + "…"
