@@ -4,11 +4,13 @@ of the wrong shape are refused by a typed error that says what is accepted."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import ftrs.engine.core
 from ftrs.engine.protocol import GenerateRequest
@@ -142,3 +144,63 @@ def test_prompts_that_are_not_a_list_are_refused_by_name(llm: LLM, prompts: Any)
         llm.generate(prompts, SamplingParams(max_tokens=2))
     assert e.value.evidence["param"] == "prompt"
     assert llm.engine.num_requests() == 0
+
+
+def test_threads_sharing_one_llm_each_get_their_own_results(
+        llm: LLM, reference: list[list[int]]) -> None:
+    """Two threads' calls run one after the other, so neither steps into the other's events."""
+    results: dict[int, list[list[int]]] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = [c.token_ids for c in llm.generate(PROMPTS, GREEDY)]
+        except BaseException as e:  # reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert results == {i: reference for i in range(3)}
+
+
+def test_bad_sampling_fields_are_refused_before_a_grammar_is_compiled(llm: LLM) -> None:
+    bad: Any = {"type": "json_object"}
+    with pytest.raises(InvalidRequest, match="structured: must be a StructuredSpec") as e:
+        llm.generate("hi", SamplingParams(max_tokens=2, structured=bad))
+    assert e.value.evidence["param"] == "structured"
+    assert llm.engine.num_requests() == 0
+
+
+def test_logits_take_a_prompt_as_generate_does(llm: LLM) -> None:
+    ids = llm.tokenizer.encode("hello there", add_special_tokens=True)
+    assert torch.equal(llm.logits("hello there"), llm.logits(ids))
+    bad: Any = ["a"]
+    with pytest.raises(InvalidRequest, match="token ids must be integers"):
+        llm.logits(bad)
+
+
+@pytest.mark.parametrize(("messages", "param"), [
+    ("hello", "messages"), ([["user", "hi"]], "messages[0]"), ([{"content": "hi"}], "messages[0]"),
+    ([{"role": "user", "content": 5}], "messages[0].content")])
+def test_chat_prompt_refuses_messages_of_another_shape(llm: LLM, messages: Any,
+                                                       param: str) -> None:
+    with pytest.raises(InvalidRequest) as e:
+        llm.chat_prompt(messages)
+    assert e.value.evidence["param"] == param
+
+
+def test_a_template_that_fails_on_a_value_is_a_typed_error() -> None:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    from ftrs.models.tokenizer import Tokenizer
+
+    tk = HFTokenizer(models.BPE({"a": 0, "b": 1}, [], fuse_unk=False))
+    tok = Tokenizer(tk, "{{ messages[0]['content'] + '!' }}", None, None, [0])
+    assert tok.apply_chat_template([{"role": "user", "content": "a"}]) == "a!"
+    with pytest.raises(InvalidRequest, match="chat template failed"):
+        tok.apply_chat_template([{"role": "user", "content": 5}])

@@ -2,6 +2,8 @@
 
 It drives the same EngineCore as the server, in-process: same scheduler, same KV cache, same
 sampling — so what the server returns for a greedy request equals what `generate` returns.
+One LLM may be shared by threads: their calls run one at a time (a lock), each over the engine
+alone, so each gets its own requests' results.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import numbers
+import threading
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -56,6 +59,7 @@ class LLM:
         self.engine = EngineCore(self.config, progress=progress)
         self._ids = itertools.count()
         self._closed = False
+        self._lock = threading.Lock()  # one call steps the engine at a time
 
     def __enter__(self) -> LLM:
         return self
@@ -94,18 +98,41 @@ class LLM:
         return [int(t) for t in ids]
 
     def chat_prompt(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt text of OpenAI-shaped chat `messages` through the model's chat template,
+        ready for `generate`. Messages of another shape are an `InvalidRequest`."""
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Iterable):
+            raise InvalidRequest("messages: must be a list of {\"role\": ..., \"content\": ...} "
+                                 f"dicts, got {type(messages).__name__}",
+                                 evidence={"param": "messages"})
+        messages = list(messages)
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise InvalidRequest(f"messages[{i}]: must be a dict with a str \"role\"",
+                                     evidence={"param": f"messages[{i}]"})
+            content = m.get("content")
+            if content is not None and not isinstance(content, (str, list)):
+                raise InvalidRequest(f"messages[{i}].content: must be a str or a list of "
+                                     f"content parts, got {type(content).__name__}",
+                                     evidence={"param": f"messages[{i}].content"})
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
     def generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
                  params: SamplingParams | None = None) -> list[Completion]:
         """Complete every prompt. Every prompt is checked and encoded before any is added; if
         anything fails or interrupts the call (KeyboardInterrupt included), the requests it
-        added are aborted, so the engine is left as it was and the next call runs clean."""
+        added are aborted, so the engine is left as it was and the next call runs clean.
+        Calls from several threads run one after another."""
+        with self._lock:
+            return self._generate(prompts, params)
+
+    def _generate(self, prompts: str | Seq[str] | Seq[Seq[int]],
+                  params: SamplingParams | None) -> list[Completion]:
         self._check_open()
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params: must be a SamplingParams, got {type(params).__name__}",
                                  evidence={"param": "params"})
+        params.validate(self.engine.vocab_size)  # every field, before a grammar is compiled
         encoded = [self._encode(p) for p in self._prompt_list(prompts)]
         if params.structured is not None:  # a grammar that does not compile: refused here
             from ftrs.engine.grammar import check
@@ -182,15 +209,19 @@ class LLM:
         text = tok.decode(token_ids)
         return any(s in text for s in params.stop)
 
-    def logits(self, token_ids: Seq[int]) -> torch.Tensor:
-        """Logits of every position of one prompt: (len, vocab) fp32, on the CPU. The prompt
-        runs through the scheduler like any request (`EngineCore.logits`)."""
-        self._check_open()
-        return self.engine.logits(int(t) for t in token_ids)
+    def logits(self, prompt: str | Seq[int]) -> torch.Tensor:
+        """Logits of every position of one prompt (a str, tokenized as `generate` does, or a
+        list of token ids): (len, vocab) fp32, on the CPU. The prompt runs through the
+        scheduler like any request (`EngineCore.logits`)."""
+        with self._lock:
+            self._check_open()
+            return self.engine.logits(self._encode(prompt))
 
     def close(self) -> None:
-        """Free the engine; idempotent. `generate`/`logits` then raise `InvalidRequest`."""
-        if self._closed:
-            return
-        self._closed = True
-        self.engine.close()
+        """Free the engine (after a call in progress on another thread); idempotent.
+        `generate`/`logits` then raise `InvalidRequest`."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.engine.close()

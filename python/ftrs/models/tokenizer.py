@@ -326,7 +326,7 @@ class Tokenizer:
                 **template_kwargs, messages=messages, tools=tools or None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or ""))
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError) as e:  # TypeError: a value of another type
             raise InvalidRequest(f"chat template failed: {e}") from e
 
     def _inline_tools(self, messages: list[dict[str, Any]],
