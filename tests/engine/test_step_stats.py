@@ -90,8 +90,10 @@ def test_preemptions_reach_the_step_stats_and_the_counter(
 def test_cached_tokens_count_prompt_tokens_only_after_a_preemption(
         tiny_models: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
     """A preempted request's pages go back to the prefix cache, generated tokens included; its
-    re-admission matches them. Usage's `cached_tokens` and the prefix-hit counter count prompt
-    tokens (OpenAI's meaning, the metric's help): never more than the prompt has."""
+    re-admission matches them. The prefix-hit counter counts that (prefill the cache saved, prompt
+    tokens only: never more than the prompts have); usage's `cached_tokens` is what the prompt
+    found cached at its first admission, kept across preemptions: nothing, for these four
+    prompts that share no page."""
     llm = LLM(str(tiny_models["qwen3_moe"]), kv_tokens=96, page_size=8)
     prompts = [[5, 9, 100, 200, 300, 400, 17, 33, 64, 128, 256, 7, 8, 9, 10, 11, 12, 13],
                [40, 41, 42], list(range(100, 140)), [7] * 25]
@@ -110,9 +112,8 @@ def test_cached_tokens_count_prompt_tokens_only_after_a_preemption(
                  if "preempting" in r.getMessage()}
     assert preempted  # the case under test happened
     sizes = {f"r{i}": len(p) for i, p in enumerate(prompts)}
-    assert all(cached[rid] <= sizes[rid] for rid in sizes), (cached, sizes)
-    assert any(cached[rid] > 0 for rid in preempted), cached  # its pages came back
-    assert 0 < hits <= sum(sizes[rid] for rid in preempted)
+    assert cached == {rid: 0 for rid in sizes}, cached
+    assert 0 < hits <= sum(sizes[rid] for rid in preempted)  # its pages came back
     llm.close()
 
 

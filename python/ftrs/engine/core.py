@@ -169,7 +169,7 @@ class EngineCore:
                 self.scheduler.finish(seq, "abort")
                 events.append(TokenEvent(rid, [], finish_reason="error", error=error,
                                          num_prompt_tokens=seq.num_prompt,
-                                         num_cached_tokens=seq.cached_prompt))
+                                         num_cached_tokens=seq.first_cached or 0))
         return events
 
     # --- the step ---------------------------------------------------------------------------
@@ -262,7 +262,7 @@ class EngineCore:
         elif seq.num_output >= p.max_tokens or len(seq.tokens) >= self.max_model_len:
             reason = "length"
         event = TokenEvent(seq.request_id, [tok], reason, [rec] if rec is not None else None,  # type: ignore[list-item]
-                           seq.num_prompt, seq.cached_prompt)
+                           seq.num_prompt, seq.first_cached or 0)
         if reason is not None:
             self._seqs.pop(seq.request_id, None)
             self._matchers.pop(seq.request_id, None)

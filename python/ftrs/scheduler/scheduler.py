@@ -212,6 +212,8 @@ class Scheduler:
                 seq.num_computed = seq.num_cached = 0
                 break
             self.waiting.popleft()
+            if seq.first_cached is None:  # usage tells the cache the request first found
+                seq.first_cached = seq.cached_prompt
             if self.states is not None:
                 seq.state_slot = self.states.alloc()
                 assert seq.state_slot is not None, "fewer state slots than running requests"

@@ -37,6 +37,10 @@ class Sequence:
     #: tokens served from the prefix cache at (last) admission; after a preemption the match
     #: may run past the prompt into the request's own generated tokens (`cached_prompt`)
     num_cached: int = 0
+    #: prompt tokens the prefix cache served at the request's first admission: usage's
+    #: `cached_tokens` (a re-admission after a preemption, served the request's own pages,
+    #: keeps it); None before the first admission
+    first_cached: int | None = None
     pages: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     num_preemptions: int = 0
@@ -75,8 +79,9 @@ class Sequence:
 
     @property
     def cached_prompt(self) -> int:
-        """Prompt tokens the prefix cache served at (last) admission: what usage's
-        `cached_tokens` and `ftrs_prefix_cache_hit_tokens_total` count (never generated ones)."""
+        """Prompt tokens the prefix cache served at (last) admission (never generated ones):
+        what `ftrs_prefix_cache_hit_tokens_total` adds at every admission, re-admissions after
+        a preemption included (prefill the cache saved); usage counts `first_cached`."""
         return min(self.num_cached, self.num_prompt)
 
     @property

@@ -123,7 +123,7 @@ class ServerMetrics:
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests, aborted ones included (whether or not their prefill ran).", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens.", registry=r)
         self.preemptions = Counter(p + "preemptions", "Requests preempted by the scheduler to free KV pages (each recomputed later, never dropped).", registry=r)
-        self.prefix_hits = Counter(p + "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache at admission (re-admissions and every choice count: prefill saved).", registry=r)
         self.spec_drafted = Counter(p + "spec_draft_tokens", "Draft tokens verified by n-gram speculative decoding.", registry=r)
         self.spec_accepted = Counter(p + "spec_accepted_tokens", "Draft tokens accepted (each one a token generated without a step of its own).", registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "Arrival to first token.", buckets=_LATENCY_BUCKETS, registry=r)
