@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ftrs.llm import LLM
     from ftrs.models.arch import ArchSpec
+    from ftrs.models.experts import ExpertFormat
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def uniform_distinct(num_experts: int, top_k: int, chunk_tokens: int) -> float:
 
 @dataclass(frozen=True)
 class FetchModel:
-    """Fetch volumes of one model in one dtype. Pure arithmetic; no tensors."""
+    """Fetch volumes of one model in one encoding. Pure arithmetic; no tensors."""
 
     model: str
     #: Bytes of one (layer, expert) block, alignment included.
@@ -51,6 +52,8 @@ class FetchModel:
     num_moe_layers: int
     num_experts: int
     top_k: int
+    #: How the pool stores the experts: the compute dtype, or the file's encoding ("Q4_K+Q6_K",
+    #: "FP8_BLOCK", "MXFP4+float32" where biases stay plain).
     dtype: str = "bfloat16"
     #: (chunk tokens, mean distinct experts per MoE layer), ascending in chunk tokens.
     measured: tuple[tuple[int, float], ...] = field(default=())
@@ -117,24 +120,47 @@ class FetchModel:
                 "distinct_source": "router" if self.measured else "uniform formula"}
 
 
-def expert_block_bytes(spec: ArchSpec, dtype: str) -> int:
-    """Bytes of one expert block in the pool layout `ftrs._core` uses (alignment included)."""
+def expert_block_bytes(spec: ArchSpec, dtype: str,
+                       formats: dict[int, ExpertFormat] | None = None) -> int:
+    """Bytes of one expert block in the pool layout `ftrs._core` uses (alignment included):
+    every tensor in `dtype`, or, where `formats` (per MoE layer, as the loader stores them:
+    `safetensors_loader.expert_formats`) names a quantized type, in that encoding, its scales
+    included; the mean over layers when layers store their experts differently."""
     from ftrs import _core
+    from ftrs.quant.formats import tensor_bytes
 
     elt = DTYPE_BYTES[dtype]
-    tensor_bytes = [r * c * elt for r, c in spec.expert_shapes]
-    layout = _core.ExpertLayout(max(1, len(spec.moe_layers)), max(1, spec.num_experts),
-                                tensor_bytes)
-    return int(layout.expert_bytes)
+    if formats is None:
+        plain = [r * c * elt for r, c in spec.expert_shapes]
+        layout = _core.ExpertLayout(max(1, len(spec.moe_layers)), max(1, spec.num_experts),
+                                    plain)
+        return int(layout.expert_bytes)
+    sizes = [[r * c * elt if f.qtype is None else tensor_bytes(f.qtype, r, c, f.fp8_block)
+              for (r, c), f in zip(spec.expert_shapes, formats[la], strict=True)]
+             for la in spec.moe_layers]
+    layout = _core.ExpertLayout(len(spec.moe_layers), spec.num_experts, sizes)
+    return -(-int(layout.total_bytes) // (len(spec.moe_layers) * spec.num_experts))
+
+
+def encoding_name(dtype: str, formats: dict[int, ExpertFormat] | None) -> str:
+    """How the pool stores the experts, for reports: `dtype`, or the quantized types
+    (`ftrs.quant`'s names: `FP8_BLOCK` is e4m3 with fp32 scales) and `dtype` for the tensors
+    kept plain, joined by `+` as a GGUF's types are."""
+    kinds = {f.qtype or dtype for fmt in (formats or {}).values() for f in fmt}
+    quant = sorted(kinds - {dtype})
+    return "+".join([*quant, dtype] if dtype in kinds else quant) or dtype
 
 
 def fetch_model_from_spec(spec: ArchSpec, dtype: str = "bfloat16", model: str = "",
-                          measured: Iterable[tuple[int, float]] = ()) -> FetchModel:
-    """The fetch model of a checkpoint's shapes (no weights needed)."""
+                          measured: Iterable[tuple[int, float]] = (),
+                          formats: dict[int, ExpertFormat] | None = None) -> FetchModel:
+    """The fetch model of a checkpoint's shapes (no weights needed); `formats`: the experts'
+    encodings where the checkpoint keeps them quantized (`expert_block_bytes`)."""
     if not spec.is_moe:
         return FetchModel(model or spec.arch, 0, 0, 0, 0, dtype)
-    fm = FetchModel(model or spec.arch, expert_block_bytes(spec, dtype), len(spec.moe_layers),
-                    spec.num_experts, spec.top_k, dtype)
+    fm = FetchModel(model or spec.arch, expert_block_bytes(spec, dtype, formats),
+                    len(spec.moe_layers), spec.num_experts, spec.top_k,
+                    encoding_name(dtype, formats))
     return fm.with_measured(measured)
 
 

@@ -11,11 +11,13 @@ server logs the decision, puts `decision.to_dict()` in `/health` and sets
 `ftrs_prefill_cap_tokens` from `config.max_prefill_length`. The expert cache's share of all
 experts is the rule's hit-rate bound `H` (`cache_hit_bound`; a cache sized from free memory
 at load counts no hits, and the guard says so), and a hybrid engine on a CPU
-device moves nothing over a link (`guard.policy`, rule 0). Only the model's config.json is
-read (no weights), the link is probed through sysfs/NVML, and on a GPU the H2D bandwidth is
-measured once through the copy engine. With `copy_backend=simulated:GBPS` the simulated
-bandwidth is the link's. Crash reports are aged at `now` (the wall clock unless given) against
-`config.guard_loss_max_age_days`: older DeviceLost reports are listed as expired and cap nothing.
+device moves nothing over a link (`guard.policy`, rule 0). Only the model's config.json or
+GGUF header is read, with the safetensors headers of a checkpoint whose experts may be
+quantized (FP8, NVFP4, gpt_oss' MXFP4: `model_fetch`), no weights; the link is probed through
+sysfs/NVML, and on a GPU the H2D bandwidth is measured once through the copy engine. With
+`copy_backend=simulated:GBPS` the simulated bandwidth is the link's. Crash reports are aged
+at `now` (the wall clock unless given) against `config.guard_loss_max_age_days`: older
+DeviceLost reports are listed as expired and cap nothing.
 """
 
 from __future__ import annotations
@@ -62,9 +64,13 @@ def model_spec(model: str) -> ArchSpec:
 
 
 def model_fetch(model: str, device: str, dtype: str) -> FetchModel:
-    """The fetch model of a checkpoint from its config.json, in the dtype it will run in."""
+    """The fetch model of a checkpoint, its experts sized as the host pool stores them: a GGUF's
+    from its header, a directory's from its config.json in the dtype it will run in, or, where
+    the files keep them quantized (FP8, NVFP4, MXFP4), in that encoding, read from the
+    safetensors headers (no weight data)."""
     from ftrs.models.arch import load_arch
     from ftrs.models.load import resolve_model
+    from ftrs.models.safetensors_loader import expert_formats
 
     path = resolve_model(model)
     if path.is_file() and path.suffix == ".gguf":  # experts in the file's encoding
@@ -76,7 +82,8 @@ def model_fetch(model: str, device: str, dtype: str) -> FetchModel:
     spec = load_arch(path)
     if dtype == "auto":
         dtype = "float32" if device == "cpu" else "bfloat16"
-    return fetch_model_from_spec(spec, dtype, model=path.name)
+    return fetch_model_from_spec(spec, dtype, model=path.name,
+                                 formats=expert_formats(path, spec))
 
 
 def simulated_link(spec: str) -> LinkState:

@@ -11,9 +11,12 @@ each type's block size (`tests/models/test_gguf_file.py` holds the two readers e
 fixture). A file this reader does not take (the other byte order, arrays of arrays) is read by
 `gguf.GGUFReader` and converted, so every file `gguf` reads opens here too.
 
-Tensor data is laid out as llama.cpp's `gguf_init_from_file` demands (`check_layout`): each
-tensor at a multiple of `general.alignment` from the data section, no two overlapping. A file
-edited off that layout is refused (`LayoutError`) rather than read as shifted, garbage weights.
+Tensor data is laid out as llama.cpp's `gguf_init_from_file` demands (`check_layout`): in
+header order, each tensor where the one before it ends, padded to `general.alignment` (the
+first at the data section's start), so no two overlap and none leaves a gap. A file edited off
+that layout (an offset moved, a tensor retyped so that its size no longer fills its slot) is
+refused (`LayoutError`) rather than read as shifted, garbage weights. A split GGUF's shards
+are each checked against their own data section.
 
 `read_gguf_set` opens a split GGUF (llama.cpp's `gguf-split` output, how files past 50 GB are
 published) from any of its shards: the first shard's metadata, every shard's tensors, each
@@ -102,14 +105,16 @@ def file_offset(shards: list[Mapped], view: np.ndarray) -> tuple[Path, int] | No
 
 
 class LayoutError(ValueError):
-    """Tensor data off llama.cpp's layout: misaligned, or overlapping another tensor's."""
+    """Tensor data off llama.cpp's layout: misaligned, overlapping another tensor's, or not
+    where the tensor before it ends."""
 
 
 def check_layout(tensors: list[TensorInfo], data_offset: int, alignment: int) -> None:
     """LayoutError naming the first tensor (by offset) whose data does not start at a multiple
-    of `alignment` from `data_offset`, or starts before the previous tensor's data ends.
-    llama.cpp asks more (each tensor where the one before it ends, padded); a gap or another
-    order is no misreading, so it is let through here."""
+    of `alignment` from `data_offset`, or starts before the previous tensor's data ends; then
+    the first, in header order, that does not start where the one before it ends, padded to
+    `alignment` (the first at 0), as `gguf_init_from_file` demands. A gap is where a retyped
+    tensor no longer fills its slot: its declared type is not what was written there."""
     end, last = 0, ""
     for t in sorted(tensors, key=lambda t: (t.data_offset, t.n_bytes)):
         at = t.data_offset - data_offset
@@ -119,6 +124,15 @@ def check_layout(tensors: list[TensorInfo], data_offset: int, alignment: int) ->
         if at < end:
             raise LayoutError(f"tensor {t.name}: data [{at}, {at + t.n_bytes}) overlaps tensor "
                               f"{last}'s, which ends at {end}")
+        end, last = at + t.n_bytes, t.name
+    end, last = 0, ""
+    for t in tensors:
+        at, want = t.data_offset - data_offset, -(-end // alignment) * alignment
+        if at != want:
+            where = (f"where tensor {last} before it ends ({end}) padded to general.alignment "
+                     f"{alignment}" if last else "the data section's start")
+            raise LayoutError(f"tensor {t.name}: data offset {at}, expected {want}, {where}: a "
+                              "wrong type, shape or offset in the header")
         end, last = at + t.n_bytes, t.name
 
 

@@ -10,15 +10,19 @@ Per MoE layer a gpt_oss checkpoint holds (E experts, hidden H, expert width I):
 Each expert becomes the pool's tensors in the decoder's order: gate (I,H), up (I,H), down (H,I)
 in the `Linear` layout (compute dtype, or MXFP4 rows: `quant.mxfp4.from_blocks`), then its gate,
 up and down bias rows in the compute dtype. One layer's tensors are read at a time.
+
+`open_safetensors` is the one way the loader opens a checkpoint file (header scans included):
+a file safetensors cannot read is a ModelLoadError naming it, whichever pass meets it first.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ftrs.errors import ModelLoadError
 from ftrs.models.arch import ArchSpec
@@ -28,6 +32,15 @@ from ftrs.quant.mxfp4 import from_blocks
 
 MXFP4 = TensorFormat("MXFP4")
 Sources = dict[int, dict[str, str]]  # layer -> part -> file holding it
+
+
+def open_safetensors(path: str | Path) -> Any:
+    """`safe_open(path)`; a file safetensors cannot read (cut short, a bad header, missing)
+    is a ModelLoadError naming it, never safetensors' own error."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except (OSError, SafetensorError) as e:
+        raise ModelLoadError(str(path), f"cannot read safetensors: {e}") from e
 
 
 def packed_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
@@ -72,7 +85,7 @@ def packed_formats(sources: Sources, spec: ArchSpec, source: str) -> dict[int, E
 
 
 def _read(path: str, name: str) -> torch.Tensor:
-    with safe_open(path, framework="pt") as f:
+    with open_safetensors(path) as f:
         return f.get_tensor(name)
 
 
@@ -120,7 +133,7 @@ def sources_in(files: list[Path]) -> list[tuple[str, str, PackedExperts]]:
     """(file, tensor name, key) of every packed-expert tensor, from the headers only."""
     out = []
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             for name in f.keys():
                 key = map_hf_name(name)
                 if isinstance(key, PackedExperts):

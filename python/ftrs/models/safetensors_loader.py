@@ -28,7 +28,6 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from ftrs.errors import ModelLoadError
@@ -46,6 +45,7 @@ from ftrs.models.names import (
 from ftrs.models.packed_experts import (
     Sources,
     check_part,
+    open_safetensors,
     packed_formats,
     sources_in,
     write_packed,
@@ -179,7 +179,7 @@ def _quant_formats(files: list[Path], spec: ArchSpec) -> dict[int, ExpertFormat]
     """Per MoE layer, which expert tensors the files hold quantized (header reads only)."""
     found: dict[tuple[int, int], str] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             for name in f.keys():
                 key = map_hf_name(_weight_name(name, spec))
                 qtype = _quantized(f.get_slice(name).get_dtype(), spec)
@@ -188,6 +188,30 @@ def _quant_formats(files: list[Path], spec: ArchSpec) -> dict[int, ExpertFormat]
     return {la: tuple(TensorFormat(found[(la, t)], spec.fp8_block if found[(la, t)] == FP8_BLOCK
                                    else None) if (la, t) in found else TensorFormat()
                       for t in range(3)) for la in spec.moe_layers}
+
+
+def _expert_sources(model_dir: Path, spec: ArchSpec, files: list[Path] | None = None
+                    ) -> tuple[dict[int, ExpertFormat] | None, Sources]:
+    """(per MoE layer, the formats the pool stores the routed experts in, None when all are in
+    the compute dtype; gpt_oss' packed parts by layer and the file holding each), from the
+    headers of `files` (default: the directory's) only; none is opened when the config says
+    every expert is plain."""
+    if not spec.is_moe or not (spec.expert_bias or spec.fp8_block or spec.nvfp4):
+        return None, {}
+    files = files or checkpoint_files(model_dir)
+    if not spec.expert_bias:
+        return _quant_formats(files, spec), {}
+    packed: Sources = {}
+    for src, _, pkey in sources_in(files):
+        packed.setdefault(pkey.layer, {})[pkey.part] = src
+    return packed_formats(packed, spec, str(model_dir)), packed
+
+
+def expert_formats(model_dir: Path, spec: ArchSpec) -> dict[int, ExpertFormat] | None:
+    """Per MoE layer, the formats the expert pool will store a checkpoint directory's routed
+    experts in (the files' encodings, as `load_safetensors` stores them; None: the compute
+    dtype), read from the safetensors headers without any weight data."""
+    return _expert_sources(model_dir, spec)[0]
 
 
 #: the dtypes a plain (unquantized) tensor may have, cast to the model's dtype at load (the
@@ -261,12 +285,7 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
     seen_experts: set[ExpertKey] = set()
     block = spec.fp8_block
     sides_named = (SCALE_SUFFIX,) if block else NVFP4_SUFFIXES[spec.nvfp4] if spec.nvfp4 else ()
-    formats = _quant_formats(files, spec) if sides_named and spec.is_moe else None
-    packed: Sources = {}
-    if spec.is_moe and spec.expert_bias:
-        for src, _, pkey in sources_in(files):
-            packed.setdefault(pkey.layer, {})[pkey.part] = src
-        formats = packed_formats(packed, spec, str(model_dir))
+    formats, packed = _expert_sources(model_dir, spec, files)
     experts = HostExperts(spec, dtype, formats) if spec.is_moe else None
     # quantized weight name -> (file, type, the file's tensor); their scale tensors by name
     quant: dict[str, tuple[str, str, torch.Tensor]] = {}
@@ -277,11 +296,7 @@ def load_safetensors(model_dir: Path, spec: ArchSpec, dtype: torch.dtype, device
     with tqdm(total=len(files), desc="loading weights", unit="file", disable=not progress,
               leave=False) as bar:
         for path in files:
-            try:
-                handle = safe_open(str(path), framework="pt")
-            except Exception as e:  # safetensors raises its own error types for truncated headers
-                raise ModelLoadError(str(path), f"cannot read safetensors: {e}") from e
-            with handle as f:
+            with open_safetensors(path) as f:
                 for file_name in f.keys():
                     if file_name.endswith(sides_named):
                         sides[file_name] = f.get_tensor(file_name)
