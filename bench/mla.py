@@ -88,8 +88,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=2,
+                    help="decoder layers, at least 2 (the first is dense, as in V2-Lite)")
     args = ap.parse_args()
+    if args.layers < 2:
+        ap.error(f"--layers: at least 2 (the first layer is dense), got {args.layers}")
     result: dict[str, Any] = {"threads": torch.get_num_threads(), "layers": args.layers,
                               "contexts": {}}
     heads, qk, v = LITE["num_attention_heads"], 128 + 64, LITE["v_head_dim"]
