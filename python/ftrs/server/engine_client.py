@@ -13,6 +13,10 @@ that error), state is "restarting" (/health 503 with the cause and the restart c
 requests 503 at once) through the backoff and the new engine's load, and "ready" again once it
 is up. `restarts` counts a restart from the moment it is scheduled.
 
+An engine process frozen whole (SIGSTOP, a native deadlock holding the GIL) cannot report its
+own hang: a ready engine that sent nothing, not even its heartbeat, for `hang_timeout` s is
+failed as `EngineHang` (decided by `api_watchdog`) and killed (`server.liveness`).
+
 Each step's stats carry the engine's device monitor verdict (`StepStats.device`); `/health`
 shows the latest as `device` (ok, or degraded with the reason) while the engine serves.
 
@@ -22,9 +26,10 @@ is "stopping" until `shutdown()` stops the engine (a `Shutdown` message, or SIGT
 still loads and reads no messages) and makes it "stopped".
 
 What the error *is* comes from a classifier, `(exit_code, last_error) -> FtrsError`. The default
-trusts the error the engine reported, else maps the exit code through the table of DESIGN.md
-"Errors" (86 DeviceLost, 87 KernelFault, 88 EngineHang). The device supervisor plugs a better
-one in (one that reads PCI config space or NVML) through `EngineClient(classifier=...)`.
+(`liveness.classify_engine_exit`) trusts the error the engine reported, else maps the exit code
+through the table of DESIGN.md "Errors" (86 DeviceLost, 87 KernelFault, 88 EngineHang). The
+device supervisor plugs a better one in (one that reads PCI config space or NVML) through
+`EngineClient(classifier=...)`.
 """
 
 from __future__ import annotations
@@ -38,24 +43,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ftrs.config import EngineConfig
+from ftrs.config import EngineConfig, ftrs_home
 from ftrs.engine.protocol import AbortRequest, GenerateRequest, StepStats, TokenEvent
-from ftrs.errors import (
-    DeviceError,
-    DeviceLost,
-    EngineHang,
-    EngineRestarted,
-    FtrsError,
-    KernelFault,
-    ModelLoadError,
-    ServerShuttingDown,
-    error_from_dict,
-)
+from ftrs.errors import DeviceError, EngineRestarted, FtrsError, ModelLoadError, ServerShuttingDown
 from ftrs.health.classify import evidence_summary
 from ftrs.server.engine_process import (
     EngineFailed,
     EngineProgress,
     EngineReady,
+    Heartbeat,
     Shutdown,
     StepOutput,
     engine_main,
@@ -63,6 +59,7 @@ from ftrs.server.engine_process import (
     sigint_ignored,
 )
 from ftrs.server.errors import EngineUnavailable
+from ftrs.server.liveness import HEARTBEAT_S, SilenceWatch, classify_engine_exit, report_hang
 
 logger = logging.getLogger(__name__)
 
@@ -70,17 +67,6 @@ Classifier = Callable[[int | None, dict[str, Any] | None], FtrsError]
 StreamItem = TokenEvent | FtrsError
 
 DEFAULT_BACKEND = "ftrs.server.backend"
-
-
-def classify_engine_exit(exit_code: int | None, last_error: dict[str, Any] | None) -> FtrsError:
-    """Default classifier: the engine's own report if it sent one, else the exit-code table."""
-    if last_error is not None:
-        return error_from_dict(last_error)
-    evidence = {"exit_code": exit_code}
-    for cls in (DeviceLost, KernelFault, EngineHang):
-        if exit_code == cls.exit_code:
-            return cls(f"engine process exited with code {exit_code} ({cls.__name__})", evidence=evidence)
-    return EngineUnavailable(f"engine process exited with code {exit_code}", evidence=evidence)
 
 
 class EngineClient:
@@ -336,10 +322,19 @@ class EngineClient:
             self._loop.call_soon_threadsafe(fn, *args)
 
     def _read_loop(self, gen: int, inbox: Any, proc: Any) -> None:
-        """Reader thread: everything the engine sends goes to the loop, in order."""
+        """Reader thread: everything the engine sends but heartbeats goes to the loop, in order."""
         last_error: dict[str, Any] | None = None
+        silence = SilenceWatch(self.config.hang_timeout)
         while True:
             try:
+                if not inbox.poll(HEARTBEAT_S):
+                    watching = self.state == "ready" and gen == self._generation
+                    hang = silence.check(proc.pid, watching, (self.device or {}).get("bdf"))
+                    if hang is not None:  # frozen whole: fail it, then kill it (its EOF follows)
+                        report_hang(ftrs_home(), hang)
+                        self._call(self._fail, hang)
+                        proc.kill()  # a stopped process dies of SIGKILL too
+                    continue
                 msg = inbox.recv()
             except (EOFError, OSError):
                 break
@@ -348,6 +343,9 @@ class EngineClient:
                 # either way the pipe is done, and a traceback is noise
                 logger.debug("engine message unreadable: %r", exc)
                 break
+            silence.heard()
+            if isinstance(msg, Heartbeat):
+                continue
             if isinstance(msg, EngineFailed):
                 last_error = msg.error
             self._call(self._on_message, msg, gen)

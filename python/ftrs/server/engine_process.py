@@ -3,7 +3,9 @@
 Messages on the pipes, all picklable:
   API -> engine: `GenerateRequest`, `AbortRequest`, `Shutdown`
   engine -> API: `EngineProgress`*, then `EngineReady` or `EngineFailed`; then one `StepOutput`
-                 per step; `EngineFailed` before exiting on a fatal error.
+                 per step, and a `Heartbeat` every second from a thread of its own
+                 (`server.liveness`: the API side's watch on a frozen engine); `EngineFailed`
+                 before exiting on a fatal error. The outbox is locked: no two messages interleave.
 
 Invariants: the loop blocks on the pipe only when the engine has no work; every step's events
 and stats go out in one message, so the API side sees a request's tokens in step order. A
@@ -47,6 +49,7 @@ from typing import Any, NamedTuple, Protocol
 from ftrs.config import EngineConfig
 from ftrs.engine.protocol import AbortRequest, GenerateRequest, StepStats, TokenEvent
 from ftrs.errors import DeviceError, EngineStepError, FtrsError, ModelLoadError
+from ftrs.server.liveness import LockedOutbox, Outbox, start_heartbeat
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +121,11 @@ class EngineFailed:
     error: dict[str, Any]
     exit_code: int
     during: str  # "load" | "step"
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """The engine process is alive (sent every `liveness.HEARTBEAT_S` once it is ready)."""
 
 
 @dataclass(slots=True)
@@ -198,14 +206,15 @@ def engine_main(
     logging.basicConfig(level=log_level, format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
     bars_without_semaphore()
     code = 0
+    locked = LockedOutbox(outbox)  # the step loop, `on_fatal` and the heartbeat all send
     try:
-        code = _run(config, backend, inbox, outbox)
+        code = _run(config, backend, inbox, locked)
     finally:
-        outbox.close()
+        locked.close()
         _exit(code)
 
 
-def _run(config: EngineConfig, backend: str, inbox: Connection, outbox: Connection) -> int:
+def _run(config: EngineConfig, backend: str, inbox: Connection, outbox: Outbox) -> int:
     try:
         outbox.send(EngineProgress(f"loading {config.model}"))
         loaded: LoadedEngine = load_backend(backend).load(config)
@@ -226,6 +235,7 @@ def _run(config: EngineConfig, backend: str, inbox: Connection, outbox: Connecti
             experts=_expert_stats(engine),
         )
     )
+    heartbeat = start_heartbeat(outbox.send, Heartbeat())
     supervisor = _supervise(config, engine, outbox)
     try:
         step = engine.step if supervisor is None else supervisor.step
@@ -239,6 +249,7 @@ def _run(config: EngineConfig, backend: str, inbox: Connection, outbox: Connecti
             pass
         return err.exit_code
     finally:
+        heartbeat.set()
         if supervisor is not None:
             supervisor.close()
         close = getattr(engine, "close", None)
@@ -249,7 +260,7 @@ def _run(config: EngineConfig, backend: str, inbox: Connection, outbox: Connecti
                 logger.warning("engine close failed: %s", exc)
 
 
-def _supervise(config: EngineConfig, engine: Engine, outbox: Connection) -> Any:
+def _supervise(config: EngineConfig, engine: Engine, outbox: Outbox) -> Any:
     """The device supervisor (flight recorder, monitor, watchdog, fault injection); None for
     engines that are not EngineCore-like (the tests' fake backend) unless a fault is injected."""
     if not hasattr(engine, "transfer_engine") and config.fault_inject is None:
@@ -339,7 +350,7 @@ class StepRunner:
         return events
 
 
-def _loop(engine: Engine, inbox: Connection, outbox: Connection, runner: StepRunner) -> int:
+def _loop(engine: Engine, inbox: Connection, outbox: Outbox, runner: StepRunner) -> int:
     while True:
         if not engine.has_work():
             try:
@@ -372,6 +383,7 @@ __all__ = [
     "EngineFailed",
     "EngineProgress",
     "EngineReady",
+    "Heartbeat",
     "LoadedEngine",
     "Shutdown",
     "StepOutput",
