@@ -345,8 +345,12 @@ def stoppable_server(config: Any, client: EngineClient) -> Any:
             try:
                 yield
             finally:
-                for sig, handler in handlers.items():
-                    signal.signal(sig, handler)
+                signal.signal(signal.SIGINT, handlers[signal.SIGINT])
+                # the teardown after serve() ends in the exit code already decided: a SIGTERM
+                # now (a service manager stopping a failing unit) must not make 86-89 a 143.
+                # Ignored, not handled: the interpreter's exit resets a handler to the default
+                # (killed by the signal) but keeps SIG_IGN; SIGKILL still ends a stuck exit
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             super().handle_exit(sig, frame)  # a second SIGINT forces the exit
